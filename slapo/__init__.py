@@ -1,7 +1,34 @@
-"""Slapo: a schedule language for progressive optimization of deep-learning model training."""
+"""Slapo: a schedule language for progressive optimization of deep-learning model training.
 
+The model definition stays untouched; a schedule (`create_schedule`) describes how it runs.
+"""
+
+from .consolidate import consolidate
+from .distributed.rng import get_rng_tracker, set_random_seed
 from .errors import SchedulingError, SlapoError, TraceError, VerificationError
+from .init import init_empty_weights
+from .primitives import Primitive, list_primitives, register_primitive
+from .runtime import build
+from .schedule import Schedule, create_schedule
+from .verify import Verify
 
 __version__ = "0.1.0"
 
-__all__ = ["SchedulingError", "SlapoError", "TraceError", "VerificationError", "__version__"]
+__all__ = [
+    "Primitive",
+    "Verify",
+    "build",
+    "consolidate",
+    "init_empty_weights",
+    "Schedule",
+    "SchedulingError",
+    "SlapoError",
+    "TraceError",
+    "VerificationError",
+    "__version__",
+    "create_schedule",
+    "get_rng_tracker",
+    "list_primitives",
+    "register_primitive",
+    "set_random_seed",
+]

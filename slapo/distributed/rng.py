@@ -1,0 +1,98 @@
+"""Named RNG streams that work on CPU and CUDA (a device-agnostic Megatron RNG tracker).
+
+Dropout inside a tensor-parallel region must draw *different* masks on each rank (each rank holds
+different heads), while dropout outside must draw the *same* mask. `fork_rng` runs a module inside
+the "tensor-parallel" stream, seeded per rank, and leaves the default stream untouched.
+
+Checkpointed regions snapshot the tracker so the recomputation draws the same masks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+
+import torch
+
+TP_STREAM = "tensor-parallel"
+_TP_SEED_OFFSET = 2718
+
+
+class RNGStatesTracker:
+    """Holds one (cpu, cuda) generator state per named stream."""
+
+    def __init__(self) -> None:
+        self._states: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = {}
+
+    def reset(self) -> None:
+        self._states.clear()
+
+    def has(self, name: str) -> bool:
+        return name in self._states
+
+    def add(self, name: str, seed: int) -> None:
+        cpu = torch.get_rng_state()
+        cuda = torch.cuda.get_rng_state() if torch.cuda.is_available() else None
+        torch.manual_seed(seed)
+        self._states[name] = (
+            torch.get_rng_state(),
+            torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
+        )
+        torch.set_rng_state(cpu)
+        if cuda is not None:
+            torch.cuda.set_rng_state(cuda)
+
+    def get_states(self) -> dict:
+        return {k: (c.clone(), None if g is None else g.clone()) for k, (c, g) in self._states.items()}
+
+    def set_states(self, states: dict) -> None:
+        self._states = {k: (c.clone(), None if g is None else g.clone()) for k, (c, g) in states.items()}
+
+    @contextlib.contextmanager
+    def fork(self, name: str = TP_STREAM):
+        if name not in self._states:
+            raise KeyError(name)
+        cpu = torch.get_rng_state()
+        cuda = torch.cuda.get_rng_state() if torch.cuda.is_available() else None
+        s_cpu, s_cuda = self._states[name]
+        torch.set_rng_state(s_cpu)
+        if s_cuda is not None:
+            torch.cuda.set_rng_state(s_cuda)
+        try:
+            yield
+        finally:
+            self._states[name] = (
+                torch.get_rng_state(),
+                torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
+            )
+            torch.set_rng_state(cpu)
+            if cuda is not None:
+                torch.cuda.set_rng_state(cuda)
+
+
+_TRACKER = RNGStatesTracker()
+
+
+def get_rng_tracker() -> RNGStatesTracker:
+    return _TRACKER
+
+
+def set_random_seed(seed: int = 2013, *, tp_rank: int | None = None, dp_rank: int = 0,
+                    pp_rank: int = 0) -> None:
+    """Seed python, numpy and torch, and the per-rank tensor-parallel stream.
+
+    The default stream is the same on all tensor-parallel ranks of a data-parallel replica
+    (offset by dp/pp rank, as Megatron does); the tensor-parallel stream differs per `tp_rank`.
+    """
+    base = seed + 100 * pp_rank + 10 * dp_rank
+    random.seed(base)
+    try:
+        import numpy as np
+
+        np.random.seed(base % (2**32))
+    except ImportError:  # pragma: no cover
+        pass
+    torch.manual_seed(base)
+    _TRACKER.reset()
+    if tp_rank is not None:
+        _TRACKER.add(TP_STREAM, base + _TP_SEED_OFFSET + tp_rank)

@@ -1,0 +1,60 @@
+"""Primitive base class and registry.
+
+A primitive is a class with `validate` (raise `SchedulingError`, mutate nothing) and `apply`
+(mutate the module/schedule). `run` calls them in that order and records the call in the node's
+history, so a failed primitive leaves the model and the schedule exactly as they were.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+_REGISTRY: dict[str, type[Primitive]] = {}
+
+
+class Primitive:
+    """Base class. Subclasses set `name` and implement `validate` and `apply`."""
+
+    name: str = ""
+
+    @classmethod
+    def validate(cls, sch, *args, **kwargs) -> None:
+        """Raise `SchedulingError` if the call cannot be applied; must not mutate anything."""
+
+    @classmethod
+    def apply(cls, sch, *args, **kwargs) -> Any:
+        raise NotImplementedError
+
+    @classmethod
+    def run(cls, sch, *args, **kwargs) -> Any:
+        cls.validate(sch, *args, **kwargs)
+        out = cls.apply(sch, *args, **kwargs)
+        if cls.record(sch, *args, **kwargs):
+            sch._record(cls.name, args, kwargs)
+        return out
+
+    @classmethod
+    def record(cls, sch, *args, **kwargs) -> bool:
+        """Whether to add this call to the node's history (graph-only queries return False)."""
+        return True
+
+
+def register_primitive(cls: type[Primitive] | None = None):
+    """Class decorator adding a primitive to every schedule node (`sch.<name>(...)`)."""
+
+    def deco(c: type[Primitive]) -> type[Primitive]:
+        if not c.name:
+            raise ValueError(f"{c.__name__} must set a non-empty `name`.")
+        _REGISTRY[c.name] = c
+        return c
+
+    return deco(cls) if cls is not None else deco
+
+
+def get_primitive(name: str) -> type[Primitive] | None:
+    return _REGISTRY.get(name)
+
+
+def list_primitives() -> list[str]:
+    """Names of every registered primitive, in registration order."""
+    return list(_REGISTRY)

@@ -1,0 +1,123 @@
+"""`replace`: swap a module for another module or a function of the same signature."""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+
+import torch.nn as nn
+
+from ..errors import SchedulingError
+from .base import Primitive, register_primitive
+
+# The compute-primitives layer registers a handler for `target_ops=` (subgraph replacement).
+GRAPH_HANDLERS: dict[str, Callable] = {}
+
+
+class FunctionModule(nn.Module):
+    """Runs a plain function in place of a module (so hooks and the schedule still apply)."""
+
+    def __init__(self, fn: Callable):
+        super().__init__()
+        self.fn = fn
+        self.__doc__ = getattr(fn, "__doc__", None)
+
+    def forward(self, *args, **kwargs):
+        return self.fn(*args, **kwargs)
+
+    def extra_repr(self) -> str:
+        return getattr(self.fn, "__qualname__", repr(self.fn))
+
+
+def _forward_params(obj) -> list[inspect.Parameter] | None:
+    try:
+        sig = inspect.signature(obj.forward if isinstance(obj, nn.Module) else obj)
+    except (TypeError, ValueError):
+        return None
+    return list(sig.parameters.values())
+
+
+def _signature_problem(old: nn.Module, fn: Callable) -> str | None:
+    old_params, new_params = _forward_params(old), _forward_params(fn)
+    if old_params is None or new_params is None:
+        return None
+    kinds = {p.kind for p in new_params}
+    var_pos = inspect.Parameter.VAR_POSITIONAL in kinds
+    var_kw = inspect.Parameter.VAR_KEYWORD in kinds
+    new_names = {p.name for p in new_params}
+    required_new = [p.name for p in new_params if p.default is p.empty and p.kind in
+                    (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    old_names = [p.name for p in old_params if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    missing = [n for n in old_names if n not in new_names and not (var_kw or var_pos)]
+    if missing:
+        return f"the function does not accept the module's argument(s) {missing}."
+    extra = [n for n in required_new if n not in old_names]
+    if extra:
+        return f"the function requires argument(s) {extra} the module's forward does not take."
+    return None
+
+
+@register_primitive
+class ReplacePrimitive(Primitive):
+    """Replace this module by `new_mod_or_fn` (an nn.Module, or a function with the same
+    signature as the module's forward), keeping its place and name in the parent.
+
+    Forward/backward hooks (e.g. from `sync`) move to the new module, and the schedule node and
+    its path stay valid; the node's children are rebuilt from the new module. With
+    `target_ops=` (a subgraph from `find`), only those ops of a traced module are replaced.
+    """
+
+    name = "replace"
+
+    @classmethod
+    def validate(cls, sch, new_mod_or_fn=None, target_ops=None, **kwargs):
+        if target_ops is not None:
+            if "replace" not in GRAPH_HANDLERS:
+                raise SchedulingError(sch.path, "subgraph replacement (target_ops=) needs the "
+                                      "compute primitives, which are not available.",
+                                      "replace the whole module instead.")
+            return
+        if kwargs:
+            raise SchedulingError(sch.path, f"unexpected arguments {sorted(kwargs)} for a "
+                                  "whole-module replace.", "pass only the new module.")
+        if new_mod_or_fn is None or not (isinstance(new_mod_or_fn, nn.Module) or
+                                         callable(new_mod_or_fn)):
+            raise SchedulingError(sch.path, f"cannot replace with {new_mod_or_fn!r}.",
+                                  "pass an nn.Module or a function.")
+        if new_mod_or_fn is sch.mod:
+            raise SchedulingError(sch.path, "the new module is the current module.",
+                                  "pass a different module.")
+        if not isinstance(new_mod_or_fn, nn.Module):
+            problem = _signature_problem(sch.mod, new_mod_or_fn)
+            if problem:
+                raise SchedulingError(sch.path, problem, "give the function the same "
+                                      "parameters as the module's forward.")
+
+    @classmethod
+    def apply(cls, sch, new_mod_or_fn=None, target_ops=None, **kwargs):
+        if target_ops is not None:
+            return GRAPH_HANDLERS["replace"](sch, new_mod_or_fn, target_ops, **kwargs)
+        new = new_mod_or_fn
+        if not isinstance(new, nn.Module):
+            new = FunctionModule(new)
+        old = sch.mod
+        _move_hooks(old, new)
+        new.train(old.training)
+        if sch.parent is None:
+            sch._root.model = new
+        else:
+            sch.parent.mod._modules[sch.name] = new
+        sch.metadata.clear()
+        sch._build_children()
+        return new
+
+
+def _move_hooks(old: nn.Module, new: nn.Module) -> None:
+    for attr in ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks",
+                 "_forward_hooks_with_kwargs", "_forward_hooks_always_called",
+                 "_backward_hooks", "_backward_pre_hooks"):
+        src, dst = getattr(old, attr, None), getattr(new, attr, None)
+        if src and dst is not None:
+            dst.update(src)
+    if getattr(old, "_is_full_backward_hook", None) is not None:
+        new._is_full_backward_hook = old._is_full_backward_hook

@@ -1,0 +1,164 @@
+"""`sync`: insert a collective before/after a module, with a correct backward."""
+
+from __future__ import annotations
+
+import inspect
+from functools import partial
+
+from .. import module_patch, sharding
+from ..distributed import collectives as C
+from ..errors import SchedulingError
+from ._util import map_first_input, map_first_output
+from .base import Primitive, register_primitive
+
+MODES = ("fwd_pre", "fwd_post", "bwd_post")
+OPS = ("all_reduce", "all_gather", "reduce_scatter", "scatter")
+
+
+@register_primitive
+class SyncPrimitive(Primitive):
+    """Synchronise this module's input or output across the tensor-parallel group.
+
+    mode:
+    - "fwd_post": on the forward output (its first tensor, for tuple/ModelOutput outputs);
+    - "fwd_pre": on the forward input (the first tensor argument, or `arg=` name/index);
+    - "bwd_post": on the gradient of the input, after backward ("all_reduce" or a callable full
+      backward hook `fn(module, grad_input, grad_output)`).
+
+    sync_op_or_fn: "all_reduce", "all_gather", "reduce_scatter", "scatter" (the last three need
+    `axis=`; for a column-parallel output all_gather defaults to the last axis), or a callable
+    registered as the corresponding torch hook.
+
+    Each collective is an autograd function with the matching backward (all-reduce <-> identity,
+    all-gather <-> reduce-scatter or split, reduce-scatter <-> all-gather). For all_gather,
+    `tensor_parallel_output_grad` says whether the gathered tensor's gradient is partial per rank
+    (reduce-scatter it: the default for "fwd_pre", i.e. sequence parallel) or the same on every
+    rank (keep the local slice: the default for "fwd_post").
+
+    On a row-parallel Linear/Conv1D with a bias, "fwd_post" "all_reduce" reduces *before* adding
+    the bias, so the bias is added once, not once per rank.
+    """
+
+    name = "sync"
+
+    @classmethod
+    def validate(cls, sch, mode: str, sync_op_or_fn="all_reduce", **kwargs):
+        if mode not in MODES:
+            raise SchedulingError(sch.path, f"unknown sync mode {mode!r}.",
+                                  f"use one of {', '.join(MODES)}.")
+        allowed = {"axis", "tensor_parallel_output_grad", "arg"}
+        bad = set(kwargs) - allowed
+        if bad:
+            raise SchedulingError(sch.path, f"unexpected sync arguments {sorted(bad)}.",
+                                  f"allowed: {sorted(allowed)}.")
+        op = sync_op_or_fn
+        if callable(op):
+            return
+        if op not in OPS:
+            raise SchedulingError(sch.path, f"unknown sync op {op!r}.",
+                                  f"use one of {', '.join(OPS)} or a callable hook.")
+        if mode == "bwd_post" and op != "all_reduce":
+            raise SchedulingError(sch.path, f"bwd_post supports only 'all_reduce', not {op!r}.",
+                                  "use 'all_reduce' or pass a backward-hook function.")
+        done = sch.metadata.get("syncs", [])
+        if (mode, op) in done:
+            raise SchedulingError(sch.path, f"sync({mode!r}, {op!r}) was already applied to this "
+                                  "module; applying it twice would reduce/gather twice.",
+                                  "remove the second call.")
+        axis = kwargs.get("axis")
+        if axis is not None and not isinstance(axis, int):
+            raise SchedulingError(sch.path, f"axis must be an int, got {axis!r}.", "pass axis=-1.")
+        if mode != "fwd_post":
+            if op in ("all_gather", "reduce_scatter", "scatter") and axis is None:
+                raise SchedulingError(sch.path, f"{op!r} on the {mode} input needs an axis.",
+                                      "pass axis= (e.g. axis=1 for the sequence dimension).")
+            return
+        layout = sch.metadata.get("output_layout")
+        known = sharding.has_known_layout(sch.mod)
+        kind = layout[0] if layout else None
+        if op == "all_reduce":
+            if kind == sharding.PARTITION:
+                raise SchedulingError(sch.path, "all_reduce of a partitioned (column-parallel) "
+                                      "output would add different slices together.",
+                                      "use sync_op_or_fn='all_gather' (or no sync: feed a "
+                                      "row-parallel layer).")
+            if known and kind is None:
+                raise SchedulingError(sch.path, "all_reduce of an unsharded module's output "
+                                      "would multiply it by the world size (sync before shard?).",
+                                      "shard the weight along its input axis first.")
+        if op in ("all_gather", "reduce_scatter", "scatter"):
+            if op == "all_gather" and kind == sharding.PARTIAL:
+                raise SchedulingError(sch.path, "all_gather of a partial-sum (row-parallel) "
+                                      "output would concatenate partial sums.",
+                                      "use sync_op_or_fn='all_reduce' or 'reduce_scatter'.")
+            if op == "all_gather" and known and kind is None:
+                raise SchedulingError(sch.path, "all_gather of an unsharded module's output "
+                                      "would repeat it world-size times (sync before shard?).",
+                                      "shard the weight along its output axis first.")
+            if op == "reduce_scatter" and kind == sharding.PARTITION:
+                raise SchedulingError(sch.path, "reduce_scatter of a partitioned output would "
+                                      "add different slices together.", "use 'all_gather'.")
+            if axis is None and not (op == "all_gather" and kind == sharding.PARTITION):
+                raise SchedulingError(sch.path, f"{op!r} needs an axis.", "pass axis=.")
+            if op == "all_gather" and kind == sharding.PARTITION and axis is not None \
+                    and axis != layout[1] and axis != -1:
+                raise SchedulingError(sch.path, f"the output is partitioned along the last axis, "
+                                      f"but all_gather was asked along axis {axis}.",
+                                      "pass axis=-1 (or omit it).")
+
+    @classmethod
+    def apply(cls, sch, mode: str, sync_op_or_fn="all_reduce", **kwargs):
+        mod, group = sch.mod, sch.group
+        op = sync_op_or_fn
+        if callable(op):
+            _register_callable(mod, mode, op)
+            return
+        axis = kwargs.get("axis")
+        arg = kwargs.get("arg")
+        tpog = kwargs.get("tensor_parallel_output_grad")
+        layout = sch.metadata.get("output_layout")
+        if mode == "fwd_post" and op == "all_gather" and axis is None:
+            axis = layout[1]
+        if mode == "bwd_post":
+            fn = partial(C.reduce_backward, group=group)
+        elif op == "all_reduce":
+            fn = partial(C.reduce_forward, group=group)
+        elif op == "all_gather":
+            partial_grad = (mode == "fwd_pre") if tpog is None else bool(tpog)
+            fn = partial(C.all_gather, dim=axis, group=group, partial_grad=partial_grad)
+        elif op == "reduce_scatter":
+            fn = partial(C.reduce_scatter, dim=axis, group=group)
+        else:
+            fn = partial(C.scatter, dim=axis, group=group)
+
+        if mode == "fwd_post":
+            kernel = sharding.rule_for(mod).reduce_kernel(mod, group) if op == "all_reduce" \
+                and layout and layout[0] == sharding.PARTIAL else None
+            if kernel is not None:  # reduce inside the kernel, before the bias
+                module_patch.set_kernel(mod, kernel)
+            else:
+                mod.register_forward_hook(lambda m, a, out, f=fn: map_first_output(out, f))
+            if op in ("all_reduce", "all_gather"):
+                sch.metadata["output_layout"] = ("replicated", None)
+            elif op == "reduce_scatter":
+                sch.metadata["output_layout"] = (sharding.PARTITION, axis)
+        else:
+            mod.register_forward_pre_hook(
+                lambda m, a, kw, f=fn: map_first_input(a, kw, f, arg), with_kwargs=True)
+        sch.metadata.setdefault("syncs", []).append((mode, op))
+
+
+def _n_params(fn) -> int:
+    try:
+        return len(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        return -1
+
+
+def _register_callable(mod, mode: str, fn) -> None:
+    if mode == "fwd_pre":
+        mod.register_forward_pre_hook(fn, with_kwargs=_n_params(fn) == 3)
+    elif mode == "fwd_post":
+        mod.register_forward_hook(fn, with_kwargs=_n_params(fn) == 4)
+    else:
+        mod.register_full_backward_hook(fn)

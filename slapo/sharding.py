@@ -1,0 +1,234 @@
+"""How sharding a parameter changes a module: layouts, attribute coherence, kernels, gathering.
+
+We keep *local shards with explicit autograd collectives* (Megatron style) rather than DTensor
+parameters: no per-op dispatch cost, and HF modules that reshape with `-1` keep working. Every
+sharded tensor carries a `ShardSpec` (original shape, axis, blocks, group), so it can be gathered
+(`gather_full`), consolidated into the original state dict, or viewed as a DTensor later.
+
+A module type has a `ShardRule` that knows, for its parameter layout:
+- the *output layout* after sharding a parameter along an axis: ("partition", dim) when each rank
+  computes a slice of the output, ("partial", None) when each rank computes a partial sum;
+- how to keep attributes such as `out_features` coherent;
+- whether a kernel is needed (a vocab-parallel embedding must mask foreign token ids).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from . import module_patch
+from .distributed import collectives
+from .distributed import group as _g
+
+PARTITION = "partition"
+PARTIAL = "partial"
+
+
+@dataclass(frozen=True)
+class ShardSpec:
+    """What `shard` did to one tensor; stored on it as `tensor._slapo_shard`."""
+
+    orig_shape: tuple[int, ...]
+    axis: int
+    world_size: int
+    rank: int
+    blocks: int = 1
+    group: object = field(default=None, compare=False, repr=False)
+
+    def __deepcopy__(self, memo):
+        return self
+
+
+def shard_spec(t: torch.Tensor) -> ShardSpec | None:
+    return getattr(t, "_slapo_shard", None)
+
+
+def local_slice(t: torch.Tensor, axis: int, world_size: int, rank: int, blocks: int = 1):
+    """This rank's slice: with `blocks` > 1 the axis holds `blocks` equal parts (e.g. fused q|k|v),
+    each sharded separately, and the local pieces are concatenated in block order."""
+    if blocks == 1:
+        return t.chunk(world_size, dim=axis)[rank]
+    pieces = [b.chunk(world_size, dim=axis)[rank] for b in t.chunk(blocks, dim=axis)]
+    return torch.cat(pieces, dim=axis)
+
+
+def assemble(pieces: list[torch.Tensor], axis: int, blocks: int = 1) -> torch.Tensor:
+    """Inverse of `local_slice` given every rank's piece in rank order."""
+    if blocks == 1:
+        return torch.cat(pieces, dim=axis)
+    split = [p.chunk(blocks, dim=axis) for p in pieces]
+    return torch.cat([split[r][b] for b in range(blocks) for r in range(len(pieces))], dim=axis)
+
+
+def gather_full(t: torch.Tensor, spec: ShardSpec | None = None) -> torch.Tensor:
+    """The full (unsharded) value of a possibly sharded tensor; a collective on its group.
+
+    `spec` defaults to the tensor's own; pass a parameter's spec to gather its gradient."""
+    spec = spec if spec is not None else shard_spec(t)
+    if spec is None or spec.world_size == 1:
+        return t.detach()
+    import torch.distributed as dist
+
+    pieces = [torch.empty_like(t) for _ in range(spec.world_size)]
+    dist.all_gather(pieces, t.detach().contiguous(), group=spec.group)
+    return assemble(pieces, spec.axis, spec.blocks)
+
+
+# ---------------------------------------------------------------------------------------------
+# Kernels installed by shard/sync/decompose
+# ---------------------------------------------------------------------------------------------
+
+
+class LinearKernel(module_patch.Kernel):
+    """y = x W^T, [all-reduce], + b — the bias is added once, after any reduction."""
+
+    name = "linear"
+
+    def __init__(self, reduce_group=None, reduce: bool = False):
+        self.reduce, self.group = reduce, reduce_group
+
+    def __call__(self, mod, x):
+        y = F.linear(x, mod.weight)
+        if self.reduce:
+            y = collectives.reduce_forward(y, self.group)
+        return y if mod.bias is None else y + mod.bias
+
+
+class Conv1DKernel(module_patch.Kernel):
+    """HF Conv1D (weight laid out (in, out)) with the bias added after any reduction."""
+
+    name = "conv1d"
+
+    def __init__(self, reduce_group=None, reduce: bool = False):
+        self.reduce, self.group = reduce, reduce_group
+
+    def __call__(self, mod, x):
+        y = torch.matmul(x, mod.weight)
+        if self.reduce:
+            y = collectives.reduce_forward(y, self.group)
+        return y if mod.bias is None else y + mod.bias
+
+
+class VocabParallelEmbeddingKernel(module_patch.Kernel):
+    """Embedding whose rows (vocabulary) are sharded: foreign ids give zero rows, then an
+    (optional) all-reduce sums the partial lookups into the full embedding."""
+
+    name = "vocab_parallel_embedding"
+
+    def __init__(self, start: int, group=None, reduce: bool = False):
+        self.start, self.group, self.reduce = start, group, reduce
+
+    def __call__(self, mod, ids):
+        n = mod.weight.shape[0]
+        foreign = (ids < self.start) | (ids >= self.start + n)
+        local = (ids - self.start).masked_fill(foreign, 0)
+        pad = mod.padding_idx
+        pad = pad - self.start if pad is not None and self.start <= pad < self.start + n else None
+        y = F.embedding(local, mod.weight, pad)
+        y = y.masked_fill(foreign.unsqueeze(-1), 0.0)
+        if self.reduce:
+            y = collectives.reduce_forward(y, self.group)
+        return y
+
+
+# ---------------------------------------------------------------------------------------------
+# Per-type rules
+# ---------------------------------------------------------------------------------------------
+
+
+class ShardRule:
+    """Default: no attribute updates, output layout unknown."""
+
+    def output_layout(self, mod: nn.Module, name: str, axis: int):
+        return None
+
+    def validate(self, mod: nn.Module, name: str, axis: int) -> str | None:
+        """Return a problem description if this shard cannot work on this module type."""
+        return None
+
+    def postproc(self, mod: nn.Module, name: str, axis: int, spec: ShardSpec) -> None:
+        pass
+
+    def reduce_kernel(self, mod: nn.Module, group):
+        """Kernel that performs a forward all-reduce *before* the bias (None: use a hook)."""
+        return None
+
+
+class LinearRule(ShardRule):
+    def output_layout(self, mod, name, axis):
+        if name != "weight":
+            return None
+        return (PARTITION, -1) if axis == 0 else (PARTIAL, None)
+
+    def postproc(self, mod, name, axis, spec):
+        if name == "weight":
+            mod.out_features, mod.in_features = mod.weight.shape
+
+    def reduce_kernel(self, mod, group):
+        return LinearKernel(group, reduce=True) if mod.bias is not None else None
+
+
+class Conv1DRule(ShardRule):
+    """HF GPT-2 Conv1D: weight (in, out), so axis 1 is column parallel and axis 0 row parallel."""
+
+    def output_layout(self, mod, name, axis):
+        if name != "weight":
+            return None
+        return (PARTITION, -1) if axis == 1 else (PARTIAL, None)
+
+    def postproc(self, mod, name, axis, spec):
+        if name == "weight":
+            mod.nx, mod.nf = mod.weight.shape
+
+    def reduce_kernel(self, mod, group):
+        return Conv1DKernel(group, reduce=True) if mod.bias is not None else None
+
+
+class EmbeddingRule(ShardRule):
+    def output_layout(self, mod, name, axis):
+        return (PARTIAL, None) if axis == 0 else (PARTITION, -1)
+
+    def validate(self, mod, name, axis):
+        if axis == 0 and mod.max_norm is not None:
+            return "a vocabulary-sharded embedding cannot use max_norm (it renormalises rows)."
+        return None
+
+    def postproc(self, mod, name, axis, spec):
+        mod.num_embeddings, mod.embedding_dim = mod.weight.shape
+        if axis == 0:
+            start = spec.rank * mod.num_embeddings
+            module_patch.set_kernel(mod, VocabParallelEmbeddingKernel(start, spec.group))
+
+    def reduce_kernel(self, mod, group):
+        k = module_patch.kernel(mod)
+        if isinstance(k, VocabParallelEmbeddingKernel):
+            return VocabParallelEmbeddingKernel(k.start, group, reduce=True)
+        return None
+
+
+def _is_hf_conv1d(mod: nn.Module) -> bool:
+    cls = module_patch.original_class(mod)
+    return cls.__name__ == "Conv1D" and hasattr(mod, "nf") and hasattr(mod, "nx")
+
+
+def rule_for(mod: nn.Module) -> ShardRule:
+    cls = module_patch.original_class(mod)
+    if issubclass(cls, nn.Linear):
+        return LinearRule()
+    if issubclass(cls, nn.Embedding):
+        return EmbeddingRule()
+    if _is_hf_conv1d(mod):
+        return Conv1DRule()
+    return ShardRule()
+
+
+def has_known_layout(mod: nn.Module) -> bool:
+    return type(rule_for(mod)) is not ShardRule
+
+
+def world(group) -> tuple[int, int]:
+    return _g.world_size(group), _g.rank(group)

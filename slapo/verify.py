@@ -1,0 +1,224 @@
+"""`Verify`: prove that a scheduled model computes what the original computed.
+
+    with slapo.Verify(sch, example_inputs=[ids], loss_fn=lambda out: out[0].float().pow(2).mean()):
+        ... primitives ...
+
+On entry it checks that every rank of the group holds the same parameters and the same inputs
+(tensor parallelism silently breaks otherwise), and deep-copies the model. On exit it runs both
+models on the inputs and compares
+
+1. every output tensor,
+2. (with `loss_fn`) every parameter gradient, gathering shards across ranks,
+3. every parameter after one optimizer step (SGD unless `optimizer` is given),
+
+and that every original parameter is still present (sharded or replicated). The scheduled model
+is left exactly as it was (parameters restored, gradients cleared). A mismatch raises
+`VerificationError` naming the output or parameter and the error.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from . import sharding
+from .distributed import group as _g
+from .distributed.rng import get_rng_tracker
+from .errors import VerificationError
+from .schedule import Schedule
+
+
+def _flatten(out: Any, prefix: str = "output") -> list[tuple[str, torch.Tensor]]:
+    if isinstance(out, torch.Tensor):
+        return [(prefix, out)]
+    if isinstance(out, dict):
+        items = []
+        for k, v in out.items():
+            items += _flatten(v, f"{prefix}.{k}")
+        return items
+    if isinstance(out, (tuple, list)):
+        items = []
+        for i, v in enumerate(out):
+            items += _flatten(v, f"{prefix}[{i}]")
+        return items
+    return []
+
+
+def _call(loss_fn: Callable, out, inputs, kwargs):
+    try:
+        n = len(inspect.signature(loss_fn).parameters)
+    except (TypeError, ValueError):
+        n = 1
+    return loss_fn(out) if n == 1 else loss_fn(out, (inputs, kwargs))
+
+
+_EPS = 1e-6  # relative roundoff floor (fp32 eps ~1.2e-7, times accumulation depth)
+
+
+class Verify:
+    """Context manager checking outputs, gradients and one optimizer step (see module doc)."""
+
+    def __init__(self, sch: Schedule, example_inputs: Sequence[Any] = (), loss_fn=None, *,
+                 example_kwargs: dict | None = None, rtol: float = 1e-5, atol: float | None = None,
+                 optimizer: Callable | None = None, eval_mode: bool = True, seed: int = 2023,
+                 enable: bool = True):
+        self.sch = sch
+        self.inputs = tuple(example_inputs)
+        self.kwargs = dict(example_kwargs or {})
+        self.loss_fn = loss_fn
+        self.rtol, self.atol = rtol, atol
+        self.optimizer = optimizer or (lambda ps: torch.optim.SGD(ps, lr=0.1))
+        self.eval_mode, self.seed, self.enable = eval_mode, seed, enable
+        self.report: dict[str, float] = {}
+        self.reference: nn.Module | None = None
+
+    # ---------------------------------------------------------------------------------------
+    def __enter__(self) -> Verify:
+        if not self.enable:
+            return self
+        model = self.sch.mod
+        if any(t.device.type == "meta" for t in model.parameters()):
+            raise VerificationError("Verify needs materialised weights, but the model is on the "
+                                    "meta device; verify a materialised copy of the model.")
+        self._check_same_across_ranks()
+        self.reference = copy.deepcopy(model)
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        if exc_type is not None or not self.enable:
+            return False
+        self.check()
+        return False
+
+    # ---------------------------------------------------------------------------------------
+    def _group(self):
+        return self.sch.group
+
+    def _check_same_across_ranks(self) -> None:
+        group = self._group()
+        if _g.world_size(group) == 1:
+            return
+        named = [(f"input[{i}]", x) for i, x in enumerate(self.inputs)
+                 if isinstance(x, torch.Tensor)]
+        named += [(f"input {k!r}", v) for k, v in self.kwargs.items()
+                  if isinstance(v, torch.Tensor)]
+        n_inputs = len(named)
+        named += [(f"parameter {n!r}", p) for n, p in self.sch.mod.named_parameters()]
+        sums = torch.tensor([[x.detach().double().sum().item(), x.detach().double().abs().sum()
+                              .item()] for _, x in named], dtype=torch.float64)
+        gathered = [torch.empty_like(sums) for _ in range(_g.world_size(group))]
+        dist.all_gather(gathered, sums, group=group)
+        for i, (name, _) in enumerate(named):
+            vals = torch.stack([g[i] for g in gathered])
+            if not torch.allclose(vals, vals[0].expand_as(vals), rtol=1e-12, atol=0):
+                what = "inputs" if i < n_inputs else "weights"
+                raise VerificationError(
+                    f"{name} differs across the ranks of the tensor-parallel group; every rank "
+                    f"must start from the same {what} (seed the model creation identically or "
+                    "broadcast the inputs).")
+
+    def _close(self, name: str, got: torch.Tensor, ref: torch.Tensor, floor: float = 0.0) -> None:
+        """Elementwise |got - ref| <= atol + rtol |ref|; by default atol = rtol * max|ref| of
+        this tensor, but at least `floor` (roundoff level of the whole family of tensors, so
+        mathematically-zero gradients such as a key bias's are not judged on noise)."""
+        if got.shape != ref.shape:
+            raise VerificationError(f"{name}: shape {tuple(got.shape)} != original "
+                                    f"{tuple(ref.shape)}.")
+        got, ref = got.detach().double(), ref.detach().double()
+        err = (got - ref).abs().max().item() if ref.numel() else 0.0
+        scale = ref.abs().max().item() if ref.numel() else 0.0
+        atol = self.atol if self.atol is not None else max(self.rtol * scale, floor, 1e-30)
+        self.report[name] = err
+        if not torch.allclose(got, ref, rtol=self.rtol, atol=atol):
+            raise VerificationError(f"{name} does not match the original: max abs error "
+                                    f"{err:.3e} (max |original| {scale:.3e}, rtol {self.rtol}, "
+                                    f"atol {atol:.3e}).")
+
+    def _run(self, model: nn.Module):
+        tracker = get_rng_tracker()
+        states = tracker.get_states()
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(self.seed)
+            out = model(*self.inputs, **self.kwargs)
+        tracker.set_states(states)
+        return out
+
+    def check(self) -> dict[str, float]:
+        """Run both models and compare; returns {name: max abs error}. Raises on mismatch."""
+        if self.reference is None:
+            raise VerificationError("Verify.check() called before entering the context.")
+        model, ref = self.sch.mod, copy.deepcopy(self.reference)
+        modes = (model.training, ref.training)
+        saved = {n: p.detach().clone() for n, p in model.named_parameters()}
+        try:
+            if self.eval_mode:
+                model.eval()
+                ref.eval()
+            self._check_params_accounted(model, ref)
+            out_ref = self._run(ref)
+            out = self._run(model)
+            ref_items, items = _flatten(out_ref), dict(_flatten(out))
+            floor = _EPS * max((r.detach().abs().max().item() for _, r in ref_items
+                                if r.numel() and r.is_floating_point()), default=0.0)
+            for name, r in ref_items:
+                if name not in items:
+                    raise VerificationError(f"{name} is missing from the scheduled output.")
+                self._close(name, items[name], r, floor)
+            if self.loss_fn is None:
+                return self.report
+            _call(self.loss_fn, out_ref, self.inputs, self.kwargs).backward()
+            _call(self.loss_fn, out, self.inputs, self.kwargs).backward()
+            params = dict(model.named_parameters())
+            grads = [rp.grad.abs().max().item() for rp in ref.parameters()
+                     if rp.grad is not None and rp.grad.numel()]
+            floor = _EPS * max(grads, default=0.0)
+            for name, rp in ref.named_parameters():
+                p = params[name]
+                if (rp.grad is None) != (p.grad is None):
+                    raise VerificationError(f"gradient of {name!r}: "
+                                            f"{'missing' if p.grad is None else 'unexpected'} "
+                                            "in the scheduled model.")
+                if rp.grad is not None:
+                    spec = sharding.shard_spec(p)
+                    self._close(f"grad {name}", sharding.gather_full(p.grad, spec), rp.grad,
+                                floor)
+            opt_ref, opt = self.optimizer(list(ref.parameters())), \
+                self.optimizer(list(model.parameters()))
+            opt_ref.step()
+            opt.step()
+            floor = _EPS * max((rp.detach().abs().max().item() for rp in ref.parameters()
+                                if rp.numel()), default=0.0)
+            for name, rp in ref.named_parameters():
+                self._close(f"param after step {name}", sharding.gather_full(params[name]), rp,
+                            floor)
+            return self.report
+        finally:
+            with torch.no_grad():
+                for n, p in model.named_parameters():
+                    p.copy_(saved[n])
+                    p.grad = None
+            model.train(modes[0])
+            ref.train(modes[1])
+
+    def _check_params_accounted(self, model: nn.Module, ref: nn.Module) -> None:
+        params = dict(model.named_parameters())
+        for name, rp in ref.named_parameters():
+            p = params.get(name)
+            if p is None:
+                raise VerificationError(f"parameter {name!r} of the original model is missing "
+                                        "from the scheduled model (lost by a replace?).")
+            spec = sharding.shard_spec(p)
+            full = tuple(spec.orig_shape) if spec else tuple(p.shape)
+            if full != tuple(rp.shape):
+                raise VerificationError(f"parameter {name!r} has full shape {full}, the original "
+                                        f"{tuple(rp.shape)}.")
+        extra = sorted(set(params) - {n for n, _ in ref.named_parameters()})
+        if extra:
+            raise VerificationError(f"the scheduled model has parameters the original lacks: "
+                                    f"{extra[:5]}; Verify matches parameters by name.")
