@@ -1,0 +1,57 @@
+"""Drop-in kernels and layers for schedules (`.replace()` / `.fuse()` targets).
+
+Each op's docstring says when to use it, whether it is exact or approximate, and on which devices.
+
+* Attention: `SDPAttention` (SDPA / flash-attn core), `SelfAttention`, `use_attention_core` (swap
+  the core of an HF BERT/GPT-2/LLaMA attention module), `TempoAttentionCore`.
+* Tempo (memory-efficient, arXiv 2210.10246): `TempoGELU`, `TempoLayerNorm`,
+  `softmax_dropout_matmul`, `apply_tempo(sch)`, `apply_tempo_to_module(model)`.
+"""
+
+from .attention import SDPAttention, SelfAttention, flash_attn_available
+from .attention_core import AttentionCore, causal_mask, padding_mask, repeat_kv
+from .hf_attention import SLAPO_ATTN, is_hf_attention, use_attention_core
+from .tempo import (
+    apply_tempo,
+    apply_tempo_to_module,
+    replace_attention_core,
+    replace_gelu,
+    replace_layernorm,
+    tempo_replacement,
+)
+from .tempo_attention import (
+    SoftmaxDropoutMatmulFunction,
+    TempoAttentionCore,
+    softmax_dropout_matmul,
+)
+from .tempo_gelu import TempoGELU, TempoGELUFunction, gelu_derivative_from_output, tempo_gelu
+from .tempo_layernorm import TempoLayerNorm, TempoLayerNormFunction, tempo_layer_norm
+
+__all__ = [
+    "SLAPO_ATTN",
+    "AttentionCore",
+    "SDPAttention",
+    "SelfAttention",
+    "SoftmaxDropoutMatmulFunction",
+    "TempoAttentionCore",
+    "TempoGELU",
+    "TempoGELUFunction",
+    "TempoLayerNorm",
+    "TempoLayerNormFunction",
+    "apply_tempo",
+    "apply_tempo_to_module",
+    "causal_mask",
+    "flash_attn_available",
+    "gelu_derivative_from_output",
+    "is_hf_attention",
+    "padding_mask",
+    "repeat_kv",
+    "replace_attention_core",
+    "replace_gelu",
+    "replace_layernorm",
+    "softmax_dropout_matmul",
+    "tempo_gelu",
+    "tempo_layer_norm",
+    "tempo_replacement",
+    "use_attention_core",
+]

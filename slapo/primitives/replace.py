@@ -38,22 +38,25 @@ def _forward_params(obj) -> list[inspect.Parameter] | None:
 
 
 def _signature_problem(old: nn.Module, fn: Callable) -> str | None:
+    """Arguments are matched by position (callers may use any names for positional args)."""
     old_params, new_params = _forward_params(old), _forward_params(fn)
     if old_params is None or new_params is None:
         return None
-    kinds = {p.kind for p in new_params}
-    var_pos = inspect.Parameter.VAR_POSITIONAL in kinds
-    var_kw = inspect.Parameter.VAR_KEYWORD in kinds
-    new_names = {p.name for p in new_params}
-    required_new = [p.name for p in new_params if p.default is p.empty and p.kind in
-                    (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
-    old_names = [p.name for p in old_params if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
-    missing = [n for n in old_names if n not in new_names and not (var_kw or var_pos)]
-    if missing:
-        return f"the function does not accept the module's argument(s) {missing}."
-    extra = [n for n in required_new if n not in old_names]
-    if extra:
-        return f"the function requires argument(s) {extra} the module's forward does not take."
+    pos = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    old_pos = [p for p in old_params if p.kind in pos]
+    old_required = [p for p in old_pos if p.default is p.empty]
+    old_var = any(p.kind is p.VAR_POSITIONAL for p in old_params)
+    new_pos = [p for p in new_params if p.kind in pos]
+    new_required = [p for p in new_pos if p.default is p.empty]
+    new_var = any(p.kind is p.VAR_POSITIONAL for p in new_params)
+    if not old_var and len(new_required) > len(old_pos):
+        return (f"the function requires {len(new_required)} positional argument(s), but the "
+                f"module's forward takes at most {len(old_pos)} "
+                f"({', '.join(p.name for p in old_pos)}).")
+    if not new_var and len(new_pos) < len(old_required):
+        return (f"the function accepts {len(new_pos)} positional argument(s), but the module's "
+                f"forward requires {len(old_required)} "
+                f"({', '.join(p.name for p in old_required)}).")
     return None
 
 

@@ -184,6 +184,7 @@ def memory_breakdown(
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
     optimizer: torch.optim.Optimizer | None = None,
     track_live: bool = True,
+    exclude: Sequence[Any] = (),
 ) -> MemoryBreakdown:
     """Run one training step (forward, backward, `optimizer.step()` if given) and measure it.
 
@@ -191,10 +192,12 @@ def memory_breakdown(
     `loss_fn(output) -> scalar`; default: `output.loss` or the sum of the first tensor output.
     The step is real: gradients accumulate into `.grad` and the optimizer updates the weights, so
     pass a copy if the model must stay untouched. `track_live` also reports live-tensor bytes after
-    forward and their peak over the step (a dispatch mode; a few % slower).
+    forward and their peak over the step (a dispatch mode; a few % slower). `exclude`: tensors or
+    modules whose storages never count as activations (e.g. the input batch, to count only what
+    the model itself adds).
     """
     params = [p for p in model.parameters()]
-    param_keys = storage_keys([model])
+    param_keys = storage_keys([model, *exclude])
     path_of = {id(m): name for name, m in model.named_modules()}
     stack: list[str] = []
 

@@ -1,0 +1,131 @@
+"""Attention over `torch.nn.functional.scaled_dot_product_attention`, with flash-attn on GPU.
+
+Why: SDPA (and flash-attn) compute softmax(q k^T) v without materialising the s*s probabilities,
+so activation memory is O(s) per head instead of O(s^2), and on GPU they are the fastest kernels.
+Exact (same math; results differ from eager attention only by summation order). With dropout the
+random stream differs from eager attention's, so compare runs with dropout 0.
+
+Devices: CPU (SDPA's flash-for-CPU or math kernel; fp32/bf16, forward and backward) and CUDA
+(flash / memory-efficient / cuDNN kernels chosen by PyTorch). `flash_attn.flash_attn_func` is used
+when the package is importable, the tensors are fp16/bf16 on CUDA and there is no explicit mask;
+it is imported lazily so CPU installs never need it.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .attention_core import AttentionCore, causal_mask, padding_mask, repeat_kv
+
+
+@functools.cache
+def _flash_attn_func():
+    try:
+        from flash_attn import flash_attn_func  # type: ignore[import-not-found]
+    except ImportError:
+        return None
+    return flash_attn_func
+
+
+def flash_attn_available() -> bool:
+    """True when the flash-attn package imports and a CUDA device exists."""
+    return torch.cuda.is_available() and _flash_attn_func() is not None
+
+
+class SDPAttention(AttentionCore):
+    """Attention core over SDPA / flash-attn (see module docstring).
+
+    `use_flash`: None = automatic, False = never use the flash-attn package.
+    Masks: bool (True = attend) or additive float, broadcastable to (b, heads, s_q, s_k).
+    GQA: k/v may have fewer heads than q (heads % kv_heads == 0).
+    """
+
+    def __init__(self, use_flash: bool | None = None):
+        super().__init__()
+        self.use_flash = use_flash
+
+    def attend(self, q, k, v, mask=None, is_causal=False, dropout=0.0, scaling=None):
+        p = dropout if self.training else 0.0
+        s_q, s_k = q.shape[-2], k.shape[-2]
+        flash = _flash_attn_func() if self.use_flash is not False else None
+        if (
+            flash is not None
+            and q.is_cuda
+            and mask is None
+            and q.dtype in (torch.float16, torch.bfloat16)
+        ):
+            # flash-attn layout is (b, s, heads, d); it handles GQA and bottom-right causal itself.
+            out = flash(
+                q.transpose(1, 2),
+                k.transpose(1, 2),
+                v.transpose(1, 2),
+                dropout_p=p,
+                softmax_scale=scaling,
+                causal=is_causal,
+            )
+            return out.transpose(1, 2)
+        if is_causal and s_q != s_k:  # SDPA's is_causal is top-left aligned; we want bottom-right
+            mask, is_causal = causal_mask(s_q, s_k, q.device), False
+        if mask is not None and mask.dtype != torch.bool:
+            mask = mask.to(q.dtype)
+        n_rep = q.shape[1] // k.shape[1]
+        if n_rep > 1:
+            k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, dropout_p=p, is_causal=is_causal, scale=scaling
+        )
+
+
+class SelfAttention(nn.Module):
+    """Multi-head self-attention with GQA, built on any `AttentionCore` (default: SDPA).
+
+    For models written from scratch (not HF): fused QKV projection, output projection, optional
+    causal masking and key padding mask (b, s) with 1 for real tokens.
+    """
+
+    def __init__(
+        self,
+        hidden: int,
+        heads: int,
+        kv_heads: int | None = None,
+        dropout: float = 0.0,
+        bias: bool = True,
+        core: AttentionCore | None = None,
+    ):
+        super().__init__()
+        kv_heads = kv_heads or heads
+        if hidden % heads or heads % kv_heads:
+            raise ValueError(
+                f"SelfAttention: need hidden % heads == 0 and heads % kv_heads == 0, got "
+                f"hidden={hidden}, heads={heads}, kv_heads={kv_heads}"
+            )
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, hidden // heads
+        self.dropout = dropout
+        self.qkv = nn.Linear(hidden, (heads + 2 * kv_heads) * self.head_dim, bias=bias)
+        self.out = nn.Linear(hidden, hidden, bias=bias)
+        self.core = core if core is not None else SDPAttention()
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        key_padding: torch.Tensor | None = None,
+        is_causal: bool = False,
+    ) -> torch.Tensor:
+        b, s, h = x.shape
+        d = self.head_dim
+        q, k, v = self.qkv(x).split([self.heads * d, self.kv_heads * d, self.kv_heads * d], -1)
+        q = q.view(b, s, self.heads, d).transpose(1, 2)
+        k = k.view(b, s, self.kv_heads, d).transpose(1, 2)
+        v = v.view(b, s, self.kv_heads, d).transpose(1, 2)
+        mask = None
+        if key_padding is not None:
+            mask = padding_mask(key_padding)
+            if is_causal:
+                mask = mask & causal_mask(s, s, x.device)
+                is_causal = False
+        o = self.core.attend(q, k, v, mask, is_causal, self.dropout, None)
+        return self.out(o.transpose(1, 2).reshape(b, s, h))
