@@ -87,7 +87,7 @@ class TempoAttentionCore(AttentionCore):
         super().__init__()
         self.softmax_dtype = softmax_dtype
 
-    def attend(self, q, k, v, mask, is_causal, dropout, scaling):
+    def attend(self, q, k, v, mask=None, is_causal=False, dropout=0.0, scaling=None):
         scores = prepare_scores(q, k, mask, is_causal, scaling)
         v = repeat_kv(v, q.shape[1] // v.shape[1])
         return softmax_dropout_matmul(
