@@ -114,3 +114,14 @@ def set_kernel(module: nn.Module, kernel: Kernel | None) -> None:
 
 def kernel(module: nn.Module) -> Kernel | None:
     return module.__dict__.get("_slapo_kernel")
+
+
+def module_meta(module: nn.Module, create: bool = False) -> dict:
+    """Scheduling facts about a module object (its output layout, applied syncs).
+
+    Kept on the module, not the schedule node: one module may appear at several paths (T5's
+    shared embedding is `shared`, `encoder.embed_tokens` and `decoder.embed_tokens`), and a sync
+    applied through one path must be seen through the others."""
+    if create:
+        return module.__dict__.setdefault("_slapo_meta", {})
+    return module.__dict__.get("_slapo_meta", {})

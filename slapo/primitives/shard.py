@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from .. import sharding
+from .. import module_patch, sharding
 from ..errors import SchedulingError
 from ._util import direct_tensor, holders
 from .base import Primitive, register_primitive
@@ -93,12 +93,12 @@ class ShardPrimitive(Primitive):
                 else:
                     m._buffers[n] = new
                 sharding.rule_for(m).postproc(m, n, ax, spec)
-                node = sch if m is sch.mod else sch._node_of(m)
-                if node is not None:
-                    layout = sharding.rule_for(m).output_layout(m, n, ax)
-                    if layout is not None:
-                        node.metadata["output_layout"] = layout
-                    if node is not sch:
+                layout = sharding.rule_for(m).output_layout(m, n, ax)
+                if layout is not None:
+                    module_patch.module_meta(m, create=True)["output_layout"] = layout
+                if m is not sch.mod:
+                    node = sch._node_of(m)
+                    if node is not None:
                         node._record("shard", (n,), {"axis": ax, "tied_with": sch.path})
 
 

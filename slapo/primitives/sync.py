@@ -60,7 +60,8 @@ class SyncPrimitive(Primitive):
         if mode == "bwd_post" and op != "all_reduce":
             raise SchedulingError(sch.path, f"bwd_post supports only 'all_reduce', not {op!r}.",
                                   "use 'all_reduce' or pass a backward-hook function.")
-        done = sch.metadata.get("syncs", [])
+        meta = module_patch.module_meta(sch.mod)
+        done = meta.get("syncs", [])
         if (mode, op) in done:
             raise SchedulingError(sch.path, f"sync({mode!r}, {op!r}) was already applied to this "
                                   "module; applying it twice would reduce/gather twice.",
@@ -73,7 +74,7 @@ class SyncPrimitive(Primitive):
                 raise SchedulingError(sch.path, f"{op!r} on the {mode} input needs an axis.",
                                       "pass axis= (e.g. axis=1 for the sequence dimension).")
             return
-        layout = sch.metadata.get("output_layout")
+        layout = meta.get("output_layout")
         known = sharding.has_known_layout(sch.mod)
         kind = layout[0] if layout else None
         if op == "all_reduce":
@@ -116,7 +117,8 @@ class SyncPrimitive(Primitive):
         axis = kwargs.get("axis")
         arg = kwargs.get("arg")
         tpog = kwargs.get("tensor_parallel_output_grad")
-        layout = sch.metadata.get("output_layout")
+        meta = module_patch.module_meta(mod, create=True)
+        layout = meta.get("output_layout")
         if mode == "fwd_post" and op == "all_gather" and axis is None:
             axis = layout[1]
         if mode == "bwd_post":
@@ -139,13 +141,13 @@ class SyncPrimitive(Primitive):
             else:
                 mod.register_forward_hook(lambda m, a, out, f=fn: map_first_output(out, f))
             if op in ("all_reduce", "all_gather"):
-                sch.metadata["output_layout"] = ("replicated", None)
+                meta["output_layout"] = ("replicated", None)
             elif op == "reduce_scatter":
-                sch.metadata["output_layout"] = (sharding.PARTITION, axis)
+                meta["output_layout"] = (sharding.PARTITION, axis)
         else:
             mod.register_forward_pre_hook(
                 lambda m, a, kw, f=fn: map_first_input(a, kw, f, arg), with_kwargs=True)
-        sch.metadata.setdefault("syncs", []).append((mode, op))
+        meta.setdefault("syncs", []).append((mode, op))
 
 
 def _n_params(fn) -> int:
