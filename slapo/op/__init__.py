@@ -6,11 +6,22 @@ Each op's docstring says when to use it, whether it is exact or approximate, and
   the core of an HF BERT/GPT-2/LLaMA attention module), `TempoAttentionCore`.
 * Tempo (memory-efficient, arXiv 2210.10246): `TempoGELU`, `TempoLayerNorm`,
   `softmax_dropout_matmul`, `apply_tempo(sch)`, `apply_tempo_to_module(model)`.
+* Fused epilogues: `FusedBiasGELU`, `FusedBiasDropoutAdd` (torch.compile when asked).
+* LM head: `linear_cross_entropy` (chunked, no full logits), `VocabParallelEmbedding`,
+  `VocabParallelLMHead`, `vocab_parallel_cross_entropy` (tensor parallel over the vocabulary).
+* `RMSNorm`, `SwiGLU`.
 """
 
 from .attention import SDPAttention, SelfAttention, flash_attn_available
 from .attention_core import AttentionCore, causal_mask, padding_mask, repeat_kv
+from .fused import FusedBiasDropoutAdd, FusedBiasGELU, bias_dropout_add, bias_gelu
 from .hf_attention import SLAPO_ATTN, is_hf_attention, use_attention_core
+from .linear_ce import (
+    ChunkedLinearCrossEntropy,
+    ChunkedLinearCrossEntropyFunction,
+    linear_cross_entropy,
+)
+from .mlp import RMSNorm, SwiGLU
 from .tempo import (
     apply_tempo,
     apply_tempo_to_module,
@@ -26,10 +37,33 @@ from .tempo_attention import (
 )
 from .tempo_gelu import TempoGELU, TempoGELUFunction, gelu_derivative_from_output, tempo_gelu
 from .tempo_layernorm import TempoLayerNorm, TempoLayerNormFunction, tempo_layer_norm
+from .vocab_parallel import (
+    VocabParallelEmbedding,
+    VocabParallelLMHead,
+    copy_to_group,
+    reduce_from_group,
+    vocab_parallel_cross_entropy,
+    vocab_range,
+)
 
 __all__ = [
     "SLAPO_ATTN",
     "AttentionCore",
+    "ChunkedLinearCrossEntropy",
+    "ChunkedLinearCrossEntropyFunction",
+    "FusedBiasDropoutAdd",
+    "FusedBiasGELU",
+    "RMSNorm",
+    "SwiGLU",
+    "VocabParallelEmbedding",
+    "VocabParallelLMHead",
+    "bias_dropout_add",
+    "bias_gelu",
+    "copy_to_group",
+    "linear_cross_entropy",
+    "reduce_from_group",
+    "vocab_parallel_cross_entropy",
+    "vocab_range",
     "SDPAttention",
     "SelfAttention",
     "SoftmaxDropoutMatmulFunction",
