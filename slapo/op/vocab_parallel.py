@@ -124,7 +124,7 @@ class VocabParallelEmbedding(nn.Module):
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, labels, start, ignore_index, group):
-        x = logits.float()
+        x = logits.to(torch.float64 if logits.dtype == torch.float64 else torch.float32)
         gmax = x.max(dim=-1).values
         _all_reduce(gmax, dist.ReduceOp.MAX, group)
         x = x - gmax[:, None]
@@ -149,7 +149,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         softmax, idx, mine, valid = ctx.saved_tensors
         g = softmax.clone()
         g.scatter_add_(1, idx[:, None], -mine.to(g.dtype)[:, None])
-        g.mul_(grad_loss.float().masked_fill(~valid, 0.0)[:, None])
+        g.mul_(grad_loss.to(g.dtype).masked_fill(~valid, 0.0)[:, None])
         return g.to(ctx.dtype), None, None, None, None
 
 
