@@ -1,4 +1,17 @@
-"""`build`: turn a schedule into a model (and optimizer) ready to train."""
+"""`build`: turn a schedule into a model (and optimizer) ready to train, on any parallelism.
+
+The composition order is torchtitan's, each concern one function applied in visible order:
+
+    check arguments (every rank, before any communication)
+    -> [pipeline] split into stages from the cuts, keep this rank's
+    -> materialise delayed-init weights (only what this rank keeps) / move to the device
+    -> data parallel (DDP or FSDP2) per model or stage
+    -> optimizer over what this rank holds
+    -> [pipeline] PipelineStage + schedule
+    -> TrainModule(model or stages, optimizer, runner) with `train_step(batch)`
+
+Tensor parallelism is already in the schedule (its primitives ran on the mesh's tp group).
+"""
 
 from __future__ import annotations
 
@@ -7,41 +20,278 @@ from collections.abc import Callable
 import torch
 import torch.nn as nn
 
+from .. import sharding
 from ..errors import SchedulingError
 from ..init import has_meta_tensors, materialize
 from ..schedule import Schedule
+from .data_parallel import apply_data_parallel, check_data_parallel
+from .mesh import MeshInfo
+from .pipelining import (
+    PipelineRunner,
+    TiedWeights,
+    check_cuts,
+    find_tied,
+    make_schedule,
+    make_stages,
+    pipeline_cuts,
+    plan_pipeline,
+)
+from .train_step import LocalRunner, LossFn, NormWeights, StepConfig, TrainModule
+
+TARGETS = (None, "deepspeed")
 
 
-def _default_device() -> torch.device:
-    if torch.cuda.is_available():
+def _default_device(info: MeshInfo | None = None) -> torch.device:
+    if torch.cuda.is_available() and (info is None or info.device_type == "cuda"):
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
 
-def build(sch: Schedule, *, optimizer: Callable | None = None, init_weights: Callable | None = None,
-          seed: int = 0, device: torch.device | str | None = None,
-          optimizer_kwargs: dict | None = None) -> tuple[nn.Module, torch.optim.Optimizer | None]:
-    """Return `(model, optimizer)` for a schedule.
+# ------------------------------------------------------------------------------------------------
+# argument checks (identical on every rank, so a bad call fails everywhere and hangs nowhere)
+# ------------------------------------------------------------------------------------------------
 
+def _check_schedule(sch) -> None:
+    if not isinstance(sch, Schedule):
+        raise SchedulingError("", f"build expects a Schedule, got {type(sch).__name__}.",
+                              "pass the object returned by slapo.create_schedule(model).")
+
+
+def _check_optimizer(sch: Schedule, optimizer) -> None:
+    if optimizer is not None and not callable(optimizer):
+        raise SchedulingError(sch.path, f"optimizer must be a class or callable, got "
+                              f"{optimizer!r}.", "pass e.g. torch.optim.AdamW.")
+
+
+def _check_step_args(grad_accum: int, grad_clip: float | None, target: str | None) -> None:
+    if not isinstance(grad_accum, int) or isinstance(grad_accum, bool) or grad_accum < 1:
+        raise SchedulingError("", f"grad_accum={grad_accum!r} must be a positive int.",
+                              "pass e.g. grad_accum=1.")
+    if grad_clip is not None and not (isinstance(grad_clip, (int, float)) and grad_clip > 0):
+        raise SchedulingError("", f"grad_clip={grad_clip!r} must be a positive number or None.")
+    if target not in TARGETS:
+        raise SchedulingError("", f"target={target!r} is not supported.",
+                              f"use one of {TARGETS}.")
+
+
+def mesh_info(sch: Schedule, mesh) -> MeshInfo:
+    """The mesh to run on (`mesh`, else the schedule's), checked against the schedule's TP group."""
+    mesh = mesh if mesh is not None else sch.mesh
+    info = MeshInfo.of(mesh, sch.group)
+    if mesh is not None and sch.world_size != info.tp:
+        raise SchedulingError(
+            sch.path, f"the schedule's tensor-parallel group has {sch.world_size} rank(s), but "
+            f"the mesh's tp dimension has {info.tp}.",
+            "create the schedule with slapo.create_schedule(model, mesh=mesh).")
+    return info
+
+
+def _check_pipeline_off(sch: Schedule, info: MeshInfo) -> None:
+    if info.pp > 1:
+        raise SchedulingError(sch.path, f"the mesh has pp={info.pp}, but build was called "
+                              "without a pipeline schedule.",
+                              "pass pipeline='1F1B' (or another schedule), or use pp=1.")
+
+
+# ------------------------------------------------------------------------------------------------
+# the pieces
+# ------------------------------------------------------------------------------------------------
+
+def place_weights(model: nn.Module, device, info: MeshInfo, init_weights, seed: int) -> None:
+    """Materialise meta tensors (this rank's shards only) or move to `device`."""
+    if has_meta_tensors(model):
+        materialize(model, device or _default_device(info), init_fn=init_weights, seed=seed)
+    elif device is not None:
+        model.to(device)
+
+
+def norm_weight_table(units: list[nn.Module], info: MeshInfo,
+                      tied: TiedWeights | None = None) -> dict[tuple[int, str], float]:
+    """(id(owning module), parameter name) -> weight of its squared norm (see NormWeights).
+
+    Keyed by module and name, because FSDP2 replaces parameter objects but keeps modules."""
+    table = {}
+    for unit in units:
+        for mod in unit.modules():
+            for name, p in mod._parameters.items():
+                if p is None:
+                    continue
+                spec = sharding.shard_spec(p)
+                w = 1.0 if spec is not None and spec.world_size > 1 else 1.0 / info.tp
+                if tied is not None:
+                    w /= tied.holders.get((id(mod), name), 1)
+                table[(id(mod), name)] = w
+    return table
+
+
+def norm_weights(root: nn.Module, table: dict, dp_sharded: bool) -> NormWeights:
+    """The weights in the order of `root`'s unique parameters (after wrapping)."""
+    params, weights, seen = [], [], set()
+    for mod in root.modules():
+        for name, p in mod._parameters.items():
+            if p is None or id(p) in seen:
+                continue
+            seen.add(id(p))
+            params.append(p)
+            weights.append(table.get((id(mod), name), 1.0))
+    return NormWeights(params, weights, dp_sharded)
+
+
+def make_optimizer(optimizer, params: list[nn.Parameter], optimizer_kwargs: dict | None):
+    if optimizer is None:
+        return None
+    return optimizer(params, **(optimizer_kwargs or {}))
+
+
+def _unique_params(modules: list[nn.Module]) -> list[nn.Parameter]:
+    seen, out = set(), []
+    for m in modules:
+        for p in m.parameters():
+            if id(p) not in seen:
+                seen.add(id(p))
+                out.append(p)
+    return out
+
+
+def partition(sch: Schedule, num_stages: int) -> list[nn.Module]:
+    """All stage modules (sharing the scheduled model's modules) from the schedule's cuts."""
+    from .stages import partition as hf_partition
+
+    return hf_partition(sch, num_stages)
+
+
+# ------------------------------------------------------------------------------------------------
+# build
+# ------------------------------------------------------------------------------------------------
+
+def build(sch: Schedule, *, optimizer: Callable | None = None,
+          init_weights: Callable | None = None, seed: int = 0,
+          device: torch.device | str | None = None, optimizer_kwargs: dict | None = None,
+          mesh=None, pipeline: str | None = None, num_microbatches: int | None = None,
+          virtual_stages: int | None = None, data_parallel: str | None = None,
+          reshard_after_forward: bool | int = True, loss_fn: LossFn | None = None,
+          grad_clip: float | None = None, grad_accum: int = 1, batch_is_global: bool = True,
+          target: str | None = None,
+          deepspeed_config: dict | None = None) -> tuple[TrainModule, torch.optim.Optimizer | None]:
+    """Return `(model, optimizer)` for a schedule; `model.train_step(batch) -> float` trains.
+
+    Weights:
     - Meta (delayed-init) tensors are materialised on `device`, shards only, initialised with
       `init_weights(module[, path])` or the model's own init (see `slapo.init`), seeded by `seed`.
       Weights that are already materialised (e.g. loaded from a checkpoint) are never touched.
     - `device`: move the model there (default: leave it, or the current accelerator for meta).
     - `optimizer`: an optimizer class or a callable `params -> optimizer`, called with the
-      model's parameters and `optimizer_kwargs`; `None` returns `None` (as Slapo 2023 did).
+      parameters this rank holds and `optimizer_kwargs`; `None` returns `None`.
+
+    Parallelism (over `mesh`, default the schedule's; see `slapo.init_mesh`):
+    - `pipeline`: a torch.distributed.pipelining schedule name ("GPipe", "1F1B",
+      "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"),
+      over the mesh's pp dimension, with `pp * virtual_stages` stages from the schedule's cuts
+      (`virtual_stages` defaults to 1, or 2 for multi-stage schedules) and `num_microbatches`
+      micro-batches per step (default: the number of stages).
+    - `data_parallel`: None, "ddp" or "fsdp" (FSDP2 per block and root, over the dp dimension;
+      `reshard_after_forward` True = ZeRO-3, False = keep gathered weights until backward).
+
+    The step (`TrainModule.train_step`):
+    - `batch`: a dict of tensors (keyword arguments) or a tuple (positional). With
+      `batch_is_global` (default) every rank passes the same global batch and each dp rank takes
+      its 1/dp of the samples; otherwise each rank passes its own local batch.
+    - `loss_fn(outputs, batch) -> scalar`; default `outputs.loss` (HF models given labels).
+    - `grad_accum` slices per step, `grad_clip` max global gradient 2-norm.
+    - The returned loss is the mean over the global batch (exactly, for losses that are means
+      over samples of equal weight), as a float on every rank.
+
+    `target="deepspeed"`: hand the model to a DeepSpeed engine instead (ZeRO stages 1-3 through
+    `deepspeed_config`); see `slapo.runtime.deepspeed`.
     """
-    if not isinstance(sch, Schedule):
-        raise SchedulingError("", f"build expects a Schedule, got {type(sch).__name__}.",
-                              "pass the object returned by slapo.create_schedule(model).")
-    if optimizer is not None and not callable(optimizer):
-        raise SchedulingError(sch.path, f"optimizer must be a class or callable, got "
-                              f"{optimizer!r}.", "pass e.g. torch.optim.AdamW.")
+    _check_schedule(sch)
+    _check_optimizer(sch, optimizer)
+    _check_step_args(grad_accum, grad_clip, target)
+    info = mesh_info(sch, mesh)
+    check_data_parallel(data_parallel, info)
+    config = StepConfig(info, grad_accum, grad_clip, 1, batch_is_global)
+    if target == "deepspeed":
+        from .deepspeed import build_deepspeed
+
+        return build_deepspeed(sch, info, config, optimizer=optimizer,
+                               optimizer_kwargs=optimizer_kwargs, loss_fn=loss_fn,
+                               deepspeed_config=deepspeed_config, device=device,
+                               init_weights=init_weights, seed=seed,
+                               data_parallel=data_parallel, pipeline=pipeline)
+    if pipeline is None:
+        _check_pipeline_off(sch, info)
+        return _build_local(sch, info, config, optimizer=optimizer,
+                            optimizer_kwargs=optimizer_kwargs, loss_fn=loss_fn, device=device,
+                            init_weights=init_weights, seed=seed, data_parallel=data_parallel,
+                            reshard_after_forward=reshard_after_forward)
+    return _build_pipeline(sch, info, config, pipeline=pipeline,
+                           num_microbatches=num_microbatches, virtual_stages=virtual_stages,
+                           optimizer=optimizer, optimizer_kwargs=optimizer_kwargs,
+                           loss_fn=loss_fn, device=device, init_weights=init_weights, seed=seed,
+                           data_parallel=data_parallel,
+                           reshard_after_forward=reshard_after_forward)
+
+
+def _build_local(sch: Schedule, info: MeshInfo, config: StepConfig, *, optimizer,
+                 optimizer_kwargs, loss_fn, device, init_weights, seed, data_parallel,
+                 reshard_after_forward) -> tuple[TrainModule, torch.optim.Optimizer | None]:
+    """The whole model on every rank (optionally tensor-parallel), optionally data-parallel."""
     model = sch.mod
-    if has_meta_tensors(model):
-        materialize(model, device or _default_device(), init_fn=init_weights, seed=seed)
+    place_weights(model, device, info, init_weights, seed)
+    table = norm_weight_table([model], info)
+    model = apply_data_parallel(model, data_parallel, info,
+                                reshard_after_forward=reshard_after_forward)
+    opt = make_optimizer(optimizer, _unique_params([model]), optimizer_kwargs)
+    runner = LocalRunner(model, loss_fn)
+    nw = norm_weights(model, table, dp_sharded=data_parallel == "fsdp")
+    return TrainModule(model, [], opt, runner, config, nw), opt
+
+
+def _build_pipeline(sch: Schedule, info: MeshInfo, config: StepConfig, *, pipeline: str,
+                    num_microbatches, virtual_stages, optimizer, optimizer_kwargs, loss_fn,
+                    device, init_weights, seed, data_parallel,
+                    reshard_after_forward) -> tuple[TrainModule, torch.optim.Optimizer | None]:
+    """This rank's pipeline stages (each optionally data-parallel) driven by a torch schedule."""
+    plan = plan_pipeline(pipeline, info, num_microbatches, virtual_stages)
+    check_cuts(sch, plan)
+    all_stages = partition(sch, plan.num_stages)
+    ids = plan.stage_ids(info.pp_rank)
+    mine = [all_stages[i] for i in ids]
+    tied = find_tied(all_stages, plan, info.pp_rank)  # before weights are replaced
+    _place_stage_weights(mine, device, info, init_weights, seed)
+    table = norm_weight_table(mine, info, tied)
+    wrapped = [apply_data_parallel(m, data_parallel, info,
+                                   reshard_after_forward=reshard_after_forward) for m in mine]
+    dev = device or _stage_device(mine, info)
+    opt = make_optimizer(optimizer, _unique_params(wrapped), optimizer_kwargs)
+    runner = PipelineRunner(None, plan, info, ids, mine, loss_fn, tied)
+    pstages = make_stages(wrapped, ids, plan, info, torch.device(dev))
+    runner.schedule = make_schedule(pstages, plan, runner.schedule_loss)
+    config.num_microbatches = plan.num_microbatches
+    holder = nn.ModuleList(wrapped)
+    nw = norm_weights(holder, table, dp_sharded=data_parallel == "fsdp")
+    return TrainModule(None, wrapped, opt, runner, config, nw), opt
+
+
+def _place_stage_weights(stages: list[nn.Module], device, info: MeshInfo, init_weights,
+                         seed: int) -> None:
+    """Materialise only this rank's stages, all at once under the original module names, so
+    seeds follow the original paths and weights shared by two local stages stay shared."""
+    from .stages import union_module
+
+    if any(has_meta_tensors(s) for s in stages):
+        materialize(union_module(stages), device or _default_device(info),
+                    init_fn=init_weights, seed=seed)
     elif device is not None:
-        model.to(device)
-    opt = None
-    if optimizer is not None:
-        opt = optimizer(model.parameters(), **(optimizer_kwargs or {}))
-    return model, opt
+        for s in stages:
+            s.to(device)
+
+
+def _stage_device(stages: list[nn.Module], info: MeshInfo) -> torch.device:
+    for s in stages:
+        for p in s.parameters():
+            return p.device
+    return _default_device(info)
+
+
+__all__ = ["build", "mesh_info", "pipeline_cuts"]

@@ -94,7 +94,11 @@ def _size_error(world: int, dp: int, pp: int, tp: int) -> SchedulingError:
 
 @dataclass(frozen=True)
 class MeshInfo:
-    """Sizes, this rank's coordinates and the per-dimension groups of a mesh (or of no mesh)."""
+    """Sizes, this rank's coordinates and the per-dimension groups of a mesh.
+
+    Without a mesh, data and pipeline parallelism are off, and "tp" is the schedule's
+    tensor-parallel group (a schedule may be sharded over the default group without a mesh).
+    """
 
     mesh: DeviceMesh | None
     dp: int = 1
@@ -103,11 +107,15 @@ class MeshInfo:
     dp_rank: int = 0
     pp_rank: int = 0
     tp_rank: int = 0
+    tp_group: object = None
 
     @staticmethod
-    def of(mesh: DeviceMesh | None) -> MeshInfo:
+    def of(mesh: DeviceMesh | None, tp_group=None) -> MeshInfo:
         if mesh is None:
-            return MeshInfo(None)
+            from ..distributed import group as _g
+
+            return MeshInfo(None, tp=_g.world_size(tp_group), tp_rank=_g.rank(tp_group),
+                            tp_group=tp_group)
         names = mesh.mesh_dim_names or ()
         missing = [d for d in MESH_DIMS if d not in names]
         if missing:
@@ -116,11 +124,13 @@ class MeshInfo:
         size = {d: mesh.size(names.index(d)) for d in MESH_DIMS}
         coord = {d: mesh.get_local_rank(d) for d in MESH_DIMS}
         return MeshInfo(mesh, size["dp"], size["pp"], size["tp"],
-                        coord["dp"], coord["pp"], coord["tp"])
+                        coord["dp"], coord["pp"], coord["tp"], mesh.get_group("tp"))
 
     def group(self, dim: str):
-        """The process group of `dim` (None without a mesh: a world of one rank)."""
-        return self.mesh.get_group(dim) if self.mesh is not None else None
+        """The process group of `dim` (None for a dimension of one rank without a mesh)."""
+        if self.mesh is None:
+            return self.tp_group if dim == "tp" else None
+        return self.mesh.get_group(dim)
 
     def submesh(self, dim: str) -> DeviceMesh | None:
         return self.mesh[dim] if self.mesh is not None else None

@@ -1,0 +1,79 @@
+"""Batches as the model's forward takes them: a dict of keyword arguments or a positional tuple.
+
+Every tensor is split along dim 0 (the sample dimension); anything that is not a tensor (a flag,
+a config value) is passed unchanged to every slice.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..errors import SchedulingError
+
+Batch = dict[str, Any] | tuple | list
+
+
+def _values(batch: Batch) -> list:
+    if isinstance(batch, dict):
+        return list(batch.values())
+    if isinstance(batch, (tuple, list)):
+        return list(batch)
+    raise SchedulingError("", f"train_step expects a dict (keyword arguments) or a tuple "
+                          f"(positional arguments), got {type(batch).__name__}.",
+                          "pass e.g. {'input_ids': ids, 'labels': ids}.")
+
+
+def batch_size(batch: Batch) -> int:
+    """The common dim-0 size of the batch's tensors (a batch must hold at least one tensor)."""
+    sizes = {v.shape[0] for v in _values(batch) if isinstance(v, torch.Tensor) and v.dim() > 0}
+    if len(sizes) != 1:
+        what = "no tensor" if not sizes else f"tensors of different batch sizes {sorted(sizes)}"
+        raise SchedulingError("", f"the batch holds {what}.",
+                              "give every tensor of the batch the same dim-0 (sample) size.")
+    return sizes.pop()
+
+
+def slice_batch(batch: Batch, start: int, stop: int) -> Batch:
+    def cut(v):
+        return v[start:stop] if isinstance(v, torch.Tensor) and v.dim() > 0 else v
+
+    if isinstance(batch, dict):
+        return {k: cut(v) for k, v in batch.items()}
+    return type(batch)(cut(v) for v in batch)
+
+
+def index_batch(batch: Batch, index: torch.Tensor) -> Batch:
+    """The samples at `index` (a 1-D LongTensor), e.g. the micro-batch a pipeline hands the loss."""
+    index = index.to("cpu")
+    lo, hi = int(index[0]), int(index[-1]) + 1
+    return slice_batch(batch, lo, hi)
+
+
+def split_batch(batch: Batch, n: int) -> list[Batch]:
+    size = batch_size(batch) // n
+    return [slice_batch(batch, i * size, (i + 1) * size) for i in range(n)]
+
+
+def check_divisible(batch: Batch, factors: dict[str, int]) -> int:
+    """Raise unless the batch splits evenly into every factor (data-parallel ranks, accumulation
+    steps, micro-batches); checked before any communication, so every rank raises, none hangs."""
+    size = batch_size(batch)
+    total = 1
+    for v in factors.values():
+        total *= v
+    if size % total:
+        parts = " x ".join(f"{k}={v}" for k, v in factors.items())
+        raise SchedulingError("", f"a batch of {size} samples cannot be split evenly into "
+                              f"{parts} = {total} parts.",
+                              f"use a batch size that is a multiple of {total}, or change "
+                              f"{', '.join(factors)}.")
+    return size
+
+
+def call(module, batch: Batch):
+    """Run `module` on a batch: dicts as keyword arguments, tuples positionally."""
+    if isinstance(batch, dict):
+        return module(**batch)
+    return module(*batch)

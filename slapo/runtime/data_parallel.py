@@ -1,0 +1,86 @@
+"""Data parallelism over the mesh's "dp" dimension: DDP, or FSDP2 (`fully_shard`, ZeRO-3 style).
+
+Both wrap whatever module they are given: the whole model, or one pipeline stage. Tensor-parallel
+parameters are plain local shards (see `slapo.sharding`), so to DDP and FSDP2 they are ordinary
+tensors: each TP rank data-parallelises its own shard with the ranks holding the same shard,
+which is exactly the dp group of the mesh. FSDP2 thus shards the TP shard further along dim 0
+(a 2-D dp x tp layout) without knowing about TP.
+"""
+
+from __future__ import annotations
+
+import torch.nn as nn
+
+from ..errors import SchedulingError
+from .mesh import MeshInfo
+
+DATA_PARALLEL = ("ddp", "fsdp")
+
+
+def check_data_parallel(kind: str | None, info: MeshInfo) -> None:
+    if kind is not None and kind not in DATA_PARALLEL:
+        raise SchedulingError("", f"data_parallel={kind!r} is not supported.",
+                              f"use None or one of {DATA_PARALLEL}.")
+    if kind is not None and info.mesh is None:
+        raise SchedulingError("", f"data_parallel={kind!r} needs a device mesh.",
+                              "create the schedule with mesh=slapo.init_mesh(dp=...).")
+
+
+def fsdp_blocks(model: nn.Module) -> list[nn.Module]:
+    """The repeated blocks (elements of every ModuleList holding parameters), outermost first.
+
+    Each becomes one FSDP unit, so only one block's full parameters exist at a time; this is the
+    per-transformer-layer wrapping torchtitan uses, found without naming the model's attributes.
+    Nested lists (a block's own ModuleList) are left to their enclosing unit.
+    """
+    blocks: list[nn.Module] = []
+    inside: set[int] = set()
+    for mod in model.modules():
+        if id(mod) in inside or not isinstance(mod, nn.ModuleList):
+            continue
+        for sub in mod:
+            if any(True for _ in sub.parameters()):
+                blocks.append(sub)
+                inside.update(id(m) for m in sub.modules())
+    return blocks
+
+
+def apply_fsdp(model: nn.Module, info: MeshInfo, *, reshard_after_forward: bool | int = True,
+               mp_policy=None) -> nn.Module:
+    """`fully_shard` each block, then the root (which takes the remaining parameters).
+
+    `reshard_after_forward=True` frees each block's gathered parameters after its forward and
+    gathers them again for backward (ZeRO-3); False keeps them until backward (ZeRO-2-like:
+    less communication, more memory). The root is never resharded after forward, since backward
+    starts with it.
+    """
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    dp_mesh = info.submesh("dp")
+    kwargs = {"mesh": dp_mesh, "mp_policy": mp_policy or MixedPrecisionPolicy()}
+    for block in fsdp_blocks(model):
+        fully_shard(block, reshard_after_forward=reshard_after_forward, **kwargs)
+    fully_shard(model, reshard_after_forward=False, **kwargs)
+    return model
+
+
+def apply_ddp(model: nn.Module, info: MeshInfo) -> nn.Module:
+    """Wrap in DistributedDataParallel over the dp group (gradients averaged in buckets)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    if not any(p.requires_grad for p in model.parameters()):
+        return model  # nothing to synchronise; DDP refuses such modules
+    device_ids = None
+    if info.device_type == "cuda":
+        device_ids = [next(model.parameters()).device.index]
+    return DistributedDataParallel(model, process_group=info.group("dp"), device_ids=device_ids)
+
+
+def apply_data_parallel(model: nn.Module, kind: str | None, info: MeshInfo, *,
+                        reshard_after_forward: bool | int = True) -> nn.Module:
+    """Apply `kind` ("ddp", "fsdp" or None) over the dp dimension; a no-op when dp == 1 and DDP."""
+    if kind is None:
+        return model
+    if kind == "ddp":
+        return apply_ddp(model, info)
+    return apply_fsdp(model, info, reshard_after_forward=reshard_after_forward)

@@ -1,0 +1,299 @@
+"""Pipeline parallelism through `torch.distributed.pipelining`: stages from the schedule's cuts.
+
+The schedule's cuts (`cut_pipeline_stage`) give `pp * virtual_stages` stage modules. Each pp rank
+keeps its own stages (placed round-robin, `[r, r+pp, ...]`, or V-shaped, `[r, 2*pp-1-r]`, for the
+zero-bubble V schedules), wraps each in a `PipelineStage` over the mesh's pp group, and drives
+them with one of torch's schedules (GPipe, 1F1B, Interleaved1F1B, LoopedBFS,
+InterleavedZeroBubble, ZBVZeroBubble, DualPipeV).
+
+The loss is computed on the last stage by the schedule. To hand `loss_fn(outputs, batch)` the
+micro-batch that belongs to each output, the schedule's `target` is the tensor of sample indices:
+the schedule splits it exactly like the inputs, and the loss looks the samples up.
+
+Gradients are averaged by us, not by torch (`scale_grads=False`): each micro-batch loss is
+divided by (micro-batches x accumulation steps), so gradient accumulation over several `step`
+calls stays exact (torch's rescaling would also rescale gradients accumulated before the call).
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from ..errors import SchedulingError
+from .batch import Batch, batch_size, index_batch
+from .mesh import MeshInfo
+from .train_step import LossFn, compute_loss
+
+V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
+
+
+# ------------------------------------------------------------------------------------------------
+# configuration: which schedule, how many stages, which stages on this rank
+# ------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class PipelinePlan:
+    """The schedule class and the stage layout, identical on every rank."""
+
+    schedule_cls: type
+    name: str
+    pp: int
+    virtual_stages: int
+    num_microbatches: int
+
+    @property
+    def num_stages(self) -> int:
+        return self.pp * self.virtual_stages
+
+    @property
+    def multi(self) -> bool:
+        from torch.distributed.pipelining.schedules import PipelineScheduleMulti
+
+        return issubclass(self.schedule_cls, PipelineScheduleMulti)
+
+    def stage_ids(self, pp_rank: int) -> list[int]:
+        """The stages rank `pp_rank` runs, in its local order."""
+        if self.name in V_SCHEDULES:
+            return [pp_rank, 2 * self.pp - 1 - pp_rank]
+        return [pp_rank + v * self.pp for v in range(self.virtual_stages)]
+
+    def rank_of(self, stage: int) -> int:
+        return next(r for r in range(self.pp) if stage in self.stage_ids(r))
+
+
+def plan_pipeline(name: str, info: MeshInfo, num_microbatches: int | None,
+                  virtual_stages: int | None) -> PipelinePlan:
+    """Validate the pipeline arguments against the mesh (same checks, same errors, every rank)."""
+    from torch.distributed.pipelining.schedules import PipelineScheduleMulti, get_schedule_class
+
+    try:
+        cls = get_schedule_class(name)
+    except ValueError as e:
+        raise SchedulingError("", f"unknown pipeline schedule {name!r}.",
+                              f"{e}".split(". ", 1)[-1]) from None
+    canonical = next(k for k in ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS",
+                                 "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV",
+                                 "PipelineScheduleSingle", "PipelineScheduleMulti")
+                     if k.lower() == name.lower())
+    if info.mesh is None or info.pp < 2:
+        raise SchedulingError("", f"pipeline={name!r} needs a mesh with pp >= 2 (got pp="
+                              f"{info.pp}).", "create the schedule with "
+                              "mesh=slapo.init_mesh(pp=2, ...).")
+    multi = issubclass(cls, PipelineScheduleMulti)
+    if virtual_stages is None:
+        virtual_stages = 2 if multi else 1
+    if not multi and virtual_stages != 1:
+        raise SchedulingError("", f"{canonical} runs one stage per rank, but virtual_stages="
+                              f"{virtual_stages}.", "use virtual_stages=1, or a multi-stage "
+                              "schedule such as 'Interleaved1F1B'.")
+    if canonical in V_SCHEDULES and virtual_stages != 2:
+        raise SchedulingError("", f"{canonical} needs exactly 2 stages per rank (V shape), got "
+                              f"virtual_stages={virtual_stages}.", "use virtual_stages=2.")
+    if not isinstance(virtual_stages, int) or virtual_stages < 1:
+        raise SchedulingError("", f"virtual_stages={virtual_stages!r} must be a positive int.")
+    if num_microbatches is None:
+        num_microbatches = info.pp * virtual_stages
+    if not isinstance(num_microbatches, int) or num_microbatches < 1:
+        raise SchedulingError("", f"num_microbatches={num_microbatches!r} must be a positive int.")
+    if not multi and num_microbatches < info.pp:
+        raise SchedulingError("", f"{canonical} with pp={info.pp} needs at least {info.pp} "
+                              f"micro-batches, got {num_microbatches}.",
+                              f"pass num_microbatches >= {info.pp}.")
+    return PipelinePlan(cls, canonical, info.pp, virtual_stages, num_microbatches)
+
+
+def pipeline_cuts(sch) -> list[str]:
+    """The ordered stage boundaries recorded by `cut_pipeline_stage`."""
+    return list(sch._root.meta.get("pipeline_cuts", []))
+
+
+def check_cuts(sch, plan: PipelinePlan) -> list[str]:
+    cuts = pipeline_cuts(sch)
+    if len(cuts) + 1 != plan.num_stages:
+        raise SchedulingError(
+            sch.path, f"the schedule has {len(cuts)} pipeline cut(s), i.e. {len(cuts) + 1} "
+            f"stage(s), but pipeline={plan.name!r} with pp={plan.pp} and virtual_stages="
+            f"{plan.virtual_stages} needs {plan.num_stages} stages.",
+            f"call cut_pipeline_stage() on exactly {plan.num_stages - 1} module(s) "
+            f"(or change pp / virtual_stages).")
+    return cuts
+
+
+# ------------------------------------------------------------------------------------------------
+# weights shared by stages on different ranks (e.g. GPT-2's tied embedding and LM head)
+# ------------------------------------------------------------------------------------------------
+
+@dataclass
+class TiedWeights:
+    """Parameters used by stages on several pp ranks; their gradients are summed over pp.
+
+    Weights are named by their owner (module, parameter name), not by the parameter object,
+    because delayed init and FSDP2 replace parameter objects but keep the modules."""
+
+    entries: list[tuple[str, tuple[nn.Module, str] | None, torch.Size]] = field(
+        default_factory=list)
+    holders: dict[tuple[int, str], int] = field(default_factory=dict)  # owner -> pp ranks
+
+    def sync_grads(self, info: MeshInfo) -> None:
+        """Every pp rank walks the same list; ranks without the weight add zeros."""
+        for _, owner, shape in self.entries:
+            p = owner[0]._parameters[owner[1]] if owner is not None else None
+            local = _grad_local(p) if p is not None else None
+            buf = local if local is not None else torch.zeros(shape, device=_dev(info))
+            dist.all_reduce(buf, group=info.group("pp"))
+            if p is not None and local is None:
+                p.grad = buf
+
+
+def _grad_local(p: nn.Parameter) -> torch.Tensor | None:
+    if p.grad is None:
+        return None
+    return p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+
+
+def _dev(info: MeshInfo) -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if info.device_type == "cuda" \
+        else torch.device("cpu")
+
+
+def find_tied(all_stages: list[nn.Module], plan: PipelinePlan, pp_rank: int) -> TiedWeights:
+    """Parameters that appear in stages of more than one pp rank, found by identity before any
+    parameter is replaced; every rank computes the same list from the same cheap partition."""
+    owners: dict[int, list[tuple[int, str, nn.Module, str]]] = {}
+    shapes: dict[int, torch.Size] = {}
+    for s, stage in enumerate(all_stages):
+        for mpath, mod in stage.named_modules(remove_duplicate=False):
+            for pname, p in mod._parameters.items():
+                if p is not None:
+                    owners.setdefault(id(p), []).append((s, f"{mpath}.{pname}", mod, pname))
+                    shapes[id(p)] = p.shape
+    tied = TiedWeights()
+    mine = set(plan.stage_ids(pp_rank))
+    for pid, own in owners.items():
+        ranks = {plan.rank_of(s) for s, *_ in own}
+        if len(ranks) < 2:
+            continue
+        for _, _, mod, pname in own:
+            tied.holders[(id(mod), pname)] = len(ranks)
+        local = next(((mod, pname) for s, _, mod, pname in own if s in mine), None)
+        name = min(f"stage{s}.{path}" for s, path, *_ in own)
+        tied.entries.append((name, local, shapes[pid]))
+    tied.entries.sort(key=lambda e: e[0])
+    return tied
+
+
+# ------------------------------------------------------------------------------------------------
+# running
+# ------------------------------------------------------------------------------------------------
+
+def first_stage_args(stage: nn.Module, batch: Batch) -> tuple:
+    """The first stage's positional inputs: the batch's entries in the stage forward's order.
+
+    Positional, because torch's schedules pass keyword arguments to *every* stage on a rank,
+    while positional ones go to the first stage only."""
+    if not isinstance(batch, dict):
+        return tuple(batch)
+    names = list(getattr(stage, "input_names", None) or ())
+    if not names:
+        params = inspect.signature(stage.forward).parameters.values()
+        names = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    used = [n for n in names if n in batch]
+    if not used:
+        raise SchedulingError("", f"none of the batch's keys {sorted(batch)} is an input of "
+                              f"the first pipeline stage ({', '.join(names)}).",
+                              "name the batch entries after the model's forward arguments.")
+    last = names.index(used[-1])
+    return tuple(batch.get(n) for n in names[:last + 1])
+
+
+def stage_outputs(stage: nn.Module, output: Any) -> Any:
+    """What `loss_fn` sees: the last stage's output, wrapped like the model's output if the
+    stage knows how (e.g. an HF stage gives an object with `.logits`)."""
+    wrap = getattr(stage, "pipeline_outputs", None)
+    return wrap(output) if callable(wrap) else output
+
+
+def stage_default_loss(stage: nn.Module, outputs: Any, batch: Batch) -> torch.Tensor:
+    fn = getattr(stage, "default_loss", None)
+    if fn is None:
+        raise SchedulingError("", "the last pipeline stage cannot compute the model's own loss.",
+                              "pass build(..., loss_fn=fn) with fn(outputs, batch) -> scalar.")
+    return fn(outputs, batch)
+
+
+class PipelineRunner:
+    """One `schedule.step` per accumulation slice; the loss is the mean over micro-batches."""
+
+    def __init__(self, schedule, plan: PipelinePlan, info: MeshInfo, stage_ids: list[int],
+                 stage_modules: list[nn.Module], loss_fn: LossFn | None, tied: TiedWeights):
+        self.schedule = schedule
+        self.plan = plan
+        self.info = info
+        self.holds_first = 0 in stage_ids
+        self.holds_last = plan.num_stages - 1 in stage_ids
+        self.first = stage_modules[stage_ids.index(0)] if self.holds_first else None
+        self.last = stage_modules[stage_ids.index(plan.num_stages - 1)] \
+            if self.holds_last else None
+        self.loss_fn = loss_fn
+        self.tied = tied
+        self._batch: Batch | None = None
+        self._scale = 1.0
+        self._losses: list[torch.Tensor] = []
+
+    def schedule_loss(self, output: Any, index: torch.Tensor) -> torch.Tensor:
+        """The schedule's `loss_fn(output, target)`: target holds the micro-batch's indices."""
+        mb = index_batch(self._batch, index)
+        outputs = stage_outputs(self.last, output)
+        if self.loss_fn is None:
+            loss = stage_default_loss(self.last, outputs, mb)
+        else:
+            loss = compute_loss(outputs, mb, self.loss_fn)
+        self._losses.append(loss.detach())
+        return loss * (self._scale / self.plan.num_microbatches)
+
+    def forward_backward(self, batch: Batch, scale: float, sync_grads: bool) -> torch.Tensor:
+        self._batch, self._scale, self._losses = batch, scale, []
+        args = first_stage_args(self.first, batch) if self.holds_first else ()
+        target = torch.arange(batch_size(batch)) if self.holds_last else None
+        self.schedule.step(*args, target=target, return_outputs=False)
+        self._batch = None
+        if not self.holds_last:
+            return torch.zeros(())
+        # torch's first step also calls the loss once on uninitialised tensors to infer
+        # gradient shapes; the real micro-batches are the last `num_microbatches` calls
+        real = self._losses[-self.plan.num_microbatches:]
+        return torch.stack(real).double().mean().cpu()
+
+    def finish_grads(self) -> None:
+        self.tied.sync_grads(self.info)
+
+    def loss_holders(self) -> int:
+        return 1
+
+
+def make_stages(modules: list[nn.Module], stage_ids: list[int], plan: PipelinePlan,
+                info: MeshInfo, device: torch.device) -> list:
+    from torch.distributed.pipelining import PipelineStage
+
+    return [PipelineStage(m, s, plan.num_stages, device, group=info.group("pp"))
+            for m, s in zip(modules, stage_ids, strict=True)]
+
+
+def make_schedule(stages: list, plan: PipelinePlan, loss: Callable):
+    """The torch schedule over this rank's stages; gradient scaling is left to our loss."""
+    arg = stages if plan.multi else stages[0]
+    try:
+        return plan.schedule_cls(arg, n_microbatches=plan.num_microbatches, loss_fn=loss,
+                                 scale_grads=False)
+    except ValueError as e:
+        raise SchedulingError("", f"pipeline={plan.name!r} rejected num_microbatches="
+                              f"{plan.num_microbatches} with pp={plan.pp}: {e}",
+                              "choose a number of micro-batches the schedule accepts "
+                              "(e.g. a multiple of pp).") from None

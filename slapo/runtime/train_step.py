@@ -1,0 +1,235 @@
+"""`TrainModule.train_step(batch) -> float`: one optimizer step, the same call for every parallelism.
+
+The step is the same sequence whatever `build` composed:
+
+    slice this dp rank's samples -> zero grads -> for each accumulation slice: runner.forward_backward
+    -> runner.finish_grads (e.g. sum tied weights across pipeline stages) -> clip -> optimizer.step
+    -> the loss, averaged over samples, as a float on every rank
+
+Only the *runner* differs: `LocalRunner` runs the module (plain, DDP or FSDP2) on the slice;
+`slapo.runtime.pipelining.PipelineRunner` runs a torch.distributed.pipelining schedule.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from contextlib import nullcontext
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel
+
+from ..errors import SchedulingError
+from .batch import Batch, batch_size, call, check_divisible, slice_batch, split_batch
+from .mesh import MeshInfo
+
+LossFn = Callable[[Any, Batch], torch.Tensor]
+
+
+def compute_loss(outputs: Any, batch: Batch, loss_fn: LossFn | None) -> torch.Tensor:
+    """`loss_fn(outputs, batch)`, or the model's own `outputs.loss` (HF models given labels)."""
+    if loss_fn is not None:
+        loss = loss_fn(outputs, batch)
+    else:
+        loss = getattr(outputs, "loss", None)
+        if loss is None:
+            raise SchedulingError("", "the model's output has no `.loss` (an HF model computes "
+                                  "it only when the batch holds `labels`).",
+                                  "put `labels` in the batch, or pass build(..., loss_fn=fn) "
+                                  "with fn(outputs, batch) -> scalar.")
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        raise SchedulingError("", f"the loss must be a scalar tensor, got {type(loss).__name__}"
+                              f"{tuple(loss.shape) if isinstance(loss, torch.Tensor) else ''}.",
+                              "return e.g. loss.mean() from loss_fn.")
+    return loss.reshape(())
+
+
+class Runner(Protocol):
+    """Forward and backward of one slice of the batch; gradients accumulate in `.grad`."""
+
+    def forward_backward(self, batch: Batch, scale: float, sync_grads: bool) -> torch.Tensor:
+        """Return the slice's mean loss (detached; zero on ranks that do not compute it)."""
+
+    def finish_grads(self) -> None:
+        """Complete gradients after the last slice (before clipping)."""
+
+    def loss_holders(self) -> int:
+        """How many ranks of the pp group return the loss (it is summed over pp, then / this)."""
+
+
+class LocalRunner:
+    """The whole model on every rank of a dp group: plain, DistributedDataParallel or FSDP2."""
+
+    def __init__(self, module: nn.Module, loss_fn: LossFn | None):
+        self.module = module
+        self.loss_fn = loss_fn
+
+    def _no_sync(self, sync: bool):
+        if sync:
+            return nullcontext()
+        if hasattr(self.module, "no_sync"):  # DDP: skip the all-reduce of this slice's grads
+            return self.module.no_sync()
+        return nullcontext()
+
+    def forward_backward(self, batch: Batch, scale: float, sync_grads: bool) -> torch.Tensor:
+        fsdp = hasattr(self.module, "set_requires_gradient_sync")
+        if fsdp:  # FSDP2: reduce-scatter gradients only on the last accumulation slice
+            self.module.set_requires_gradient_sync(sync_grads)
+        with self._no_sync(sync_grads):
+            loss = compute_loss(call(self.module, batch), batch, self.loss_fn)
+            (loss * scale).backward() if scale != 1 else loss.backward()
+        return loss.detach()
+
+    def finish_grads(self) -> None:
+        pass
+
+    def loss_holders(self) -> int:
+        return 1
+
+
+@dataclass
+class NormWeights:
+    """How often each parameter's squared gradient norm is counted across the mesh, so that the
+    clipped norm is the single-process one: `weights[i]` = 1 / (number of tp and pp ranks holding
+    the same values of `params[i]`); `dp_sharded` when local values are disjoint over dp (FSDP2)."""
+
+    params: list[nn.Parameter]
+    weights: list[float]
+    dp_sharded: bool = False
+
+
+def clip_grad_norm(nw: NormWeights, max_norm: float, info: MeshInfo) -> torch.Tensor:
+    """Scale gradients so that their global 2-norm is at most `max_norm`; return that norm.
+
+    Weighted local squared norms are summed over tp, pp and (FSDP2) dp, so every rank computes
+    the norm of the full single-process gradient and applies the same factor.
+    """
+    total = torch.zeros((), dtype=torch.float64, device=_device(info))
+    grads = []
+    for p, w in zip(nw.params, nw.weights, strict=True):
+        if p.grad is None:
+            continue
+        g = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+        grads.append(g)
+        total += w * g.detach().double().pow(2).sum().to(total.device)
+    for dim in ("tp", "pp") + (("dp",) if nw.dp_sharded else ()):
+        if getattr(info, dim) > 1:
+            dist.all_reduce(total, group=info.group(dim))
+    norm = total.sqrt()
+    coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    for g in grads:
+        g.mul_(coef.to(device=g.device, dtype=g.dtype))
+    return norm.float()
+
+
+def reduce_loss(loss: torch.Tensor, info: MeshInfo, holders: int) -> float:
+    """The step's loss on every rank: summed over pp (zero where not computed), averaged over dp."""
+    value = loss.detach().double().reshape(1).to(_device(info))
+    if info.pp > 1:
+        dist.all_reduce(value, group=info.group("pp"))
+        value /= holders
+    if info.dp > 1:
+        dist.all_reduce(value, group=info.group("dp"))
+        value /= info.dp
+    return float(value.item())
+
+
+def _device(info: MeshInfo) -> torch.device:
+    if info.device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+@dataclass
+class StepConfig:
+    """What `build` decided about the step (see its docstring)."""
+
+    info: MeshInfo
+    grad_accum: int = 1
+    grad_clip: float | None = None
+    num_microbatches: int = 1
+    batch_is_global: bool = True
+
+
+class TrainModule(nn.Module):
+    """What `build` returns: the model (or this rank's pipeline stages) and its optimizer.
+
+    `train_step(batch)` is the one call a training loop needs. `model(...)` calls the wrapped
+    model (not available with a pipeline: no rank holds the whole model). Attributes that the
+    TrainModule does not have are looked up on the wrapped model (`model.config`), so code that
+    used the bare model keeps working.
+    """
+
+    def __init__(self, module: nn.Module | None, stages: Iterable[nn.Module],
+                 optimizer: torch.optim.Optimizer | None, runner: Runner, config: StepConfig,
+                 norm_weights: NormWeights):
+        super().__init__()
+        self.model = module
+        self.stages = nn.ModuleList(stages)
+        self.optimizer = optimizer
+        self.runner = runner
+        self.step_config = config
+        self._norm_weights = norm_weights
+
+    # ---- the model --------------------------------------------------------------------------
+    def forward(self, *args, **kwargs):
+        if self.model is None:
+            raise SchedulingError("", "this model is split into pipeline stages, so no rank can "
+                                  "run the whole forward.", "use model.train_step(batch).")
+        return self.model(*args, **kwargs)
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            modules = self.__dict__.get("_modules", {})
+            inner = modules.get("model")
+            if isinstance(inner, DistributedDataParallel):
+                inner = inner.module
+            if inner is None:
+                raise
+            return getattr(inner, name)
+
+    def unique_parameters(self) -> list[nn.Parameter]:
+        seen: set[int] = set()
+        out = []
+        for p in self.parameters():
+            if id(p) not in seen:
+                seen.add(id(p))
+                out.append(p)
+        return out
+
+    # ---- the step ---------------------------------------------------------------------------
+    def local_batch(self, batch: Batch) -> Batch:
+        """This dp rank's samples when the same global batch is given on every rank."""
+        cfg = self.step_config
+        info = cfg.info
+        factors = {"data-parallel ranks": info.dp if cfg.batch_is_global else 1,
+                   "grad_accum": cfg.grad_accum, "num_microbatches": cfg.num_microbatches}
+        check_divisible(batch, {k: v for k, v in factors.items() if v > 1} or {"1": 1})
+        if not cfg.batch_is_global or info.dp == 1:
+            return batch
+        size = batch_size(batch) // info.dp
+        return slice_batch(batch, info.dp_rank * size, (info.dp_rank + 1) * size)
+
+    def train_step(self, batch: Batch) -> float:
+        """Forward, backward, (clip), optimizer step; the batch's mean loss on every rank."""
+        if self.optimizer is None:
+            raise SchedulingError("", "train_step needs an optimizer.",
+                                  "pass build(sch, optimizer=torch.optim.AdamW, ...).")
+        cfg = self.step_config
+        batch = self.local_batch(batch)
+        self.optimizer.zero_grad(set_to_none=True)
+        k = cfg.grad_accum
+        loss = torch.zeros((), dtype=torch.float64)
+        for i, part in enumerate(split_batch(batch, k) if k > 1 else [batch]):
+            part_loss = self.runner.forward_backward(part, 1.0 / k, sync_grads=i == k - 1)
+            loss = loss + part_loss.detach().double().cpu() / k
+        self.runner.finish_grads()
+        if cfg.grad_clip is not None:
+            clip_grad_norm(self._norm_weights, cfg.grad_clip, cfg.info)
+        self.optimizer.step()
+        return reduce_loss(loss, cfg.info, self.runner.loss_holders())
