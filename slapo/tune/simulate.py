@@ -238,7 +238,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--device", default="h100", choices=sorted(DEVICES))
     ap.add_argument("--models", default="gpt-1.3b,gpt-2.7b,gpt-7b")
     ap.add_argument("--gpus", default="8,16,32,64")
-    ap.add_argument("--tokens-per-gpu-batch", type=int, default=16,
+    ap.add_argument("--samples-per-gpu", type=int, default=16,
                     help="global batch = this x GPUs (Mist's artifact uses 16 samples per GPU)")
     ap.add_argument("--top", type=int, default=3)
     args = ap.parse_args(argv)
@@ -249,7 +249,7 @@ def main(argv: list[str] | None = None) -> None:
         spec = GPT_MODELS[name]
         lm = LayerModel(spec)
         for n in (int(x) for x in args.gpus.split(",")):
-            plans = simulate(spec, n, args.tokens_per_gpu_batch * n, dev, lm, top=args.top)
+            plans = simulate(spec, n, args.samples_per_gpu * n, dev, lm, top=args.top)
             if not plans:
                 print(f"{name:9s} {n:3d}  no plan fits")
             for p in plans:
