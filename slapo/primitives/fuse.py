@@ -11,9 +11,9 @@ import inspect
 from collections.abc import Callable
 
 import torch
+import torch.fx as fx
 import torch.nn as nn
 
-from .. import module_patch
 from ..errors import SchedulingError
 from ..graph.subgraph import as_subgraph, check_movable, extract, fresh_name, install, rebuild_tree
 from . import checkpoint as _ckpt
@@ -106,14 +106,26 @@ def _arity_problem(fn: Callable, n_inputs: int, kwargs: dict) -> str | None:
     return None
 
 
+class CheckpointedRegion(nn.Module):
+    """Runs the extracted ops (`region`, a parameter-free GraphModule) under slapo's activation
+    checkpointing: only the region's inputs are kept for backward."""
+
+    def __init__(self, region: fx.GraphModule):
+        super().__init__()
+        self.region = region
+        self._wrapper = _ckpt.CheckpointWrapper()
+
+    def forward(self, *args):
+        return self._wrapper(self, self.region, args, {})
+
+
 def _checkpoint_subgraph(sch, subgraph, name="checkpointed"):
     sub = as_subgraph(sch, subgraph, "checkpoint")
     check_movable(sch, sub, "checkpoint")
     gm = sch.mod
     attr = fresh_name(gm, name)
     region, inputs = extract(sub, attr)
-    module_patch.add_wrapper(region, _ckpt.CheckpointWrapper())
-    install(sub, region, attr, inputs)
+    install(sub, CheckpointedRegion(region), attr, inputs)
     rebuild_tree(sch)
     return sch[attr]
 
