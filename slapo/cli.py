@@ -1,0 +1,169 @@
+"""`slapo` command line. `slapo train --help` lists every option.
+
+    slapo train --model gpt2 --steps 50 --out runs/gpt2
+    slapo train --config run.toml --steps 100          # flags override the TOML file
+    torchrun --nproc-per-node 2 -m slapo.cli train --tp 2 --out runs/tp2
+
+Options come from three places, later ones winning: `TrainConfig`'s defaults, the TOML file
+(`--config`; keys are the option names, with `_` or `-`, at top level or in any table such as
+`[schedule]`), then the flags given on the command line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from dataclasses import fields
+from typing import Any
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # configs only: never reach the Hub
+
+HELP = {
+    "model": "architecture (small config): gpt2, llama, opt, gpt_neo, bert, roberta, albert, t5",
+    "steps": "total optimizer steps (a resumed run continues up to this)",
+    "batch_size": "global batch size (samples per step, over all data-parallel ranks)",
+    "seq_len": "tokens per sample",
+    "lr": "peak learning rate (AdamW)",
+    "min_lr_ratio": "cosine decay to lr * this at the last step (1: constant LR)",
+    "warmup": "linear warm-up steps",
+    "weight_decay": "AdamW weight decay",
+    "grad_clip": "clip the gradient norm to this (0: no clipping)",
+    "dropout": "dropout probability of the model",
+    "seed": "seed of the model init, data order and dropout",
+    "hidden_size": "model width",
+    "num_layers": "number of layers (T5: split between encoder and decoder)",
+    "num_heads": "attention heads",
+    "out": "run directory: metrics.json, metrics.png, checkpoints/",
+    "resume": "resume from the newest checkpoint in --out (or from the checkpoint directory "
+              "given)",
+    "save_every": "checkpoint every N steps (0: only at the end); needs --out",
+    "eval_batches": "val-loss batches at the end (0: skip)",
+    "progress": "show the progress bar",
+    "plot": "write metrics.png",
+    "tp": "schedule knob: tensor-parallel degree",
+    "ckpt_ratio": "schedule knob: fraction of layers with activation checkpointing",
+    "attention": "schedule knob: attention kernel (eager, sdpa, flash)",
+    "fuse": "schedule knob: fuse elementwise ops",
+    "tempo": "schedule knob: memory-saving Tempo layers",
+    "pp_stages": "schedule knob: pipeline stages",
+}
+
+
+class UsageError(ValueError):
+    """A bad option: reported as `slapo train: error: ...` with exit status 2."""
+
+
+def _base_type(annotation: str) -> str:
+    return annotation.split("|")[0].strip()
+
+
+def _parser() -> argparse.ArgumentParser:
+    from .train.loop import TrainConfig
+
+    parser = argparse.ArgumentParser(prog="slapo", description="Slapo: schedule, verify and "
+                                     "train PyTorch models.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+    train = sub.add_parser("train", help="train a model on the shipped corpus",
+                           description="Train a small model of a chosen architecture on the "
+                           "public-domain corpus shipped with Slapo, with schedule knobs.",
+                           argument_default=argparse.SUPPRESS)
+    train.add_argument("--config", metavar="FILE.toml", help="options as TOML (flags override)")
+    for f in fields(TrainConfig):
+        flag = "--" + f.name.replace("_", "-")
+        kind = _base_type(f.type)
+        text = HELP.get(f.name, "")
+        if f.default is not None:
+            text += f" (default: {f.default})"
+        if f.name == "resume":
+            train.add_argument(flag, nargs="?", const="latest", metavar="CKPT_DIR", help=text)
+        elif kind == "bool":
+            train.add_argument(flag, action=argparse.BooleanOptionalAction, help=text)
+        else:
+            train.add_argument(flag, type={"int": int, "float": float, "str": str}[kind],
+                               metavar=f.name.upper(), help=text)
+    return parser
+
+
+def load_toml(path: str) -> dict[str, Any]:
+    """Options from a TOML file: keys at top level or in tables, `-` or `_`, type-checked."""
+    import tomllib
+
+    from .train.loop import config_fields
+
+    try:
+        with open(path, "rb") as fh:
+            doc = tomllib.load(fh)
+    except FileNotFoundError:
+        raise UsageError(f"--config {path}: no such file") from None
+    except tomllib.TOMLDecodeError as e:
+        raise UsageError(f"--config {path}: not valid TOML: {e}") from None
+    known = config_fields()
+    flat: dict[str, Any] = {}
+
+    def take(table: dict[str, Any], where: str) -> None:
+        for key, value in table.items():
+            name = key.replace("-", "_")
+            if isinstance(value, dict) and name not in known:
+                take(value, f"{where}{key}.")
+                continue
+            if name not in known:
+                raise UsageError(f"--config {path}: unknown option {where}{key!r}; known: "
+                                 f"{', '.join(sorted(known))}")
+            flat[name] = _check_type(name, value, known[name], path)
+
+    take(doc, "")
+    return flat
+
+
+def _check_type(name: str, value: Any, annotation: str, path: str) -> Any:
+    kind = _base_type(annotation)
+    ok = {"int": isinstance(value, int) and not isinstance(value, bool),
+          "float": isinstance(value, (int, float)) and not isinstance(value, bool),
+          "str": isinstance(value, str),
+          "bool": isinstance(value, bool)}[kind]
+    if not ok:
+        raise UsageError(f"--config {path}: {name} must be {kind}, got {value!r}")
+    return float(value) if kind == "float" else value
+
+
+def parse_train_args(argv: list[str]) -> Any:
+    """TrainConfig from defaults < TOML (--config) < flags. Raises SystemExit(2) on bad flags."""
+    from .train.loop import TrainConfig
+
+    parser = _parser()
+    args = vars(parser.parse_args(["train", *argv]))
+    args.pop("command")
+    options = load_toml(args.pop("config")) if "config" in args else {}
+    options.update(args)
+    if options.get("grad_clip") == 0:
+        options["grad_clip"] = None
+    return TrainConfig(**options)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the `slapo` console script; returns the exit status."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = _parser()
+    if not argv or argv[0] in ("-h", "--help") or argv[0] != "train":
+        parser.parse_args(argv)  # prints help / the error for an unknown command and exits
+        return 2
+    train_parser = parser._subparsers._group_actions[0].choices["train"]
+    try:
+        cfg = parse_train_args(argv[1:])
+        cfg.check()
+    except (UsageError, ValueError) as e:
+        train_parser.error(str(e))  # exits with status 2
+    from .train.loop import train
+
+    try:
+        train(cfg)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"slapo train: error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,180 @@
+"""The shipped corpus as fixed-length token blocks, and a seeded sampler that can resume exactly.
+
+Split: each document's first `1 - val_fraction` of tokens go to train and the rest to val, so the
+split is deterministic, needs no shuffling, and val covers every document's style.
+
+Blocks: a split's token stream is cut into non-overlapping blocks of `seq_len` tokens. Each
+epoch of the sampler shifts the grid by a seeded offset (so the model sees different block
+boundaries) and visits the blocks in a seeded order. The sampler's whole state is three ints
+(seed, epoch, position), so it saves as JSON and resumes bit-exactly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from importlib import resources
+
+import torch
+
+from .tokenizer import ByteTokenizer
+
+CORPUS_PACKAGE = "slapo.data"
+CORPUS_DIR = "corpus"
+IGNORE_INDEX = -100  # label value HF losses skip
+
+
+def corpus_files() -> list[str]:
+    """Names of the shipped corpus files, sorted (the order fixes the token stream)."""
+    root = resources.files(CORPUS_PACKAGE) / CORPUS_DIR
+    return sorted(p.name for p in root.iterdir() if p.name.endswith(".txt"))
+
+
+def load_corpus() -> dict[str, str]:
+    """{file name: text} of the shipped public-domain corpus (see slapo/data/README.md)."""
+    root = resources.files(CORPUS_PACKAGE) / CORPUS_DIR
+    return {name: (root / name).read_text(encoding="utf-8") for name in corpus_files()}
+
+
+def split_tokens(texts: dict[str, str], tokenizer: ByteTokenizer, val_fraction: float = 0.1
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(train, val) token streams: each document split at `1 - val_fraction`, EOS after each part."""
+    if not 0 < val_fraction < 1:
+        raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction}")
+    train: list[int] = []
+    val: list[int] = []
+    for name in sorted(texts):
+        ids = tokenizer.encode(texts[name])
+        cut = int(len(ids) * (1 - val_fraction))
+        train += ids[:cut] + [tokenizer.eos_id]
+        val += ids[cut:] + [tokenizer.eos_id]
+    return torch.tensor(train, dtype=torch.int16), torch.tensor(val, dtype=torch.int16)
+
+
+@dataclass
+class SamplerState:
+    seed: int
+    epoch: int = 0
+    position: int = 0  # blocks already drawn in this epoch
+
+
+class BlockSampler:
+    """Draws batches of block starts from a token stream, epoch by epoch, from a seed.
+
+    Every rank builds the same sampler and draws the same global batch (the runtime slices it
+    for data parallelism), so there is one sampler state for the whole job.
+    """
+
+    def __init__(self, num_tokens: int, seq_len: int, seed: int = 0):
+        if num_tokens < 2 * seq_len:
+            raise ValueError(f"the corpus split has {num_tokens} tokens, too few for blocks of "
+                             f"{seq_len}; use a smaller --seq-len.")
+        self.num_tokens = num_tokens
+        self.seq_len = seq_len
+        self.state = SamplerState(seed)
+        self._epoch_cache: tuple[int, torch.Tensor] | None = None
+
+    def _starts(self, epoch: int) -> torch.Tensor:
+        """This epoch's block start offsets, in visiting order."""
+        if self._epoch_cache is not None and self._epoch_cache[0] == epoch:
+            return self._epoch_cache[1]
+        g = torch.Generator().manual_seed(self.state.seed * 1_000_003 + epoch)
+        offset = int(torch.randint(self.seq_len, (1,), generator=g))
+        count = (self.num_tokens - offset) // self.seq_len
+        order = torch.randperm(count, generator=g)
+        starts = offset + order * self.seq_len
+        self._epoch_cache = (epoch, starts)
+        return starts
+
+    def blocks_per_epoch(self) -> int:
+        return len(self._starts(self.state.epoch))
+
+    def next_starts(self, batch_size: int) -> torch.Tensor:
+        """The next `batch_size` block starts (crossing into the next epoch when needed)."""
+        out = []
+        while len(out) < batch_size:
+            starts = self._starts(self.state.epoch)
+            take = min(batch_size - len(out), len(starts) - self.state.position)
+            out += starts[self.state.position:self.state.position + take].tolist()
+            self.state.position += take
+            if self.state.position == len(starts):
+                self.state.epoch += 1
+                self.state.position = 0
+        return torch.tensor(out, dtype=torch.long)
+
+    def state_dict(self) -> dict[str, int]:
+        return {"seed": self.state.seed, "epoch": self.state.epoch,
+                "position": self.state.position}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.state = SamplerState(int(state["seed"]), int(state["epoch"]), int(state["position"]))
+
+
+def gather_blocks(tokens: torch.Tensor, starts: torch.Tensor, length: int) -> torch.Tensor:
+    """[len(starts), length] int64 token ids."""
+    index = starts[:, None] + torch.arange(length)[None, :]
+    return tokens[index].long()
+
+
+def mask_tokens(ids: torch.Tensor, tokenizer: ByteTokenizer, generator: torch.Generator,
+                prob: float = 0.15) -> tuple[torch.Tensor, torch.Tensor]:
+    """BERT-style masking: of `prob` of the positions, 80% -> MASK, 10% -> random byte,
+    10% unchanged; labels are the original ids there and IGNORE_INDEX elsewhere."""
+    chosen = torch.rand(ids.shape, generator=generator) < prob
+    chosen[:, 0] |= ~chosen.any(dim=1)  # at least one target per row, so the loss is defined
+    labels = torch.where(chosen, ids, torch.full_like(ids, IGNORE_INDEX))
+    roll = torch.rand(ids.shape, generator=generator)
+    inputs = ids.clone()
+    inputs[chosen & (roll < 0.8)] = tokenizer.mask_id
+    random_pos = chosen & (roll >= 0.8) & (roll < 0.9)
+    inputs[random_pos] = torch.randint(256, ids.shape, generator=generator)[random_pos]
+    return inputs, labels
+
+
+TASKS = ("causal", "masked", "seq2seq")
+
+
+class CorpusLoader:
+    """Batches of the shipped corpus for a task, drawn by a resumable `BlockSampler`.
+
+    - "causal": input_ids = labels = a block of seq_len (HF causal LMs shift labels themselves).
+    - "masked": a block with 15% of positions masked; labels only at the masked positions.
+    - "seq2seq": input_ids = a block of seq_len; labels = the seq_len // 2 tokens that follow it
+      (continue the text; the model makes decoder inputs from labels).
+    Randomness of masking comes from a generator seeded by (seed, step), never the global RNG,
+    so batches do not depend on what else consumed random numbers.
+    """
+
+    def __init__(self, task: str, seq_len: int, seed: int = 0, split: str = "train",
+                 val_fraction: float = 0.1):
+        if task not in TASKS:
+            raise ValueError(f"unknown task {task!r}; use one of {TASKS}")
+        self.task = task
+        self.seq_len = seq_len
+        self.seed = seed
+        self.tokenizer = ByteTokenizer()
+        train, val = split_tokens(load_corpus(), self.tokenizer, val_fraction)
+        self.tokens = {"train": train, "val": val}[split]
+        self.target_len = seq_len // 2 if task == "seq2seq" else 0
+        self.sampler = BlockSampler(len(self.tokens) - self.target_len, seq_len, seed)
+        self.batches_drawn = 0
+
+    def next_batch(self, batch_size: int) -> dict[str, torch.Tensor]:
+        starts = self.sampler.next_starts(batch_size)
+        self.batches_drawn += 1
+        if self.task == "causal":
+            ids = gather_blocks(self.tokens, starts, self.seq_len)
+            return {"input_ids": ids, "labels": ids.clone()}
+        if self.task == "masked":
+            ids = gather_blocks(self.tokens, starts, self.seq_len)
+            g = torch.Generator().manual_seed(self.seed * 1_000_003 + 7919 * self.batches_drawn)
+            inputs, labels = mask_tokens(ids, self.tokenizer, g)
+            return {"input_ids": inputs, "labels": labels}
+        both = gather_blocks(self.tokens, starts, self.seq_len + self.target_len)
+        return {"input_ids": both[:, :self.seq_len], "labels": both[:, self.seq_len:].clone()}
+
+    def state_dict(self) -> dict[str, int]:
+        return {**self.sampler.state_dict(), "batches_drawn": self.batches_drawn}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.sampler.load_state_dict(state)
+        self.batches_drawn = int(state["batches_drawn"])

@@ -1,0 +1,562 @@
+"""The `slapo train` loop, top to bottom: setup -> build -> (resume) -> steps -> finish.
+
+    env = setup(cfg)                      # torch.distributed from torchrun's env, or one process
+    run = build(cfg, env)                 # model, schedule knobs, optimizer, data, one step fn
+    resume(run, path)                     # optional: model, optimizer, RNG, sampler, history
+    for each step: batch -> lr -> step -> log -> (checkpoint)
+    finish(run)                           # metrics.json, metrics.png
+
+Exact resume: a checkpoint holds everything the next step depends on (weights, optimizer
+moments, every RNG stream, the data sampler's position, the LR is a function of the step), so a
+run resumed from step k computes bit-for-bit the losses the uninterrupted run computed after k.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass, field, fields
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from ..data import CorpusLoader
+from . import checkpoint as ckpt
+from .models import ModelSize, build_model, get_model_spec
+
+KNOBS = ("tp", "ckpt_ratio", "attention", "fuse", "tempo", "pp_stages")
+DIST_TIMEOUT_S = 60
+
+
+@dataclass
+class TrainConfig:
+    """Every option of `slapo train`; the CLI flags and TOML keys have the same names."""
+
+    model: str = "gpt2"
+    steps: int = 50
+    batch_size: int = 8
+    seq_len: int = 64
+    lr: float = 1e-3
+    min_lr_ratio: float = 0.1   # cosine decay to lr * min_lr_ratio at `steps` (1.0: constant)
+    warmup: int = 0             # linear warm-up steps
+    weight_decay: float = 0.0
+    grad_clip: float | None = 1.0
+    dropout: float = 0.0
+    seed: int = 0
+    hidden_size: int = 128
+    num_layers: int = 4
+    num_heads: int = 4
+    out: str | None = None
+    resume: str | None = None   # "latest" (the newest checkpoint in `out`) or a checkpoint dir
+    save_every: int = 0         # 0: only at the end (when `out` is given)
+    eval_batches: int = 4       # val-loss batches at the end (0: skip)
+    progress: bool = True
+    plot: bool = True
+    # schedule knobs, passed to slapo.model_schedule.apply (None: not given)
+    tp: int | None = None
+    ckpt_ratio: float | None = None
+    attention: str | None = None
+    fuse: bool | None = None
+    tempo: bool | None = None
+    pp_stages: int | None = None
+
+    def check(self) -> None:
+        """Reject bad values before anything is built, with the option's name in the message."""
+        get_model_spec(self.model)
+        for name in ("steps", "batch_size", "seq_len", "hidden_size", "num_layers", "num_heads"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{_flag(name)} must be >= 1, got {getattr(self, name)}")
+        for name in ("save_every", "warmup", "eval_batches"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"--{_flag(name)} must be >= 0, got {getattr(self, name)}")
+        if not self.lr > 0:
+            raise ValueError(f"--lr must be > 0, got {self.lr}")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ValueError(f"--min-lr-ratio must be in [0, 1], got {self.min_lr_ratio}")
+        if not 0 <= self.dropout < 1:
+            raise ValueError(f"--dropout must be in [0, 1), got {self.dropout}")
+        if self.resume is not None and self.out is None and self.resume == "latest":
+            raise ValueError("--resume needs --out DIR (the run directory holding checkpoints)")
+        for name in ("tp", "pp_stages"):
+            v = getattr(self, name)
+            if v is not None and v < 1:
+                raise ValueError(f"--{_flag(name)} must be >= 1, got {v}")
+        if self.ckpt_ratio is not None and not 0 <= self.ckpt_ratio <= 1:
+            raise ValueError(f"--ckpt-ratio must be in [0, 1], got {self.ckpt_ratio}")
+        if self.attention is not None and self.attention not in ("eager", "sdpa", "flash"):
+            raise ValueError(f"--attention must be eager, sdpa or flash, got {self.attention!r}")
+
+    def knobs(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in KNOBS if getattr(self, k) is not None}
+
+    def size(self) -> ModelSize:
+        return ModelSize(self.hidden_size, self.num_layers, self.num_heads,
+                         max_positions=max(1024, 2 * self.seq_len), dropout=self.dropout)
+
+
+# Options that must match a checkpoint for resuming to continue the same run.
+RUN_IDENTITY = ("model", "batch_size", "seq_len", "seed", "hidden_size", "num_layers",
+                "num_heads", "dropout", "tp", "pp_stages")
+
+
+def _flag(name: str) -> str:
+    return name.replace("_", "-")
+
+
+def config_fields() -> dict[str, Any]:
+    """{option name: its type annotation string}, for the CLI and TOML parsers."""
+    return {f.name: f.type for f in fields(TrainConfig)}
+
+
+# ---- setup ------------------------------------------------------------------------------------
+@dataclass
+class Env:
+    rank: int = 0
+    world: int = 1
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    mesh: Any = None          # DeviceMesh ("dp", "pp", "tp") under torchrun, else None
+    dp: int = 1
+    owns_process_group: bool = False
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def setup(cfg: TrainConfig) -> Env:
+    """One process, or join torchrun's job (gloo on CPU, NCCL on CUDA; 60 s collective timeout)."""
+    tp, pp = cfg.tp or 1, cfg.pp_stages or 1
+    launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    world = int(os.environ["WORLD_SIZE"]) if launched else (
+        dist.get_world_size() if dist.is_initialized() else 1)
+    if world % (tp * pp):
+        raise ValueError(f"--tp {tp} x --pp-stages {pp} = {tp * pp} does not divide the "
+                         f"{world} processes of this job; launch `torchrun --nproc-per-node "
+                         f"{tp * pp} -m slapo.cli train ...` (or a multiple of it).")
+    dp = world // (tp * pp)
+    if cfg.batch_size % dp:
+        raise ValueError(f"--batch-size {cfg.batch_size} is not divisible by the {dp} "
+                         "data-parallel ranks.")
+    env = Env(world=world, dp=dp)
+    if world == 1 and not dist.is_initialized():
+        env.device = _local_device()
+        return env
+    owns = not dist.is_initialized()
+    if owns:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if backend == "nccl":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group(backend, timeout=timedelta(seconds=DIST_TIMEOUT_S))
+    from torch.distributed.device_mesh import init_device_mesh
+
+    env.rank, env.owns_process_group = dist.get_rank(), owns
+    env.device = _local_device()
+    env.mesh = init_device_mesh(env.device.type, (dp, pp, tp), mesh_dim_names=("dp", "pp", "tp"))
+    return env
+
+
+def _local_device() -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def teardown(env: Env) -> None:
+    if env.owns_process_group and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+# ---- build ------------------------------------------------------------------------------------
+@dataclass
+class Run:
+    """Everything the loop carries from step to step."""
+
+    cfg: TrainConfig
+    env: Env
+    model: nn.Module            # the (scheduled) HF model: state-dict keys are the HF keys
+    optimizer: torch.optim.Optimizer
+    step_fn: Any                # batch -> float loss (the runtime's train_step, or plain_step)
+    data: CorpusLoader
+    task: str
+    schedule_note: str
+    step: int = 0
+    losses: list[float] = field(default_factory=list)
+    step_times: list[float] = field(default_factory=list)
+    resumed_from: int | None = None
+
+
+def build(cfg: TrainConfig, env: Env, log=print) -> Run:
+    """Model from the registry (same init on every rank), schedule knobs, optimizer, data."""
+    torch.manual_seed(cfg.seed)
+    model, spec = build_model(cfg.model, cfg.size())
+    model, sch, note = schedule(model, cfg, env, log)
+    model = model.to(env.device)
+    model.train()
+    model, optimizer, step_fn = make_trainable(sch, model, cfg, env)
+    _seed_training_rng(cfg.seed, env)
+    data = CorpusLoader(spec.task, cfg.seq_len, seed=cfg.seed)
+    return Run(cfg, env, model, optimizer, step_fn, data, spec.task, note)
+
+
+def schedule(model: nn.Module, cfg: TrainConfig, env: Env, log) -> tuple[nn.Module, Any, str]:
+    """Apply the schedule knobs with `slapo.model_schedule.apply`, when it exists.
+
+    A missing `apply`, or one that raises NotImplementedError for a knob, is reported and the
+    model trains unscheduled (rebuilt from the same seed, in case the failed apply touched it);
+    any other error (an unknown architecture, a bad value) stops the run with its message.
+    """
+    import slapo
+
+    knobs = cfg.knobs()
+    tp_group = env.mesh.get_group("tp") if env.mesh is not None else None
+
+    def unscheduled(m: nn.Module) -> Any:
+        return slapo.create_schedule(m, group=tp_group) if tp_group is not None else \
+            slapo.create_schedule(m)
+
+    if not knobs:
+        return model, unscheduled(model), "none (no schedule knobs given: HF eager)"
+    shown = ", ".join(f"{k}={v}" for k, v in knobs.items())
+    try:
+        from slapo.model_schedule import apply
+    except ImportError:
+        note = f"not applied: slapo.model_schedule.apply is not available ({shown} ignored)"
+        log(f"warning: schedule {note}; training unscheduled")
+        return model, unscheduled(model), note
+    extra = {}
+    params = inspect.signature(apply).parameters
+    if env.mesh is not None and "mesh" in params:
+        extra["mesh"] = env.mesh
+    elif tp_group is not None and "group" in params:
+        extra["group"] = tp_group
+    try:
+        sch = apply(model, **knobs, **extra)
+    except NotImplementedError as e:
+        note = f"not applied: {e} ({shown} ignored)"
+        log(f"warning: schedule {note}; training unscheduled")
+        torch.manual_seed(cfg.seed)
+        model, _ = build_model(cfg.model, cfg.size())
+        return model, unscheduled(model), note
+    return sch.mod, sch, f"applied: {shown}"
+
+
+def make_trainable(sch: Any, model: nn.Module, cfg: TrainConfig, env: Env
+                   ) -> tuple[nn.Module, torch.optim.Optimizer, Any]:
+    """`slapo.build` the schedule with AdamW; return (model for state dicts, optimizer, step fn).
+
+    When `build` returns a module with `train_step` (the runtime's uniform step: data, tensor
+    and pipeline parallelism, gradient clipping over the mesh), that is the step; otherwise a
+    plain forward/backward/clip/step loop on this process's whole model.
+    """
+    import slapo
+
+    kwargs: dict[str, Any] = {}
+    params = inspect.signature(slapo.build).parameters
+    if "grad_clip" in params:
+        kwargs["grad_clip"] = cfg.grad_clip
+    if "data_parallel" in params and env.dp > 1:
+        kwargs["data_parallel"] = "ddp"
+    if (cfg.pp_stages or 1) > 1:
+        if "pipeline" not in params:
+            raise ValueError("--pp-stages needs pipeline support in slapo.build, which this "
+                             "version does not have yet; use --pp-stages 1.")
+        kwargs["pipeline"] = cfg.pp_stages
+    built = slapo.build(sch, optimizer=torch.optim.AdamW, seed=cfg.seed,
+                        optimizer_kwargs={"lr": cfg.lr, "weight_decay": cfg.weight_decay,
+                                          "betas": (0.9, 0.95)}, **kwargs)
+    if hasattr(built, "train_step"):
+        inner = built.model if getattr(built, "model", None) is not None else model
+        return inner, built.optimizer, built.train_step
+    built_model, optimizer = built
+    if env.dp > 1:
+        return built_model, optimizer, ddp_step(built_model, optimizer, cfg, env)
+    return built_model, optimizer, plain_step(built_model, optimizer, cfg.grad_clip)
+
+
+def plain_step(model: nn.Module, optimizer: torch.optim.Optimizer, grad_clip: float | None):
+    """One optimizer step on the whole batch; the HF model computes the loss from `labels`."""
+    def step(batch: dict[str, torch.Tensor]) -> float:
+        optimizer.zero_grad(set_to_none=True)
+        loss = model(**batch).loss
+        loss.backward()
+        if grad_clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+        optimizer.step()
+        return float(loss.detach())
+
+    return step
+
+
+def ddp_step(model: nn.Module, optimizer: torch.optim.Optimizer, cfg: TrainConfig, env: Env):
+    """Data parallelism until the runtime's `train_step` provides it: DDP, this rank's slice of
+    the global batch, the loss averaged over ranks (so every rank logs the same value)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    ddp = DistributedDataParallel(model, process_group=env.mesh.get_group("dp"))
+    group = env.mesh.get_group("dp")
+    rank, per = env.mesh.get_local_rank("dp"), cfg.batch_size // env.dp
+
+    def step(batch: dict[str, torch.Tensor]) -> float:
+        local = {k: v[rank * per:(rank + 1) * per] for k, v in batch.items()}
+        optimizer.zero_grad(set_to_none=True)
+        loss = ddp(**local).loss
+        loss.backward()
+        if cfg.grad_clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        optimizer.step()
+        value = loss.detach().double().reshape(1)
+        dist.all_reduce(value, group=group)
+        return float(value / env.dp)
+
+    return step
+
+
+def _seed_training_rng(seed: int, env: Env) -> None:
+    """Training randomness (dropout): Megatron's streams, distinct per dp/pp rank and per tp
+    rank inside tensor-parallel regions, so replicas do not draw identical masks."""
+    import slapo
+
+    if env.mesh is None:
+        slapo.set_random_seed(seed + 1)
+        return
+    slapo.set_random_seed(seed + 1, tp_rank=env.mesh.get_local_rank("tp"),
+                          dp_rank=env.mesh.get_local_rank("dp"),
+                          pp_rank=env.mesh.get_local_rank("pp"))
+
+
+# ---- step -------------------------------------------------------------------------------------
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    """Linear warm-up, then cosine decay to lr * min_lr_ratio at cfg.steps (step is 0-based).
+    A pure function of the step, so resuming needs no scheduler state."""
+    if step < cfg.warmup:
+        return cfg.lr * (step + 1) / cfg.warmup
+    span = max(cfg.steps - cfg.warmup, 1)
+    progress = min((step - cfg.warmup) / span, 1.0)
+    ratio = cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+    return cfg.lr * ratio
+
+
+def train_one_step(run: Run) -> float:
+    """Draw the next global batch, set the LR, take one optimizer step; return the loss."""
+    batch = {k: v.to(run.env.device) for k, v in run.data.next_batch(run.cfg.batch_size).items()}
+    for group in run.optimizer.param_groups:
+        group["lr"] = lr_at(run.step, run.cfg)
+    t0 = time.perf_counter()
+    loss = run.step_fn(batch)
+    run.step_times.append(time.perf_counter() - t0)
+    run.step += 1
+    run.losses.append(float(loss))
+    if not math.isfinite(loss):
+        raise FloatingPointError(f"the loss is {loss} at step {run.step}; lower --lr "
+                                 "(or check the schedule).")
+    return loss
+
+
+# ---- log --------------------------------------------------------------------------------------
+def reset_peak_memory(device: torch.device) -> None:
+    """Start peak-memory accounting now (after build), so it measures training."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        return
+    try:  # Linux: writing 5 resets the VmHWM (peak resident set) of this process
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        pass
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """CUDA: peak allocated by torch. CPU: peak resident set (VmHWM) of this process."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import resource
+
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+def tokens_per_step(cfg: TrainConfig) -> int:
+    return cfg.batch_size * cfg.seq_len
+
+
+def throughput(run: Run) -> float:
+    """Tokens/s over this process's steps, skipping the first (warm-up) when there are more."""
+    times = run.step_times[1:] if len(run.step_times) > 1 else run.step_times
+    return tokens_per_step(run.cfg) * len(times) / sum(times) if times else 0.0
+
+
+def progress_bar(run: Run):
+    from tqdm import tqdm
+
+    return tqdm(total=run.cfg.steps, initial=run.step, desc=f"train {run.cfg.model}",
+                disable=not (run.env.is_main and run.cfg.progress), file=sys.stderr,
+                dynamic_ncols=True, leave=True)
+
+
+def log_step(run: Run, bar) -> None:
+    tok_s = tokens_per_step(run.cfg) / run.step_times[-1]
+    mem = peak_memory_bytes(run.env.device) / 2**20
+    bar.set_postfix_str(f"loss {run.losses[-1]:.4f}  {tok_s:,.0f} tok/s  peak {mem:,.0f} MiB",
+                        refresh=False)
+    bar.update(1)
+
+
+@torch.no_grad()
+def val_loss(run: Run) -> float | None:
+    """Mean loss on the first `eval_batches` val batches (fixed, independent of the step)."""
+    if run.cfg.eval_batches == 0 or not callable(getattr(run.model, "forward", None)):
+        return None
+    val = CorpusLoader(run.task, run.cfg.seq_len, seed=run.cfg.seed, split="val")
+    was_training = run.model.training
+    run.model.eval()
+    total = 0.0
+    try:
+        for _ in range(run.cfg.eval_batches):
+            batch = {k: v.to(run.env.device)
+                     for k, v in val.next_batch(run.cfg.batch_size).items()}
+            total += float(run.model(**batch).loss)
+    finally:
+        run.model.train(was_training)
+    return total / run.cfg.eval_batches
+
+
+# ---- checkpoint -------------------------------------------------------------------------------
+def save(run: Run) -> Path:
+    path = ckpt.checkpoint_dir(Path(run.cfg.out), run.step)
+    trainer = {"step": run.step, "losses": run.losses, "step_times": run.step_times,
+               "data": run.data.state_dict(), "config": asdict(run.cfg)}
+    ckpt.save(path, run.model, run.optimizer, trainer, run.env.rank)
+    return path
+
+
+def resume(run: Run, log=print) -> None:
+    """Load the checkpoint named by cfg.resume ("latest" in cfg.out, or a directory)."""
+    cfg = run.cfg
+    if cfg.resume == "latest":
+        path = ckpt.latest(Path(cfg.out))
+        if path is None:
+            log(f"--resume: no checkpoint in {cfg.out}/checkpoints yet; starting from step 0")
+            return
+    else:
+        path = Path(cfg.resume)
+    trainer = ckpt.load(path, run.model, run.optimizer, run.env.rank)
+    saved = trainer["config"]
+    diff = {k: (saved.get(k), getattr(cfg, k)) for k in RUN_IDENTITY
+            if saved.get(k) != getattr(cfg, k)}
+    if diff:
+        shown = ", ".join(f"--{_flag(k)} {new} (checkpoint: {old})" for k, (old, new) in
+                          diff.items())
+        raise ValueError(f"cannot resume from {path}: it is a different run: {shown}.")
+    run.step = trainer["step"]
+    run.losses = list(trainer["losses"])
+    run.data.load_state_dict(trainer["data"])
+    run.resumed_from = run.step
+    log(f"resumed from {path} at step {run.step}")
+
+
+# ---- finish -----------------------------------------------------------------------------------
+def metrics(run: Run, val: float | None, peak: int) -> dict[str, Any]:
+    n_params = sum(p.numel() for p in run.model.parameters())
+    return {
+        "losses": run.losses,
+        "val_loss": val,
+        "tokens_per_s": throughput(run),
+        "tokens_per_step": tokens_per_step(run.cfg),
+        "step_times_s": run.step_times,
+        "peak_memory_bytes": peak,
+        "peak_memory_kind": "cuda max_memory_allocated" if run.env.device.type == "cuda"
+        else "process peak RSS (VmHWM)",
+        "parameters_on_rank0": n_params,
+        "steps": run.step,
+        "resumed_from": run.resumed_from,
+        "schedule": run.schedule_note,
+        "world_size": run.env.world,
+        "device": str(run.env.device),
+        "torch": torch.__version__,
+        "config": asdict(run.cfg),
+    }
+
+
+def write_metrics(out: Path, data: dict[str, Any]) -> Path:
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "metrics.json"
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(data, indent=1))
+    tmp.replace(path)
+    return path
+
+
+def plot(out: Path, data: dict[str, Any]) -> Path | None:
+    """metrics.png: loss and tokens/s per step (matplotlib, imported only here)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    losses = data["losses"]
+    times = data["step_times_s"]
+    first = len(losses) - len(times) + 1  # step number of times[0] (after a resume)
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.5))
+    ax1.plot(range(1, len(losses) + 1), losses)
+    ax1.set(xlabel="step", ylabel="loss", title=f"{data['config']['model']}: training loss")
+    ax2.plot(range(first, first + len(times)), [data["tokens_per_step"] / t for t in times])
+    ax2.set(xlabel="step", ylabel="tokens/s", title="throughput")
+    fig.tight_layout()
+    path = out / "metrics.png"
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+    return path
+
+
+# ---- the loop ---------------------------------------------------------------------------------
+def train(cfg: TrainConfig) -> dict[str, Any]:
+    """Run training as configured; return the metrics (also written to cfg.out on rank 0)."""
+    cfg.check()
+    env = setup(cfg)
+    log = print if env.is_main else (lambda *a, **k: None)
+    try:
+        run = build(cfg, env, log)
+        log(f"slapo train: {cfg.model} ({sum(p.numel() for p in run.model.parameters()):,} "
+            f"parameters on rank 0), {env.world} process(es), device {env.device}, "
+            f"schedule {run.schedule_note}")
+        if cfg.resume is not None:
+            resume(run, log)
+        reset_peak_memory(env.device)
+        bar = progress_bar(run)
+        while run.step < cfg.steps:
+            train_one_step(run)
+            log_step(run, bar)
+            if cfg.out and cfg.save_every and run.step % cfg.save_every == 0:
+                save(run)
+        bar.close()
+        if cfg.out and (run.resumed_from != run.step) and not (
+                cfg.save_every and run.step % cfg.save_every == 0):
+            save(run)  # the final state, unless just saved (or nothing was trained)
+        data = metrics(run, val_loss(run), peak_memory_bytes(env.device))
+        if cfg.out and env.is_main:
+            out = Path(cfg.out)
+            write_metrics(out, data)
+            if cfg.plot:
+                plot(out, data)
+        if data["losses"]:
+            log(f"done: {run.step} steps, loss {data['losses'][0]:.4f} -> "
+                f"{data['losses'][-1]:.4f}, {data['tokens_per_s']:,.0f} tokens/s, peak memory "
+                f"{data['peak_memory_bytes'] / 2**20:,.0f} MiB" + (f"; wrote {cfg.out}"
+                                                                   if cfg.out else ""))
+        return data
+    finally:
+        teardown(env)

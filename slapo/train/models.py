@@ -1,0 +1,159 @@
+"""Small configs of the architectures `slapo train` knows, built from configs (no download).
+
+Each entry says which HF class to build and which task (data format) it trains on. Sizes are
+tiny by default (hidden 128, 4 layers, 4 heads: ~0.8 M parameters) so CPU runs take seconds;
+`--hidden-size/--num-layers/--num-heads` scale them. The vocabulary is the byte tokenizer's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch.nn as nn
+
+from ..data import ByteTokenizer
+
+
+@dataclass(frozen=True)
+class ModelSize:
+    hidden: int = 128
+    layers: int = 4
+    heads: int = 4
+    max_positions: int = 1024
+    dropout: float = 0.0
+
+    def check(self) -> None:
+        if self.hidden % self.heads:
+            raise ValueError(f"hidden size {self.hidden} is not divisible by {self.heads} heads")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str
+    task: str  # "causal" | "masked" | "seq2seq" (see slapo.data.CorpusLoader)
+    build: Callable[[ModelSize], nn.Module]
+    description: str
+
+
+_TOK = ByteTokenizer()
+_SPECIAL = dict(pad_token_id=_TOK.pad_id, bos_token_id=_TOK.bos_id, eos_token_id=_TOK.eos_id)
+
+
+def _gpt2(s: ModelSize) -> nn.Module:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    cfg = GPT2Config(vocab_size=_TOK.vocab_size, n_positions=s.max_positions, n_embd=s.hidden,
+                     n_layer=s.layers, n_head=s.heads, resid_pdrop=s.dropout,
+                     embd_pdrop=s.dropout, attn_pdrop=s.dropout, **_SPECIAL)
+    return GPT2LMHeadModel(cfg)
+
+
+def _llama(s: ModelSize) -> nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    kv_heads = s.heads // 2 if s.heads % 2 == 0 else s.heads  # grouped-query attention
+    cfg = LlamaConfig(vocab_size=_TOK.vocab_size, hidden_size=s.hidden,
+                      intermediate_size=_multiple(8 * s.hidden // 3, 16),
+                      num_hidden_layers=s.layers, num_attention_heads=s.heads,
+                      num_key_value_heads=kv_heads, max_position_embeddings=s.max_positions,
+                      attention_dropout=s.dropout, tie_word_embeddings=False, **_SPECIAL)
+    return LlamaForCausalLM(cfg)
+
+
+def _opt(s: ModelSize) -> nn.Module:
+    from transformers import OPTConfig, OPTForCausalLM
+
+    cfg = OPTConfig(vocab_size=_TOK.vocab_size, hidden_size=s.hidden, word_embed_proj_dim=s.hidden,
+                    num_hidden_layers=s.layers, num_attention_heads=s.heads, ffn_dim=4 * s.hidden,
+                    max_position_embeddings=s.max_positions, dropout=s.dropout,
+                    attention_dropout=s.dropout, **_SPECIAL)
+    return OPTForCausalLM(cfg)
+
+
+def _gpt_neo(s: ModelSize) -> nn.Module:
+    from transformers import GPTNeoConfig, GPTNeoForCausalLM
+
+    if s.layers % 2:
+        raise ValueError("gpt_neo alternates global and local attention: use an even --num-layers")
+    cfg = GPTNeoConfig(vocab_size=_TOK.vocab_size, hidden_size=s.hidden, num_layers=s.layers,
+                       num_heads=s.heads, attention_types=[[["global", "local"], s.layers // 2]],
+                       window_size=64, max_position_embeddings=s.max_positions,
+                       embed_dropout=s.dropout, attention_dropout=s.dropout,
+                       resid_dropout=s.dropout, **_SPECIAL)
+    return GPTNeoForCausalLM(cfg)
+
+
+def _bert(s: ModelSize) -> nn.Module:
+    from transformers import BertConfig, BertForMaskedLM
+
+    cfg = BertConfig(vocab_size=_TOK.vocab_size, hidden_size=s.hidden, num_hidden_layers=s.layers,
+                     num_attention_heads=s.heads, intermediate_size=4 * s.hidden,
+                     max_position_embeddings=s.max_positions, hidden_dropout_prob=s.dropout,
+                     attention_probs_dropout_prob=s.dropout, pad_token_id=_TOK.pad_id)
+    return BertForMaskedLM(cfg)
+
+
+def _roberta(s: ModelSize) -> nn.Module:
+    from transformers import RobertaConfig, RobertaForMaskedLM
+
+    # RoBERTa numbers positions from pad_token_id + 1, so the table needs that many extra rows.
+    cfg = RobertaConfig(vocab_size=_TOK.vocab_size, hidden_size=s.hidden,
+                        num_hidden_layers=s.layers, num_attention_heads=s.heads,
+                        intermediate_size=4 * s.hidden,
+                        max_position_embeddings=s.max_positions + _TOK.pad_id + 1,
+                        hidden_dropout_prob=s.dropout, attention_probs_dropout_prob=s.dropout,
+                        **_SPECIAL)
+    return RobertaForMaskedLM(cfg)
+
+
+def _albert(s: ModelSize) -> nn.Module:
+    from transformers import AlbertConfig, AlbertForMaskedLM
+
+    cfg = AlbertConfig(vocab_size=_TOK.vocab_size, embedding_size=max(s.hidden // 2, 16),
+                       hidden_size=s.hidden, num_hidden_layers=s.layers,
+                       num_attention_heads=s.heads, intermediate_size=4 * s.hidden,
+                       max_position_embeddings=s.max_positions, hidden_dropout_prob=s.dropout,
+                       attention_probs_dropout_prob=s.dropout, **_SPECIAL)
+    return AlbertForMaskedLM(cfg)
+
+
+def _t5(s: ModelSize) -> nn.Module:
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    cfg = T5Config(vocab_size=_TOK.vocab_size, d_model=s.hidden, d_kv=s.hidden // s.heads,
+                   d_ff=4 * s.hidden, num_layers=max(s.layers // 2, 1),
+                   num_decoder_layers=max(s.layers // 2, 1), num_heads=s.heads,
+                   dropout_rate=s.dropout, pad_token_id=_TOK.pad_id, eos_token_id=_TOK.eos_id,
+                   decoder_start_token_id=_TOK.pad_id)
+    return T5ForConditionalGeneration(cfg)
+
+
+def _multiple(n: int, k: int) -> int:
+    return (n + k - 1) // k * k
+
+
+MODELS: dict[str, ModelSpec] = {spec.name: spec for spec in [
+    ModelSpec("gpt2", "causal", _gpt2, "GPT-2 (learned positions, GELU MLP, tied embeddings)"),
+    ModelSpec("llama", "causal", _llama, "LLaMA (RoPE, RMSNorm, SwiGLU, grouped-query attention)"),
+    ModelSpec("opt", "causal", _opt, "OPT (ReLU MLP, learned positions with offset 2)"),
+    ModelSpec("gpt_neo", "causal", _gpt_neo, "GPT-Neo (alternating global/local attention)"),
+    ModelSpec("bert", "masked", _bert, "BERT masked LM (15% masking)"),
+    ModelSpec("roberta", "masked", _roberta, "RoBERTa masked LM (15% masking)"),
+    ModelSpec("albert", "masked", _albert, "ALBERT masked LM (shared layers, factorised embedding)"),
+    ModelSpec("t5", "seq2seq", _t5, "T5 encoder-decoder (continue the text)"),
+]}
+
+
+def get_model_spec(name: str) -> ModelSpec:
+    spec = MODELS.get(name.lower().replace("-", "_"))
+    if spec is None:
+        raise ValueError(f"unknown model {name!r}; choose one of: {', '.join(MODELS)}")
+    return spec
+
+
+def build_model(name: str, size: ModelSize) -> tuple[nn.Module, ModelSpec]:
+    """A freshly initialised model (seed the RNG first for a reproducible init)."""
+    spec = get_model_spec(name)
+    size.check()
+    return spec.build(size), spec
