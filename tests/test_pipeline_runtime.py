@@ -22,13 +22,7 @@ LR = 1e-3
 # ------------------------------------------------------------------------------------------------
 
 def cut(sch, path: str) -> None:
-    """`cut_pipeline_stage()` when the primitive is registered, else record the cut directly."""
-    from slapo.primitives import get_primitive
-
-    if get_primitive("cut_pipeline_stage") is not None:
-        sch[path].cut_pipeline_stage()
-    else:
-        sch._root.meta.setdefault("pipeline_cuts", []).append(path)
+    sch[path].cut_pipeline_stage()
 
 
 def gpt2_loss(outputs, batch):
@@ -159,6 +153,38 @@ def job_tp_pp_llama():
     return losses
 
 
+def job_pp_delayed_init():
+    """A meta-device model pipelined: each rank materialises only its stages, with exactly the
+    values the whole model gets (the tied embedding/LM head too, on the rank with only the
+    head), and then trains like the single-process model."""
+    import models
+
+    import slapo
+    import slapo.runtime
+
+    mesh = slapo.runtime.init_mesh(dp=1, pp=2, tp=1)
+    with slapo.init_empty_weights():
+        model = models.gpt2(seed=0, layers=4)
+    sch = slapo.create_schedule(model, mesh=mesh)
+    cut(sch, "transformer.h.1")
+    tm, _ = slapo.build(sch, optimizer=torch.optim.AdamW, optimizer_kwargs={"lr": LR},
+                        pipeline="1F1B", num_microbatches=2, seed=3, device="cpu")
+    with slapo.init_empty_weights():
+        full = models.gpt2(seed=0, layers=4)
+    ref, _ = slapo.build(slapo.create_schedule(full), seed=3, device="cpu")
+    ref = ref.model
+    n = compare_params(tm, ref, rtol=0, atol=0)
+    # layers of the other stage stay unallocated on this rank
+    rank = torch.distributed.get_rank()
+    other = model.transformer.h[3 if rank == 0 else 0]
+    assert all(p.device.type == "meta" for p in other.parameters())
+    batches = make_batches()
+    losses = [tm.train_step(b) for b in batches]
+    torch.testing.assert_close(torch.tensor(losses),
+                               torch.tensor(reference_losses(ref, batches)), rtol=1e-5, atol=0)
+    return {"n_params": n, "losses": losses}
+
+
 def job_pp_bad_inputs():
     """Wrong cut count, micro-batches not dividing the batch, unknown schedule: clear errors."""
     import models
@@ -205,6 +231,12 @@ def test_pipeline_schedules_match_single_process(dist2):
         assert res[0][name]["losses"] == res[1][name]["losses"]
         # the two ranks hold different layers
         assert not set(res[0][name]["held"]) & set(res[1][name]["held"]), name
+
+
+def test_pipeline_delayed_init_materialises_only_own_stages(dist2):
+    res = dist2.run(job_pp_delayed_init)
+    assert res[0]["losses"] == res[1]["losses"]
+    assert res[0]["n_params"] > 0 and res[1]["n_params"] > 0
 
 
 def test_pipeline_bad_inputs_fail_on_every_rank(dist2):

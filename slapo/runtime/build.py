@@ -154,10 +154,11 @@ def _unique_params(modules: list[nn.Module]) -> list[nn.Parameter]:
 
 
 def partition(sch: Schedule, num_stages: int) -> list[nn.Module]:
-    """All stage modules (sharing the scheduled model's modules) from the schedule's cuts."""
-    from .stages import partition as hf_partition
+    """All stage modules (sharing the scheduled model's modules) from the schedule's cuts:
+    `slapo.pipeline.partition` (decoder LMs through `slapo.runtime.stages`, BERT encoders)."""
+    from ..pipeline import partition as stage_partition
 
-    return hf_partition(sch, num_stages)
+    return stage_partition(sch, num_stages)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -258,7 +259,7 @@ def _build_pipeline(sch: Schedule, info: MeshInfo, config: StepConfig, *, pipeli
     ids = plan.stage_ids(info.pp_rank)
     mine = [all_stages[i] for i in ids]
     tied = find_tied(all_stages, plan, info.pp_rank)  # before weights are replaced
-    _place_stage_weights(mine, device, info, init_weights, seed)
+    _place_stage_weights(sch, mine, device, info, init_weights, seed)
     table = norm_weight_table(mine, info, tied)
     wrapped = [apply_data_parallel(m, data_parallel, info,
                                    reshard_after_forward=reshard_after_forward) for m in mine]
@@ -273,14 +274,14 @@ def _build_pipeline(sch: Schedule, info: MeshInfo, config: StepConfig, *, pipeli
     return TrainModule(None, wrapped, opt, runner, config, nw), opt
 
 
-def _place_stage_weights(stages: list[nn.Module], device, info: MeshInfo, init_weights,
-                         seed: int) -> None:
-    """Materialise only this rank's stages, all at once under the original module names, so
-    seeds follow the original paths and weights shared by two local stages stay shared."""
-    from .stages import union_module
+def _place_stage_weights(sch: Schedule, stages: list[nn.Module], device, info: MeshInfo,
+                         init_weights, seed: int) -> None:
+    """Materialise only what this rank's stages use, exactly as the whole model would be (same
+    seeds per original path, tied weights from their first owner); see `owners_union`."""
+    from .stages import owners_union
 
     if any(has_meta_tensors(s) for s in stages):
-        materialize(union_module(stages), device or _default_device(info),
+        materialize(owners_union(sch.mod, stages), device or _default_device(info),
                     init_fn=init_weights, seed=seed)
     elif device is not None:
         for s in stages:

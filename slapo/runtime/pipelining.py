@@ -205,6 +205,8 @@ def first_stage_args(stage: nn.Module, batch: Batch) -> tuple:
         params = inspect.signature(stage.forward).parameters.values()
         names = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     used = [n for n in names if n in batch]
+    if not used and "input_ids" in batch and len(names) == 1:
+        return (batch["input_ids"],)  # slapo.pipeline's convention: stage 0 takes input_ids
     if not used:
         raise SchedulingError("", f"none of the batch's keys {sorted(batch)} is an input of "
                               f"the first pipeline stage ({', '.join(names)}).",

@@ -188,12 +188,13 @@ def partition(sch, num_stages: int) -> list[nn.Module]:
 
 
 class _Parts(nn.Module):
-    """A container of original modules under their original names (see `union_module`)."""
+    """A container of original modules under their original names (see `owners_union`)."""
 
     def __init__(self, root: nn.Module, paths: list[str]):
         super().__init__()
         self._root = (root,)
-        self.config = root.config
+        if hasattr(root, "config") and hasattr(root, "_init_weights"):
+            self.config = root.config  # lets delayed init find the model's own `_init_weights`
         for path in paths:
             _graft(self, root, path)
 
@@ -201,8 +202,20 @@ class _Parts(nn.Module):
         self._root[0]._init_weights(module)
 
 
-def union_module(stages: list[HFDecoderStage]) -> nn.Module:
-    """One module holding every part of `stages` under the original names (for delayed init:
-    tied weights are materialised once, and seeds follow the original paths)."""
-    paths = list(dict.fromkeys(p for s in stages for p in s.paths()))
-    return _Parts(stages[0]._root[0], paths)
+def owners_union(root: nn.Module, stages: list[nn.Module]) -> nn.Module:
+    """The modules of `root` that directly own a tensor the `stages` use, in `root`'s order and
+    under their original names.
+
+    Materialising this instead of each stage reproduces exactly what materialising the whole
+    model does for those tensors: the same modules are initialised under the same per-path
+    seeds, and a weight tied across stages (GPT-2's embedding and LM head) is initialised at
+    its first owner (the embedding), as in the full model, even on a rank that only holds the
+    head, and once when two local stages share it.
+    """
+    used = {id(t) for s in stages for t in [*s.parameters(), *s.buffers()]}
+    paths = []
+    for path, mod in root.named_modules():
+        owned = [t for t in [*mod._parameters.values(), *mod._buffers.values()] if t is not None]
+        if path and any(id(t) in used for t in owned):
+            paths.append(path)
+    return _Parts(root, paths)
