@@ -1,8 +1,10 @@
 import hashlib
+import os
 import sys
+import time
 
 import pytest
-from test_tune_trialfns import mixed_trial
+from test_tune_trialfns import grandchild_pidfile, mixed_trial
 
 from slapo.tune.database import Database
 from slapo.tune.runner import CallableEvaluator, CommandEvaluator, InProcessEvaluator
@@ -115,6 +117,20 @@ def test_subprocess_trials_crash_hang_oom_do_not_stop_search(tmp_path):
     status = {r.config["x"]: r.status for r in res.records}
     assert status == {1: "failed", 2: "timeout", 3: "oom", 4: "ok", 5: "ok"}, status
     assert "boom in trial" in db.get({"x": 1}).error
+    pidfile = grandchild_pidfile(os.getpid())
+    with open(pidfile) as f:
+        worker = int(f.read())
+    os.remove(pidfile)
+    for _ in range(50):  # the hung trial's own worker was killed with it (reaped by init)
+        try:
+            with open(f"/proc/{worker}/status") as f:
+                if "State:\tZ" in f.read():  # killed, waiting to be reaped
+                    break
+        except FileNotFoundError:
+            break
+        time.sleep(0.1)
+    else:
+        pytest.fail(f"worker {worker} of the timed-out trial is still alive")
     assert res.best.config == {"x": 5} and res.best.metrics["throughput"] == 10.0
 
 

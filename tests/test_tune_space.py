@@ -29,9 +29,10 @@ def test_dependent_candidates_and_update_space_style():
         if ckpt == True:  # noqa: E712 - Slapo-style symbol comparison
             # candidates depend on an earlier choice
             space.create_symbol("ckpt_ratio", [0.5, 1.0] if bs.value > 8 else [1.0])
+        space.add_constraint(lambda c: c["batch_size"] <= args["max_bs"], "too big")
         return space
 
-    space = Space.from_function(update_space, {"bs": [8, 16]})
+    space = Space.from_function(update_space, {"bs": [8, 16, 32], "max_bs": 16})
     configs = space.configs()
     assert configs == [
         {"batch_size": 8, "checkpoint": False},

@@ -67,6 +67,7 @@ def _check_peak(result: TrialResult, peak_key: str, mem_cap_bytes: int | None) -
 
 def _child(fn: Callable[[Config], dict], config: Config, mem_cap: int | None, conn: Any) -> None:
     try:
+        os.setsid()  # own process group: a timeout kills the trial's children too
         _cap_memory(mem_cap)
         metrics = fn(config)
         if not isinstance(metrics, dict):
@@ -107,7 +108,8 @@ class CallableEvaluator:
     def __call__(self, config: Config) -> TrialResult:
         ctx = mp.get_context("spawn")
         parent, child = ctx.Pipe(duplex=False)
-        proc = ctx.Process(target=_child, args=(self.fn, config, self.mem_cap_bytes, child), daemon=True)
+        # not a daemon: trials may start their own workers (data loaders, ranks)
+        proc = ctx.Process(target=_child, args=(self.fn, config, self.mem_cap_bytes, child))
         t0 = time.perf_counter()
         proc.start()
         child.close()
@@ -121,13 +123,11 @@ class CallableEvaluator:
                 msg = None
         parent.close()
         if msg is None and proc.is_alive() and not got:
-            proc.kill()
-            proc.join()
+            self._kill(proc)
             return TrialResult("timeout", {}, f"no result after {self.timeout_s:.1f} s", elapsed)
         proc.join(timeout=10)
         if proc.is_alive():
-            proc.kill()
-            proc.join()
+            self._kill(proc)
         if msg is None:
             code = proc.exitcode
             why = f"child exited with code {code}"
@@ -138,6 +138,15 @@ class CallableEvaluator:
             return TrialResult(status, {}, why, elapsed)
         status, metrics, err = msg
         return _check_peak(TrialResult(status, metrics, err, elapsed), self.peak_key, self.mem_cap_bytes)
+
+    @staticmethod
+    def _kill(proc: Any) -> None:
+        """Kill the trial and everything it started (its own process group, see ``_child``)."""
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            proc.kill()
+        proc.join()
 
 
 class CommandEvaluator:

@@ -177,6 +177,7 @@ class Space:
     def __init__(self) -> None:
         self._decls: list[tuple[str, Any, Callable[[Config], bool] | None]] = []
         self._constraints: list[tuple[str, Callable[[Config], bool]]] = []
+        self._replay_constraints: list[tuple[str, Callable[[Config], bool]]] = []
         self._program: Callable[[Space], Any] | None = None
         # Replay state (only set while the program runs).
         self._chooser: _Chooser | None = None
@@ -219,10 +220,15 @@ class Space:
         return sym
 
     def add_constraint(self, predicate: Callable[[Config], bool], name: str = "") -> None:
-        """Keep only configs for which ``predicate(config)`` is True."""
+        """Keep only configs for which ``predicate(config)`` is True.
+
+        May also be called inside an ``update_space`` function; it then applies to the configs
+        of that pass only (the function runs once per config).
+        """
         if not callable(predicate):
             raise ValueError(f"constraint must be callable, got {predicate!r}.")
-        self._constraints.append((name or getattr(predicate, "__name__", "constraint"), predicate))
+        entry = (name or getattr(predicate, "__name__", "constraint"), predicate)
+        (self._replay_constraints if self._chooser is not None else self._constraints).append(entry)
 
     @classmethod
     def from_function(cls, update_space: Callable[..., Any], args: Any = None) -> Space:
@@ -235,6 +241,7 @@ class Space:
     def _run(self, chooser: _Chooser) -> Config:
         partial: Config = {}
         self._chooser, self._partial, self.symbols = chooser, partial, {}
+        self._replay_constraints = []
         try:
             if self._program is not None:
                 self._program(self)
@@ -246,8 +253,11 @@ class Space:
         return partial
 
     def violated(self, config: Config) -> str | None:
-        """Name of the first constraint that ``config`` violates, or None."""
-        for name, pred in self._constraints:
+        """Name of the first constraint that ``config`` violates, or None.
+
+        Constraints declared inside an ``update_space`` function are those of the latest replay.
+        """
+        for name, pred in self._constraints + self._replay_constraints:
             if not pred(dict(config)):
                 return name
         return None
