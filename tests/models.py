@@ -43,3 +43,81 @@ def llama(seed: int = 0, layers: int = 2, **kw):
 def ids(batch: int = 2, seq: int = 16, vocab: int = 128, seed: int = 1) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, vocab, (batch, seq), generator=g)
+
+
+def _build(config_cls, model_cls, seed: int, **cfg):
+    torch.manual_seed(seed)
+    return model_cls(config_cls(**cfg))
+
+
+def bert_mlm(seed: int = 0, layers: int = 2):
+    from transformers import BertConfig, BertForMaskedLM
+
+    return _build(BertConfig, BertForMaskedLM, seed, hidden_size=64, num_hidden_layers=layers,
+                  num_attention_heads=4, intermediate_size=128, vocab_size=128,
+                  max_position_embeddings=64, hidden_dropout_prob=0.0,
+                  attention_probs_dropout_prob=0.0)
+
+
+def roberta(seed: int = 0, layers: int = 2):
+    from transformers import RobertaConfig, RobertaForMaskedLM
+
+    return _build(RobertaConfig, RobertaForMaskedLM, seed, hidden_size=64,
+                  num_hidden_layers=layers, num_attention_heads=4, intermediate_size=128,
+                  vocab_size=128, max_position_embeddings=80, hidden_dropout_prob=0.0,
+                  attention_probs_dropout_prob=0.0, pad_token_id=1)
+
+
+def albert(seed: int = 0, layers: int = 2):
+    from transformers import AlbertConfig, AlbertForMaskedLM
+
+    return _build(AlbertConfig, AlbertForMaskedLM, seed, hidden_size=64, embedding_size=32,
+                  num_hidden_layers=layers, num_attention_heads=4, intermediate_size=128,
+                  vocab_size=128, max_position_embeddings=64, hidden_dropout_prob=0.0,
+                  attention_probs_dropout_prob=0.0, classifier_dropout_prob=0.0)
+
+
+def gpt_neo(seed: int = 0, layers: int = 2):
+    from transformers import GPTNeoConfig, GPTNeoForCausalLM
+
+    return _build(GPTNeoConfig, GPTNeoForCausalLM, seed, hidden_size=64, num_layers=layers,
+                  num_heads=4, vocab_size=128, max_position_embeddings=64,
+                  attention_types=[[["global", "local"], layers // 2]], window_size=8,
+                  bos_token_id=0, eos_token_id=0, embed_dropout=0.0, attention_dropout=0.0,
+                  resid_dropout=0.0)
+
+
+def opt(seed: int = 0, layers: int = 2):
+    from transformers import OPTConfig, OPTForCausalLM
+
+    return _build(OPTConfig, OPTForCausalLM, seed, hidden_size=64, num_hidden_layers=layers,
+                  num_attention_heads=4, ffn_dim=128, vocab_size=128, word_embed_proj_dim=64,
+                  max_position_embeddings=64, dropout=0.0, attention_dropout=0.0,
+                  bos_token_id=0, eos_token_id=0, pad_token_id=1)
+
+
+def t5(seed: int = 0, layers: int = 2):
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    return _build(T5Config, T5ForConditionalGeneration, seed, d_model=64, d_kv=16, d_ff=128,
+                  num_layers=layers, num_decoder_layers=layers, num_heads=4, vocab_size=128,
+                  decoder_start_token_id=0, pad_token_id=0, dropout_rate=0.0)
+
+
+def qwen2(seed: int = 0, layers: int = 2):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    return _build(Qwen2Config, Qwen2ForCausalLM, seed, hidden_size=64,
+                  num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                  intermediate_size=128, vocab_size=128, max_position_embeddings=64,
+                  bos_token_id=0, eos_token_id=0)
+
+
+def batch_for(family: str, batch: int = 2, seq: int = 16, seed: int = 1) -> dict:
+    """Keyword inputs with labels, so `out.loss` is the training loss."""
+    x = ids(batch, seq, seed=seed)
+    if family == "t5":
+        return {"input_ids": x, "labels": ids(batch, seq // 2, seed=seed + 1)}
+    if family == "roberta":
+        x = x.clamp(min=3)  # keep clear of padding/special ids
+    return {"input_ids": x, "labels": x}

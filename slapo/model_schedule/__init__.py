@@ -1,0 +1,27 @@
+"""Ready schedules for real architectures.
+
+    sch = slapo.model_schedule.apply(model, tp=2, ckpt_ratio=0.5, attention="sdpa")
+
+`apply` detects the architecture from the model (`config.model_type`) and applies, in this
+order, each concern its knobs ask for:
+
+1. `attention`: "eager" (leave it), "sdpa" or "flash": swap the attention core of every HF
+   attention module for Slapo's SDPA core (flash-attn on GPU for "flash");
+2. `tempo`: Tempo's memory-efficient GELU / LayerNorm / softmax-dropout-matmul;
+3. `tp`: Megatron tensor parallelism over the schedule's group (column/row parallel projections,
+   vocabulary-parallel embedding and LM head when the vocabulary divides);
+4. `fuse`: compile the bias+activation of every MLP (needs the compute primitives);
+5. `ckpt_ratio`: checkpoint the first round(ratio * L) layers;
+6. `pp_stages`: pipeline cuts at evenly spaced layer boundaries.
+
+Every knob is a plain value, so the tuner can search over them. Supported families live one per
+file; `supported()` lists them. To add one, write `slapo/model_schedule/<family>.py` with a
+`Family` (see `_registry.py`) and register it.
+"""
+
+from __future__ import annotations
+
+from . import albert, bert, gpt2, gpt_neo, llama, opt, roberta, t5  # noqa: F401  (register)
+from ._registry import Family, apply, detect, register_family, supported
+
+__all__ = ["Family", "apply", "detect", "register_family", "supported"]

@@ -93,7 +93,18 @@ class AttentionCore(nn.Module):
         is_causal: bool | None = None,
         **kwargs: Any,
     ) -> tuple[torch.Tensor, None]:
-        for name in ("softcap", "position_bias", "s_aux"):
+        position_bias = kwargs.pop("position_bias", None)
+        if position_bias is not None:  # T5: an additive per-head bias; fold it into the mask
+            causal = is_causal if is_causal is not None else getattr(module, "is_causal", False)
+            if causal and attention_mask is None and query.shape[2] > 1:
+                attention_mask = causal_mask(query.shape[2], key.shape[2], query.device)
+            if attention_mask is not None and attention_mask.dtype == torch.bool:
+                attention_mask = torch.zeros_like(attention_mask, dtype=query.dtype).masked_fill(
+                    ~attention_mask, torch.finfo(query.dtype).min)
+            attention_mask = position_bias if attention_mask is None else \
+                position_bias + attention_mask
+            is_causal = False
+        for name in ("softcap", "s_aux"):
             if kwargs.get(name) is not None:
                 raise ValueError(
                     f"{type(self).__name__}: HF passed `{name}`, which this core does not "

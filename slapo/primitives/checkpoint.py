@@ -34,6 +34,7 @@ class CheckpointWrapper(module_patch.ForwardWrapper):
         if not torch.is_grad_enabled() or (self.condition is not None and
                                            not self.condition(module)):
             return fn(*args, **kwargs)
+        args, kwargs = _drop_empty_caches(module, args, kwargs)
         if self.order_args_fn is not None:
             args, kwargs = tuple(self.order_args_fn(*args, **kwargs)), {}
         tracker = get_rng_tracker()
@@ -53,6 +54,33 @@ class CheckpointWrapper(module_patch.ForwardWrapper):
 
         return _torch_checkpoint(run, *args, use_reentrant=False, preserve_rng_state=True,
                                  **kwargs)
+
+
+def _is_kv_cache(x) -> bool:
+    return hasattr(x, "get_seq_length") and hasattr(x, "update")
+
+
+def _drop_empty_caches(module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """A KV cache is state the forward *appends to*: recomputation would append twice (the keys
+    double in length). Training passes an empty cache, which changes nothing in the output, so
+    we drop it (as HF's own gradient checkpointing does); a non-empty cache is an error."""
+    def check(x):
+        if _is_kv_cache(x):
+            if x.get_seq_length():
+                raise RuntimeError(f"checkpointed {type(module).__name__} received a non-empty "
+                                   "KV cache; recomputation would corrupt it. Run it without "
+                                   "checkpointing (e.g. under torch.no_grad()) or pass "
+                                   "use_cache=False.")
+            return None
+        return x
+
+    if not any(_is_kv_cache(a) for a in (*args, *kwargs.values())):
+        return args, kwargs
+    args = tuple(check(a) for a in args)
+    kwargs = {k: check(v) for k, v in kwargs.items()}
+    if kwargs.get("use_cache"):
+        kwargs["use_cache"] = False
+    return args, kwargs
 
 
 @register_primitive

@@ -1,0 +1,117 @@
+"""Building blocks shared by the per-architecture schedules.
+
+Each helper applies one parallel pattern with the core primitives, so a family file reads as a
+list of roles: "these projections are column parallel, this one row parallel, the block's input
+gradient is all-reduced".
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch.nn as nn
+
+from ..errors import SchedulingError
+from ..module_patch import module_meta
+from ..schedule import Schedule
+
+
+def find_path(model: nn.Module, suffix: str) -> str | None:
+    """Full path of the first module named `suffix` or ending with `.suffix` (so schedules work
+    for every HF head class: `encoder.layer` in BertModel is `bert.encoder.layer` in
+    BertForMaskedLM)."""
+    for name, _ in model.named_modules():
+        if name == suffix or name.endswith("." + suffix):
+            return name
+    return None
+
+
+def require_path(sch: Schedule, suffix: str, family: str) -> str:
+    path = find_path(sch.mod, suffix)
+    if path is None:
+        raise SchedulingError(sch.path, f"the {family} schedule expects a submodule "
+                              f"'{suffix}', which this model does not have.",
+                              "check the model class, or write a schedule for this variant.")
+    return path
+
+
+def _tensor_names(mod: nn.Module) -> list[str]:
+    return [n for n in ("weight", "bias") if getattr(mod, n, None) is not None]
+
+
+def column(node: Schedule, blocks: int = 1) -> None:
+    """Column parallel: shard output features (weight rows, bias)."""
+    axis = 1 if _is_conv1d(node.mod) else 0
+    node.shard("weight", axis=axis, blocks=blocks)
+    if getattr(node.mod, "bias", None) is not None:
+        node.shard("bias", axis=0, blocks=blocks)
+
+
+def row(node: Schedule) -> None:
+    """Row parallel: shard input features; all-reduce the partial output (bias added once)."""
+    node.shard("weight", axis=0 if _is_conv1d(node.mod) else 1)
+    node.sync(mode="fwd_post", sync_op_or_fn="all_reduce")
+
+
+def reduce_input_grad(node: Schedule) -> None:
+    """The block's input feeds column-parallel layers: all-reduce its gradient (Megatron f)."""
+    node.sync(mode="bwd_post", sync_op_or_fn="all_reduce")
+
+
+def divide_attr(node: Schedule, name: str, ws: int) -> None:
+    value = getattr(node.mod, name)
+    if value % ws:
+        raise SchedulingError(node.path, f"{name}={value} is not divisible by the "
+                              f"tensor-parallel degree {ws}.", "choose a tp that divides it.")
+    node.set_attr(name, value // ws)
+
+
+def _is_conv1d(mod: nn.Module) -> bool:
+    from ..sharding import _is_hf_conv1d
+
+    return _is_hf_conv1d(mod)
+
+
+def vocab_parallel(sch: Schedule) -> bool:
+    """Shard the input embedding (and the LM head, tied or not) over the vocabulary.
+
+    Embedding lookups of ids owned by other ranks give zeros and are summed (all-reduce); the
+    head's vocabulary-sharded logits are all-gathered for the loss. Returns False (and changes
+    nothing) when the vocabulary is not divisible by the tensor-parallel degree.
+    """
+    model, ws = sch.mod, sch.world_size
+    get_in = getattr(model, "get_input_embeddings", None)
+    emb = get_in() if callable(get_in) else None
+    if emb is None or not isinstance(emb, nn.Embedding) or emb.num_embeddings % ws:
+        return False
+    get_out = getattr(model, "get_output_embeddings", None)
+    head = get_out() if callable(get_out) else None
+    if head is not None and (not isinstance(head, nn.Linear) or head.out_features % ws):
+        return False
+    sch._node_of(emb).shard("weight", axis=0)
+    # every embedding module holding this weight is a lookup (T5: shared, encoder, decoder)
+    for _, node in sch.named_schedules():
+        mod = node.mod
+        if isinstance(mod, nn.Embedding) and mod.weight is emb.weight and \
+                ("fwd_post", "all_reduce") not in module_meta(mod).get("syncs", []):
+            node.sync(mode="fwd_post", sync_op_or_fn="all_reduce")
+    if head is not None:
+        head_node = sch._node_of(head)
+        if getattr(head.weight, "_slapo_shard", None) is None:
+            head_node.shard("weight", axis=0)
+        if head.bias is not None and getattr(head.bias, "_slapo_shard", None) is None:
+            head_node.shard("bias", axis=0)
+        reduce_input_grad(head_node)
+        head_node.sync(mode="fwd_post", sync_op_or_fn="all_gather", axis=-1)
+    return True
+
+
+def checkpoint_layers(layers: list[Schedule], ratio: float) -> int:
+    """Checkpoint the first round-half-up(ratio * L) layers (the earliest activations live longest)."""
+    if not 0.0 <= ratio <= 1.0:
+        raise SchedulingError(layers[0].parent.path if layers else "", f"ckpt_ratio must be "
+                              f"in [0, 1], got {ratio}.", "pass e.g. ckpt_ratio=0.5.")
+    n = math.floor(ratio * len(layers) + 0.5)  # round half up: ratio 0.5 of 1 layer checkpoints it
+    for node in layers[:n]:
+        node.checkpoint()
+    return n

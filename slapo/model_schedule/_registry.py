@@ -1,0 +1,156 @@
+"""The family registry and `apply`, which composes the concerns in a visible order."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch.nn as nn
+
+from ..errors import SchedulingError
+from ..schedule import Schedule, create_schedule
+from . import _common
+
+ATTENTION = ("eager", "sdpa", "flash")
+
+
+@dataclass
+class Family:
+    """How to schedule one architecture family.
+
+    - `model_types`: HF `config.model_type` values it covers;
+    - `layer_lists`: suffixes of the ModuleLists holding the transformer layers, in execution
+      order (T5: encoder then decoder);
+    - `shard_layer(layer, ws)`: tensor-parallel plan for one layer;
+    - `mlp_paths`: paths (relative to a layer) of the MLP blocks, for `fuse`.
+    """
+
+    name: str
+    model_types: tuple[str, ...]
+    layer_lists: tuple[str, ...]
+    shard_layer: Callable[[Schedule, int], None]
+    mlp_paths: tuple[str, ...] = ()
+    notes: str = ""
+    extra: dict = field(default_factory=dict)
+
+
+_FAMILIES: dict[str, Family] = {}
+
+
+def register_family(family: Family) -> Family:
+    _FAMILIES[family.name] = family
+    return family
+
+
+def supported() -> dict[str, tuple[str, ...]]:
+    """{family name: the HF model types it covers}."""
+    return {f.name: f.model_types for f in _FAMILIES.values()}
+
+
+def detect(model: nn.Module) -> Family:
+    cfg = getattr(model, "config", None)
+    model_type = getattr(cfg, "model_type", None)
+    for fam in _FAMILIES.values():
+        if model_type in fam.model_types:
+            return fam
+    listing = "; ".join(f"{n}: {', '.join(t)}" for n, t in supported().items())
+    raise SchedulingError("", f"no ready schedule for {type(model).__name__} "
+                          f"(model_type={model_type!r}). Supported: {listing}.",
+                          "write one with the primitives (see docs/model_schedule.md) and "
+                          "register it with slapo.model_schedule.register_family(Family(...)).")
+
+
+def layers_of(sch: Schedule, family: Family) -> list[Schedule]:
+    out = []
+    for suffix in family.layer_lists:
+        path = _common.require_path(sch, suffix, family.name)
+        out += list(sch[path])
+    return out
+
+
+def apply(model_or_sch: nn.Module | Schedule, *, tp: int | None = None, ckpt_ratio: float = 0.0,
+          attention: str = "eager", fuse: bool = False, tempo: bool = False, pp_stages: int = 1,
+          sequence_parallel: bool = False, vocab_parallel: bool = True, group=None,
+          mesh=None) -> Schedule:
+    """Schedule a Hugging Face model of a supported family (see the package docstring)."""
+    sch = model_or_sch if isinstance(model_or_sch, Schedule) else \
+        create_schedule(model_or_sch, group=group, mesh=mesh)
+    family = detect(sch.mod)
+    ws = sch.world_size
+    tp = ws if tp is None else tp
+    _validate(sch, family, tp, ws, attention, pp_stages, sequence_parallel)
+    layers = layers_of(sch, family)
+    if attention != "eager":
+        _set_attention(sch, attention)
+    if tempo:
+        from ..op import apply_tempo
+
+        apply_tempo(sch, attention=attention == "eager")  # an explicit core wins
+    if tp > 1:
+        for layer in layers_of(sch, family):
+            family.shard_layer(layer, tp)
+        if vocab_parallel:
+            _common.vocab_parallel(sch)
+    if fuse:
+        _fuse_mlps(sch, family)
+    layers = layers_of(sch, family)
+    _common.checkpoint_layers(layers, ckpt_ratio)
+    if pp_stages > 1:
+        _cut_pipeline(sch, layers, pp_stages)
+    return sch
+
+
+def _validate(sch, family, tp, ws, attention, pp_stages, sequence_parallel) -> None:
+    if tp not in (1, ws):
+        raise SchedulingError(sch.path, f"tp={tp} but the schedule's tensor-parallel group has "
+                              f"{ws} rank(s).", "create the schedule on a group (or mesh 'tp' "
+                              "dimension) of that size, or pass tp=None.")
+    if attention not in ATTENTION:
+        raise SchedulingError(sch.path, f"unknown attention {attention!r}.",
+                              f"use one of {', '.join(ATTENTION)}.")
+    if not isinstance(pp_stages, int) or pp_stages < 1:
+        raise SchedulingError(sch.path, f"pp_stages must be a positive int, got {pp_stages!r}.",
+                              "pass pp_stages=1 for no pipeline.")
+    if sequence_parallel:
+        raise SchedulingError(sch.path, "sequence_parallel is not implemented in the ready "
+                              "schedules yet.", "leave sequence_parallel=False.")
+
+
+def _set_attention(sch: Schedule, attention: str) -> None:
+    from ..op import SDPAttention, flash_attn_available, is_hf_attention, use_attention_core
+
+    if attention == "flash" and not flash_attn_available():
+        raise SchedulingError(sch.path, "attention='flash' needs the flash-attn package and a "
+                              "CUDA GPU.", "use attention='sdpa' (PyTorch's fused kernels).")
+    for _, node in list(sch.named_schedules()):
+        if node.parent is not None and is_hf_attention(node.mod):
+            node.replace(use_attention_core(node.mod, SDPAttention(use_flash=attention ==
+                                                                   "flash"), node.path))
+
+
+def _fuse_mlps(sch: Schedule, family: Family) -> None:
+    from ..primitives import get_primitive
+
+    if get_primitive("fuse") is None:
+        raise SchedulingError(sch.path, "fuse=True needs the compute primitives (trace/find/"
+                              "fuse), which are not available.", "pass fuse=False.")
+    from .fusion import fuse_mlp
+
+    for layer in layers_of(sch, family):
+        for rel in family.mlp_paths:
+            if rel in layer:
+                fuse_mlp(layer[rel])
+
+
+def _cut_pipeline(sch: Schedule, layers: list[Schedule], stages: int) -> None:
+    from ..primitives import get_primitive
+
+    if get_primitive("cut_pipeline_stage") is None:
+        raise SchedulingError(sch.path, "pp_stages > 1 needs cut_pipeline_stage, which is not "
+                              "available.", "pass pp_stages=1.")
+    if len(layers) < stages:
+        raise SchedulingError(sch.path, f"{len(layers)} layers cannot make {stages} stages.",
+                              "use fewer pipeline stages.")
+    per = len(layers) / stages
+    for s in range(1, stages):
+        layers[round(s * per) - 1].cut_pipeline_stage()
