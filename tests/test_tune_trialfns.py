@@ -6,12 +6,7 @@ Not tests themselves; kept in a test_tune_* module so the tuner tests own them.
 import os
 import subprocess
 import sys
-import tempfile
 import time
-
-
-def grandchild_pidfile(parent_pid):
-    return os.path.join(tempfile.gettempdir(), f"slapo-tune-test-{parent_pid}.pid")
 
 
 def ok_trial(config):
@@ -25,8 +20,9 @@ def raising_trial(config):
 def hanging_trial(config):
     """Hangs, after starting a worker of its own (which the timeout must kill too)."""
     worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-    with open(grandchild_pidfile(os.getppid()), "w") as f:
-        f.write(str(worker.pid))
+    if "tmp" in config:
+        with open(os.path.join(config["tmp"], "worker.pid"), "w") as f:
+            f.write(str(worker.pid))
     time.sleep(60)
     return {"throughput": 1.0}
 

@@ -68,6 +68,7 @@ def _check_peak(result: TrialResult, peak_key: str, mem_cap_bytes: int | None) -
 def _child(fn: Callable[[Config], dict], config: Config, mem_cap: int | None, conn: Any) -> None:
     try:
         os.setsid()  # own process group: a timeout kills the trial's children too
+        conn.send(("started",))
         _cap_memory(mem_cap)
         metrics = fn(config)
         if not isinstance(metrics, dict):
@@ -85,10 +86,12 @@ def _child(fn: Callable[[Config], dict], config: Config, mem_cap: int | None, co
 
 
 class CallableEvaluator:
-    """Run ``fn(config) -> metrics`` in a spawned process per trial.
+    """Run ``fn(config) -> metrics`` in a fresh process per trial (forkserver or spawn).
 
-    ``fn`` must be importable by the child (a module-level function). Hangs past ``timeout_s``
-    are killed; ``mem_cap_bytes`` is applied with RLIMIT_AS in the child, and a reported
+    ``fn`` must be importable by the child (a module-level function). The trial's clock starts
+    when the child has booted (``startup_timeout_s`` bounds the boot itself, which on a loaded
+    machine can take seconds); a trial running past ``timeout_s`` is killed with everything it
+    started. ``mem_cap_bytes`` is applied with RLIMIT_AS in the child, and a reported
     ``metrics[peak_key]`` above it also marks the trial ``oom``.
     """
 
@@ -98,37 +101,47 @@ class CallableEvaluator:
         timeout_s: float,
         mem_cap_bytes: int | None = None,
         peak_key: str = "peak_memory_bytes",
+        startup_timeout_s: float = 120.0,
+        start_method: str | None = None,
     ):
         if not callable(fn):
             raise ValueError(f"fn must be callable, got {fn!r}.")
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be positive, got {timeout_s}.")
         self.fn, self.timeout_s, self.mem_cap_bytes, self.peak_key = fn, timeout_s, mem_cap_bytes, peak_key
+        self.startup_timeout_s = startup_timeout_s
+        # forkserver: each trial is forked from a small clean server (no torch, no CUDA state),
+        # so it is isolated like spawn but skips the interpreter start-up per trial.
+        if start_method is None:
+            start_method = "forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn"
+        if start_method == "fork":
+            raise ValueError("start_method='fork' would inherit the tuner's CUDA/allocator state. "
+                             "Fix: use 'forkserver' or 'spawn'.")
+        self.start_method = start_method
 
     def __call__(self, config: Config) -> TrialResult:
-        ctx = mp.get_context("spawn")
+        ctx = mp.get_context(self.start_method)
         parent, child = ctx.Pipe(duplex=False)
         # not a daemon: trials may start their own workers (data loaders, ranks)
         proc = ctx.Process(target=_child, args=(self.fn, config, self.mem_cap_bytes, child))
-        t0 = time.perf_counter()
         proc.start()
         child.close()
-        got = parent.poll(self.timeout_s)
+        msg = self._recv(parent, self.startup_timeout_s)
+        t0 = time.perf_counter()
+        if msg == ("started",):
+            msg = self._recv(parent, self.timeout_s)
+            limit = f"no result after {self.timeout_s:.1f} s"
+        else:
+            limit = f"trial process did not start within {self.startup_timeout_s:.0f} s"
         elapsed = time.perf_counter() - t0
-        msg = None
-        if got:
-            try:
-                msg = parent.recv()
-            except EOFError:
-                msg = None
         parent.close()
-        if msg is None and proc.is_alive() and not got:
+        if msg == "timeout":
             self._kill(proc)
-            return TrialResult("timeout", {}, f"no result after {self.timeout_s:.1f} s", elapsed)
+            return TrialResult("timeout", {}, limit, elapsed)
         proc.join(timeout=10)
         if proc.is_alive():
             self._kill(proc)
-        if msg is None:
+        if msg is None or msg == ("started",):
             code = proc.exitcode
             why = f"child exited with code {code}"
             if code is not None and code < 0:
@@ -138,6 +151,16 @@ class CallableEvaluator:
             return TrialResult(status, {}, why, elapsed)
         status, metrics, err = msg
         return _check_peak(TrialResult(status, metrics, err, elapsed), self.peak_key, self.mem_cap_bytes)
+
+    @staticmethod
+    def _recv(conn: Any, timeout: float) -> Any:
+        """The next message, None if the child died, or "timeout"."""
+        if not conn.poll(timeout):
+            return "timeout"
+        try:
+            return conn.recv()
+        except EOFError:
+            return None
 
     @staticmethod
     def _kill(proc: Any) -> None:
