@@ -79,3 +79,24 @@ def test_bad_knobs():
         model_schedule.apply(sch, tp=2)
     with pytest.raises(slapo.SchedulingError, match="ckpt_ratio"):
         model_schedule.apply(sch, ckpt_ratio=1.5)
+
+
+def job_all_knobs(name: str):
+    """Every knob at once on 2 ranks: TP + SDPA + Tempo + fused MLPs + checkpointing."""
+    import models
+
+    kw = models.batch_for(name)
+    model = getattr(models, name)(seed=0)
+    sch = slapo.create_schedule(model)
+    with slapo.Verify(sch, example_kwargs=kw, loss_fn=lambda out: out.loss):
+        model_schedule.apply(sch, tp=2, ckpt_ratio=1.0, attention="sdpa", tempo=True,
+                             fuse=True, fuse_compiler="aot_eager")
+    return sorted({h.name for _, h in sch.applied()})
+
+
+@pytest.mark.dist
+@pytest.mark.compile
+@pytest.mark.parametrize("name", ["gpt2", "bert_mlm", "llama"])
+def test_all_knobs_tp2_verified(dist2, name):
+    applied = dist2.run(job_all_knobs, name)[0]
+    assert {"shard", "sync", "checkpoint", "trace", "fuse", "replace"} <= set(applied), applied

@@ -7,10 +7,11 @@ order, each concern its knobs ask for:
 
 1. `attention`: "eager" (leave it), "sdpa" or "flash": swap the attention core of every HF
    attention module for Slapo's SDPA core (flash-attn on GPU for "flash");
-2. `tempo`: Tempo's memory-efficient GELU / LayerNorm / softmax-dropout-matmul;
-3. `tp`: Megatron tensor parallelism over the schedule's group (column/row parallel projections,
+2. `tp`: Megatron tensor parallelism over the schedule's group (column/row parallel projections,
    vocabulary-parallel embedding and LM head when the vocabulary divides);
-4. `fuse`: compile the bias+activation of every MLP (needs the compute primitives);
+3. `fuse`: trace each MLP and compile its bias+activation (`fuse_compiler`, default inductor);
+4. `tempo`: Tempo's memory-efficient GELU / LayerNorm / softmax-dropout-matmul, on whatever
+   `fuse` left (a fused GELU stays fused);
 5. `ckpt_ratio`: checkpoint the first round(ratio * L) layers;
 6. `pp_stages`: pipeline cuts at evenly spaced layer boundaries.
 

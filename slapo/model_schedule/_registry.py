@@ -69,7 +69,8 @@ def layers_of(sch: Schedule, family: Family) -> list[Schedule]:
 
 
 def apply(model_or_sch: nn.Module | Schedule, *, tp: int | None = None, ckpt_ratio: float = 0.0,
-          attention: str = "eager", fuse: bool = False, tempo: bool = False, pp_stages: int = 1,
+          attention: str = "eager", fuse: bool = False, fuse_compiler: str = "inductor",
+          tempo: bool = False, pp_stages: int = 1,
           sequence_parallel: bool = False, vocab_parallel: bool = True, group=None,
           mesh=None) -> Schedule:
     """Schedule a Hugging Face model of a supported family (see the package docstring)."""
@@ -82,17 +83,18 @@ def apply(model_or_sch: nn.Module | Schedule, *, tp: int | None = None, ckpt_rat
     layers = layers_of(sch, family)
     if attention != "eager":
         _set_attention(sch, attention)
-    if tempo:
-        from ..op import apply_tempo
-
-        apply_tempo(sch, attention=attention == "eager")  # an explicit core wins
     if tp > 1:
         for layer in layers_of(sch, family):
             family.shard_layer(layer, tp)
         if vocab_parallel:
             _common.vocab_parallel(sch)
     if fuse:
-        _fuse_mlps(sch, family)
+        _fuse_mlps(sch, family, fuse_compiler)
+    if tempo:
+        from ..op import apply_tempo
+
+        apply_tempo(sch, attention=attention == "eager")  # an explicit core wins;
+        # fused activations are already inside compiled regions, so Tempo takes the rest
     layers = layers_of(sch, family)
     _common.checkpoint_layers(layers, ckpt_ratio)
     if pp_stages > 1:
@@ -128,18 +130,21 @@ def _set_attention(sch: Schedule, attention: str) -> None:
                                                                    "flash"), node.path))
 
 
-def _fuse_mlps(sch: Schedule, family: Family) -> None:
+def _fuse_mlps(sch: Schedule, family: Family, compiler: str) -> None:
     from ..primitives import get_primitive
 
     if get_primitive("fuse") is None:
         raise SchedulingError(sch.path, "fuse=True needs the compute primitives (trace/find/"
                               "fuse), which are not available.", "pass fuse=False.")
-    from .fusion import fuse_mlp
+    from .fusion import PLANS, fuse_mlp
 
+    if family.name not in PLANS or not family.mlp_paths:
+        raise SchedulingError(sch.path, f"fuse=True has no fusion plan for the {family.name} "
+                              "family.", f"pass fuse=False (plans: {', '.join(sorted(PLANS))}).")
     for layer in layers_of(sch, family):
         for rel in family.mlp_paths:
             if rel in layer:
-                fuse_mlp(layer[rel])
+                fuse_mlp(layer[rel], family.name, compiler)
 
 
 def _cut_pipeline(sch: Schedule, layers: list[Schedule], stages: int) -> None:
