@@ -129,28 +129,36 @@ def job_pp_gpt2():
     return out
 
 
-def job_tp_pp_llama():
-    """TP=2 x PP=2 on 4 ranks, LLaMA: TP inside each 1F1B stage; losses equal single-process."""
+def job_pp_llama_four_ranks():
+    """4 ranks, LLaMA, 1F1B: TP=2 x PP=2 (TP inside each stage), then FSDP2 DP=2 x PP=2 (each
+    stage fully_shard-ed over dp, + accumulation); losses equal single-process training."""
     import models
     import tp_schedules
 
     import slapo
     import slapo.runtime
 
-    mesh = slapo.runtime.init_mesh(dp=1, pp=2, tp=2)
-    model = models.llama(seed=0, layers=4)
-    ref = copy.deepcopy(model)
-    sch = slapo.create_schedule(model, mesh=mesh)
-    assert sch.world_size == 2
-    tp_schedules.llama_tp(sch)
-    cut(sch, "model.layers.1")
-    tm, _ = slapo.build(sch, optimizer=torch.optim.AdamW, optimizer_kwargs={"lr": LR},
-                        pipeline="1F1B", num_microbatches=2, grad_clip=1.0)
-    batches = make_batches(batch=4)
-    losses = [tm.train_step(b) for b in batches]
-    ref_losses = reference_losses(ref, batches, grad_clip=1.0)
-    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
-    return losses
+    out = {}
+    for name, sizes, kw in (("tp2xpp2", {"tp": 2}, {}),
+                            ("fsdp2xpp2", {"dp": 2}, {"data_parallel": "fsdp",
+                                                      "grad_accum": 2})):
+        mesh = slapo.runtime.init_mesh(pp=2, **sizes)
+        model = models.llama(seed=0, layers=4)
+        ref = copy.deepcopy(model)
+        sch = slapo.create_schedule(model, mesh=mesh)
+        assert sch.world_size == sizes.get("tp", 1)
+        if "tp" in sizes:
+            tp_schedules.llama_tp(sch)
+        cut(sch, "model.layers.1")
+        tm, _ = slapo.build(sch, optimizer=torch.optim.AdamW, optimizer_kwargs={"lr": LR},
+                            pipeline="1F1B", num_microbatches=2, grad_clip=1.0, **kw)
+        batches = make_batches(batch=8)
+        losses = [tm.train_step(b) for b in batches]
+        ref_losses = reference_losses(ref, batches, grad_clip=1.0)
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5,
+                                   atol=0, msg=lambda m, name=name: f"{name}: {m}")
+        out[name] = losses
+    return out
 
 
 def job_pp_delayed_init():
@@ -215,6 +223,10 @@ def job_pp_bad_inputs():
     ids = models.ids(batch=6)
     expect("microbatches", lambda: tm.train_step({"input_ids": ids, "labels": ids}),
            "6 samples", "num_microbatches=4")
+    mask = torch.ones_like(ids)
+    mask[0, -3:] = 0
+    expect("padding", lambda: tm.train_step({"input_ids": ids[:4], "labels": ids[:4],
+                                             "attention_mask": mask[:4]}), "padding")
     # the pool is still usable afterwards: a correct step runs on both ranks
     ids = models.ids(batch=4)
     loss = tm.train_step({"input_ids": ids, "labels": ids})
@@ -242,9 +254,9 @@ def test_pipeline_delayed_init_materialises_only_own_stages(dist2):
 def test_pipeline_bad_inputs_fail_on_every_rank(dist2):
     res = dist2.run(job_pp_bad_inputs)
     assert res[0]["loss"] == res[1]["loss"]
-    assert set(res[0]["msgs"]) == {"cuts", "schedule", "no-pipeline", "microbatches"}
+    assert set(res[0]["msgs"]) == {"cuts", "schedule", "no-pipeline", "microbatches", "padding"}
 
 
-def test_tp_x_pp_llama_four_ranks(dist4):
-    res = dist4.run(job_tp_pp_llama, timeout=300)
+def test_tp_x_pp_and_fsdp_x_pp_llama_four_ranks(dist4):
+    res = dist4.run(job_pp_llama_four_ranks, timeout=300)
     assert all(r == res[0] for r in res)

@@ -85,7 +85,7 @@ class DeepSpeedModule(nn.Module):
             self.engine.backward(loss)
             self.engine.step()
             total += float(loss.detach()) / k
-        return reduce_loss(torch.tensor(total), self.info, 1)
+        return reduce_loss(torch.tensor(total), self.info)
 
 
 def build_deepspeed(sch, info: MeshInfo, config: StepConfig, *, optimizer, optimizer_kwargs,

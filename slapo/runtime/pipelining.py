@@ -230,6 +230,17 @@ def stage_default_loss(stage: nn.Module, outputs: Any, batch: Batch) -> torch.Te
     return fn(outputs, batch)
 
 
+def check_no_padding_mask(batch: Batch) -> None:
+    """Stages rebuild a causal mask and do not carry a padding mask across ranks, so refuse
+    one that masks anything (every rank sees the same batch, so every rank raises)."""
+    mask = batch.get("attention_mask") if isinstance(batch, dict) else None
+    if isinstance(mask, torch.Tensor) and not bool((mask != 0).all()):
+        raise SchedulingError("", "pipeline stages do not carry a padding attention_mask "
+                              "across stages, and this batch's mask hides some tokens.",
+                              "pack sequences without padding (or mask padded tokens in the "
+                              "labels with -100 and drop attention_mask).")
+
+
 class PipelineRunner:
     """One `schedule.step` per accumulation slice; the loss is the mean over micro-batches."""
 
@@ -261,6 +272,7 @@ class PipelineRunner:
         return loss * (self._scale / self.plan.num_microbatches)
 
     def forward_backward(self, batch: Batch, scale: float, sync_grads: bool) -> torch.Tensor:
+        check_no_padding_mask(batch)
         self._batch, self._scale, self._losses = batch, scale, []
         args = first_stage_args(self.first, batch) if self.holds_first else ()
         target = torch.arange(batch_size(batch)) if self.holds_last else None
@@ -275,9 +287,6 @@ class PipelineRunner:
 
     def finish_grads(self) -> None:
         self.tied.sync_grads(self.info)
-
-    def loss_holders(self) -> int:
-        return 1
 
 
 def make_stages(modules: list[nn.Module], stage_ids: list[int], plan: PipelinePlan,

@@ -56,9 +56,6 @@ class Runner(Protocol):
     def finish_grads(self) -> None:
         """Complete gradients after the last slice (before clipping)."""
 
-    def loss_holders(self) -> int:
-        """How many ranks of the pp group return the loss (it is summed over pp, then / this)."""
-
 
 class LocalRunner:
     """The whole model on every rank of a dp group: plain, DistributedDataParallel or FSDP2."""
@@ -80,14 +77,11 @@ class LocalRunner:
             self.module.set_requires_gradient_sync(sync_grads)
         with self._no_sync(sync_grads):
             loss = compute_loss(call(self.module, batch), batch, self.loss_fn)
-            (loss * scale).backward() if scale != 1 else loss.backward()
+            (loss * scale if scale != 1 else loss).backward()
         return loss.detach()
 
     def finish_grads(self) -> None:
         pass
-
-    def loss_holders(self) -> int:
-        return 1
 
 
 @dataclass
@@ -125,12 +119,12 @@ def clip_grad_norm(nw: NormWeights, max_norm: float, info: MeshInfo) -> torch.Te
     return norm.float()
 
 
-def reduce_loss(loss: torch.Tensor, info: MeshInfo, holders: int) -> float:
-    """The step's loss on every rank: summed over pp (zero where not computed), averaged over dp."""
+def reduce_loss(loss: torch.Tensor, info: MeshInfo) -> float:
+    """The step's loss on every rank: summed over pp (only the rank with the last stage has a
+    non-zero value), averaged over dp."""
     value = loss.detach().double().reshape(1).to(_device(info))
     if info.pp > 1:
         dist.all_reduce(value, group=info.group("pp"))
-        value /= holders
     if info.dp > 1:
         dist.all_reduce(value, group=info.group("dp"))
         value /= info.dp
@@ -232,4 +226,4 @@ class TrainModule(nn.Module):
         if cfg.grad_clip is not None:
             clip_grad_norm(self._norm_weights, cfg.grad_clip, cfg.info)
         self.optimizer.step()
-        return reduce_loss(loss, cfg.info, self.runner.loss_holders())
+        return reduce_loss(loss, cfg.info)
