@@ -13,6 +13,7 @@ so `print(sch)` shows what was done, with the arguments, without running the mod
 from __future__ import annotations
 
 import functools
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -84,11 +85,16 @@ class Schedule:
 
     # ---- tree -------------------------------------------------------------------------------
     def _build_children(self) -> None:
+        """(Re)build the child nodes from the current module. A child node (and its history)
+        is kept only if it still stands for the *same module object*; whoever swaps this node's
+        module calls this, so the node's own module reference is refreshed here too."""
+        mod = self.mod
+        self._mod_ref = weakref.ref(mod)
         old = self.child
         self.child = {}
-        for name, sub in self.mod.named_children():
+        for name, sub in mod.named_children():
             node = old.get(name)
-            if node is not None and node.mod is sub:
+            if node is not None and node._mod_ref() is sub:
                 self.child[name] = node
             else:
                 self.child[name] = Schedule(self._root, name, _join(self.path, name), self)
