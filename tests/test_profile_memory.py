@@ -9,7 +9,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from slapo.profile import LiveTensorBytes, memory_breakdown, saved_bytes
+from slapo.profile import LiveTensorBytes, memory_breakdown, memory_timeline, saved_bytes
 
 B, H = 64, 1024
 F32 = 4
@@ -154,3 +154,15 @@ def test_cuda_peak_reported():
     model = mlp().cuda()
     r = memory_breakdown(model, torch.randn(B, H, device="cuda"))
     assert r.cuda_peak_allocated is not None and r.cuda_peak_allocated >= r.weights + r.activations
+
+
+def test_profiler_timeline_categories():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(128, 128), nn.ReLU(), nn.Linear(128, 128))
+    opt = torch.optim.Adam(model.parameters())
+    n_bytes = sum(p.numel() for p in model.parameters()) * F32
+    r = memory_timeline(model, torch.randn(16, 128), optimizer=opt)
+    assert r["final"]["parameter"] == n_bytes
+    assert r["final"]["gradient"] == n_bytes
+    assert r["final"]["optimizer_state"] == 2 * n_bytes + 4 * F32  # + the 4 `step` scalars
+    assert r["peak_total"] == sum(r["at_peak"].values()) >= 4 * n_bytes

@@ -4,11 +4,13 @@
   saved activations of one training step, total and per module (table / JSON / PNG).
 * `saved_bytes(fn, *args)`: bytes one call leaves saved for backward (for tests).
 * `LiveTensorBytes`: a dispatch mode counting live tensor bytes and their peak (works on CPU).
+* `memory_timeline(model, inputs, ...)`: torch.profiler's categorised timeline (CPU and CUDA).
 """
 
 from .breakdown import MemoryBreakdown, default_loss, memory_breakdown
 from .live import LiveTensorBytes
 from .saved import SavedTensorRecorder, saved_bytes, storage_key, storage_keys
+from .timeline import memory_timeline
 
 __all__ = [
     "LiveTensorBytes",
@@ -16,6 +18,7 @@ __all__ = [
     "SavedTensorRecorder",
     "default_loss",
     "memory_breakdown",
+    "memory_timeline",
     "saved_bytes",
     "storage_key",
     "storage_keys",
