@@ -3,6 +3,8 @@
 The model definition stays untouched; a schedule (`create_schedule`) describes how it runs.
 """
 
+# Sub-packages, importable as attributes (`slapo.op.SDPAttention`, `slapo.model_schedule.apply`).
+from . import graph, model_schedule, op, pipeline, profile, progressive, tune  # noqa: E402,I001
 from .consolidate import consolidate
 from .distributed.rng import get_rng_tracker, set_random_seed
 from .errors import SchedulingError, SlapoError, TraceError, VerificationError
@@ -27,6 +29,13 @@ __all__ = [
     "VerificationError",
     "__version__",
     "create_schedule",
+    "graph",
+    "model_schedule",
+    "op",
+    "pipeline",
+    "profile",
+    "progressive",
+    "tune",
     "get_rng_tracker",
     "list_primitives",
     "register_primitive",
