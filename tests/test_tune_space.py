@@ -91,3 +91,13 @@ def test_database_roundtrip_and_resume(tmp_path):
     assert db.best("throughput").config == {"a": 1, "b": 2}
     with pytest.raises(ValueError, match="status"):
         db.commit(Record({"a": 3}, "weird"))
+
+
+def test_package_exports_are_lazy_and_complete():
+    import slapo.tune as tune
+
+    for name in tune.__all__:
+        assert getattr(tune, name) is not None
+    assert tune.Space is Space and tune.cost.saved_activation_bytes
+    with pytest.raises(AttributeError, match="no attribute"):
+        tune.nope  # noqa: B018

@@ -91,7 +91,8 @@ class CallableEvaluator:
     ``fn`` must be importable by the child (a module-level function). The trial's clock starts
     when the child has booted (``startup_timeout_s`` bounds the boot itself, which on a loaded
     machine can take seconds); a trial running past ``timeout_s`` is killed with everything it
-    started. ``mem_cap_bytes`` is applied with RLIMIT_AS in the child, and a reported
+    started. ``mem_cap_bytes`` is applied with RLIMIT_AS in the child (it caps the whole address
+    space, which already includes a few GB of mappings once torch is imported), and a reported
     ``metrics[peak_key]`` above it also marks the trial ``oom``.
     """
 
@@ -118,6 +119,10 @@ class CallableEvaluator:
             raise ValueError("start_method='fork' would inherit the tuner's CUDA/allocator state. "
                              "Fix: use 'forkserver' or 'spawn'.")
         self.start_method = start_method
+        if start_method == "forkserver":
+            # The server imports this module (hence slapo and torch) once; trials fork from it
+            # instead of re-importing torch. No effect if the server is already running.
+            mp.get_context("forkserver").set_forkserver_preload([__name__])
 
     def __call__(self, config: Config) -> TrialResult:
         ctx = mp.get_context(self.start_method)
