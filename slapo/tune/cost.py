@@ -219,8 +219,13 @@ def saved_activation_bytes(module: torch.nn.Module, example_inputs: Inputs | Inp
         cost = block_cost(module, example_inputs, tp=tp != 1, dtype=dtype, plan=plan, attrs=attrs)
         if batch == 1 or tp > max(cost.tp_verified, 2):
             # outside the range where the symbolic form was verified: capture this size directly
-            mod = shard_for_tp(module, tp, plan=plan, attrs=attrs) if tp != 1 else module
-            st = capture(mod, resize_inputs(example_inputs), 1, seq, dtype=dtype)
+            key = ("direct", batch, seq, tp, dtype, tuple(sorted((plan or {}).items())),
+                   repr([(t.shape, t.dtype) for t in _tensors(example_inputs)]))
+            per_mod = _CACHE.setdefault(module, {})
+            if key not in per_mod:
+                mod = shard_for_tp(module, tp, plan=plan, attrs=attrs) if tp != 1 else module
+                per_mod[key] = capture(mod, resize_inputs(example_inputs), batch, seq, dtype=dtype)
+            st = per_mod[key]
             if checkpoint:
                 return st.input_bytes if include_inputs else 0
             return st.saved_bytes + (st.saved_input_bytes if include_inputs else 0)

@@ -5,8 +5,8 @@ and must not leave a poisoned CUDA context or allocator behind for the next tria
 runs in a fresh process (``multiprocessing`` spawn for a Python callable, ``subprocess`` for a
 command line) and the parent only reads back a small metrics dict.
 
-This module deliberately imports nothing heavy (no torch): a spawned child re-imports it, and the
-start-up cost is paid once per trial.
+Trials fork from a forkserver that has imported this module once (and with it slapo and torch),
+so a trial starts in tens of milliseconds, without inheriting the tuner's CUDA or allocator state.
 """
 
 from __future__ import annotations
