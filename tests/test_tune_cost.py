@@ -133,3 +133,35 @@ def test_bad_inputs_raise_clear_errors():
         saved_activation_bytes(block, (torch.randn(2, 16, 64),), tp=0)
     with pytest.raises(SchedulingError, match=r"\(batch, seq"):
         saved_activation_bytes(block, (torch.randn(64),))
+
+
+class SizeDependent(torch.nn.Module):
+    """Saves an extra tensor only for long sequences: not a polynomial in seq."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        y = self.lin(x)
+        return y * y if x.shape[1] >= 64 else y
+
+
+def test_non_polynomial_costs_are_rejected_not_extrapolated():
+    from slapo.errors import TraceError
+
+    with pytest.raises(TraceError, match="not a polynomial"):
+        block_cost(SizeDependent(), (torch.randn(2, 16, 8, requires_grad=True),))
+
+
+def test_inputs_fn_for_blocks_with_masks():
+    block = bert_layer(64, "eager", 0.0)
+
+    def inputs(b, s):
+        return {"hidden_states": torch.randn(b, s, 64, requires_grad=True),
+                "attention_mask": torch.zeros(b, 1, s, s)}
+
+    pred = saved_activation_bytes(block, inputs, batch=3, seq=32)
+    x = inputs(3, 32)
+    measured = measure_saved_bytes(block, x)
+    assert pred == measured > 0

@@ -24,7 +24,7 @@ from typing import Any
 import sympy
 import torch
 
-from ..errors import TraceError
+from ..errors import SchedulingError, TraceError
 from .capture import CaptureStats, Inputs, InputsFn, _batch_seq, capture, resize_inputs
 from .memory import (  # noqa: F401 - re-exported
     ModelStates,
@@ -145,7 +145,7 @@ def block_cost(module: torch.nn.Module, example_inputs: Inputs | None = None,
             raise ValueError("inputs_fn needs seq= (the base sequence length to capture at).")
         s0 = seq
     key = (tp, backward, dtype, s0, tuple(sorted((plan or {}).items())), tuple(attrs or ()),
-           inputs_fn.__code__ if example_inputs is None else repr([(t.shape, t.dtype) for t in _tensors(example_inputs)]))
+           inputs_fn if example_inputs is None else repr([(t.shape, t.dtype) for t in _tensors(example_inputs)]))
     per_mod = _CACHE.setdefault(module, {})
     if key in per_mod:
         return per_mod[key]
@@ -166,7 +166,7 @@ def block_cost(module: torch.nn.Module, example_inputs: Inputs | None = None,
             combined[f] = sympy.expand(e1 - sharded + sharded / TP)
         try:
             m4 = shard_for_tp(module, 4, plan=plan, attrs=attrs)
-        except Exception:  # noqa: BLE001 - a block that cannot split 4 ways is checked at 1, 2 only
+        except SchedulingError:  # a block that cannot split 4 ways is checked at tp 1 and 2 only
             m4 = None
         tp_verified = 2
         if m4 is not None:
