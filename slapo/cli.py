@@ -155,11 +155,12 @@ def main(argv: list[str] | None = None) -> int:
         cfg.check()
     except (UsageError, ValueError) as e:
         train_parser.error(str(e))  # exits with status 2
+    from .errors import SlapoError
     from .train.loop import train
 
     try:
         train(cfg)
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, FileNotFoundError, SlapoError) as e:
         print(f"slapo train: error: {e}", file=sys.stderr)
         return 1
     return 0

@@ -27,7 +27,11 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_state_dict,
+    set_state_dict,
+)
 
 from .. import sharding
 
@@ -97,7 +101,8 @@ def set_rng_state(state: dict[str, Any]) -> None:
 # ---- TP shards as DTensors --------------------------------------------------------------------
 def _shard_specs(model: nn.Module) -> dict[str, sharding.ShardSpec]:
     specs = {}
-    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+    for name, t in [*model.named_parameters(remove_duplicate=False),  # tied: every name
+                    *model.named_buffers(remove_duplicate=False)]:
         spec = sharding.shard_spec(t)
         if spec is not None and spec.world_size > 1:
             specs[name] = spec
@@ -142,14 +147,21 @@ def _wrap(state: dict[str, Any], specs: dict[str, sharding.ShardSpec], fn) -> di
 
 
 # ---- save / load ------------------------------------------------------------------------------
-def _state(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
+def _state(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict, bool]:
+    """{"model", "optim"} state dicts to hand DCP, the shard specs, and whether the model part
+    is partial. Only the parameters this rank trains (those in its optimizer) are included: with
+    a pipeline, a rank also holds other stages' untrained copies, which must not be saved."""
     model_sd, optim_sd = get_state_dict(model, optimizer)
+    owned = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    foreign = {name for name, p in model.named_parameters(remove_duplicate=False)
+               if id(p) not in owned}
+    model_sd = {k: v for k, v in model_sd.items() if k not in foreign}
     specs = _shard_specs(model)
     state = {"model": model_sd, "optim": optim_sd}
     if specs:
         meshes: dict = {}
         state = _wrap(state, specs, lambda t, s: _to_dtensor(t, s, meshes))
-    return state, specs
+    return state, specs, bool(foreign)
 
 
 def save(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
@@ -159,7 +171,7 @@ def save(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
     if rank == 0 and tmp.exists():
         shutil.rmtree(tmp)
     _barrier()
-    state, _ = _state(model, optimizer)
+    state, _, _ = _state(model, optimizer)
     with _quiet_single_process():
         dcp.save(state, checkpoint_id=str(tmp), no_dist=not dist.is_initialized())
     torch.save(rng_state(), tmp / f"rng_rank{rank}.pt")
@@ -179,13 +191,13 @@ def load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, rank: i
         raise FileNotFoundError(f"{path} is not a complete slapo train checkpoint (no "
                                 f"{TRAINER_FILE}); pass a directory like OUT/{CHECKPOINTS}/"
                                 "step_000010, or --resume latest.")
-    state, specs = _state(model, optimizer)
+    state, specs, partial = _state(model, optimizer)
     with _quiet_single_process():
         dcp.load(state, checkpoint_id=str(path), no_dist=not dist.is_initialized())
     if specs:
         state = _wrap(state, specs, _from_dtensor)
     set_state_dict(model, optimizer, model_state_dict=state["model"],
-                   optim_state_dict=state["optim"])
+                   optim_state_dict=state["optim"], options=StateDictOptions(strict=not partial))
     rng_file = path / f"rng_rank{rank}.pt"
     if not rng_file.is_file():
         raise FileNotFoundError(f"{rng_file} is missing: resume with the same number of "

@@ -13,7 +13,6 @@ run resumed from step k computes bit-for-bit the losses the uninterrupted run co
 
 from __future__ import annotations
 
-import inspect
 import json
 import math
 import os
@@ -183,7 +182,7 @@ class Run:
     env: Env
     model: nn.Module            # the (scheduled) HF model: state-dict keys are the HF keys
     optimizer: torch.optim.Optimizer
-    step_fn: Any                # batch -> float loss (the runtime's train_step, or plain_step)
+    step_fn: Any                # batch -> float loss: the runtime's TrainModule.train_step
     data: CorpusLoader
     task: str
     schedule_note: str
@@ -198,9 +197,8 @@ def build(cfg: TrainConfig, env: Env, log=print) -> Run:
     torch.manual_seed(cfg.seed)
     model, spec = build_model(cfg.model, cfg.size())
     model, sch, note = schedule(model, cfg, env, log)
-    model = model.to(env.device)
-    model.train()
-    model, optimizer, step_fn = make_trainable(sch, model, cfg, env)
+    model.to(env.device).train()
+    optimizer, step_fn = make_trainable(sch, cfg, env)
     _seed_training_rng(cfg.seed, env)
     data = CorpusLoader(spec.task, cfg.seq_len, seed=cfg.seed)
     return Run(cfg, env, model, optimizer, step_fn, data, spec.task, note)
@@ -216,27 +214,17 @@ def schedule(model: nn.Module, cfg: TrainConfig, env: Env, log) -> tuple[nn.Modu
     import slapo
 
     knobs = cfg.knobs()
-    tp_group = env.mesh.get_group("tp") if env.mesh is not None else None
-
-    def unscheduled(m: nn.Module) -> Any:
-        return slapo.create_schedule(m, group=tp_group) if tp_group is not None else \
-            slapo.create_schedule(m)
-
     if not knobs:
-        return model, unscheduled(model), "none (no schedule knobs given: HF eager)"
+        return model, slapo.create_schedule(model, mesh=env.mesh), \
+            "none (no schedule knobs given: HF eager)"
     shown = ", ".join(f"{k}={v}" for k, v in knobs.items())
     try:
         from slapo.model_schedule import apply
     except ImportError:
         note = f"not applied: slapo.model_schedule.apply is not available ({shown} ignored)"
         log(f"warning: schedule {note}; training unscheduled")
-        return model, unscheduled(model), note
-    extra = {}
-    params = inspect.signature(apply).parameters
-    if env.mesh is not None and "mesh" in params:
-        extra["mesh"] = env.mesh
-    elif tp_group is not None and "group" in params:
-        extra["group"] = tp_group
+        return model, slapo.create_schedule(model, mesh=env.mesh), note
+    extra = {"mesh": env.mesh} if env.mesh is not None else {}
     try:
         sch = apply(model, **knobs, **extra)
     except NotImplementedError as e:
@@ -244,79 +232,30 @@ def schedule(model: nn.Module, cfg: TrainConfig, env: Env, log) -> tuple[nn.Modu
         log(f"warning: schedule {note}; training unscheduled")
         torch.manual_seed(cfg.seed)
         model, _ = build_model(cfg.model, cfg.size())
-        return model, unscheduled(model), note
+        return model, slapo.create_schedule(model, mesh=env.mesh), note
     return sch.mod, sch, f"applied: {shown}"
 
 
-def make_trainable(sch: Any, model: nn.Module, cfg: TrainConfig, env: Env
-                   ) -> tuple[nn.Module, torch.optim.Optimizer, Any]:
-    """`slapo.build` the schedule with AdamW; return (model for state dicts, optimizer, step fn).
+PIPELINE_SCHEDULE = "1F1B"
 
-    When `build` returns a module with `train_step` (the runtime's uniform step: data, tensor
-    and pipeline parallelism, gradient clipping over the mesh), that is the step; otherwise a
-    plain forward/backward/clip/step loop on this process's whole model.
+
+def make_trainable(sch: Any, cfg: TrainConfig, env: Env
+                   ) -> tuple[torch.optim.Optimizer, Any]:
+    """`slapo.build` the schedule with AdamW on the mesh; return (optimizer, step fn).
+
+    The step is the runtime's `train_step(batch) -> float`: the same call for one process,
+    data parallelism (DDP over the mesh's dp ranks, each taking its slice of the global batch),
+    tensor parallelism (already in the schedule) and pipelines (`--pp-stages`, 1F1B), with
+    gradient clipping over the whole mesh.
     """
     import slapo
 
-    kwargs: dict[str, Any] = {}
-    params = inspect.signature(slapo.build).parameters
-    if "grad_clip" in params:
-        kwargs["grad_clip"] = cfg.grad_clip
-    if "data_parallel" in params and env.dp > 1:
-        kwargs["data_parallel"] = "ddp"
-    if (cfg.pp_stages or 1) > 1:
-        if "pipeline" not in params:
-            raise ValueError("--pp-stages needs pipeline support in slapo.build, which this "
-                             "version does not have yet; use --pp-stages 1.")
-        kwargs["pipeline"] = cfg.pp_stages
-    built = slapo.build(sch, optimizer=torch.optim.AdamW, seed=cfg.seed,
-                        optimizer_kwargs={"lr": cfg.lr, "weight_decay": cfg.weight_decay,
-                                          "betas": (0.9, 0.95)}, **kwargs)
-    if hasattr(built, "train_step"):
-        inner = built.model if getattr(built, "model", None) is not None else model
-        return inner, built.optimizer, built.train_step
-    built_model, optimizer = built
-    if env.dp > 1:
-        return built_model, optimizer, ddp_step(built_model, optimizer, cfg, env)
-    return built_model, optimizer, plain_step(built_model, optimizer, cfg.grad_clip)
-
-
-def plain_step(model: nn.Module, optimizer: torch.optim.Optimizer, grad_clip: float | None):
-    """One optimizer step on the whole batch; the HF model computes the loss from `labels`."""
-    def step(batch: dict[str, torch.Tensor]) -> float:
-        optimizer.zero_grad(set_to_none=True)
-        loss = model(**batch).loss
-        loss.backward()
-        if grad_clip is not None:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
-        optimizer.step()
-        return float(loss.detach())
-
-    return step
-
-
-def ddp_step(model: nn.Module, optimizer: torch.optim.Optimizer, cfg: TrainConfig, env: Env):
-    """Data parallelism until the runtime's `train_step` provides it: DDP, this rank's slice of
-    the global batch, the loss averaged over ranks (so every rank logs the same value)."""
-    from torch.nn.parallel import DistributedDataParallel
-
-    ddp = DistributedDataParallel(model, process_group=env.mesh.get_group("dp"))
-    group = env.mesh.get_group("dp")
-    rank, per = env.mesh.get_local_rank("dp"), cfg.batch_size // env.dp
-
-    def step(batch: dict[str, torch.Tensor]) -> float:
-        local = {k: v[rank * per:(rank + 1) * per] for k, v in batch.items()}
-        optimizer.zero_grad(set_to_none=True)
-        loss = ddp(**local).loss
-        loss.backward()
-        if cfg.grad_clip is not None:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-        optimizer.step()
-        value = loss.detach().double().reshape(1)
-        dist.all_reduce(value, group=group)
-        return float(value / env.dp)
-
-    return step
+    trainable, optimizer = slapo.build(
+        sch, optimizer=torch.optim.AdamW, seed=cfg.seed, mesh=env.mesh,
+        optimizer_kwargs={"lr": cfg.lr, "weight_decay": cfg.weight_decay, "betas": (0.9, 0.95)},
+        grad_clip=cfg.grad_clip, data_parallel="ddp" if env.dp > 1 else None,
+        pipeline=PIPELINE_SCHEDULE if (cfg.pp_stages or 1) > 1 else None)
+    return optimizer, trainable.train_step
 
 
 def _seed_training_rng(seed: int, env: Env) -> None:
@@ -416,8 +355,8 @@ def log_step(run: Run, bar) -> None:
 @torch.no_grad()
 def val_loss(run: Run) -> float | None:
     """Mean loss on the first `eval_batches` val batches (fixed, independent of the step)."""
-    if run.cfg.eval_batches == 0 or not callable(getattr(run.model, "forward", None)):
-        return None
+    if run.cfg.eval_batches == 0 or (run.cfg.pp_stages or 1) > 1:
+        return None  # with a pipeline no rank holds the whole model
     val = CorpusLoader(run.task, run.cfg.seq_len, seed=run.cfg.seed, split="val")
     was_training = run.model.training
     run.model.eval()
