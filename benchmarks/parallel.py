@@ -86,17 +86,19 @@ def cut_layers(sch, n_layers: int, n_cuts: int) -> None:
         sch[f"transformer.h.{round(per * i) - 1}"].cut_pipeline_stage()
 
 
-def time_steps(tm, batch, args) -> tuple[float, float]:
+def time_steps(tm, batch, args, collective: bool = True) -> tuple[float, float]:
+    """Median step time (the slowest rank's, when `collective`) and the last loss."""
+    collective = collective and dist.is_initialized()
     for _ in range(args.warmup):
         tm.train_step(batch)
     times, loss = [], 0.0
     for _ in range(args.steps):
-        if dist.is_initialized():
+        if collective:
             dist.barrier()
         t0 = time.perf_counter()
         loss = tm.train_step(batch)
         times.append(time.perf_counter() - t0)
-    if dist.is_initialized():  # the slowest rank decides the step time
+    if collective:  # the slowest rank decides the step time
         t = torch.tensor([statistics.median(times)], dtype=torch.float64)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return float(t), loss
@@ -110,7 +112,7 @@ def baseline(args) -> tuple[float, float]:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model = make_model(args).to(device)
     tm, _ = slapo.build(slapo.create_schedule(model), optimizer=torch.optim.AdamW)
-    return time_steps(tm, make_batch(args, device), args)
+    return time_steps(tm, make_batch(args, device), args, collective=False)
 
 
 def run_rank(args) -> list[dict]:
