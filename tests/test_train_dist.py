@@ -46,11 +46,16 @@ def test_data_parallel_trains_like_one_process_and_resumes_exactly(dist2, tmp_pa
     assert dp == pytest.approx(single, rel=1e-4, abs=1e-5)
 
 
-@pytest.mark.dist
-def test_tensor_parallel_sharded_checkpoint_resumes_exactly(dist2, tmp_path):
-    model_schedule = pytest.importorskip("slapo.model_schedule")
+def _need_model_schedule() -> None:
+    import slapo.model_schedule as model_schedule
+
     if not hasattr(model_schedule, "apply"):
         pytest.skip("slapo.model_schedule.apply is not available")
+
+
+@pytest.mark.dist
+def test_tensor_parallel_sharded_checkpoint_resumes_exactly(dist2, tmp_path):
+    _need_model_schedule()
     import torch.distributed.checkpoint as dcp
 
     straight, resumed = _train_save_resume(dist2, tmp_path, tp=2, attention="sdpa")
@@ -67,3 +72,15 @@ def test_tensor_parallel_sharded_checkpoint_resumes_exactly(dist2, tmp_path):
     assert sizes["optim.state.transformer.h.0.mlp.c_fc.weight.exp_avg"] == (64, 256)
     # fused q|k|v, sharded per block, is stored with its axis split into (blocks, rest)
     assert sizes["model.transformer.h.0.attn.c_attn.weight"] == (64, 3, 64)
+
+
+@pytest.mark.dist
+def test_pipeline_two_stages_resumes_exactly(dist2, tmp_path):
+    """--pp-stages 2: each rank saves only its stage's parameters; resuming restores both."""
+    _need_model_schedule()
+    straight, resumed = _train_save_resume(dist2, tmp_path, pp_stages=2, dropout=0.0)
+    assert straight[0]["schedule"] == "applied: pp_stages=2"
+    assert straight[0]["losses"] == straight[1]["losses"]
+    assert resumed[0]["losses"][3:] == straight[0]["losses"][3:]
+    single = _single({**TINY, "dropout": 0.0})
+    assert straight[0]["losses"] == pytest.approx(single, rel=1e-5)

@@ -46,7 +46,9 @@ def _gpt2(s: ModelSize) -> nn.Module:
     cfg = GPT2Config(vocab_size=_TOK.vocab_size, n_positions=s.max_positions, n_embd=s.hidden,
                      n_layer=s.layers, n_head=s.heads, resid_pdrop=s.dropout,
                      embd_pdrop=s.dropout, attn_pdrop=s.dropout, **_SPECIAL)
-    return GPT2LMHeadModel(cfg)
+    model = GPT2LMHeadModel(cfg)
+    model.loss_type = "ForCausalLM"  # HF cannot infer it from the class name ("LMHead")
+    return model
 
 
 def _llama(s: ModelSize) -> nn.Module:
