@@ -50,11 +50,11 @@ def tempo_replacement(
     layernorm: bool = True,
     attention: bool = True,
     band: float = 0.05,
-    min_abs_gamma: float | None = None,
+    min_gamma_ratio: float | None = None,
 ) -> nn.Module | None:
     """The Tempo module to install in place of `module`, or None if it is not a target."""
     if layernorm and type(module) is nn.LayerNorm:
-        return TempoLayerNorm.from_layernorm(module, min_abs_gamma)
+        return TempoLayerNorm.from_layernorm(module, min_gamma_ratio)
     if gelu:
         kind = gelu_kind(module)
         if kind is not None:
@@ -69,11 +69,11 @@ def tempo_replacement(
     return None
 
 
-def replace_layernorm(sch: Any, min_abs_gamma: float | None = None) -> nn.Module:
+def replace_layernorm(sch: Any, min_gamma_ratio: float | None = None) -> nn.Module:
     """One-line schedule replacement: `replace_layernorm(sch["attention.output.LayerNorm"])`."""
     if not isinstance(sch.mod, nn.LayerNorm):
         raise SchedulingError(sch.path, f"expected nn.LayerNorm, found {type(sch.mod).__name__}.")
-    return sch.replace(TempoLayerNorm.from_layernorm(sch.mod, min_abs_gamma))
+    return sch.replace(TempoLayerNorm.from_layernorm(sch.mod, min_gamma_ratio))
 
 
 def replace_gelu(sch: Any, band: float = 0.05) -> nn.Module:
@@ -102,7 +102,7 @@ def apply_tempo(
     layernorm: bool = True,
     attention: bool = True,
     band: float = 0.05,
-    min_abs_gamma: float | None = None,
+    min_gamma_ratio: float | None = None,
 ) -> list[tuple[str, str]]:
     """Replace every Tempo target under schedule `sch` (any root: a whole model or one layer).
 
@@ -119,7 +119,7 @@ def apply_tempo(
     done = []
     for node in reversed(nodes):
         new = tempo_replacement(
-            node.mod, node.path, gelu, layernorm, attention, band, min_abs_gamma
+            node.mod, node.path, gelu, layernorm, attention, band, min_gamma_ratio
         )
         if new is not None:
             node.replace(new)
@@ -133,13 +133,13 @@ def apply_tempo_to_module(
     layernorm: bool = True,
     attention: bool = True,
     band: float = 0.05,
-    min_abs_gamma: float | None = None,
+    min_gamma_ratio: float | None = None,
 ) -> nn.Module:
     """`apply_tempo` for a plain module, without a schedule. Returns the (possibly new) root."""
     paths = [path for path, _ in model.named_modules()]
     for path in reversed(paths):
         mod = model.get_submodule(path)
-        new = tempo_replacement(mod, path, gelu, layernorm, attention, band, min_abs_gamma)
+        new = tempo_replacement(mod, path, gelu, layernorm, attention, band, min_gamma_ratio)
         if new is None:
             continue
         new.train(mod.training)
