@@ -33,7 +33,6 @@ from .pipelining import (
     find_tied,
     make_schedule,
     make_stages,
-    pipeline_cuts,
     plan_pipeline,
 )
 from .train_step import LocalRunner, LossFn, NormWeights, StepConfig, TrainModule
@@ -295,4 +294,4 @@ def _stage_device(stages: list[nn.Module], info: MeshInfo) -> torch.device:
     return _default_device(info)
 
 
-__all__ = ["build", "mesh_info", "pipeline_cuts"]
+__all__ = ["build", "mesh_info"]

@@ -20,6 +20,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel
 
 from ..errors import SchedulingError
@@ -65,15 +66,12 @@ class LocalRunner:
         self.loss_fn = loss_fn
 
     def _no_sync(self, sync: bool):
-        if sync:
-            return nullcontext()
-        if hasattr(self.module, "no_sync"):  # DDP: skip the all-reduce of this slice's grads
-            return self.module.no_sync()
+        if not sync and isinstance(self.module, DistributedDataParallel):
+            return self.module.no_sync()  # skip the all-reduce of this slice's gradients
         return nullcontext()
 
     def forward_backward(self, batch: Batch, scale: float, sync_grads: bool) -> torch.Tensor:
-        fsdp = hasattr(self.module, "set_requires_gradient_sync")
-        if fsdp:  # FSDP2: reduce-scatter gradients only on the last accumulation slice
+        if isinstance(self.module, FSDPModule):  # reduce-scatter only on the last slice
             self.module.set_requires_gradient_sync(sync_grads)
         with self._no_sync(sync_grads):
             loss = compute_loss(call(self.module, batch), batch, self.loss_fn)
