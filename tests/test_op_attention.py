@@ -191,3 +191,20 @@ def test_use_attention_core_rejects_non_attention():
     attn = tf.models.gpt2.modeling_gpt2.GPT2Attention(cfg, layer_idx=0)
     with pytest.raises(SchedulingError, match="reorder_and_upcast_attn"):
         use_attention_core(attn, SDPAttention(), "h.0.attn")
+
+
+@pytest.mark.parametrize("core_cls", [SDPAttention, TempoAttentionCore])
+def test_position_bias_is_folded_into_the_mask(core_cls):
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 3, 5, 4, dtype=D64) for _ in range(3))
+    bias = torch.randn(1, 3, 5, 5, dtype=D64)
+    keep = torch.ones(2, 1, 1, 5, dtype=torch.bool)
+    keep[1, ..., 3:] = False
+    module = torch.nn.Module()
+    module.is_causal = False
+    out, _ = core_cls()(module, q, k, v, keep, scaling=1.0, position_bias=bias)
+    s = (q @ k.transpose(-1, -2) + bias).masked_fill(~keep, float("-inf"))
+    ref = (torch.softmax(s, -1) @ v).transpose(1, 2)
+    assert torch.allclose(out, ref, atol=1e-12)
+    with pytest.raises(ValueError, match="softcap"):
+        core_cls()(module, q, k, v, None, softcap=30.0)

@@ -100,9 +100,11 @@ class AttentionCore(nn.Module):
                 attention_mask = causal_mask(query.shape[2], key.shape[2], query.device)
             if attention_mask is not None and attention_mask.dtype == torch.bool:
                 attention_mask = torch.zeros_like(attention_mask, dtype=query.dtype).masked_fill(
-                    ~attention_mask, torch.finfo(query.dtype).min)
-            attention_mask = position_bias if attention_mask is None else \
-                position_bias + attention_mask
+                    ~attention_mask, torch.finfo(query.dtype).min
+                )
+            attention_mask = (
+                position_bias if attention_mask is None else position_bias + attention_mask
+            )
             is_causal = False
         for name in ("softcap", "s_aux"):
             if kwargs.get(name) is not None:
