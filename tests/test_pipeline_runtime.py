@@ -86,7 +86,8 @@ def compare_params(tm, ref, rtol=1e-4, atol=1e-5) -> int:
 
 def job_pp_gpt2():
     """PP=2 on a 4-layer GPT-2: GPipe (+ grad accumulation), 1F1B (+ custom loss, clipping),
-    Interleaved1F1B and ZBVZeroBubble (2 virtual stages per rank => 4 stages)."""
+    and the multi-stage schedules with 2 virtual stages per rank (=> 4 stages): Interleaved1F1B,
+    ZBVZeroBubble, LoopedBFS, InterleavedZeroBubble, DualPipeV."""
     import models
 
     import slapo
@@ -102,7 +103,8 @@ def job_pp_gpt2():
          ["transformer.h.0", "transformer.h.1", "transformer.h.2"]),
         ("ZBVZeroBubble", {"num_microbatches": 4},
          ["transformer.h.0", "transformer.h.1", "transformer.h.2"]),
-    ]
+    ] + [(name, {"num_microbatches": 4}, ["transformer.h.0", "transformer.h.1", "transformer.h.2"])
+         for name in ("LoopedBFS", "InterleavedZeroBubble", "DualPipeV")]
     out = {}
     batches = make_batches()
     for name, kw, cuts in cases:
@@ -239,7 +241,8 @@ def job_pp_bad_inputs():
 
 def test_pipeline_schedules_match_single_process(dist2):
     res = dist2.run(job_pp_gpt2, timeout=300)
-    for name in ("GPipe", "1F1B", "Interleaved1F1B", "ZBVZeroBubble"):
+    assert len(res[0]) == 7
+    for name in res[0]:
         assert res[0][name]["losses"] == res[1][name]["losses"]
         # the two ranks hold different layers
         assert not set(res[0][name]["held"]) & set(res[1][name]["held"]), name
