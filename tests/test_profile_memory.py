@@ -166,3 +166,21 @@ def test_profiler_timeline_categories():
     assert r["final"]["gradient"] == n_bytes
     assert r["final"]["optimizer_state"] == 2 * n_bytes + 4 * F32  # + the 4 `step` scalars
     assert r["peak_total"] == sum(r["at_peak"].values()) >= 4 * n_bytes
+
+
+def test_hf_model_dict_inputs_and_tied_weights():
+    tf = pytest.importorskip("transformers")
+    cfg = tf.GPT2Config(
+        n_embd=32, n_layer=2, n_head=4, vocab_size=64, bos_token_id=0, eos_token_id=0
+    )
+    torch.manual_seed(0)
+    model = tf.GPT2LMHeadModel(cfg)
+    assert model.lm_head.weight is model.transformer.wte.weight  # tied
+    ids = torch.randint(0, 64, (2, 8))
+    opt = torch.optim.AdamW(model.parameters())
+    r = memory_breakdown(model, {"input_ids": ids, "labels": ids}, optimizer=opt)
+    unique = {p.data_ptr(): p.numel() * F32 for p in model.parameters()}
+    assert r.weights == sum(unique.values())  # the tied matrix counts once
+    assert r.grads == r.weights
+    assert r.activations > 0 and r.module_bytes("transformer.h.0") > 0
+    assert r.module_bytes("") == r.activations
