@@ -326,6 +326,12 @@ def peak_memory_bytes(device: torch.device) -> int:
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
 
+def trained_parameters(run: Run) -> int:
+    """Parameters this rank trains (its TP shards, its pipeline stages), counted once."""
+    params = {id(p): p for g in run.optimizer.param_groups for p in g["params"]}
+    return sum(p.numel() for p in params.values())
+
+
 def tokens_per_step(cfg: TrainConfig) -> int:
     return cfg.batch_size * cfg.seq_len
 
@@ -407,7 +413,6 @@ def resume(run: Run, log=print) -> None:
 
 # ---- finish -----------------------------------------------------------------------------------
 def metrics(run: Run, val: float | None, peak: int) -> dict[str, Any]:
-    n_params = sum(p.numel() for p in run.model.parameters())
     return {
         "losses": run.losses,
         "val_loss": val,
@@ -417,7 +422,7 @@ def metrics(run: Run, val: float | None, peak: int) -> dict[str, Any]:
         "peak_memory_bytes": peak,
         "peak_memory_kind": "cuda max_memory_allocated" if run.env.device.type == "cuda"
         else "process peak RSS (VmHWM)",
-        "parameters_on_rank0": n_params,
+        "parameters_on_rank0": trained_parameters(run),
         "steps": run.step,
         "resumed_from": run.resumed_from,
         "schedule": run.schedule_note,
@@ -469,8 +474,8 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     log = print if env.is_main else (lambda *a, **k: None)
     try:
         run = build(cfg, env, log)
-        log(f"slapo train: {cfg.model} ({sum(p.numel() for p in run.model.parameters()):,} "
-            f"parameters on rank 0), {env.world} process(es), device {env.device}, "
+        log(f"slapo train: {cfg.model} ({trained_parameters(run):,} parameters on rank 0), "
+            f"{env.world} process(es), device {env.device}, "
             f"schedule {run.schedule_note}")
         if cfg.resume is not None:
             resume(run, log)
