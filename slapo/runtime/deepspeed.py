@@ -47,6 +47,9 @@ def complete_config(base: dict | None, config: StepConfig) -> dict:
     if config.grad_clip is not None:
         cfg.setdefault("gradient_clipping", config.grad_clip)
     cfg.setdefault("zero_optimization", {"stage": 1})
+    # our optimizer (e.g. torch.optim.AdamW) is a "client optimizer" to DeepSpeed, which ZeRO
+    # refuses unless told that it is intended
+    cfg.setdefault("zero_allow_untested_optimizer", True)
     if "train_batch_size" not in cfg:
         cfg.setdefault("train_micro_batch_size_per_gpu", 1)
     return cfg
