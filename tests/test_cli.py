@@ -52,6 +52,7 @@ def test_flags_without_config_and_resume_forms():
     (["train", "--steps", "0"], "--steps must be >= 1"),
     (["train", "--attention", "fast"], "eager, sdpa or flash"),
     (["train", "--resume"], "--resume needs --out"),
+    (["train", "--save-every", "5"], "--save-every needs --out"),
     (["train", "--ckpt-ratio", "2"], "--ckpt-ratio must be in [0, 1]"),
     (["fly"], "invalid choice: 'fly'"),
 ])

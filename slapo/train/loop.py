@@ -82,8 +82,10 @@ class TrainConfig:
             raise ValueError(f"--min-lr-ratio must be in [0, 1], got {self.min_lr_ratio}")
         if not 0 <= self.dropout < 1:
             raise ValueError(f"--dropout must be in [0, 1), got {self.dropout}")
-        if self.resume is not None and self.out is None and self.resume == "latest":
+        if self.resume == "latest" and self.out is None:
             raise ValueError("--resume needs --out DIR (the run directory holding checkpoints)")
+        if self.save_every and self.out is None:
+            raise ValueError("--save-every needs --out DIR (where checkpoints are written)")
         for name in ("tp", "pp_stages"):
             v = getattr(self, name)
             if v is not None and v < 1:
