@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 
 import torch
@@ -60,24 +61,23 @@ def _is_kv_cache(x) -> bool:
     return hasattr(x, "get_seq_length") and hasattr(x, "update")
 
 
+_WARNED: set[str] = set()
+
+
 def _drop_empty_caches(module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     """A KV cache is state the forward *appends to*: recomputation would append twice (the keys
-    double in length). Training passes an empty cache, which changes nothing in the output, so
-    we drop it (as HF's own gradient checkpointing does); a non-empty cache is an error."""
-    def check(x):
-        if _is_kv_cache(x):
-            if x.get_seq_length():
-                raise RuntimeError(f"checkpointed {type(module).__name__} received a non-empty "
-                                   "KV cache; recomputation would corrupt it. Run it without "
-                                   "checkpointing (e.g. under torch.no_grad()) or pass "
-                                   "use_cache=False.")
-            return None
-        return x
-
+    double in length). As HF's own gradient checkpointing does, a checkpointed layer runs
+    without the cache (outputs are unchanged; the returned cache lacks this layer's keys)."""
     if not any(_is_kv_cache(a) for a in (*args, *kwargs.values())):
         return args, kwargs
-    args = tuple(check(a) for a in args)
-    kwargs = {k: check(v) for k, v in kwargs.items()}
+    name = type(module).__name__
+    if name not in _WARNED:
+        _WARNED.add(name)
+        warnings.warn(f"checkpointed {name} runs without its KV cache (recomputation would "
+                      "append to it twice); pass use_cache=False to silence this.",
+                      stacklevel=4)
+    args = tuple(None if _is_kv_cache(a) else a for a in args)
+    kwargs = {k: None if _is_kv_cache(v) else v for k, v in kwargs.items()}
     if kwargs.get("use_cache"):
         kwargs["use_cache"] = False
     return args, kwargs
