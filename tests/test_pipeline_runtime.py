@@ -188,10 +188,19 @@ def job_pp_delayed_init():
     rank = torch.distributed.get_rank()
     other = model.transformer.h[3 if rank == 0 else 0]
     assert all(p.device.type == "meta" for p in other.parameters())
+    # each rank's state dict has the full model's keys for its stages; together, all of them
+    keys = list(tm.state_dict())
+    everyone = [None, None]
+    torch.distributed.all_gather_object(everyone, keys)
+    assert set(everyone[0]) | set(everyone[1]) == set(ref.state_dict()), "keys lost"
+    assert set(everyone[0]) != set(everyone[1])
     batches = make_batches()
     losses = [tm.train_step(b) for b in batches]
     torch.testing.assert_close(torch.tensor(losses),
                                torch.tensor(reference_losses(ref, batches)), rtol=1e-5, atol=0)
+    # loading a full (original-key) state dict restores this rank's stages exactly
+    tm.load_state_dict(ref.state_dict())
+    compare_params(tm, ref, rtol=0, atol=0)
     return {"n_params": n, "losses": losses}
 
 

@@ -59,6 +59,11 @@ def test_build_keeps_the_model_contract_and_trains():
     assert losses[-1] < losses[0]
     for (n, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=n)
+    # checkpoints use the model's own keys, both ways
+    assert list(tm.state_dict()) == list(model.state_dict())
+    fresh = models.gpt2(seed=1)
+    tm.load_state_dict(fresh.state_dict())
+    torch.testing.assert_close(model.lm_head.weight, fresh.lm_head.weight, rtol=0, atol=0)
 
 
 def test_tuple_batches_and_custom_loss():

@@ -185,6 +185,37 @@ class TrainModule(nn.Module):
                 raise
             return getattr(inner, name)
 
+    # ---- checkpoints: the model's own keys ----------------------------------------------------
+    def _units(self) -> list[nn.Module]:
+        """The model (or this rank's stages) without the DDP wrapper."""
+        units = [self.model] if self.model is not None else list(self.stages)
+        return [u.module if isinstance(u, DistributedDataParallel) else u for u in units]
+
+    def state_dict(self, *args, destination=None, prefix: str = "", keep_vars: bool = False):
+        """The wrapped model's state dict under its original keys (no `model.`/`module.`
+        prefix; with a pipeline, the union of this rank's stages, which keep the full model's
+        names), so a checkpoint loads into the bare model. FSDP2 values are DTensors."""
+        out = destination if destination is not None else {}
+        for unit in self._units():
+            unit.state_dict(destination=out, prefix=prefix, keep_vars=keep_vars)
+        return out
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """Load original-key state dicts; with a pipeline each stage takes the keys it holds
+        (keys of other ranks' stages are expected and ignored)."""
+        units = self._units()
+        if len(units) == 1 and self.model is not None:
+            return units[0].load_state_dict(state_dict, strict=strict, assign=assign)
+        missing: list[str] = []
+        for unit in units:
+            own = unit.state_dict(keep_vars=True).keys()
+            result = unit.load_state_dict({k: v for k, v in state_dict.items() if k in own},
+                                          strict=False, assign=assign)
+            missing += result.missing_keys
+        if strict and missing:
+            raise RuntimeError(f"missing keys for this rank's pipeline stages: {missing}")
+        return nn.modules.module._IncompatibleKeys(missing, [])
+
     def unique_parameters(self) -> list[nn.Parameter]:
         seen: set[int] = set()
         out = []
