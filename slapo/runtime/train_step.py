@@ -216,15 +216,6 @@ class TrainModule(nn.Module):
             raise RuntimeError(f"missing keys for this rank's pipeline stages: {missing}")
         return nn.modules.module._IncompatibleKeys(missing, [])
 
-    def unique_parameters(self) -> list[nn.Parameter]:
-        seen: set[int] = set()
-        out = []
-        for p in self.parameters():
-            if id(p) not in seen:
-                seen.add(id(p))
-                out.append(p)
-        return out
-
     # ---- the step ---------------------------------------------------------------------------
     def local_batch(self, batch: Batch) -> Batch:
         """This dp rank's samples when the same global batch is given on every rank."""
@@ -232,7 +223,7 @@ class TrainModule(nn.Module):
         info = cfg.info
         factors = {"data-parallel ranks": info.dp if cfg.batch_is_global else 1,
                    "grad_accum": cfg.grad_accum, "num_microbatches": cfg.num_microbatches}
-        check_divisible(batch, {k: v for k, v in factors.items() if v > 1} or {"1": 1})
+        check_divisible(batch, {k: v for k, v in factors.items() if v > 1})
         if not cfg.batch_is_global or info.dp == 1:
             return batch
         size = batch_size(batch) // info.dp
