@@ -72,7 +72,24 @@ def job_dp2():
             assert type(p).__name__ == "DTensor", type(p)
             assert p.to_local().shape[0] * 2 >= p.shape[0] > p.to_local().shape[0]
         out[name] = {"losses": losses, "n_params": check_params(tm, ref)}
+        if name.startswith("ddp"):  # all-reduces per step, with and without accumulation
+            out[name]["buckets"] = count_ddp_buckets(tm, batches[0])
     return out
+
+
+def count_ddp_buckets(tm, batch) -> int:
+    """Gradient buckets DDP all-reduces during one train_step."""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    calls = []
+
+    def counting_hook(state, bucket):
+        calls.append(bucket.index())
+        return allreduce_hook(state, bucket)
+
+    tm.model.register_comm_hook(None, counting_hook)
+    tm.train_step(batch)
+    return len(calls)
 
 
 def job_tp2_dp2():
@@ -111,6 +128,8 @@ def job_tp2_dp2():
 
 def test_ddp_and_fsdp_match_single_process(dist2):
     res = dist2.run(job_dp2, timeout=300)
+    # grad_accum=2 runs two backward passes but all-reduces each bucket once (no_sync)
+    assert res[0]["ddp"]["buckets"] == res[0]["ddp-local"]["buckets"] >= 1
     for name in ("ddp", "ddp-local", "fsdp", "fsdp-keep"):
         assert res[0][name]["losses"] == res[1][name]["losses"], name
         assert res[0][name]["losses"][-1] < res[0][name]["losses"][0]
