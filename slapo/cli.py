@@ -45,8 +45,12 @@ HELP = {
     "ckpt_ratio": "schedule knob: fraction of layers with activation checkpointing",
     "attention": "schedule knob: attention kernel (eager, sdpa, flash)",
     "fuse": "schedule knob: fuse elementwise ops",
+    "fuse_compiler": "schedule knob: torch.compile backend for --fuse (inductor, aot_eager, ...)",
     "tempo": "schedule knob: memory-saving Tempo layers",
     "pp_stages": "schedule knob: pipeline stages",
+    "progressive": "apply the schedule steps one at a time (SDPA, fusion, Tempo, checkpointing, "
+                   "TP with several processes), verify each against HF eager and print a table "
+                   "of speed, memory and correctness; --steps is per step",
 }
 
 
@@ -159,7 +163,12 @@ def main(argv: list[str] | None = None) -> int:
     from .train.loop import train
 
     try:
-        train(cfg)
+        if cfg.progressive:
+            from .train.progressive import run_progressive
+
+            run_progressive(cfg)
+        else:
+            train(cfg)
     except (ValueError, FileNotFoundError, SlapoError) as e:
         print(f"slapo train: error: {e}", file=sys.stderr)
         return 1

@@ -121,6 +121,8 @@ def run(make_model: Callable[[], nn.Module], batches: Iterator[dict] | list[dict
     base_model = make_model()
     if hasattr(base_model, "set_attn_implementation"):  # the baseline is HF *eager* attention
         base_model.set_attn_implementation("eager")
+    if getattr(getattr(base_model, "config", None), "use_cache", False):
+        base_model.config.use_cache = False  # training: no KV cache to fill
     for step in steps:
         model = copy.deepcopy(base_model)
         res = StepResult(step.name, step.knobs, note=step.note)

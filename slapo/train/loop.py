@@ -31,7 +31,7 @@ from ..data import CorpusLoader
 from . import checkpoint as ckpt
 from .models import ModelSize, build_model, get_model_spec
 
-KNOBS = ("tp", "ckpt_ratio", "attention", "fuse", "tempo", "pp_stages")
+KNOBS = ("tp", "ckpt_ratio", "attention", "fuse", "fuse_compiler", "tempo", "pp_stages")
 DIST_TIMEOUT_S = 60
 
 
@@ -64,8 +64,10 @@ class TrainConfig:
     ckpt_ratio: float | None = None
     attention: str | None = None
     fuse: bool | None = None
+    fuse_compiler: str | None = None   # torch.compile backend for --fuse (default: inductor)
     tempo: bool | None = None
     pp_stages: int | None = None
+    progressive: bool = False   # run the progressive-optimization demo instead of training
 
     def check(self) -> None:
         """Reject bad values before anything is built, with the option's name in the message."""
