@@ -10,7 +10,7 @@ from .distributed.rng import get_rng_tracker, set_random_seed
 from .errors import SchedulingError, SlapoError, TraceError, VerificationError
 from .init import init_empty_weights
 from .primitives import Primitive, list_primitives, register_primitive
-from .runtime import build
+from .runtime import TrainModule, build, init_mesh
 from .schedule import Schedule, create_schedule
 from .verify import Verify
 
@@ -18,10 +18,12 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Primitive",
+    "TrainModule",
     "Verify",
     "build",
     "consolidate",
     "init_empty_weights",
+    "init_mesh",
     "Schedule",
     "SchedulingError",
     "SlapoError",
