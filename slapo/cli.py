@@ -87,6 +87,9 @@ def _parser() -> argparse.ArgumentParser:
         else:
             train.add_argument(flag, type={"int": int, "float": float, "str": str}[kind],
                                metavar=f.name.upper(), help=text)
+    from .tune.cli import add_tune_parser  # `slapo tune` (slapo/tune/cli.py)
+
+    add_tune_parser(sub)
     return parser
 
 
@@ -150,6 +153,9 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of the `slapo` console script; returns the exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = _parser()
+    if argv and argv[0] == "tune":
+        args = parser.parse_args(argv)
+        return args.func(args)
     if not argv or argv[0] in ("-h", "--help") or argv[0] != "train":
         parser.parse_args(argv)  # prints help / the error for an unknown command and exits
         return 2

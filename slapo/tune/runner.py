@@ -93,7 +93,9 @@ class CallableEvaluator:
     machine can take seconds); a trial running past ``timeout_s`` is killed with everything it
     started. ``mem_cap_bytes`` is applied with RLIMIT_AS in the child (it caps the whole address
     space, which already includes a few GB of mappings once torch is imported), and a reported
-    ``metrics[peak_key]`` above it also marks the trial ``oom``.
+    ``metrics[peak_key]`` above it also marks the trial ``oom``. ``preload`` names more modules
+    for the forkserver to import once (e.g. the trial function's module with its model code),
+    so each trial skips those imports too; it only has an effect before the server has started.
     """
 
     def __init__(
@@ -104,6 +106,7 @@ class CallableEvaluator:
         peak_key: str = "peak_memory_bytes",
         startup_timeout_s: float = 120.0,
         start_method: str | None = None,
+        preload: Sequence[str] = (),
     ):
         if not callable(fn):
             raise ValueError(f"fn must be callable, got {fn!r}.")
@@ -122,7 +125,7 @@ class CallableEvaluator:
         if start_method == "forkserver":
             # The server imports this module (hence slapo and torch) once; trials fork from it
             # instead of re-importing torch. No effect if the server is already running.
-            mp.get_context("forkserver").set_forkserver_preload([__name__])
+            mp.get_context("forkserver").set_forkserver_preload([__name__, *preload])
 
     def __call__(self, config: Config) -> TrialResult:
         ctx = mp.get_context(self.start_method)
@@ -131,13 +134,19 @@ class CallableEvaluator:
         proc = ctx.Process(target=_child, args=(self.fn, config, self.mem_cap_bytes, child))
         proc.start()
         child.close()
-        msg = self._recv(parent, self.startup_timeout_s)
         t0 = time.perf_counter()
-        if msg == ("started",):
-            msg = self._recv(parent, self.timeout_s)
-            limit = f"no result after {self.timeout_s:.1f} s"
-        else:
-            limit = f"trial process did not start within {self.startup_timeout_s:.0f} s"
+        try:
+            msg = self._recv(parent, self.startup_timeout_s)
+            t0 = time.perf_counter()
+            if msg == ("started",):
+                msg = self._recv(parent, self.timeout_s)
+                limit = f"no result after {self.timeout_s:.1f} s"
+            else:
+                limit = f"trial process did not start within {self.startup_timeout_s:.0f} s"
+        except BaseException:  # Ctrl-C in the tuner: the trial (own session) would outlive it
+            self._kill(proc)
+            parent.close()
+            raise
         elapsed = time.perf_counter() - t0
         parent.close()
         if msg == "timeout":
