@@ -47,8 +47,11 @@ def slapo_tp(model: nn.Module) -> nn.Module:
 
 def dtensor_tp(model: nn.Module) -> nn.Module:
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
-                                                   parallelize_module)
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
 
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     for blk in model:

@@ -11,9 +11,9 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from models import bert
 
 import slapo
-from models import bert
 
 
 @pytest.fixture(scope="module", autouse=True)

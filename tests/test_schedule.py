@@ -8,9 +8,9 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from models import bert, gpt2, ids, llama
 
 import slapo
-from models import bert, gpt2, ids, llama
 
 
 def _saved_bytes(fn) -> int:

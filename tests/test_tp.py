@@ -58,7 +58,7 @@ def job_train_same_losses(family: str, steps: int = 5):
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
     loss_fn = _loss_fn(family)
     losses, ref_losses = [], []
-    for step in range(steps):
+    for _ in range(steps):
         ids = models.ids(seed=10)  # one batch, so the loss must fall
         kw = {} if family == "bert" else {"labels": ids}
         for m, o, acc in ((model, opt, losses), (ref, ref_opt, ref_losses)):
