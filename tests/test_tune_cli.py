@@ -1,0 +1,89 @@
+"""`slapo tune` end to end on a tiny GPT-2: outputs, resuming, crashing and over-cap trials."""
+
+import json
+
+import pytest
+
+from slapo.cli import main
+from slapo.tune.database import Database
+
+TINY = ["--hidden-size", "32", "--num-heads", "2", "--num-layers", "2", "--seq-len", "16",
+        "--steps", "1", "--warmup", "0", "--attention", "sdpa", "--ckpt-ratios", "0",
+        "--no-progress", "--trial-timeout", "120"]
+
+
+@pytest.fixture(scope="module")
+def calibration(tmp_path_factory):
+    """One device calibration shared by every run in this module."""
+    return str(tmp_path_factory.mktemp("cal") / "calibration.json")
+
+
+def _tune(tmp_path, calibration, *extra):
+    out = tmp_path / "out"
+    rc = main(["tune", *TINY, "--out", str(out), "--calibration", calibration, *extra])
+    return rc, out, (json.loads((out / "results.json").read_text())
+                     if (out / "results.json").exists() else None)
+
+
+def test_cli_runs_a_space_and_writes_table_json_png(tmp_path, calibration, capsys):
+    rc, out, res = _tune(tmp_path, calibration, "--algorithm", "exhaustive",
+                         "--batch-sizes", "2,4", "--fuse", "off", "--tempo", "both")
+    assert rc == 0
+    assert res["space_size"] == 4 and res["trials_total"] == 4
+    assert res["status_counts"] == {"ok": 4}
+    thr = [t["metrics"]["throughput"] for t in res["top"]]
+    assert thr == sorted(thr, reverse=True) and thr[0] > 0
+    assert res["best"]["config"] == res["top"][0]["config"]
+    assert all(t["predicted"]["throughput"] > 0 and t["predicted"]["memory"] > 0
+               for t in res["trials"])
+    assert res["settings"]["fuse_compiler"] == "aot_eager"
+    table = (out / "top.txt").read_text()
+    assert "tokens/s" in table and "pred mem" in table
+    assert "tokens/s" in capsys.readouterr().out  # the table is printed too
+    assert (out / "search.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert len(Database(out / "tune.db")) == 4
+
+
+def test_interrupted_tuning_resumes_from_its_database(tmp_path, calibration):
+    args = ("--algorithm", "exhaustive", "--batch-sizes", "2,4", "--fuse", "off",
+            "--tempo", "both")
+    rc, out, first = _tune(tmp_path, calibration, *args, "--max-trials", "2")
+    assert rc == 0 and first["interrupted"] and "resume" in first["stopped_because"]
+    assert first["trials_total"] == 2
+    rc, _, second = _tune(tmp_path, calibration, *args)
+    assert rc == 0 and not second["interrupted"]
+    assert second["trials_run_now"] == 2 and second["trials_total"] == 4
+    # the first two trials were served from the database, not measured again
+    assert second["trials"][:2] == [{**t, "predicted": second["trials"][i]["predicted"]}
+                                    for i, t in enumerate(first["trials"])]
+
+
+def test_guided_cli_resumes_and_counts_db_trials(tmp_path, calibration):
+    args = ("--algorithm", "guided", "--batch-sizes", "2,4", "--fuse", "off", "--tempo", "both")
+    rc, _, first = _tune(tmp_path, calibration, *args, "--max-trials", "1")
+    assert rc == 0 and first["trials_total"] == 1
+    rc, _, second = _tune(tmp_path, calibration, *args)
+    assert rc == 0 and second["trials_total"] == second["trials_run_now"] + 1
+
+
+def test_crashing_and_over_cap_trials_do_not_stop_the_search(tmp_path, calibration):
+    # fuse=True trials crash (no such compiler); batch 2048 ends above the cap (post hoc) and
+    # batch 65536 hits the hard address-space guard long before it could finish.
+    rc, _, res = _tune(tmp_path, calibration, "--algorithm", "exhaustive",
+                       "--batch-sizes", "2,2048,65536", "--fuse", "both", "--tempo", "off",
+                       "--fuse-compiler", "no_such_backend", "--memory-cap", "420M")
+    assert rc == 0
+    status = {(t["config"]["batch_size"], t["config"]["fuse"]): t["status"] for t in res["trials"]}
+    assert len(status) == 6
+    assert status[(2, False)] == "ok"
+    assert status[(2048, False)] == "oom"
+    assert status[(65536, False)] == "oom"
+    assert status[(2, True)] == "failed"
+    assert res["best"]["config"]["batch_size"] == 2 and not res["best"]["config"]["fuse"]
+
+
+def test_bad_options_exit_2(tmp_path, capsys):
+    assert main(["tune", "--out", str(tmp_path), "--steps", "0"]) == 2
+    assert "--steps" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["tune", "--algorithm", "random"])
