@@ -83,34 +83,57 @@ def gather_full(t: torch.Tensor, spec: ShardSpec | None = None) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------
 
 
-class LinearKernel(module_patch.Kernel):
-    """y = x W^T, [all-reduce], + b — the bias is added once, after any reduction."""
+class _BiasAfterReduceKernel(module_patch.Kernel):
+    """Shared tail of the Linear/Conv1D kernels: optional collective on the bias-free partial
+    output, then the bias, added once.
+
+    - `reduce=True`: all-reduce (row parallel, output replicated);
+    - `scatter_dim=d`: reduce-scatter along `d` (row parallel under sequence parallelism, output
+      sharded along the sequence). Each rank then adds the replicated bias to its own tokens only,
+      so the bias gradient it computes is partial: the bias is fed through `reduce_backward`
+      (identity forward, all-reduce backward) so its gradient is summed over the group. Adding the
+      bias *before* the reduce-scatter would add it world-size times.
+    """
+
+    def __init__(self, reduce_group=None, reduce: bool = False, scatter_dim: int | None = None):
+        if reduce and scatter_dim is not None:
+            raise ValueError("a kernel either all-reduces or reduce-scatters, not both")
+        self.reduce, self.group, self.scatter_dim = reduce, reduce_group, scatter_dim
+
+    @property
+    def reduces_bias_grad(self) -> bool:
+        """Whether this kernel sums the bias gradient over the group (see the class doc)."""
+        return self.scatter_dim is not None
+
+    def _finish(self, mod: nn.Module, y: torch.Tensor) -> torch.Tensor:
+        if self.reduce:
+            y = collectives.reduce_forward(y, self.group)
+        elif self.scatter_dim is not None:
+            y = collectives.reduce_scatter(y, self.scatter_dim, self.group)
+        if mod.bias is None:
+            return y
+        bias = collectives.reduce_backward(mod.bias, self.group) if self.reduces_bias_grad \
+            else mod.bias
+        return y + bias
+
+
+class LinearKernel(_BiasAfterReduceKernel):
+    """y = x W^T, [all-reduce | reduce-scatter], + b — the bias is added once, after any
+    reduction."""
 
     name = "linear"
 
-    def __init__(self, reduce_group=None, reduce: bool = False):
-        self.reduce, self.group = reduce, reduce_group
-
     def __call__(self, mod, x):
-        y = F.linear(x, mod.weight)
-        if self.reduce:
-            y = collectives.reduce_forward(y, self.group)
-        return y if mod.bias is None else y + mod.bias
+        return self._finish(mod, F.linear(x, mod.weight))
 
 
-class Conv1DKernel(module_patch.Kernel):
+class Conv1DKernel(_BiasAfterReduceKernel):
     """HF Conv1D (weight laid out (in, out)) with the bias added after any reduction."""
 
     name = "conv1d"
 
-    def __init__(self, reduce_group=None, reduce: bool = False):
-        self.reduce, self.group = reduce, reduce_group
-
     def __call__(self, mod, x):
-        y = torch.matmul(x, mod.weight)
-        if self.reduce:
-            y = collectives.reduce_forward(y, self.group)
-        return y if mod.bias is None else y + mod.bias
+        return self._finish(mod, torch.matmul(x, mod.weight))
 
 
 class VocabParallelEmbeddingKernel(module_patch.Kernel):
@@ -153,8 +176,11 @@ class ShardRule:
     def postproc(self, mod: nn.Module, name: str, axis: int, spec: ShardSpec) -> None:
         pass
 
-    def reduce_kernel(self, mod: nn.Module, group):
-        """Kernel that performs a forward all-reduce *before* the bias (None: use a hook)."""
+    def reduce_kernel(self, mod: nn.Module, group, op: str = "all_reduce",
+                      axis: int | None = None):
+        """Kernel that reduces a partial-sum output *before* the bias is added (None: a hook
+        after the module is correct). `op` is "all_reduce" or "reduce_scatter" (along `axis`,
+        sequence parallelism)."""
         return None
 
 
@@ -168,8 +194,8 @@ class LinearRule(ShardRule):
         if name == "weight":
             mod.out_features, mod.in_features = mod.weight.shape
 
-    def reduce_kernel(self, mod, group):
-        return LinearKernel(group, reduce=True) if mod.bias is not None else None
+    def reduce_kernel(self, mod, group, op="all_reduce", axis=None):
+        return _bias_after_reduce(LinearKernel, mod, group, op, axis)
 
 
 class Conv1DRule(ShardRule):
@@ -184,8 +210,18 @@ class Conv1DRule(ShardRule):
         if name == "weight":
             mod.nx, mod.nf = mod.weight.shape
 
-    def reduce_kernel(self, mod, group):
-        return Conv1DKernel(group, reduce=True) if mod.bias is not None else None
+    def reduce_kernel(self, mod, group, op="all_reduce", axis=None):
+        return _bias_after_reduce(Conv1DKernel, mod, group, op, axis)
+
+
+def _bias_after_reduce(kernel_cls: type, mod: nn.Module, group, op: str, axis: int | None):
+    """A bias-after-reduction kernel for a row-parallel layer; None without a bias (a hook after
+    the module is then exact)."""
+    if mod.bias is None:
+        return None
+    if op == "reduce_scatter":
+        return kernel_cls(group, scatter_dim=axis)
+    return kernel_cls(group, reduce=True)
 
 
 class EmbeddingRule(ShardRule):
@@ -203,9 +239,9 @@ class EmbeddingRule(ShardRule):
             start = spec.rank * mod.num_embeddings
             module_patch.set_kernel(mod, VocabParallelEmbeddingKernel(start, spec.group))
 
-    def reduce_kernel(self, mod, group):
+    def reduce_kernel(self, mod, group, op="all_reduce", axis=None):
         k = module_patch.kernel(mod)
-        if isinstance(k, VocabParallelEmbeddingKernel):
+        if op == "all_reduce" and isinstance(k, VocabParallelEmbeddingKernel):
             return VocabParallelEmbeddingKernel(k.start, group, reduce=True)
         return None
 

@@ -15,6 +15,8 @@ from ..errors import SchedulingError
 from ..module_patch import module_meta
 from ..schedule import Schedule
 
+SEQ_DIM = 1  # Hugging Face hidden states are [batch, sequence, hidden]
+
 
 def find_path(model: nn.Module, suffix: str) -> str | None:
     """Full path of the first module named `suffix` or ending with `.suffix` (so schedules work
@@ -47,15 +49,30 @@ def column(node: Schedule, blocks: int = 1) -> None:
         node.shard("bias", axis=0, blocks=blocks)
 
 
-def row(node: Schedule) -> None:
-    """Row parallel: shard input features; all-reduce the partial output (bias added once)."""
+def row(node: Schedule, sequence_parallel: bool = False) -> None:
+    """Row parallel: shard input features; all-reduce the partial output (bias added once), or
+    under sequence parallelism reduce-scatter it along the sequence (bias added once, to this
+    rank's tokens, its gradient summed over the group)."""
     node.shard("weight", axis=0 if _is_conv1d(node.mod) else 1)
-    node.sync(mode="fwd_post", sync_op_or_fn="all_reduce")
+    if sequence_parallel:
+        node.sync(mode="fwd_post", sync_op_or_fn="reduce_scatter", axis=SEQ_DIM)
+    else:
+        node.sync(mode="fwd_post", sync_op_or_fn="all_reduce")
 
 
 def reduce_input_grad(node: Schedule) -> None:
     """The block's input feeds column-parallel layers: all-reduce its gradient (Megatron f)."""
     node.sync(mode="bwd_post", sync_op_or_fn="all_reduce")
+
+
+def enter_region(node: Schedule, sequence_parallel: bool = False) -> None:
+    """`node`'s input enters a column-parallel region. Plain TP: the input is replicated and each
+    rank's input gradient partial, so all-reduce it (Megatron f). Sequence parallel: the input is
+    sharded along the sequence, so all-gather it (backward reduce-scatter: Megatron's g-bar)."""
+    if sequence_parallel:
+        node.sync(mode="fwd_pre", sync_op_or_fn="all_gather", axis=SEQ_DIM)
+    else:
+        reduce_input_grad(node)
 
 
 def divide_attr(node: Schedule, name: str, ws: int) -> None:
@@ -72,12 +89,14 @@ def _is_conv1d(mod: nn.Module) -> bool:
     return _is_hf_conv1d(mod)
 
 
-def vocab_parallel(sch: Schedule) -> bool:
+def vocab_parallel(sch: Schedule, head_input_grad: bool = True) -> bool:
     """Shard the input embedding (and the LM head, tied or not) over the vocabulary.
 
     Embedding lookups of ids owned by other ranks give zeros and are summed (all-reduce); the
     head's vocabulary-sharded logits are all-gathered for the loss. Returns False (and changes
     nothing) when the vocabulary is not divisible by the tensor-parallel degree.
+    `head_input_grad=False` leaves the head's input-gradient reduction to the caller (sequence
+    parallelism gathers the head's input with a reduce-scatter backward instead).
     """
     model, ws = sch.mod, sch.world_size
     get_in = getattr(model, "get_input_embeddings", None)
@@ -101,7 +120,8 @@ def vocab_parallel(sch: Schedule) -> bool:
             head_node.shard("weight", axis=0)
         if head.bias is not None and getattr(head.bias, "_slapo_shard", None) is None:
             head_node.shard("bias", axis=0)
-        reduce_input_grad(head_node)
+        if head_input_grad:
+            reduce_input_grad(head_node)
         head_node.sync(mode="fwd_post", sync_op_or_fn="all_gather", axis=-1)
     return True
 

@@ -10,6 +10,7 @@ import torch.nn as nn
 from ..errors import SchedulingError
 from ..schedule import Schedule, create_schedule
 from . import _common
+from . import sequence_parallel as _sp
 
 ATTENTION = ("eager", "sdpa", "flash")
 
@@ -22,7 +23,10 @@ class Family:
     - `layer_lists`: suffixes of the ModuleLists holding the transformer layers, in execution
       order (T5: encoder then decoder);
     - `shard_layer(layer, ws)`: tensor-parallel plan for one layer;
-    - `mlp_paths`: paths (relative to a layer) of the MLP blocks, for `fuse`.
+    - `mlp_paths`: paths (relative to a layer) of the MLP blocks, for `fuse`;
+    - `sequence_plan`: where hidden states are split/gathered along the sequence, which norms and
+      dropouts see sequence shards (None: `sequence_parallel=True` is rejected). A family with a
+      plan takes `shard_layer(layer, ws, sequence_parallel=True)`.
     """
 
     name: str
@@ -30,6 +34,7 @@ class Family:
     layer_lists: tuple[str, ...]
     shard_layer: Callable[[Schedule, int], None]
     mlp_paths: tuple[str, ...] = ()
+    sequence_plan: _sp.SequencePlan | None = None
     notes: str = ""
     extra: dict = field(default_factory=dict)
 
@@ -83,10 +88,16 @@ def apply(model_or_sch: nn.Module | Schedule, *, tp: int | None = None, ckpt_rat
     layers = layers_of(sch, family)
     if attention != "eager":
         _set_attention(sch, attention)
+    sp = sequence_parallel and tp > 1  # one rank: nothing to split, SP is the identity
     if tp > 1:
         for layer in layers_of(sch, family):
-            family.shard_layer(layer, tp)
-        if vocab_parallel:
+            if sp:
+                family.shard_layer(layer, tp, sequence_parallel=True)
+            else:
+                family.shard_layer(layer, tp)
+        if sp:
+            _sp.split_and_gather(sch, family, vocab_parallel)
+        elif vocab_parallel:
             _common.vocab_parallel(sch)
     if fuse:
         _fuse_mlps(sch, family, fuse_compiler)
@@ -96,6 +107,8 @@ def apply(model_or_sch: nn.Module | Schedule, *, tp: int | None = None, ckpt_rat
         apply_tempo(sch, attention=attention == "eager")  # an explicit core wins;
         # fused activations are already inside compiled regions, so Tempo takes the rest
     layers = layers_of(sch, family)
+    if sp:  # after fuse/tempo, which may replace the norms and dropouts
+        _sp.replicated_on_shards(sch, family, layers)
     _common.checkpoint_layers(layers, ckpt_ratio)
     if pp_stages > 1:
         _cut_pipeline(sch, layers, pp_stages)
@@ -114,8 +127,8 @@ def _validate(sch, family, tp, ws, attention, pp_stages, sequence_parallel) -> N
         raise SchedulingError(sch.path, f"pp_stages must be a positive int, got {pp_stages!r}.",
                               "pass pp_stages=1 for no pipeline.")
     if sequence_parallel:
-        raise SchedulingError(sch.path, "sequence_parallel is not implemented in the ready "
-                              "schedules yet.", "leave sequence_parallel=False.")
+        _sp.check_supported(sch, family, pp_stages,
+                            [f.name for f in _FAMILIES.values() if f.sequence_plan is not None])
 
 
 def _set_attention(sch: Schedule, attention: str) -> None:

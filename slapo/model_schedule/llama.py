@@ -6,23 +6,29 @@ attention the number of KV heads must also divide by tp.
 
 from __future__ import annotations
 
-from ._common import column, reduce_input_grad, row
+from ._common import column, enter_region, row
 from ._registry import Family, register_family
+from .sequence_parallel import SequencePlan
 
 
-def shard_layer(layer, ws: int) -> None:
+def shard_layer(layer, ws: int, sequence_parallel: bool = False) -> None:
+    sp = sequence_parallel
     attn = layer["self_attn"]
     for name in ("q_proj", "k_proj", "v_proj"):
         column(attn[name])
-    reduce_input_grad(attn)
-    row(attn["o_proj"])
+    enter_region(attn, sp)  # SP: the whole module sees the gathered sequence (RoPE, mask)
+    row(attn["o_proj"], sp)
     mlp = layer["mlp"]
     column(mlp["gate_proj"])
     column(mlp["up_proj"])
-    reduce_input_grad(mlp)
-    row(mlp["down_proj"])
+    enter_region(mlp, sp)
+    row(mlp["down_proj"], sp)
 
 
 FAMILY = register_family(Family(
     name="llama", model_types=("llama", "mistral", "qwen2", "qwen3"), layer_lists=("layers",),
-    shard_layer=shard_layer, mlp_paths=("mlp",)))
+    shard_layer=shard_layer, mlp_paths=("mlp",),
+    # the hidden states are split entering the first layer (the rotary tables and the causal
+    # mask are computed on the full sequence before it) and gathered after the final norm.
+    sequence_plan=SequencePlan(split="layers.0", gather="norm",
+                               layer_norms=("input_layernorm", "post_attention_layernorm"))))

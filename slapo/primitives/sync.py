@@ -35,8 +35,10 @@ class SyncPrimitive(Primitive):
     (reduce-scatter it: the default for "fwd_pre", i.e. sequence parallel) or the same on every
     rank (keep the local slice: the default for "fwd_post").
 
-    On a row-parallel Linear/Conv1D with a bias, "fwd_post" "all_reduce" reduces *before* adding
-    the bias, so the bias is added once, not once per rank.
+    On a row-parallel Linear/Conv1D with a bias, "fwd_post" "all_reduce" or "reduce_scatter"
+    reduces *before* adding the bias, so the bias is added once, not once per rank. After a
+    reduce-scatter (sequence parallelism) each rank adds the bias to its own tokens, so the kernel
+    also sums the bias gradient over the group (no `reduce_param_grads` needed for it).
     """
 
     name = "sync"
@@ -99,6 +101,10 @@ class SyncPrimitive(Primitive):
             if op == "reduce_scatter" and kind == sharding.PARTITION:
                 raise SchedulingError(sch.path, "reduce_scatter of a partitioned output would "
                                       "add different slices together.", "use 'all_gather'.")
+            if op == "reduce_scatter" and known and kind is None:
+                raise SchedulingError(sch.path, "reduce_scatter of an unsharded module's output "
+                                      "would add world-size copies of it (sync before shard?).",
+                                      "shard the weight along its input axis first.")
             if axis is None and not (op == "all_gather" and kind == sharding.PARTITION):
                 raise SchedulingError(sch.path, f"{op!r} needs an axis.", "pass axis=.")
             if op == "all_gather" and kind == sharding.PARTITION and axis is not None \
@@ -134,10 +140,13 @@ class SyncPrimitive(Primitive):
             fn = partial(C.scatter, dim=axis, group=group)
 
         if mode == "fwd_post":
-            kernel = sharding.rule_for(mod).reduce_kernel(mod, group) if op == "all_reduce" \
-                and layout and layout[0] == sharding.PARTIAL else None
+            kernel = sharding.rule_for(mod).reduce_kernel(mod, group, op, axis) \
+                if op in ("all_reduce", "reduce_scatter") and layout \
+                and layout[0] == sharding.PARTIAL else None
             if kernel is not None:  # reduce inside the kernel, before the bias
                 module_patch.set_kernel(mod, kernel)
+                if getattr(kernel, "reduces_bias_grad", False):  # seen by reduce_param_grads
+                    meta.setdefault("reduced_grad_params", []).append("bias")
             else:
                 mod.register_forward_hook(lambda m, a, out, f=fn: map_first_output(out, f))
             if op in ("all_reduce", "all_gather"):

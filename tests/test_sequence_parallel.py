@@ -1,0 +1,206 @@
+"""Sequence parallelism (`model_schedule.apply(..., sequence_parallel=True)`) and the two core
+pieces it needs: reduce-scatter before a row-parallel bias, and `reduce_param_grads`."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+import slapo
+from slapo import model_schedule
+from slapo.module_patch import wrappers
+from slapo.profile import saved_bytes
+
+SP_FAMILIES = ["gpt2", "llama"]
+
+
+# ---- reduce-scatter before the bias --------------------------------------------------------
+
+def _row_layer(kind: str) -> nn.Module:
+    torch.manual_seed(0)
+    if kind == "linear":
+        return nn.Linear(8, 6)
+    from transformers.pytorch_utils import Conv1D
+
+    layer = Conv1D(6, 8)
+    nn.init.normal_(layer.bias)  # HF initialises it to zero, which would hide a doubled bias
+    return layer
+
+
+def job_reduce_scatter_bias(kind: str):
+    """A row-parallel layer with a bias, reduce-scattered along the sequence, equals this rank's
+    sequence slice of the unsharded layer; the bias is added once and its gradient is summed."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    ref = _row_layer(kind)
+    layer = _row_layer(kind)
+    x = torch.randn(2, 4, 8, generator=torch.Generator().manual_seed(3))
+    g = torch.randn(2, 4, 6, generator=torch.Generator().manual_seed(4))
+    x_ref = x.clone().requires_grad_()
+    (ref(x_ref) * g).sum().backward()
+
+    sch = slapo.create_schedule(layer)
+    sch.shard("weight", axis=0 if kind == "conv1d" else 1)
+    sch.sync(mode="fwd_post", sync_op_or_fn="reduce_scatter", axis=1)
+    x_local = x.chunk(2, dim=-1)[rank].clone().requires_grad_()
+    out = layer(x_local)
+    expect = ref(x).chunk(2, dim=1)[rank]
+    torch.testing.assert_close(out, expect)
+    (out * g.chunk(2, dim=1)[rank]).sum().backward()
+    torch.testing.assert_close(layer.bias.grad, ref.bias.grad)  # summed over both halves
+    w_axis = 0 if kind == "conv1d" else 1
+    torch.testing.assert_close(layer.weight.grad, ref.weight.grad.chunk(2, dim=w_axis)[rank])
+    torch.testing.assert_close(x_local.grad, x_ref.grad.chunk(2, dim=-1)[rank])
+    return tuple(out.shape)
+
+
+@pytest.mark.dist
+def test_reduce_scatter_before_bias(dist2):
+    for kind in ("linear", "conv1d"):
+        assert dist2.run(job_reduce_scatter_bias, kind) == [(2, 2, 6), (2, 2, 6)]
+
+
+# ---- reduce_param_grads ------------------------------------------------------------------------
+
+def job_reduce_param_grads():
+    """A LayerNorm on a sequence shard: its gradients become the full-sequence ones."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    ref, norm = nn.LayerNorm(6), nn.LayerNorm(6)
+    nn.init.normal_(ref.weight), nn.init.normal_(ref.bias)
+    norm.load_state_dict(ref.state_dict())
+    x = torch.randn(2, 4, 6, generator=torch.Generator().manual_seed(5))
+    ref(x).pow(2).sum().backward()
+    sch = slapo.create_schedule(norm)
+    sch.reduce_param_grads()
+    norm(x.chunk(2, dim=1)[rank]).pow(2).sum().backward()
+    torch.testing.assert_close(norm.weight.grad, ref.weight.grad)
+    torch.testing.assert_close(norm.bias.grad, ref.bias.grad)
+    assert list(dict(norm.named_parameters())) == ["weight", "bias"]
+    assert type(norm.weight) is nn.Parameter  # the parameter objects were put back
+    return True
+
+
+@pytest.mark.dist
+def test_reduce_param_grads_sums_over_ranks(dist2):
+    assert dist2.run(job_reduce_param_grads) == [True, True]
+
+
+def test_reduce_param_grads_single_rank_is_identity():
+    torch.manual_seed(0)
+    ref, norm = nn.LayerNorm(6), nn.LayerNorm(6)
+    norm.load_state_dict(ref.state_dict())
+    sch = slapo.create_schedule(norm)
+    sch.reduce_param_grads(names=["weight"])
+    x = torch.randn(3, 6)
+    torch.testing.assert_close(norm(x), ref(x))
+    norm(x).sum().backward()
+    ref(x).sum().backward()
+    torch.testing.assert_close(norm.weight.grad, ref.weight.grad)
+    assert [h.name for h in sch.history] == ["reduce_param_grads"]
+
+
+@pytest.mark.parametrize("setup, call, match", [
+    (None, {"names": "gamma"}, "has no parameter or buffer 'gamma'"),
+    (None, {"names": []}, "non-empty list"),
+    (None, {"names": ["weight", "weight"]}, "duplicate"),
+    ("shard", {"names": "weight"}, "is sharded"),
+    ("twice", {}, "already summed"),
+])
+def test_reduce_param_grads_bad_inputs(setup, call, match):
+    sch = slapo.create_schedule(nn.Sequential(nn.Linear(4, 4), nn.GELU()))
+    node = sch["0"]
+    if setup == "shard":
+        node.shard("weight", axis=0)
+    if setup == "twice":
+        node.reduce_param_grads()
+    before = (len(node.history), len(wrappers(node.mod)))
+    with pytest.raises(slapo.SchedulingError, match=match) as info:
+        node.reduce_param_grads(**call)
+    assert "[0]" in str(info.value) and "Fix:" in str(info.value)
+    assert (len(node.history), len(wrappers(node.mod))) == before  # nothing mutated
+
+
+def test_reduce_param_grads_rejects_buffers_modules_without_params_and_reduced_bias():
+    bn = slapo.create_schedule(nn.BatchNorm1d(4))
+    with pytest.raises(slapo.SchedulingError, match="is a buffer"):
+        bn.reduce_param_grads(names="running_mean")
+    act = slapo.create_schedule(nn.Sequential(nn.GELU()))["0"]
+    with pytest.raises(slapo.SchedulingError, match="no direct replicated parameter"):
+        act.reduce_param_grads()
+    lin = slapo.create_schedule(nn.Sequential(nn.Linear(4, 4)))["0"]
+    with pytest.raises(slapo.SchedulingError, match=r"sch\['0.weight'\]|not a direct tensor"):
+        slapo.create_schedule(lin.root.mod).reduce_param_grads(names="0.weight")
+    lin.shard("weight", axis=1)
+    lin.sync(mode="fwd_post", sync_op_or_fn="reduce_scatter", axis=1)  # its kernel sums the bias
+    with pytest.raises(slapo.SchedulingError, match=r"\['bias'\] is already summed"):
+        lin.reduce_param_grads()  # names=None: every unsharded parameter, i.e. the bias
+
+
+# ---- the ready schedules ---------------------------------------------------------------------
+
+def _layer_saved_bytes(model, name: str, hidden: torch.Tensor, seq: int) -> int:
+    """Saved-for-backward bytes of the (not checkpointed) last layer on this rank's `hidden`,
+    which its first norm saves (the full sequence has `seq` tokens: LLaMA's rotary tables cover
+    all of them)."""
+    layers = model.transformer.h if name == "gpt2" else model.model.layers
+    layer = layers[len(layers) - 1]
+    if name == "gpt2":
+        return saved_bytes(layer, hidden)
+    cos_sin = model.model.rotary_emb(hidden, position_ids=torch.arange(seq).unsqueeze(0))
+    return saved_bytes(layer, hidden, position_embeddings=cos_sin)
+
+
+def job_sp(name: str, sp: bool):
+    import models
+
+    kw = models.batch_for(name)
+    model = getattr(models, name)(seed=0)
+    sch = slapo.create_schedule(model)
+    with slapo.Verify(sch, example_kwargs=kw, loss_fn=lambda out: out.loss) as v:
+        model_schedule.apply(sch, tp=2, sequence_parallel=sp, ckpt_ratio=0.5, attention="sdpa")
+    seq = kw["input_ids"].shape[1]
+    hidden = torch.randn(2, seq // (2 if sp else 1), model.config.hidden_size)
+    applied = sorted({f"{h.name}:{h.kwargs.get('mode', '')}" for _, h in sch.applied()})
+    return {"checked": len(v.report), "saved": _layer_saved_bytes(model, name, hidden, seq),
+            "applied": applied}
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("name", SP_FAMILIES)
+def test_sequence_parallel_verified_and_saves_memory(dist2, name):
+    sp = dist2.run(job_sp, name, True)
+    tp = dist2.run(job_sp, name, False)
+    assert sp[0] == sp[1]
+    assert "reduce_param_grads:" in sp[0]["applied"]
+    assert "sync:fwd_pre" in sp[0]["applied"] and "sync:fwd_pre" not in tp[0]["applied"]
+    assert sp[0]["checked"] == tp[0]["checked"]
+    # the norms' inputs (and dropout masks) are stored for half the sequence; the column/row
+    # regions (gathered input, MLP intermediates, attention) stay as under plain TP
+    assert sp[0]["saved"] < tp[0]["saved"], (sp[0]["saved"], tp[0]["saved"])
+    print(f"{name}: saved bytes of one layer per rank: TP {tp[0]['saved']}, "
+          f"TP+SP {sp[0]['saved']} ({sp[0]['saved'] / tp[0]['saved']:.2f}x)")
+
+
+def test_sequence_parallel_single_rank_is_identity():
+    import models
+
+    for name in SP_FAMILIES:
+        kw = models.batch_for(name)
+        sch = slapo.create_schedule(getattr(models, name)(seed=0))
+        with slapo.Verify(sch, example_kwargs=kw, loss_fn=lambda out: out.loss):
+            model_schedule.apply(sch, sequence_parallel=True, ckpt_ratio=0.5)
+        assert {h.name for _, h in sch.applied()} == {"checkpoint"}
+
+
+def test_sequence_parallel_unsupported():
+    import models
+
+    with pytest.raises(slapo.SchedulingError, match="not implemented for the t5 family"):
+        model_schedule.apply(models.t5(), sequence_parallel=True)
+    with pytest.raises(slapo.SchedulingError, match="pp_stages > 1"):
+        model_schedule.apply(models.gpt2(), sequence_parallel=True, pp_stages=2)
