@@ -178,12 +178,43 @@ def test_sequence_parallel_verified_and_saves_memory(dist2, name):
     assert sp[0] == sp[1]
     assert "reduce_param_grads:" in sp[0]["applied"]
     assert "sync:fwd_pre" in sp[0]["applied"] and "sync:fwd_pre" not in tp[0]["applied"]
+    if name == "gpt2":  # residual-path dropouts on sequence shards draw per-rank masks
+        assert "fork_rng:" in sp[0]["applied"] and "fork_rng:" not in tp[0]["applied"]
     assert sp[0]["checked"] == tp[0]["checked"]
     # the norms' inputs (and dropout masks) are stored for half the sequence; the column/row
     # regions (gathered input, MLP intermediates, attention) stay as under plain TP
     assert sp[0]["saved"] < tp[0]["saved"], (sp[0]["saved"], tp[0]["saved"])
     print(f"{name}: saved bytes of one layer per rank: TP {tp[0]['saved']}, "
           f"TP+SP {sp[0]['saved']} ({sp[0]['saved'] / tp[0]['saved']:.2f}x)")
+
+
+def job_sp_dropout_keeps_replicas_equal():
+    """With dropout on (per-rank masks on sequence shards), every replicated parameter is still
+    identical on both ranks after an optimizer step: the norms' partial gradients were summed."""
+    import models
+    import torch.distributed as dist
+
+    torch.manual_seed(0)
+    model = models.gpt2(seed=0, dropout=0.1)
+    model_schedule.apply(model, tp=2, sequence_parallel=True, attention="sdpa")
+    slapo.set_random_seed(7, tp_rank=dist.get_rank())
+    out = model(**models.batch_for("gpt2"))
+    out.loss.backward()
+    torch.optim.SGD(model.parameters(), lr=0.1).step()
+    replicated = {n: p.detach() for n, p in model.named_parameters()
+                  if getattr(p, "_slapo_shard", None) is None}
+    assert any(".ln_" in n for n in replicated)
+    for n, p in replicated.items():
+        peers = [torch.empty_like(p) for _ in range(2)]
+        dist.all_gather(peers, p.contiguous())
+        torch.testing.assert_close(peers[0], peers[1], rtol=0, atol=0, msg=n)
+    return float(out.loss)
+
+
+@pytest.mark.dist
+def test_sequence_parallel_dropout_keeps_replicas_equal(dist2):
+    losses = dist2.run(job_sp_dropout_keeps_replicas_equal)
+    assert losses[0] == losses[1] and losses[0] == losses[0]  # same full logits, not NaN
 
 
 def test_sequence_parallel_single_rank_is_identity():
@@ -204,3 +235,24 @@ def test_sequence_parallel_unsupported():
         model_schedule.apply(models.t5(), sequence_parallel=True)
     with pytest.raises(slapo.SchedulingError, match="pp_stages > 1"):
         model_schedule.apply(models.gpt2(), sequence_parallel=True, pp_stages=2)
+
+
+def job_sp_all_knobs(name: str):
+    """SP with every other knob: SDPA, Tempo, fused MLPs, full checkpointing."""
+    import models
+
+    kw = models.batch_for(name)
+    model = getattr(models, name)(seed=0)
+    sch = slapo.create_schedule(model)
+    with slapo.Verify(sch, example_kwargs=kw, loss_fn=lambda out: out.loss):
+        model_schedule.apply(sch, tp=2, sequence_parallel=True, ckpt_ratio=1.0,
+                             attention="sdpa", tempo=True, fuse=True, fuse_compiler="aot_eager")
+    return sorted({h.name for _, h in sch.applied()})
+
+
+@pytest.mark.dist
+@pytest.mark.compile
+@pytest.mark.parametrize("name", SP_FAMILIES)
+def test_sequence_parallel_all_knobs_verified(dist2, name):
+    applied = dist2.run(job_sp_all_knobs, name)[0]
+    assert {"reduce_param_grads", "fuse", "checkpoint", "sync"} <= set(applied), applied
