@@ -12,7 +12,7 @@ from slapo import model_schedule
 from slapo.module_patch import wrappers
 from slapo.profile import saved_bytes
 
-SP_FAMILIES = ["gpt2", "llama"]
+SP_FAMILIES = ["gpt2", "llama", "bert_mlm"]
 
 
 # ---- reduce-scatter before the bias --------------------------------------------------------
@@ -147,9 +147,10 @@ def _layer_saved_bytes(model, name: str, hidden: torch.Tensor, seq: int) -> int:
     """Saved-for-backward bytes of the (not checkpointed) last layer on this rank's `hidden`,
     which its first norm saves (the full sequence has `seq` tokens: LLaMA's rotary tables cover
     all of them)."""
-    layers = model.transformer.h if name == "gpt2" else model.model.layers
+    layers = {"gpt2": lambda: model.transformer.h, "bert_mlm": lambda: model.bert.encoder.layer,
+              "llama": lambda: model.model.layers}[name]()
     layer = layers[len(layers) - 1]
-    if name == "gpt2":
+    if name != "llama":
         return saved_bytes(layer, hidden)
     cos_sin = model.model.rotary_emb(hidden, position_ids=torch.arange(seq).unsqueeze(0))
     return saved_bytes(layer, hidden, position_embeddings=cos_sin)
@@ -178,7 +179,7 @@ def test_sequence_parallel_verified_and_saves_memory(dist2, name):
     assert sp[0] == sp[1]
     assert "reduce_param_grads:" in sp[0]["applied"]
     assert "sync:fwd_pre" in sp[0]["applied"] and "sync:fwd_pre" not in tp[0]["applied"]
-    if name == "gpt2":  # residual-path dropouts on sequence shards draw per-rank masks
+    if name != "llama":  # residual-path dropouts on sequence shards draw per-rank masks
         assert "fork_rng:" in sp[0]["applied"] and "fork_rng:" not in tp[0]["applied"]
     assert sp[0]["checked"] == tp[0]["checked"]
     # the norms' inputs (and dropout masks) are stored for half the sequence; the column/row

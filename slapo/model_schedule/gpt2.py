@@ -27,6 +27,6 @@ FAMILY = register_family(Family(
     # the hidden states are split at the embedding dropout (after `wte + wpe`: positions are
     # full-sequence) and gathered after `ln_f`; residual-path dropouts see sequence shards.
     sequence_plan=SequencePlan(split="transformer.drop", gather="transformer.ln_f",
-                               layer_norms=("ln_1", "ln_2"),
+                               norms=("ln_1", "ln_2", "/transformer.ln_f"),
                                dropouts=("/transformer.drop", "attn.resid_dropout",
                                          "mlp.dropout"))))

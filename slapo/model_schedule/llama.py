@@ -31,4 +31,5 @@ FAMILY = register_family(Family(
     # the hidden states are split entering the first layer (the rotary tables and the causal
     # mask are computed on the full sequence before it) and gathered after the final norm.
     sequence_plan=SequencePlan(split="layers.0", gather="norm",
-                               layer_norms=("input_layernorm", "post_attention_layernorm"))))
+                               norms=("input_layernorm", "post_attention_layernorm",
+                                      "/norm"))))

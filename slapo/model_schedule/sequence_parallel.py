@@ -40,15 +40,22 @@ class SequencePlan:
 
     - `split`: path suffix of the module whose (first) input is split along the sequence;
     - `gather`: path suffix of the module whose output is all-gathered (the final norm);
-    - `layer_norms`: per-layer paths of replicated-parameter modules on sharded activations;
-    - `dropouts`: paths (per layer, or model-level suffixes starting with "/") of dropout modules
-      that act on sharded activations.
+    - `norms`: paths of replicated-parameter modules on sharded activations;
+    - `dropouts`: paths of dropout modules that act on sharded activations;
+    - `gather_feeds_head`: the gathered output goes straight into the LM head (GPT-2, LLaMA), so
+      a vocabulary-parallel head's partial input gradient can be reduce-scattered by the gather;
+      False when replicated modules with parameters sit in between (BERT's MLM transform), which
+      need the head's own input-gradient all-reduce to see the full gradient.
     """
 
     split: str
     gather: str
-    layer_norms: tuple[str, ...]
+    norms: tuple[str, ...]
     dropouts: tuple[str, ...] = ()
+    gather_feeds_head: bool = True
+
+    # `norms`/`dropouts` entries are relative to each layer, or, starting with "/", a path suffix
+    # of one model-level module (e.g. "/transformer.ln_f").
 
 
 def check_supported(sch: Schedule, family, pp_stages: int, available: list[str]) -> None:
@@ -92,11 +99,13 @@ def split_and_gather(sch: Schedule, family, vocab_parallel: bool) -> None:
 
     With a vocabulary-parallel head each rank's gradient of the gathered hidden states is partial
     (it covers its vocabulary slice), so the gather's backward reduce-scatters it and the head
-    needs no input-gradient all-reduce of its own; with a replicated head every rank has the full
-    gradient, and the backward keeps this rank's slice."""
+    needs no input-gradient all-reduce of its own; with a replicated head (or replicated modules
+    before it, `plan.gather_feeds_head=False`) every rank has the full gradient, and the backward
+    keeps this rank's slice."""
     plan = family.sequence_plan
     head_sharded = False
-    if vocab_parallel and _common.vocab_parallel(sch, head_input_grad=False):
+    if vocab_parallel and _common.vocab_parallel(sch, head_input_grad=not plan.gather_feeds_head) \
+            and plan.gather_feeds_head:
         get_out = getattr(sch.mod, "get_output_embeddings", None)
         head = get_out() if callable(get_out) else None
         head_sharded = head is not None
@@ -111,12 +120,16 @@ def replicated_on_shards(sch: Schedule, family, layers: list[Schedule]) -> None:
     """Sum the norms' parameter gradients over the group and fork the RNG of the dropouts that
     see sequence shards. Run after `fuse`/`tempo`, which may replace those modules."""
     plan = family.sequence_plan
-    _node(sch, plan.gather, family.name).reduce_param_grads()
-    for layer in layers:
-        for rel in plan.layer_norms:
-            layer[rel].reduce_param_grads()
-    for rel in plan.dropouts:
-        targets = [_node(sch, rel[1:], family.name)] if rel.startswith("/") else \
+    for node in _targets(sch, family, layers, plan.norms):
+        node.reduce_param_grads()
+    for node in _targets(sch, family, layers, plan.dropouts):
+        node.fork_rng()
+
+
+def _targets(sch: Schedule, family, layers: list[Schedule], paths: tuple[str, ...]):
+    """The nodes named by a plan's paths (per layer, or "/suffix" for one model-level module)."""
+    out = []
+    for rel in paths:
+        out += [_node(sch, rel[1:], family.name)] if rel.startswith("/") else \
             [layer[rel] for layer in layers]
-        for node in targets:
-            node.fork_rng()
+    return out
