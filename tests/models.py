@@ -121,3 +121,12 @@ def batch_for(family: str, batch: int = 2, seq: int = 16, seed: int = 1) -> dict
     if family == "roberta":
         x = x.clamp(min=3)  # keep clear of padding/special ids
     return {"input_ids": x, "labels": x}
+
+
+def qwen3(seed: int = 0, layers: int = 2):
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    return _build(Qwen3Config, Qwen3ForCausalLM, seed, hidden_size=64,
+                  num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                  head_dim=16, intermediate_size=128, vocab_size=128,
+                  max_position_embeddings=64, bos_token_id=0, eos_token_id=0)

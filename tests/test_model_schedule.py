@@ -13,7 +13,8 @@ import torch
 import slapo
 from slapo import model_schedule
 
-FAMILIES = ["bert_mlm", "roberta", "albert", "gpt2", "gpt_neo", "opt", "t5", "llama", "qwen2"]
+FAMILIES = ["bert_mlm", "roberta", "albert", "gpt2", "gpt_neo", "opt", "t5", "llama", "qwen2",
+            "qwen3"]
 
 
 def job_family(name: str):

@@ -1,4 +1,4 @@
-"""LLaMA and its relatives (Mistral, Qwen2): GQA, RoPE, RMSNorm, SwiGLU.
+"""LLaMA and its relatives (Mistral, Qwen2, Qwen3): GQA, RoPE, RMSNorm, SwiGLU.
 
 HF reshapes heads with -1, so sharding q/k/v rows needs no head-count edits; with grouped-query
 attention the number of KV heads must also divide by tp.
@@ -18,6 +18,9 @@ def shard_layer(layer, ws: int, sequence_parallel: bool = False) -> None:
         column(attn[name])
     enter_region(attn, sp)  # SP: the whole module sees the gathered sequence (RoPE, mask)
     row(attn["o_proj"], sp)
+    for norm in ("q_norm", "k_norm"):  # Qwen3: per-head norms see only this rank's heads
+        if norm in attn.child:
+            attn[norm].reduce_param_grads()
     mlp = layer["mlp"]
     column(mlp["gate_proj"])
     column(mlp["up_proj"])
