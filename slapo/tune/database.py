@@ -50,12 +50,14 @@ class Database:
         self._conn.commit()
 
     def commit(self, record: Record) -> None:
-        """Store (or overwrite) the record of one config, durably."""
+        """Store (or overwrite) the record of one config, durably; an overwrite keeps its place."""
         if record.status not in STATUSES:
             raise ValueError(f"status {record.status!r} is not one of {STATUSES}.")
         key = config_key(record.config)
         with self._conn:
-            seq = self._conn.execute("SELECT COALESCE(MAX(seq), 0) + 1 FROM trials").fetchone()[0]
+            row = self._conn.execute("SELECT seq FROM trials WHERE key = ?", (key,)).fetchone()
+            seq = row[0] if row else self._conn.execute(
+                "SELECT COALESCE(MAX(seq), 0) + 1 FROM trials").fetchone()[0]
             self._conn.execute(
                 "INSERT OR REPLACE INTO trials VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (
