@@ -18,6 +18,18 @@ TP_STREAM = "tensor-parallel"
 _TP_SEED_OFFSET = 2718
 
 
+def _current() -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The default generators' states (CPU, and CUDA when present)."""
+    return torch.get_rng_state(), torch.cuda.get_rng_state() if torch.cuda.is_available() else None
+
+
+def _restore(state: tuple[torch.Tensor, torch.Tensor | None]) -> None:
+    cpu, cuda = state
+    torch.set_rng_state(cpu)
+    if cuda is not None:
+        torch.cuda.set_rng_state(cuda)
+
+
 class RNGStatesTracker:
     """Holds one (cpu, cuda) generator state per named stream."""
 
@@ -31,16 +43,10 @@ class RNGStatesTracker:
         return name in self._states
 
     def add(self, name: str, seed: int) -> None:
-        cpu = torch.get_rng_state()
-        cuda = torch.cuda.get_rng_state() if torch.cuda.is_available() else None
+        outer = _current()
         torch.manual_seed(seed)
-        self._states[name] = (
-            torch.get_rng_state(),
-            torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
-        )
-        torch.set_rng_state(cpu)
-        if cuda is not None:
-            torch.cuda.set_rng_state(cuda)
+        self._states[name] = _current()
+        _restore(outer)
 
     def get_states(self) -> dict:
         return {k: (c.clone(), None if g is None else g.clone()) for k, (c, g) in self._states.items()}
@@ -52,22 +58,13 @@ class RNGStatesTracker:
     def fork(self, name: str = TP_STREAM):
         if name not in self._states:
             raise KeyError(name)
-        cpu = torch.get_rng_state()
-        cuda = torch.cuda.get_rng_state() if torch.cuda.is_available() else None
-        s_cpu, s_cuda = self._states[name]
-        torch.set_rng_state(s_cpu)
-        if s_cuda is not None:
-            torch.cuda.set_rng_state(s_cuda)
+        outer = _current()
+        _restore(self._states[name])
         try:
             yield
         finally:
-            self._states[name] = (
-                torch.get_rng_state(),
-                torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
-            )
-            torch.set_rng_state(cpu)
-            if cuda is not None:
-                torch.cuda.set_rng_state(cuda)
+            self._states[name] = _current()
+            _restore(outer)
 
 
 _TRACKER = RNGStatesTracker()

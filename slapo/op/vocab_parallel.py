@@ -18,6 +18,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from ..distributed import collectives
+
 
 def _world(group) -> tuple[int, int]:
     if not dist.is_available() or not dist.is_initialized():
@@ -40,39 +42,15 @@ def vocab_range(vocab: int, group=None) -> tuple[int, int]:
     return rank * per, (rank + 1) * per
 
 
-class _ReduceFromGroup(torch.autograd.Function):
-    """Forward: all-reduce sum of partial results. Backward: identity (the output is replicated)."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        return _all_reduce(x.clone(), dist.ReduceOp.SUM, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None
-
-
-class _CopyToGroup(torch.autograd.Function):
-    """Forward: identity. Backward: all-reduce sum (each rank used x for its own shard)."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _all_reduce(grad.clone(), dist.ReduceOp.SUM, ctx.group), None
-
-
 def reduce_from_group(x: torch.Tensor, group=None) -> torch.Tensor:
-    """Sum partial results over the group; gradient passes through unchanged."""
-    return _ReduceFromGroup.apply(x, group)
+    """Sum partial results over the group; gradient passes through unchanged (Megatron's g)."""
+    return collectives.reduce_forward(x, group)
 
 
 def copy_to_group(x: torch.Tensor, group=None) -> torch.Tensor:
-    """Identity whose gradient is summed over the group (input of a column-parallel layer)."""
-    return _CopyToGroup.apply(x, group)
+    """Identity whose gradient is summed over the group (Megatron's f: input of a
+    column-parallel layer)."""
+    return collectives.reduce_backward(x, group)
 
 
 class VocabParallelEmbedding(nn.Module):
