@@ -121,3 +121,46 @@ def test_confirmation_undoes_a_lucky_first_measurement():
     assert [r.config["x"] for r in db.records()] == [0, 1, 2]  # confirmed rows keep their place
     again = tune(space, evaluate, None, db, "exhaustive", confirm=2, repeats=2)
     assert again.extra["confirm_runs"] == 0 and again.new_trials == 0
+
+
+def _gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return "State:\tZ" in f.read()  # killed, waiting to be reaped
+    except FileNotFoundError:
+        return True
+
+
+def test_ctrl_c_kills_the_running_trial_and_its_workers(tmp_path):
+    """The trial runs in its own session, so the terminal's SIGINT would not reach it."""
+    import os
+    import signal
+    import time
+
+    from test_tune_trialfns import hanging_trial
+
+    from slapo.tune.runner import CallableEvaluator
+
+    pid_file = tmp_path / "worker.pid"
+
+    def interrupt_once_running(signum, frame):
+        if pid_file.exists():
+            raise KeyboardInterrupt
+        signal.setitimer(signal.ITIMER_REAL, 0.2)
+
+    old = signal.signal(signal.SIGALRM, interrupt_once_running)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.2)
+        with pytest.raises(KeyboardInterrupt):
+            CallableEvaluator(hanging_trial, timeout_s=60)({"tmp": str(tmp_path)})
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+    worker = int(pid_file.read_text())
+    for _ in range(50):
+        if _gone(worker):
+            break
+        time.sleep(0.1)
+    else:
+        os.kill(worker, signal.SIGKILL)
+        pytest.fail(f"worker {worker} of the interrupted trial is still alive")
