@@ -164,3 +164,25 @@ def test_ctrl_c_kills_the_running_trial_and_its_workers(tmp_path):
     else:
         os.kill(worker, signal.SIGKILL)
         pytest.fail(f"worker {worker} of the interrupted trial is still alive")
+
+
+def test_outputs_without_matplotlib(tmp_path, monkeypatch):
+    import io
+
+    from rich.console import Console
+
+    from slapo.tune import cli as tune_cli
+
+    space = Space()
+    space.create_symbol("x", [1, 2])
+    report = tune(space, lambda c: {"throughput": float(c["x"])}, None, Database(), "exhaustive")
+
+    def no_matplotlib(*args, **kwargs):
+        raise ImportError("No module named 'matplotlib'")
+
+    monkeypatch.setattr(tune_cli, "plot_search", no_matplotlib)
+    out = io.StringIO()
+    paths = tune_cli.write_outputs(report, tmp_path, console=Console(file=out))
+    assert "plot" not in paths and not (tmp_path / "search.png").exists()
+    assert json.loads(paths["json"].read_text())["best"]["config"] == {"x": 2}
+    assert "slapo[plot]" in out.getvalue()

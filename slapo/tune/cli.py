@@ -306,7 +306,12 @@ def write_outputs(report: TuneReport, out: str | Path, top: int = 10,
     text.print(table)
     paths["table"].write_text(text.export_text())
     (console or Console()).print(table)
-    plot_search(report, paths["plot"])
+    try:
+        plot_search(report, paths["plot"])
+    except ImportError:  # matplotlib is the optional `plot` extra; the rest is still useful
+        (console or Console()).print("matplotlib is not installed: no search.png "
+                                     "(pip install 'slapo[plot]').", markup=False)
+        del paths["plot"]
     return paths
 
 
