@@ -186,3 +186,17 @@ def test_outputs_without_matplotlib(tmp_path, monkeypatch):
     assert "plot" not in paths and not (tmp_path / "search.png").exists()
     assert json.loads(paths["json"].read_text())["best"]["config"] == {"x": 2}
     assert "slapo[plot]" in out.getvalue()
+
+
+def test_progress_lines_show_errors_verbatim():
+    import io
+
+    from rich.console import Console
+
+    from slapo.tune.cli import _Progress
+    from slapo.tune.database import Record
+
+    out = io.StringIO()
+    progress = _Progress(Console(file=out, width=200), 1, 0, enabled=False)
+    progress(Record({"x": 1}, "failed", {}, "Traceback ...\nRuntimeError: bad [/tag] [red"))
+    assert "RuntimeError: bad [/tag] [red" in out.getvalue()

@@ -421,13 +421,16 @@ class _Progress:
         self.bar.__exit__(*exc)
 
     def __call__(self, rec: Record) -> None:
+        from rich.markup import escape
+
         knobs = " ".join(f"{k}={v}" for k, v in rec.config.items())
         if rec.ok:
             what = (f"{rec.metrics[OBJECTIVE]:,.0f} tokens/s, peak "
                     f"{_fmt_bytes(rec.metrics.get('peak_memory_bytes'))}")
         else:
-            what = f"[red]{rec.status}[/red] {rec.error.strip().splitlines()[-1][:120] if rec.error else ''}"
-        self.bar.console.log(f"{knobs}: {what} ({rec.elapsed_s:.1f} s)")
+            err = rec.error.strip().splitlines()[-1][:120] if rec.error.strip() else ""
+            what = f"[red]{rec.status}[/red] {escape(err)}"
+        self.bar.console.log(f"{escape(knobs)}: {what} ({rec.elapsed_s:.1f} s)")
         self.bar.advance(self.task)
 
 
