@@ -123,18 +123,24 @@ def run(make_model: Callable[[], nn.Module], batches: Iterator[dict] | list[dict
         base_model.set_attn_implementation("eager")
     if getattr(getattr(base_model, "config", None), "use_cache", False):
         base_model.config.use_cache = False  # training: no KV cache to fill
+    unavailable: set[str] = set()  # knobs this model cannot take: dropped from later steps
+    previous: dict = {}
     for step in steps:
+        new_knobs = {k for k in step.knobs if k not in previous}
+        previous = step.knobs
+        knobs = {k: v for k, v in step.knobs.items() if k not in unavailable}
         model = copy.deepcopy(base_model)
-        res = StepResult(step.name, step.knobs, note=step.note)
+        res = StepResult(step.name, knobs, note=step.note)
         try:
             sch = create_schedule(model)
             with Verify(sch, example_kwargs=example, loss_fn=_loss):
-                if step.knobs:
-                    model_schedule.apply(sch, **step.knobs)
+                if knobs:
+                    model_schedule.apply(sch, **knobs)
             res.verified = True
         except SlapoError as e:  # a failed verification or an unavailable knob
             res.note = f"{type(e).__name__}: {e}"[:200]
             if "VerificationError" not in res.note:
+                unavailable |= new_knobs
                 log(f"[{step.name}] skipped: {res.note}")
                 results.append(res)
                 continue

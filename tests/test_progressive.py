@@ -49,3 +49,21 @@ def test_progressive_two_ranks_adds_tensor_parallel(dist2, tmp_path):
     rows = _rows(tmp_path)
     assert rows[-1]["name"] == "+ tensor parallel x2"
     assert all(r["verified"] for r in rows), rows
+
+
+def test_unavailable_knob_is_skipped_and_dropped_from_later_steps():
+    import models
+
+    from slapo import progressive
+
+    batches = [models.batch_for("t5", seed=s) for s in range(3)]
+    steps = [progressive.Step("base", {}),
+             progressive.Step("+ fuse", {"fuse": True, "fuse_compiler": "aot_eager"}),
+             progressive.Step("+ ckpt", {"fuse": True, "fuse_compiler": "aot_eager",
+                                         "ckpt_ratio": 1.0})]
+    res = progressive.run(lambda: models.t5(seed=0), batches, steps=steps, train_steps=3,
+                          warmup=1, log=lambda s: None)
+    assert [r.verified for r in res] == [True, False, True]
+    assert "no fusion plan for the t5 family" in res[1].note
+    assert res[2].knobs == {"ckpt_ratio": 1.0}
+    assert res[2].saved_bytes < res[0].saved_bytes
