@@ -62,6 +62,17 @@ def make_factory(name: str, dropout_free: bool = True):
     return make, cfg
 
 
+def train_flops_per_token(model: torch.nn.Module, cfg, seq: int) -> float:
+    """Model FLOPs of one training token: 6 x (non-embedding parameters) for the GEMMs
+    (forward 2, backward 4) plus the attention scores and context, 12 x layers x hidden x seq
+    (the usual MFU convention; recomputation from checkpointing is not counted as useful)."""
+    emb = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Embedding))
+    params = sum(p.numel() for p in model.parameters()) - emb
+    layers = getattr(cfg, "num_hidden_layers", None) or cfg.n_layer
+    hidden = getattr(cfg, "hidden_size", None) or cfg.n_embd
+    return 6 * params + 12 * layers * hidden * seq
+
+
 def matmul_peak_flops(device: torch.device, dtype: torch.dtype, n: int = 2048) -> float:
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
@@ -88,8 +99,13 @@ def main() -> None:
                     help="alternate baseline/scheduled this many times; report medians (the "
                          "shared VM has slow phases lasting seconds)")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = ap.parse_args()
     console = Console(width=120)
+    device = torch.device(args.device)
+    on_gpu = device.type == "cuda"
+    dtype = torch.bfloat16 if on_gpu else None       # bf16 autocast on GPU, fp32 on CPU
+    peak = matmul_peak_flops(device, dtype or torch.float32) if on_gpu else None
     rows = []
     for name in args.models.split(","):
         make, cfg = make_factory(name)
@@ -102,28 +118,34 @@ def main() -> None:
                 "tempo": True}
         steps = [progressive.Step("HF eager", {}), progressive.Step("Slapo scheduled", full)]
         rounds = [progressive.run(make, batches, steps=steps, train_steps=args.steps,
-                                  log=lambda s: None) for _ in range(args.rounds)]
+                                  device=device, autocast_dtype=dtype, log=lambda s: None)
+                  for _ in range(args.rounds)]
+        flops_token = train_flops_per_token(make(), cfg, args.seq_len)
         for i, r in enumerate(rounds[0]):
             row = {"model": name, **progressive.to_json([r])[0]}
             row["tokens_per_s_rounds"] = [rs[i].tokens_per_s for rs in rounds]
             row["tokens_per_s"] = statistics.median(row["tokens_per_s_rounds"])
             row["verified"] = all(rs[i].verified for rs in rounds)
+            row["mfu"] = row["tokens_per_s"] * flops_token / peak if peak else None
             rows.append(row)
         base = rows[-len(steps)]["tokens_per_s"]
         for row in rows[-len(steps):]:
             row["speedup"] = row["tokens_per_s"] / base
     t = Table(title=f"single device ({platform.processor() or platform.machine()}, "
                     f"torch {torch.__version__}, {torch.get_num_threads()} threads)")
-    for c in ("model", "variant", "tokens/s", "speedup", "saved act. MiB", "memory", "verified"):
+    for c in ("model", "variant", "tokens/s", "speedup", "saved act. MiB", "memory", "MFU",
+              "verified"):
         t.add_column(c)
     for r in rows:
         t.add_row(r["model"], r["name"], f"{r['tokens_per_s']:,.0f}", f"{r['speedup']:.2f}x",
                   f"{r['saved_bytes'] / 2**20:.1f}", f"{r['memory_ratio']:.2f}x",
+                  f"{r['mfu']:.1%}" if r["mfu"] is not None else "-",
                   "yes" if r["verified"] else "NO")
     console.print(t)
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"args": vars(args), "torch": torch.__version__,
+            json.dump({"args": vars(args), "torch": torch.__version__, "peak_flops": peak,
+                       "device": torch.cuda.get_device_name(device) if on_gpu else "cpu",
                        "machine": platform.machine(), "rows": rows}, f, indent=2)
 
 

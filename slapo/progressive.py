@@ -74,18 +74,31 @@ def _loss(out) -> torch.Tensor:
     return out.loss
 
 
-def _train(model: nn.Module, batches: list[dict], warmup: int, lr: float) -> tuple[float, list]:
-    """Seconds per step (median after warm-up) and the losses of a few AdamW steps."""
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _train(model: nn.Module, batches: list[dict], warmup: int, lr: float,
+           autocast_dtype: torch.dtype | None = None) -> tuple[float, list]:
+    """Seconds per step (median after warm-up) and the losses of a few AdamW steps; with
+    `autocast_dtype` (e.g. bf16 on GPU) the step runs under torch.autocast (fp32 master
+    weights)."""
+    device = next(model.parameters()).device
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     times, losses = [], []
     model.train()
     for i, batch in enumerate(batches):
         _g_barrier()
+        _sync(device)
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
-        loss = _loss(model(**batch))
+        with torch.autocast(device.type, dtype=autocast_dtype,
+                            enabled=autocast_dtype is not None):
+            loss = _loss(model(**batch))
         loss.backward()
         opt.step()
+        _sync(device)
         _g_barrier()
         losses.append(loss.item())
         if i >= warmup:
@@ -102,13 +115,20 @@ def _g_barrier() -> None:
 
 def run(make_model: Callable[[], nn.Module], batches: Iterator[dict] | list[dict], *,
         steps: list[Step] | None = None, train_steps: int = 6, warmup: int = 2,
-        lr: float = 1e-3, log: Callable[[str], None] = print) -> list[StepResult]:
+        lr: float = 1e-3, device: torch.device | str | None = None,
+        autocast_dtype: torch.dtype | None = None,
+        log: Callable[[str], None] = print) -> list[StepResult]:
     """Run every step on a fresh copy of the same model and return one result per step.
 
     `make_model()` must build the same weights on every call and every rank (seed it).
     `batches` yields dicts of keyword inputs with labels (HF models return `.loss`).
+    `device`: where to run (default: the model's). Verification always runs in fp32; timing
+    runs under `autocast_dtype` when given (bf16 on GPU).
     """
     batches = list(batches)
+    if device is not None:
+        batches = [{k: v.to(device) if isinstance(v, torch.Tensor) else v
+                    for k, v in b.items()} for b in batches]
     if len(batches) < train_steps:
         raise SlapoError(f"need {train_steps} batches, got {len(batches)}")
     world = _g.world_size()
@@ -119,6 +139,8 @@ def run(make_model: Callable[[], nn.Module], batches: Iterator[dict] | list[dict
     tokens = sum(v.numel() for k, v in example.items() if k == "input_ids")
     results: list[StepResult] = []
     base_model = make_model()
+    if device is not None:
+        base_model.to(device)
     if hasattr(base_model, "set_attn_implementation"):  # the baseline is HF *eager* attention
         base_model.set_attn_implementation("eager")
     if getattr(getattr(base_model, "config", None), "use_cache", False):
@@ -145,7 +167,7 @@ def run(make_model: Callable[[], nn.Module], batches: Iterator[dict] | list[dict
                 results.append(res)
                 continue
         res.saved_bytes = saved_bytes(model, **example)
-        sec, res.losses = _train(model, batches[:train_steps], warmup, lr)
+        sec, res.losses = _train(model, batches[:train_steps], warmup, lr, autocast_dtype)
         res.tokens_per_s = tokens / sec
         results.append(res)
         log(f"[{step.name}] {res.tokens_per_s:,.0f} tokens/s, saved activations "

@@ -43,7 +43,8 @@ def run_progressive(cfg: Any, log=print) -> list[dict]:
         plan = progressive.default_steps(env.world, get_primitive("fuse") is not None,
                                          fuse_compiler=cfg.fuse_compiler or "inductor")
         results = progressive.run(make, batches, steps=plan, train_steps=steps,
-                                  warmup=min(2, steps - 1), lr=cfg.lr, log=say)
+                                  warmup=min(2, steps - 1), lr=cfg.lr, device=env.device,
+                                  log=say)
         rows = progressive.to_json(results)
         if env.is_main:
             from rich.console import Console
