@@ -13,6 +13,7 @@ so `print(sch)` shows what was done, with the arguments, without running the mod
 from __future__ import annotations
 
 import functools
+import inspect
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -194,6 +195,12 @@ class Schedule:
             return prim.run(self, *args, **kwargs)
 
         bound.__doc__ = prim.__doc__
+        bound.__name__ = bound.__qualname__ = name
+        try:  # help() shows the call as the user writes it: without the schedule argument
+            sig = inspect.signature(prim.apply)
+            bound.__signature__ = sig.replace(parameters=list(sig.parameters.values())[1:])
+        except (TypeError, ValueError):
+            pass
         return bound
 
     def _record(self, name: str, args: tuple, kwargs: dict) -> None:
