@@ -47,6 +47,30 @@ def shard_spec(t: torch.Tensor) -> ShardSpec | None:
     return getattr(t, "_slapo_shard", None)
 
 
+_TENSOR_ATTRS = ("_slapo_shard", "_slapo_tags")
+
+
+def deepcopy_model(model: nn.Module) -> nn.Module:
+    """`copy.deepcopy` that keeps Slapo's per-tensor records (shard specs, annotations).
+
+    torch's `Parameter.__deepcopy__` drops attributes set on the parameter object, so a plain
+    deepcopy of a sharded model would forget which tensors are shards."""
+    import copy
+
+    new = copy.deepcopy(model)
+    pairs = zip([*model.named_parameters(remove_duplicate=False),
+                 *model.named_buffers(remove_duplicate=False)],
+                [*new.named_parameters(remove_duplicate=False),
+                 *new.named_buffers(remove_duplicate=False)])
+    for (_, src), (_, dst) in pairs:
+        for attr in _TENSOR_ATTRS:
+            if hasattr(src, attr) and not hasattr(dst, attr):
+                setattr(dst, attr, getattr(src, attr))
+        for key, value in (getattr(src, "_slapo_tags", None) or {}).items():
+            setattr(dst, key, value)
+    return new
+
+
 def local_slice(t: torch.Tensor, axis: int, world_size: int, rank: int, blocks: int = 1):
     """This rank's slice: with `blocks` > 1 the axis holds `blocks` equal parts (e.g. fused q|k|v),
     each sharded separately, and the local pieces are concatenated in block order."""

@@ -12,13 +12,16 @@ models on the inputs and compares
 3. every parameter after one optimizer step (SGD unless `optimizer` is given),
 
 and that every original parameter is still present (sharded or replicated). The scheduled model
-is left exactly as it was (parameters restored, gradients cleared). A mismatch raises
+is left exactly as it was (parameters restored, gradients cleared).
+
+A model on the meta device (`slapo.init_empty_weights()`) is verified on materialised copies:
+both are initialised like `build` would (`init_weights`, `init_seed`, on `device`), so the
+scheduled copy holds exactly the slices of the reference; the model itself stays on meta. A mismatch raises
 `VerificationError` naming the output or parameter and the error.
 """
 
 from __future__ import annotations
 
-import copy
 import inspect
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -31,6 +34,7 @@ from . import sharding
 from .distributed import group as _g
 from .distributed.rng import get_rng_tracker
 from .errors import VerificationError
+from .init import has_meta_tensors, materialize
 from .schedule import Schedule
 
 
@@ -67,7 +71,8 @@ class Verify:
     def __init__(self, sch: Schedule, example_inputs: Sequence[Any] = (), loss_fn=None, *,
                  example_kwargs: dict | None = None, rtol: float = 1e-5, atol: float | None = None,
                  optimizer: Callable | None = None, eval_mode: bool = True, seed: int = 2023,
-                 enable: bool = True):
+                 enable: bool = True, init_weights: Callable | None = None, init_seed: int = 0,
+                 device: torch.device | str = "cpu"):
         self.sch = sch
         self.inputs = tuple(example_inputs)
         self.kwargs = dict(example_kwargs or {})
@@ -77,17 +82,18 @@ class Verify:
         self.eval_mode, self.seed, self.enable = eval_mode, seed, enable
         self.report: dict[str, float] = {}
         self.reference: nn.Module | None = None
+        self.init_weights, self.init_seed, self.device = init_weights, init_seed, device
+        self._meta = False
 
     # ---------------------------------------------------------------------------------------
     def __enter__(self) -> Verify:
         if not self.enable:
             return self
         model = self.sch.mod
-        if any(t.device.type == "meta" for t in model.parameters()):
-            raise VerificationError("Verify needs materialised weights, but the model is on the "
-                                    "meta device; verify a materialised copy of the model.")
-        self._check_same_across_ranks()
-        self.reference = copy.deepcopy(model)
+        self._meta = has_meta_tensors(model)
+        if not self._meta:  # a meta model has no values to compare across ranks yet
+            self._check_same_across_ranks()
+        self.reference = sharding.deepcopy_model(model)
         return self
 
     def __exit__(self, exc_type, exc, tb):
@@ -153,7 +159,14 @@ class Verify:
         """Run both models and compare; returns {name: max abs error}. Raises on mismatch."""
         if self.reference is None:
             raise VerificationError("Verify.check() called before entering the context.")
-        model, ref = self.sch.mod, copy.deepcopy(self.reference)
+        model, ref = self.sch.mod, sharding.deepcopy_model(self.reference)
+        if self._meta:
+            # Delayed init: materialise a copy of each with the same per-module seeds, so the
+            # scheduled copy's shards are exactly the slices of the reference's full tensors
+            # (see slapo.init). The scheduled model itself stays on the meta device.
+            model = materialize(sharding.deepcopy_model(model), self.device,
+                                init_fn=self.init_weights, seed=self.init_seed)
+            ref = materialize(ref, self.device, init_fn=self.init_weights, seed=self.init_seed)
         modes = (model.training, ref.training)
         saved = {n: p.detach().clone() for n, p in model.named_parameters()}
         try:

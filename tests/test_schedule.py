@@ -264,3 +264,18 @@ def test_patched_module_is_still_its_class_and_deepcopies():
     assert type(clone) is type(lin)
     x = torch.randn(2, 3)
     torch.testing.assert_close(clone(x), lin(x))
+
+
+def test_deepcopy_model_keeps_shard_specs_and_tags():
+    from slapo import sharding
+
+    lin = nn.Linear(4, 4)
+    sch = slapo.create_schedule(lin)
+    sch.annotate("bias", "my_tag", 5)
+    sch.shard("weight", axis=0)
+    import copy
+
+    assert sharding.shard_spec(copy.deepcopy(lin).weight) is None  # what torch does
+    clone = sharding.deepcopy_model(lin)
+    assert sharding.shard_spec(clone.weight) == sharding.shard_spec(lin.weight)
+    assert clone.bias.my_tag == 5 and clone.weight is not lin.weight
