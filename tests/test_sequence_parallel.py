@@ -12,7 +12,7 @@ from slapo import model_schedule
 from slapo.module_patch import wrappers
 from slapo.profile import saved_bytes
 
-SP_FAMILIES = ["gpt2", "llama", "bert_mlm"]
+SP_FAMILIES = ["gpt2", "llama", "bert_mlm", "roberta", "gpt_neo", "opt"]
 
 
 # ---- reduce-scatter before the bias --------------------------------------------------------
@@ -148,7 +148,9 @@ def _layer_saved_bytes(model, name: str, hidden: torch.Tensor, seq: int) -> int:
     which its first norm saves (the full sequence has `seq` tokens: LLaMA's rotary tables cover
     all of them)."""
     layers = {"gpt2": lambda: model.transformer.h, "bert_mlm": lambda: model.bert.encoder.layer,
-              "llama": lambda: model.model.layers}[name]()
+              "llama": lambda: model.model.layers, "roberta": lambda: model.roberta.encoder.layer,
+              "gpt_neo": lambda: model.transformer.h,
+              "opt": lambda: model.model.decoder.layers}[name]()
     layer = layers[len(layers) - 1]
     if name != "llama":
         return saved_bytes(layer, hidden)
@@ -238,6 +240,21 @@ def test_sequence_parallel_unsupported():
         model_schedule.apply(models.gpt2(), sequence_parallel=True, pp_stages=2)
 
 
+def test_sequence_parallel_rejects_opt_projections_before_mutating():
+    """OPT with word_embed_proj_dim != hidden_size has replicated project_in/out around the
+    layers, which the plan does not cover: rejected up front, the model left untouched."""
+    from transformers import OPTConfig, OPTForCausalLM
+
+    model = OPTForCausalLM(OPTConfig(hidden_size=64, num_hidden_layers=1, num_attention_heads=4,
+                                     ffn_dim=128, vocab_size=128, word_embed_proj_dim=32,
+                                     max_position_embeddings=64))
+    sch = slapo.create_schedule(model)
+    with pytest.raises(slapo.SchedulingError, match="word_embed_proj_dim == hidden_size"):
+        model_schedule.apply(sch, sequence_parallel=True, attention="sdpa")
+    assert list(sch.applied()) == []
+    model_schedule.apply(slapo.create_schedule(model), sequence_parallel=False)  # plain: fine
+
+
 def job_sp_all_knobs(name: str):
     """SP with every other knob: SDPA, Tempo, fused MLPs, full checkpointing."""
     import models
@@ -253,7 +270,7 @@ def job_sp_all_knobs(name: str):
 
 @pytest.mark.dist
 @pytest.mark.compile
-@pytest.mark.parametrize("name", SP_FAMILIES)
+@pytest.mark.parametrize("name", ["gpt2", "llama", "bert_mlm", "roberta", "gpt_neo"])
 def test_sequence_parallel_all_knobs_verified(dist2, name):
     applied = dist2.run(job_sp_all_knobs, name)[0]
     assert {"reduce_param_grads", "fuse", "checkpoint", "sync"} <= set(applied), applied

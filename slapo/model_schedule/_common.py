@@ -49,13 +49,14 @@ def column(node: Schedule, blocks: int = 1) -> None:
         node.shard("bias", axis=0, blocks=blocks)
 
 
-def row(node: Schedule, sequence_parallel: bool = False) -> None:
+def row(node: Schedule, sequence_parallel: bool = False, token_axis: int = SEQ_DIM) -> None:
     """Row parallel: shard input features; all-reduce the partial output (bias added once), or
-    under sequence parallelism reduce-scatter it along the sequence (bias added once, to this
-    rank's tokens, its gradient summed over the group)."""
+    under sequence parallelism reduce-scatter it along the tokens (bias added once, to this
+    rank's tokens, its gradient summed over the group). `token_axis=0` for a layer that sees
+    flattened [tokens, hidden] activations (OPT's MLP)."""
     node.shard("weight", axis=0 if _is_conv1d(node.mod) else 1)
     if sequence_parallel:
-        node.sync(mode="fwd_post", sync_op_or_fn="reduce_scatter", axis=SEQ_DIM)
+        node.sync(mode="fwd_post", sync_op_or_fn="reduce_scatter", axis=token_axis)
     else:
         node.sync(mode="fwd_post", sync_op_or_fn="all_reduce")
 
@@ -65,12 +66,15 @@ def reduce_input_grad(node: Schedule) -> None:
     node.sync(mode="bwd_post", sync_op_or_fn="all_reduce")
 
 
-def enter_region(node: Schedule, sequence_parallel: bool = False) -> None:
+def enter_region(node: Schedule, sequence_parallel: bool = False,
+                 token_axis: int = SEQ_DIM) -> None:
     """`node`'s input enters a column-parallel region. Plain TP: the input is replicated and each
     rank's input gradient partial, so all-reduce it (Megatron f). Sequence parallel: the input is
-    sharded along the sequence, so all-gather it (backward reduce-scatter: Megatron's g-bar)."""
+    sharded along the sequence, so all-gather it (backward reduce-scatter: Megatron's g-bar).
+    A token-wise region (an MLP) may gather flattened [tokens, hidden] inputs on `token_axis=0`:
+    the tokens come back rank-major, and the matching reduce-scatter returns each rank's own."""
     if sequence_parallel:
-        node.sync(mode="fwd_pre", sync_op_or_fn="all_gather", axis=SEQ_DIM)
+        node.sync(mode="fwd_pre", sync_op_or_fn="all_gather", axis=token_axis)
     else:
         reduce_input_grad(node)
 

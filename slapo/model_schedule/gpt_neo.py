@@ -2,22 +2,32 @@
 
 from __future__ import annotations
 
-from ._common import column, divide_attr, reduce_input_grad, row
+from ._common import column, divide_attr, enter_region, row
 from ._registry import Family, register_family
+from .sequence_parallel import SequencePlan
 
 
-def shard_layer(layer, ws: int) -> None:
+def shard_layer(layer, ws: int, sequence_parallel: bool = False) -> None:
+    sp = sequence_parallel
     attn = layer["attn.attention"]
     for name in ("q_proj", "k_proj", "v_proj"):
         column(attn[name])
-    reduce_input_grad(attn)
+    # SP: the whole attention module sees the gathered sequence (its causal / local-window mask
+    # is built from the query and key lengths)
+    enter_region(attn, sp)
     divide_attr(attn, "num_heads", ws)
-    row(attn["out_proj"])
+    row(attn["out_proj"], sp)
     column(layer["mlp.c_fc"])
-    reduce_input_grad(layer["mlp.c_fc"])
-    row(layer["mlp.c_proj"])
+    enter_region(layer["mlp.c_fc"], sp)
+    row(layer["mlp.c_proj"], sp)
 
 
 FAMILY = register_family(Family(
     name="gpt_neo", model_types=("gpt_neo",), layer_lists=("h",), shard_layer=shard_layer,
-    mlp_paths=("mlp",)))
+    mlp_paths=("mlp",),
+    # as GPT-2: split at the embedding dropout (after `wte + wpe`, positions and the mask are
+    # full-sequence), gather after `ln_f` (before the model's `view` to the full length)
+    sequence_plan=SequencePlan(split="transformer.drop", gather="transformer.ln_f",
+                               norms=("ln_1", "ln_2", "/transformer.ln_f"),
+                               dropouts=("/transformer.drop", "attn.attention.resid_dropout",
+                                         "mlp.dropout"))))

@@ -1,4 +1,10 @@
-"""RoBERTa: the BERT layer structure with its own embeddings and LM head."""
+"""RoBERTa: the BERT layer structure with its own embeddings and LM head.
+
+Sequence parallelism follows BERT's plan: RoBERTa's embeddings differ only in how position ids
+are made (from the padding mask of `input_ids`), which happens on the full sequence before the
+split; its LM head (`dense` -> GELU -> `layer_norm` -> `decoder`) is replicated ahead of the
+vocabulary-parallel `decoder`, so the gathered encoder output does not feed the head directly.
+"""
 
 from __future__ import annotations
 
@@ -7,4 +13,5 @@ from ._registry import Family, register_family
 
 FAMILY = register_family(Family(
     name="roberta", model_types=("roberta", "xlm-roberta", "camembert"),
-    layer_lists=("encoder.layer",), shard_layer=bert.shard_layer, mlp_paths=("intermediate",)))
+    layer_lists=("encoder.layer",), shard_layer=bert.shard_layer, mlp_paths=("intermediate",),
+    sequence_plan=bert.FAMILY.sequence_plan))

@@ -45,7 +45,9 @@ class SequencePlan:
     - `gather_feeds_head`: the gathered output goes straight into the LM head (GPT-2, LLaMA), so
       a vocabulary-parallel head's partial input gradient can be reduce-scattered by the gather;
       False when replicated modules with parameters sit in between (BERT's MLM transform), which
-      need the head's own input-gradient all-reduce to see the full gradient.
+      need the head's own input-gradient all-reduce to see the full gradient;
+    - `validate(sch)`: optional check of the model's variant, run before any mutation (raises
+      a `SchedulingError` for a layout the plan does not cover, e.g. OPT's `project_out`).
     """
 
     split: str
@@ -53,9 +55,11 @@ class SequencePlan:
     norms: tuple[str, ...]
     dropouts: tuple[str, ...] = ()
     gather_feeds_head: bool = True
+    validate: Callable[[Schedule], None] | None = None
 
-    # `norms`/`dropouts` entries are relative to each layer, or, starting with "/", a path suffix
-    # of one model-level module (e.g. "/transformer.ln_f").
+    # `norms`/`dropouts` entries are relative to each layer ("." is the layer itself: its
+    # functional dropouts), or, starting with "/", a path suffix of one model-level module
+    # (e.g. "/transformer.ln_f").
 
 
 def check_supported(sch: Schedule, family, pp_stages: int, available: list[str]) -> None:
@@ -69,6 +73,8 @@ def check_supported(sch: Schedule, family, pp_stages: int, available: list[str])
         raise SchedulingError(sch.path, "sequence_parallel with pp_stages > 1 is not supported "
                               "(stage boundaries would carry sequence shards).",
                               "use one of sequence_parallel or pipeline stages.")
+    if family.sequence_plan.validate is not None:
+        family.sequence_plan.validate(sch)
 
 
 def split_sequence_hook(group) -> Callable:
@@ -130,6 +136,8 @@ def _targets(sch: Schedule, family, layers: list[Schedule], paths: tuple[str, ..
     """The nodes named by a plan's paths (per layer, or "/suffix" for one model-level module)."""
     out = []
     for rel in paths:
-        out += [_node(sch, rel[1:], family.name)] if rel.startswith("/") else \
-            [layer[rel] for layer in layers]
+        if rel.startswith("/"):
+            out.append(_node(sch, rel[1:], family.name))
+        else:
+            out += [layer if rel == "." else layer[rel] for layer in layers]
     return out
