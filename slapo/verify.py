@@ -116,10 +116,16 @@ class Verify:
                   if isinstance(v, torch.Tensor)]
         n_inputs = len(named)
         named += [(f"parameter {n!r}", p) for n, p in self.sch.mod.named_parameters()]
-        sums = torch.tensor([[x.detach().double().sum().item(), x.detach().double().abs().sum()
-                              .item()] for _, x in named], dtype=torch.float64)
+        # one (sum, sum|x|) fingerprint per tensor, gathered in one collective on the group's
+        # device (NCCL needs CUDA tensors; gloo takes CPU ones)
+        device = torch.device("cuda", torch.cuda.current_device()) \
+            if dist.get_backend(group) == "nccl" else torch.device("cpu")
+        sums = torch.stack([torch.stack([x.detach().double().sum(),
+                                         x.detach().double().abs().sum()]).to(device)
+                            for _, x in named])
         gathered = [torch.empty_like(sums) for _ in range(_g.world_size(group))]
         dist.all_gather(gathered, sums, group=group)
+        gathered = [g.cpu() for g in gathered]
         for i, (name, _) in enumerate(named):
             vals = torch.stack([g[i] for g in gathered])
             if not torch.allclose(vals, vals[0].expand_as(vals), rtol=1e-12, atol=0):

@@ -342,3 +342,31 @@ def job_verify_meta_model(family: str):
 @pytest.mark.parametrize("family", ["bert", "llama"])
 def test_verify_meta_model(dist2, family):
     assert dist2.run(job_verify_meta_model, family)[0] > 10
+
+
+def job_verify_rejects_rank_divergence():
+    """Different inputs, or different weights, on the ranks of a TP group are caught on entry."""
+    import models
+    import torch.distributed as dist
+
+    import slapo
+
+    caught = []
+    model = models.bert(seed=0)
+    try:
+        slapo.Verify(slapo.create_schedule(model), [models.ids(seed=dist.get_rank())]).__enter__()
+    except slapo.VerificationError as e:
+        caught.append(str(e))
+    model = models.bert(seed=dist.get_rank())
+    try:
+        slapo.Verify(slapo.create_schedule(model), [models.ids()]).__enter__()
+    except slapo.VerificationError as e:
+        caught.append(str(e))
+    return caught
+
+
+def test_verify_rejects_rank_divergence(dist2):
+    caught = dist2.run(job_verify_rejects_rank_divergence)[0]
+    assert len(caught) == 2, caught
+    assert "input[0] differs across the ranks" in caught[0]
+    assert "parameter" in caught[1] and "same weights" in caught[1]
