@@ -1,6 +1,7 @@
 """Static-graph facilities for "trace by need": tracing one submodule, finding subgraphs,
 and moving matched ops into named submodules (fuse, subgraph replace/checkpoint)."""
 
+from .export_capture import export_module, is_exported
 from .subgraph import Subgraph
 from .tracer import (
                      AttentionCall,
@@ -12,4 +13,4 @@ from .tracer import (
 )
 
 __all__ = ["AttentionCall", "SlapoTracer", "Subgraph", "TraceGuardError", "capture_inputs",
-           "default_leaf", "trace_module"]
+           "default_leaf", "export_module", "is_exported", "trace_module"]

@@ -8,18 +8,18 @@ import torch
 import torch.nn as nn
 
 from .. import module_patch
-from ..errors import SchedulingError
+from ..errors import SchedulingError, TraceError
 from ..graph import default_leaf, trace_module
+from ..graph.export_capture import export_module
 from ..graph.subgraph import rebuild_tree
 from .base import Primitive, register_primitive
 from .replace import _move_hooks
 
-TRACERS = ("auto", "fx")
+TRACERS = ("auto", "fx", "export")
 UNSUPPORTED = {
-    "export": "torch.export produces ATen-level graphs with lifted parameters; the schedule "
-              "needs torch-level ops and leaf modules in place, which tracer='fx' gives",
-    "dynamo": "dynamo graphs are flattened with lifted parameters; use tracer='fx' (which "
-              "handles HF blocks when example_inputs are given)",
+    "dynamo": "dynamo graphs are flattened with lifted parameters; tracer='export' (non-strict "
+              "torch.export, hierarchy rebuilt from nn_module_stack) covers what fx cannot "
+              "follow",
 }
 
 
@@ -51,6 +51,22 @@ def _leaf_predicate(leaves: Sequence) -> callable:
     return is_leaf
 
 
+def _validate_export(sch, leaves, flatten: bool, concrete_args, example_inputs) -> None:
+    """Export runs the module on real inputs and inlines every submodule into ATen graphs, so
+    example_inputs are required and fx-only options would be silently ignored: refuse them."""
+    if example_inputs is None:
+        raise SchedulingError(sch.path, "tracer 'export' is not supported without "
+                              "example_inputs (export runs the module once on them).",
+                              "pass example_inputs=(args, kwargs), e.g. from "
+                              "slapo.graph.capture_inputs(model, path, *inputs), or use "
+                              f"another of {TRACERS}.")
+    if leaves or flatten or concrete_args:
+        raise SchedulingError(sch.path, "leaves=, flatten= and concrete_args= are options of "
+                              "tracer 'fx'; tracer 'export' keeps every submodule as its own "
+                              "graph and specialises on example_inputs.",
+                              "drop them, or use tracer='fx'.")
+
+
 @register_primitive
 class TracePrimitive(Primitive):
     """Replace this module by a `torch.fx.GraphModule` of its forward.
@@ -59,7 +75,11 @@ class TracePrimitive(Primitive):
     or classes); torch.nn built-ins and modules changed by other primitives always are.
     flatten: False traces each non-leaf child into its own GraphModule (hierarchy and schedule
     paths kept); True inlines them into one graph (leaves keep their full paths).
-    tracer: "auto"/"fx" (slapo's fx tracer; see slapo.graph.tracer for why not export/dynamo).
+    tracer: "fx" (slapo's fx tracer, torch-level ops, leaves kept; see slapo.graph.tracer),
+    "export" (non-strict torch.export on example_inputs, ATen-level training IR, hierarchy
+    rebuilt from nn_module_stack; see slapo.graph.export_capture) or "auto" (fx, falling back to
+    export when fx fails and example_inputs are given; the fx failure is kept in
+    `metadata["trace"]["fx_error"]`). "dynamo" is refused.
     example_inputs: inputs of one real call of this module (args tuple, kwargs dict or
     (args, kwargs)); needed for HF attention/blocks (shapes are read while tracing) and used to
     specialise non-tensor inputs, with run-time guards. concrete_args: {name: value} to
@@ -77,6 +97,8 @@ class TracePrimitive(Primitive):
         if tracer not in TRACERS:
             raise SchedulingError(sch.path, f"unknown tracer {tracer!r}.",
                                   f"use one of {TRACERS}.")
+        if tracer == "export":
+            _validate_export(sch, leaves, flatten, concrete_args, example_inputs)
         mod = sch.mod
         if module_patch.wrappers(mod) or module_patch.kernel(mod) is not None:
             raise SchedulingError(sch.path, "this module's forward was changed by another "
@@ -109,16 +131,50 @@ class TracePrimitive(Primitive):
     def apply(cls, sch, leaves=None, flatten=False, tracer="auto", concrete_args=None,
               example_inputs=None):
         old = sch.mod
-        gm = trace_module(old, _leaf_predicate(list(leaves or ())), flatten=flatten,
-                          example=_normalise_example(example_inputs), concrete=concrete_args,
-                          path=sch.path)
+        example = _normalise_example(example_inputs)
+        gm, used, fx_error = _capture(sch, old, leaves, flatten, tracer, concrete_args, example)
         _move_hooks(old, gm)
         if sch.parent is None:
             sch._root.model = gm
         else:
             sch.parent.mod._modules[sch.name] = gm
         rebuild_tree(sch)
-        sch.metadata["trace"] = {"tracer": "fx", "requested": tracer, "flatten": flatten,
-                                 "example_inputs": example_inputs is not None}
-        sch._root.meta.setdefault("traced", {})[sch.path] = "fx"
+        sch.metadata["trace"] = {"tracer": used, "requested": tracer, "flatten": flatten,
+                                 "example_inputs": example_inputs is not None,
+                                 "fx_error": fx_error}
+        sch._root.meta.setdefault("traced", {})[sch.path] = used
         return gm
+
+
+def _capture(sch, old: nn.Module, leaves, flatten: bool, tracer: str, concrete_args,
+             example) -> tuple[nn.Module, str, str | None]:
+    """(graph module, tracer used, why fx failed when auto fell back to export)."""
+    if tracer == "export":
+        return export_module(old, example, path=sch.path), "export", None
+    try:
+        gm = trace_module(old, _leaf_predicate(list(leaves or ())), flatten=flatten,
+                          example=example, concrete=concrete_args, path=sch.path)
+        return gm, "fx", None
+    except TraceError as fx_err:
+        if tracer != "auto":
+            raise
+        blocker = _fallback_blocker(leaves, flatten, concrete_args, example)
+        if blocker:
+            raise TraceError(sch.path, f"{fx_err.problem} (no fallback to tracer 'export': "
+                             f"{blocker})", fx_err.fix) from None
+        try:
+            gm = export_module(old, example, path=sch.path)
+        except TraceError as ex_err:
+            raise TraceError(sch.path, f"neither tracer could capture {type(old).__name__}. "
+                             f"1) {fx_err.problem} 2) {ex_err.problem}",
+                             ex_err.fix) from None
+        return gm, "export", fx_err.problem
+
+
+def _fallback_blocker(leaves, flatten: bool, concrete_args, example) -> str | None:
+    """Why auto must not fall back to export (it would silently ignore what was asked)."""
+    if example is None:
+        return "it needs example_inputs"
+    if leaves or flatten or concrete_args:
+        return "leaves=/flatten=/concrete_args= are fx-only options"
+    return None
