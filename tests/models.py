@@ -104,6 +104,16 @@ def t5(seed: int = 0, layers: int = 2):
                   decoder_start_token_id=0, pad_token_id=0, dropout_rate=0.0)
 
 
+def t5_gated(seed: int = 0, layers: int = 2):
+    """T5 v1.1 layout: gated-GELU `DenseReluDense` (`wi_0`, `wi_1`), untied LM head."""
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    return _build(T5Config, T5ForConditionalGeneration, seed, d_model=64, d_kv=16, d_ff=128,
+                  num_layers=layers, num_decoder_layers=layers, num_heads=4, vocab_size=128,
+                  decoder_start_token_id=0, pad_token_id=0, dropout_rate=0.0,
+                  feed_forward_proj="gated-gelu", tie_word_embeddings=False)
+
+
 def qwen2(seed: int = 0, layers: int = 2):
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -116,7 +126,7 @@ def qwen2(seed: int = 0, layers: int = 2):
 def batch_for(family: str, batch: int = 2, seq: int = 16, seed: int = 1) -> dict:
     """Keyword inputs with labels, so `out.loss` is the training loss."""
     x = ids(batch, seq, seed=seed)
-    if family == "t5":
+    if family in ("t5", "t5_gated"):
         return {"input_ids": x, "labels": ids(batch, seq // 2, seed=seed + 1)}
     if family == "roberta":
         x = x.clamp(min=3)  # keep clear of padding/special ids

@@ -97,7 +97,38 @@ def job_all_knobs(name: str):
 
 @pytest.mark.dist
 @pytest.mark.compile
-@pytest.mark.parametrize("name", ["gpt2", "bert_mlm", "llama"])
+@pytest.mark.parametrize("name", ["gpt2", "bert_mlm", "llama", "roberta", "gpt_neo",
+                                  "t5_gated"])
 def test_all_knobs_tp2_verified(dist2, name):
     applied = dist2.run(job_all_knobs, name)[0]
     assert {"shard", "sync", "checkpoint", "trace", "fuse", "replace"} <= set(applied), applied
+
+
+@pytest.mark.compile
+def test_t5_fuses_gated_gelu_and_rejects_relu_untouched():
+    """T5 v1.1's gated-GELU MLPs are fused (outputs, gradients, a step verified; fewer bytes
+    saved for backward); T5 v1's lone ReLU has nothing to fuse and is rejected before any MLP
+    is traced."""
+    import models
+
+    from slapo.profile import saved_bytes
+
+    relu = slapo.create_schedule(models.t5())
+    with pytest.raises(slapo.SchedulingError, match="ReLU `DenseReluDense`"):
+        model_schedule.apply(relu, fuse=True, fuse_compiler="aot_eager")
+    assert list(relu.applied()) == []
+    model = models.t5_gated(seed=0)
+    x = torch.randn(2, 16, model.config.d_model)
+    before = saved_bytes(model.encoder.block[0].layer[1].DenseReluDense, x)
+    sch = slapo.create_schedule(model)
+    with slapo.Verify(sch, example_kwargs=models.batch_for("t5_gated"),
+                      loss_fn=lambda out: out.loss):
+        model_schedule.apply(sch, fuse=True, fuse_compiler="aot_eager")
+    fused = sorted(p for p, h in sch.applied() if h.name == "fuse")
+    assert fused == ["decoder.block.0.layer.2.DenseReluDense",
+                     "decoder.block.1.layer.2.DenseReluDense",
+                     "encoder.block.0.layer.1.DenseReluDense",
+                     "encoder.block.1.layer.1.DenseReluDense"]
+    after = saved_bytes(model.encoder.block[0].layer[1].DenseReluDense, x)
+    assert after < before, (after, before)
+    print(f"t5 v1.1 DenseReluDense saved bytes: {before} -> {after}")

@@ -149,15 +149,20 @@ def _fuse_mlps(sch: Schedule, family: Family, compiler: str) -> None:
     if get_primitive("fuse") is None:
         raise SchedulingError(sch.path, "fuse=True needs the compute primitives (trace/find/"
                               "fuse), which are not available.", "pass fuse=False.")
-    from .fusion import PLANS, fuse_mlp
+    from .fusion import PLANS, fuse_mlp, unfusable
 
     if family.name not in PLANS or not family.mlp_paths:
         raise SchedulingError(sch.path, f"fuse=True has no fusion plan for the {family.name} "
                               "family.", f"pass fuse=False (plans: {', '.join(sorted(PLANS))}).")
-    for layer in layers_of(sch, family):
-        for rel in family.mlp_paths:
-            if rel in layer:
-                fuse_mlp(layer[rel], family.name, compiler)
+    mlps = [layer[rel] for layer in layers_of(sch, family) for rel in family.mlp_paths
+            if rel in layer]
+    for mlp in mlps:  # all checked before the first is traced: a rejection mutates nothing
+        reason = unfusable(mlp, family.name)
+        if reason is not None:
+            raise SchedulingError(sch.path, f"fuse=True: {reason}.",
+                                  f"pass fuse=False (plans: {', '.join(sorted(PLANS))}).")
+    for mlp in mlps:
+        fuse_mlp(mlp, family.name, compiler)
 
 
 def _cut_pipeline(sch: Schedule, layers: list[Schedule], stages: int) -> None:

@@ -45,4 +45,6 @@ def shard_layer(block, ws: int) -> None:
 
 FAMILY = register_family(Family(
     name="t5", model_types=("t5", "mt5"), layer_lists=("encoder.block", "decoder.block"),
-    shard_layer=shard_layer))
+    shard_layer=shard_layer,
+    # encoder blocks: [self-attention, FF]; decoder blocks: [self, cross, FF]
+    mlp_paths=("layer.1.DenseReluDense", "layer.2.DenseReluDense")))
