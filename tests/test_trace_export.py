@@ -216,3 +216,30 @@ def test_export_keeps_tied_weights_tied():
     model(x).sum().backward()
     ref(x).sum().backward()
     torch.testing.assert_close(model[0].a.weight.grad, ref[0].a.weight.grad)
+
+
+BLOCKS = {  # family: (block path, a leaf inside its attention, kwargs for the full model)
+    "gpt2": ("transformer.h.1", "attn.c_attn", {"use_cache": False}),
+    "llama": ("model.layers.0", "self_attn.q_proj", {"use_cache": False}),
+    "bert": ("encoder.layer.0", "attention.self.query", {}),  # a submodule named `self`
+}
+
+
+@pytest.mark.parametrize("family", sorted(BLOCKS))
+def test_hf_blocks_exported_pass_verify(family):
+    model = getattr(models, family)(seed=0)
+    path, leaf, kw = BLOCKS[family]
+    ids = models.ids()
+    example = capture_inputs(model, path, ids, **kw)[path]
+    keys = list(model.state_dict())
+    sch = slapo.create_schedule(model)
+    has_lm = hasattr(model, "lm_head")
+    loss_fn = (lambda out: out.loss) if has_lm else (lambda out: out.last_hidden_state.pow(2)
+                                                     .mean())
+    with slapo.Verify(sch, [ids], loss_fn=loss_fn,  # raises if outputs/grads/step differ
+                      example_kwargs=dict(kw, labels=ids) if has_lm else kw):
+        sch[path].trace(tracer="export", example_inputs=example)
+    assert sch[path].metadata["trace"]["tracer"] == "export"
+    assert isinstance(sch[f"{path}.{leaf}"].mod, fx.GraphModule)
+    assert sch[f"{path}.{leaf}"].mod is model.get_submodule(f"{path}.{leaf}")
+    assert list(model.state_dict()) == keys

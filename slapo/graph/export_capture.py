@@ -98,6 +98,7 @@ def _as_graph_modules(mod: nn.Module, orig: nn.Module | None, prefix: str) -> nn
     if not _has_graph(mod):
         return mod
     name = type(orig).__name__ if orig is not None else "ExportedModule"
+    _unshadow_self(mod.graph)
     gm = fx.GraphModule(mod, mod.graph, class_name=name)
     for attr in ("_modules", "_parameters", "_buffers"):  # keep unused entries and their order
         src, dst = getattr(mod, attr), getattr(gm, attr)
@@ -107,6 +108,14 @@ def _as_graph_modules(mod: nn.Module, orig: nn.Module | None, prefix: str) -> nn
         dst.update(merged)
     gm._non_persistent_buffers_set |= set(getattr(mod, "_non_persistent_buffers_set", ()))
     return gm
+
+
+def _unshadow_self(graph: fx.Graph) -> None:
+    """A call of a submodule named `self` (BERT's `attention.self`) yields a node named `self`,
+    which would shadow the module in the generated forward: rename the node (not the target)."""
+    for node in graph.nodes:
+        if node.name == "self":
+            node._rename("sub_self")
 
 
 def _has_child(mod: nn.Module, name: str) -> bool:
