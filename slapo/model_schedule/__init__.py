@@ -9,12 +9,14 @@ order, each concern its knobs ask for:
    attention module for Slapo's SDPA core (flash-attn on GPU for "flash");
 2. `tp`: Megatron tensor parallelism over the schedule's group (column/row parallel projections,
    vocabulary-parallel embedding and LM head when the vocabulary divides);
-3. `fuse`: trace each MLP and compile its bias+activation (`fuse_compiler`, default inductor);
+3. `fuse`: trace each MLP and compile its bias+activation or gated activation (`fuse_compiler`,
+   default inductor; the families in `fusion.PLANS`);
 4. `tempo`: Tempo's memory-efficient GELU / LayerNorm / softmax-dropout-matmul, on whatever
    `fuse` left (a fused GELU stays fused);
 5. `ckpt_ratio`: checkpoint the first round(ratio * L) layers;
 6. `pp_stages`: pipeline cuts at evenly spaced layer boundaries;
-7. `sequence_parallel` (with tp > 1; GPT-2, LLaMA, BERT): Megatron sequence parallelism — norms,
+7. `sequence_parallel` (with tp > 1; GPT-2, GPT-Neo, LLaMA, BERT, RoBERTa, OPT): Megatron
+   sequence parallelism — norms,
    dropout and residuals on sequence shards, all-gather into / reduce-scatter out of the TP
    regions, norm gradients summed over the group (see docs/model_schedule.md).
 
