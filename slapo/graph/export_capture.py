@@ -20,6 +20,11 @@ the primitive layer documents that `tracer='fx'` is needed for them.
 
 from __future__ import annotations
 
+import contextlib
+import io
+import logging
+import sys
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -60,7 +65,8 @@ def export_module(root: nn.Module, example: tuple[tuple, dict] | None, *,
 def _capture(root: nn.Module, example: tuple[tuple, dict]) -> fx.GraphModule:
     args, kwargs = example
     try:
-        ep = torch.export.export(root, tuple(args), dict(kwargs), strict=False)
+        with _quiet_failure():
+            ep = torch.export.export(root, tuple(args), dict(kwargs), strict=False)
         dialect = ep.dialect
         unflat = torch.export.unflatten(ep)
     except Exception as e:  # noqa: BLE001 - any export failure becomes a located reason
@@ -76,6 +82,23 @@ def _capture(root: nn.Module, example: tuple[tuple, dict]) -> fx.GraphModule:
     gm.meta[DIALECT_META] = dialect  # "TRAINING": pre-dispatch ATen, differentiable when re-run
     gm.train(root.training)
     return gm
+
+
+@contextlib.contextmanager
+def _quiet_failure() -> Iterator[None]:
+    """On failure torch logs a warning and prints partial graph dumps to stderr before raising;
+    the TraceError we raise already says what failed and where. So hold stderr back and replay
+    it only when the capture succeeds (nothing is lost on success)."""
+    logger = logging.getLogger("torch.fx.experimental.symbolic_shapes")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    buf = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(buf):
+            yield
+    finally:
+        logger.setLevel(level)
+    sys.stderr.write(buf.getvalue())
 
 
 def _has_graph(mod: nn.Module) -> bool:
