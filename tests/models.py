@@ -87,12 +87,12 @@ def gpt_neo(seed: int = 0, layers: int = 2):
                   resid_dropout=0.0)
 
 
-def opt(seed: int = 0, layers: int = 2):
+def opt(seed: int = 0, layers: int = 2, dropout: float = 0.0):
     from transformers import OPTConfig, OPTForCausalLM
 
     return _build(OPTConfig, OPTForCausalLM, seed, hidden_size=64, num_hidden_layers=layers,
                   num_attention_heads=4, ffn_dim=128, vocab_size=128, word_embed_proj_dim=64,
-                  max_position_embeddings=64, dropout=0.0, attention_dropout=0.0,
+                  max_position_embeddings=64, dropout=dropout, attention_dropout=dropout,
                   bos_token_id=0, eos_token_id=0, pad_token_id=1)
 
 
