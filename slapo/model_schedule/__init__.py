@@ -17,8 +17,8 @@ order, each concern its knobs ask for:
 6. `pp_stages`: pipeline cuts at evenly spaced layer boundaries;
 7. `sequence_parallel` (with tp > 1; GPT-2, GPT-Neo, LLaMA, BERT, RoBERTa, OPT): Megatron
    sequence parallelism — norms, dropout and residuals on sequence shards, all-gather into /
-   reduce-scatter out of the TP
-   regions, norm gradients summed over the group (see docs/model_schedule.md).
+   reduce-scatter out of the TP regions, norm gradients summed over the group (see
+   docs/model_schedule.md).
 
 Every knob is a plain value, so the tuner can search over them. Supported families live one per
 file; `supported()` lists them. To add one, write `slapo/model_schedule/<family>.py` with a
