@@ -243,3 +243,31 @@ def test_hf_blocks_exported_pass_verify(family):
     assert isinstance(sch[f"{path}.{leaf}"].mod, fx.GraphModule)
     assert sch[f"{path}.{leaf}"].mod is model.get_submodule(f"{path}.{leaf}")
     assert list(model.state_dict()) == keys
+
+
+def test_rewrites_and_sharding_inside_an_export_capture_are_refused():
+    """ATen graphs with fixed shapes: fuse, subgraph replace/checkpoint, decompose, shard and
+    sync inside the capture are refused with a clear error and change nothing."""
+    model = models.gpt2()
+    ids = models.ids()
+    path = "transformer.h.0.mlp"
+    example = capture_inputs(model, path, ids, use_cache=False)[path]
+    sch = slapo.create_schedule(model)
+    blk = sch[path]
+    blk.trace(tracer="export", example_inputs=example)
+    sub = blk.find(r"^act$")
+    before = (repr(sch), [(n, p.shape) for n, p in model.named_parameters()])
+    attempts = {
+        "fuse": lambda: blk.fuse(sub, compiler="eager"),
+        "subgraph replace": lambda: blk.replace(nn.Identity(), target_ops=sub),
+        "subgraph checkpoint": lambda: blk.checkpoint(sub),
+        "shard": lambda: blk["c_fc"].shard("weight", axis=1),
+        "sync": lambda: blk["c_proj"].sync("fwd_post", "all_reduce"),
+    }
+    for what, call in attempts.items():
+        with pytest.raises(slapo.SchedulingError, match=f"{what} is not supported inside a "
+                           "module captured with tracer='export'"):
+            call()
+    assert (repr(sch), [(n, p.shape) for n, p in model.named_parameters()]) == before
+    blk.checkpoint()  # the captured module as a whole can still be checkpointed
+    model(ids, labels=ids, use_cache=False).loss.backward()

@@ -81,3 +81,26 @@ def map_first_output(out, fn: Callable):
                 out[k] = fn(v)
                 return out
     raise RuntimeError(f"cannot synchronise an output of type {type(out).__name__}")
+
+
+def export_captured(sch) -> str | None:
+    """Path of the nearest node (this one or an ancestor) captured with tracer="export", if any.
+
+    An export capture is an ATen graph with fixed shapes: its ops are not the torch-level calls
+    that graph rewrites match, and its submodules are graphs, not Linear/Conv1D layers, so
+    sharding or syncing inside it would silently break its hard-coded shapes."""
+    node = sch
+    while node is not None:
+        if node.metadata.get("trace", {}).get("tracer") == "export":
+            return node.path
+        node = node.parent
+    return None
+
+
+def refuse_in_export_capture(sch, what: str, fix: str) -> None:
+    where = export_captured(sch)
+    if where is not None:
+        from ..errors import SchedulingError
+
+        raise SchedulingError(sch.path, f"{what} is not supported inside a module captured with "
+                              f"tracer='export' (at {where or '<root>'}).", fix)

@@ -11,6 +11,7 @@ from torch.utils.checkpoint import checkpoint as _torch_checkpoint
 from .. import module_patch
 from ..distributed.rng import get_rng_tracker
 from ..errors import SchedulingError
+from ._util import refuse_in_export_capture
 from .base import Primitive, register_primitive
 
 # The compute-primitives layer registers a handler for subgraph checkpointing.
@@ -99,6 +100,8 @@ class CheckpointPrimitive(Primitive):
     @classmethod
     def validate(cls, sch, subgraph=None, order_args_fn=None, condition=None):
         if subgraph is not None:
+            refuse_in_export_capture(sch, "subgraph checkpoint", "trace with tracer='fx', or "
+                                     "checkpoint the whole module.")
             if "checkpoint" not in GRAPH_HANDLERS:
                 raise SchedulingError(sch.path, "subgraph checkpointing needs the compute "
                                       "primitives, which are not available.",

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 from .. import module_patch, sharding
 from ..errors import SchedulingError
+from ._util import refuse_in_export_capture
 from .base import Primitive, register_primitive
 
 
@@ -52,6 +53,7 @@ class DecomposePrimitive(Primitive):
 
     @classmethod
     def validate(cls, sch):
+        refuse_in_export_capture(sch, "decompose", "decompose before tracing, or trace with tracer='fx'.")
         mod = sch.mod
         cls_ = module_patch.original_class(mod)
         is_linear = issubclass(cls_, nn.Linear)

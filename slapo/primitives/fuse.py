@@ -18,6 +18,7 @@ from ..errors import SchedulingError
 from ..graph.subgraph import as_subgraph, check_movable, extract, fresh_name, install, rebuild_tree
 from . import checkpoint as _ckpt
 from . import replace as _replace
+from ._util import refuse_in_export_capture
 from .base import Primitive, register_primitive
 
 
@@ -43,6 +44,7 @@ class FusePrimitive(Primitive):
 
     @classmethod
     def validate(cls, sch, subgraph, compiler="inductor", name="FusedOp", **compile_kwargs):
+        refuse_in_export_capture(sch, "fuse", "trace this module with tracer='fx' to fuse its ops.")
         sub = as_subgraph(sch, subgraph, "fuse")
         check_movable(sch, sub, "fuse")
         if compiler not in (None, "eager") and compiler not in available_backends():

@@ -8,6 +8,7 @@ from collections.abc import Callable
 import torch.nn as nn
 
 from ..errors import SchedulingError
+from ._util import refuse_in_export_capture
 from .base import Primitive, register_primitive
 
 # The compute-primitives layer registers a handler for `target_ops=` (subgraph replacement).
@@ -75,6 +76,8 @@ class ReplacePrimitive(Primitive):
     @classmethod
     def validate(cls, sch, new_mod_or_fn=None, target_ops=None, **kwargs):
         if target_ops is not None:
+            refuse_in_export_capture(sch, "subgraph replace", "trace with tracer='fx' to "
+                                     "rewrite the graph.")
             if "replace" not in GRAPH_HANDLERS:
                 raise SchedulingError(sch.path, "subgraph replacement (target_ops=) needs the "
                                       "compute primitives, which are not available.",

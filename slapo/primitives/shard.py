@@ -7,7 +7,7 @@ import torch.nn as nn
 
 from .. import module_patch, sharding
 from ..errors import SchedulingError
-from ._util import direct_tensor, holders
+from ._util import direct_tensor, holders, refuse_in_export_capture
 from .base import Primitive, register_primitive
 
 
@@ -33,6 +33,7 @@ class ShardPrimitive(Primitive):
 
     @classmethod
     def validate(cls, sch, name_or_names, axis: int, blocks: int = 1):
+        refuse_in_export_capture(sch, "shard", "shard before tracing (shapes are fixed at capture).")
         names = [name_or_names] if isinstance(name_or_names, str) else list(name_or_names)
         if not names:
             raise SchedulingError(sch.path, "no tensor names given.", "pass e.g. 'weight'.")

@@ -8,7 +8,7 @@ from functools import partial
 from .. import module_patch, sharding
 from ..distributed import collectives as C
 from ..errors import SchedulingError
-from ._util import map_first_input, map_first_output
+from ._util import map_first_input, map_first_output, refuse_in_export_capture
 from .base import Primitive, register_primitive
 
 MODES = ("fwd_pre", "fwd_post", "bwd_post")
@@ -45,6 +45,8 @@ class SyncPrimitive(Primitive):
 
     @classmethod
     def validate(cls, sch, mode: str, sync_op_or_fn="all_reduce", **kwargs):
+        if sch.metadata.get("trace", {}).get("tracer") != "export":  # the captured root may sync
+            refuse_in_export_capture(sch, "sync", "sync before tracing, or on the captured module itself.")
         if mode not in MODES:
             raise SchedulingError(sch.path, f"unknown sync mode {mode!r}.",
                                   f"use one of {', '.join(MODES)}.")
