@@ -22,7 +22,6 @@ import torch.nn.functional as F
 
 from . import module_patch
 from .distributed import collectives
-from .distributed import group as _g
 
 PARTITION = "partition"
 PARTIAL = "partial"
@@ -288,7 +287,3 @@ def rule_for(mod: nn.Module) -> ShardRule:
 
 def has_known_layout(mod: nn.Module) -> bool:
     return type(rule_for(mod)) is not ShardRule
-
-
-def world(group) -> tuple[int, int]:
-    return _g.world_size(group), _g.rank(group)

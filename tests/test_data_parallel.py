@@ -10,7 +10,7 @@ import copy
 
 import pytest
 import torch
-from test_pipeline_runtime import LR, make_batches, reference_losses
+from reference import LR, make_batches, reference_losses
 
 pytestmark = pytest.mark.dist
 

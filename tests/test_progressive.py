@@ -29,7 +29,6 @@ def test_progressive_single_process(tmp_path):
     # checkpointing every layer keeps only layer inputs: far less than the baseline
     assert by["+ checkpointing"]["memory_ratio"] < 0.3
     assert by["+ Tempo layers"]["saved_bytes"] < by["+ SDPA attention"]["saved_bytes"]
-    assert rows[0]["speedup"] == pytest.approx(1.0)
 
 
 def job_progressive_tp(out: str):

@@ -13,31 +13,10 @@ import models
 import pytest
 import torch
 import torch.distributed as dist
+from reference import LR, reference_losses
 
 import slapo
 from slapo.runtime import TrainModule, init_mesh
-
-LR = 1e-3
-
-
-def _manual_steps(model, batches, grad_accum=1, grad_clip=None, loss_fn=None):
-    opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    losses = []
-    for batch in batches:
-        opt.zero_grad()
-        n = batch["input_ids"].shape[0] // grad_accum
-        total = 0.0
-        for i in range(grad_accum):
-            part = {k: v[i * n:(i + 1) * n] for k, v in batch.items()}
-            out = model(**part)
-            loss = loss_fn(out, part) if loss_fn else out.loss
-            (loss / grad_accum).backward()
-            total += loss.item() / grad_accum
-        if grad_clip is not None:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
-        opt.step()
-        losses.append(total)
-    return losses
 
 
 def test_build_keeps_the_model_contract_and_trains():
@@ -53,7 +32,7 @@ def test_build_keeps_the_model_contract_and_trains():
     torch.testing.assert_close(tm(ids).logits, model(ids).logits)  # model(...) still works
     batches = [{"input_ids": ids, "labels": ids}] * 4
     losses = [tm.train_step(b) for b in batches]
-    expected = _manual_steps(ref, batches, grad_accum=2, grad_clip=0.1)
+    expected = reference_losses(ref, batches, grad_accum=2, grad_clip=0.1)
     assert all(isinstance(v, float) for v in losses)
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), rtol=1e-6, atol=0)
     assert losses[-1] < losses[0]
@@ -143,7 +122,7 @@ def test_deepspeed_zero_trains_single_process(monkeypatch):
                             optimizer_kwargs={"lr": LR}, target="deepspeed",
                             deepspeed_config={"zero_optimization": {"stage": 2}})
         got = [tm.train_step(b) for b in batches]
-        torch.testing.assert_close(torch.tensor(got), torch.tensor(_manual_steps(ref, batches)),
+        torch.testing.assert_close(torch.tensor(got), torch.tensor(reference_losses(ref, batches)),
                                    rtol=1e-4, atol=0)
     finally:
         if dist.is_initialized():
@@ -183,7 +162,7 @@ def test_init_mesh_single_process(monkeypatch):
         ids = models.ids(batch=2)
         batches = [{"input_ids": ids, "labels": ids}] * 2
         got = [tm.train_step(b) for b in batches]
-        torch.testing.assert_close(torch.tensor(got), torch.tensor(_manual_steps(ref, batches)),
+        torch.testing.assert_close(torch.tensor(got), torch.tensor(reference_losses(ref, batches)),
                                    rtol=1e-5, atol=0)
     finally:
         if dist.is_initialized():

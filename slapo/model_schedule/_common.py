@@ -37,10 +37,6 @@ def require_path(sch: Schedule, suffix: str, family: str) -> str:
     return path
 
 
-def _tensor_names(mod: nn.Module) -> list[str]:
-    return [n for n in ("weight", "bias") if getattr(mod, n, None) is not None]
-
-
 def column(node: Schedule, blocks: int = 1) -> None:
     """Column parallel: shard output features (weight rows, bias)."""
     axis = 1 if _is_conv1d(node.mod) else 0

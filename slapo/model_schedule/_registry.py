@@ -85,7 +85,7 @@ def apply(model_or_sch: nn.Module | Schedule, *, tp: int | None = None, ckpt_rat
     ws = sch.world_size
     tp = ws if tp is None else tp
     _validate(sch, family, tp, ws, attention, pp_stages, sequence_parallel)
-    layers = layers_of(sch, family)
+    layers_of(sch, family)  # a missing layer list fails here, before anything changes
     if attention != "eager":
         _set_attention(sch, attention)
     sp = sequence_parallel and tp > 1  # one rank: nothing to split, SP is the identity

@@ -1,0 +1,38 @@
+"""Single-process references the runtime tests compare against (one copy for every test file)."""
+
+from __future__ import annotations
+
+import torch
+
+STEPS = 5
+LR = 1e-3
+
+
+def reference_losses(model, batches, *, grad_accum=1, grad_clip=None, loss_fn=None):
+    """Single-process AdamW training on the same global batches (the accumulation split too)."""
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    losses = []
+    for batch in batches:
+        opt.zero_grad()
+        total = 0.0
+        n = batch["input_ids"].shape[0] // grad_accum
+        for i in range(grad_accum):
+            part = {k: v[i * n:(i + 1) * n] for k, v in batch.items()}
+            out = model(**part)
+            loss = loss_fn(out, part) if loss_fn else out.loss
+            (loss / grad_accum).backward()
+            total += loss.item() / grad_accum
+        if grad_clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+        opt.step()
+        losses.append(total)
+    return losses
+
+
+def make_batches(batch=8, seq=16, seed=10):
+    import models
+
+    # one batch repeated, so the loss must fall; a second seed adds a different batch
+    ids = models.ids(batch=batch, seq=seq, seed=seed)
+    other = models.ids(batch=batch, seq=seq, seed=seed + 1)
+    return [{"input_ids": x, "labels": x} for x in (ids, other, ids, other, ids)][:STEPS]
