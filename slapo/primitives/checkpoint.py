@@ -12,10 +12,7 @@ from .. import module_patch
 from ..distributed.rng import get_rng_tracker
 from ..errors import SchedulingError
 from ._util import refuse_in_export_capture
-from .base import Primitive, register_primitive
-
-# The compute-primitives layer registers a handler for subgraph checkpointing.
-GRAPH_HANDLERS: dict[str, Callable] = {}
+from .base import GRAPH_HANDLERS, Primitive, register_primitive
 
 
 class CheckpointWrapper(module_patch.ForwardWrapper):

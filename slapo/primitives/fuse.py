@@ -17,9 +17,8 @@ import torch.nn as nn
 from ..errors import SchedulingError
 from ..graph.subgraph import as_subgraph, check_movable, extract, fresh_name, install, rebuild_tree
 from . import checkpoint as _ckpt
-from . import replace as _replace
 from ._util import refuse_in_export_capture
-from .base import Primitive, register_primitive
+from .base import GRAPH_HANDLERS, Primitive, register_primitive
 
 
 def available_backends() -> list[str]:
@@ -132,5 +131,5 @@ def _checkpoint_subgraph(sch, subgraph, name="checkpointed"):
     return sch[attr]
 
 
-_replace.GRAPH_HANDLERS["replace"] = _replace_subgraph
-_ckpt.GRAPH_HANDLERS["checkpoint"] = _checkpoint_subgraph
+GRAPH_HANDLERS["replace"] = _replace_subgraph
+GRAPH_HANDLERS["checkpoint"] = _checkpoint_subgraph

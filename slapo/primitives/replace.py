@@ -9,10 +9,7 @@ import torch.nn as nn
 
 from ..errors import SchedulingError
 from ._util import refuse_in_export_capture
-from .base import Primitive, register_primitive
-
-# The compute-primitives layer registers a handler for `target_ops=` (subgraph replacement).
-GRAPH_HANDLERS: dict[str, Callable] = {}
+from .base import GRAPH_HANDLERS, Primitive, register_primitive
 
 
 class FunctionModule(nn.Module):
