@@ -1,10 +1,27 @@
 """Progressive optimization: apply schedule steps one at a time and measure each.
 
 This is Slapo's workflow in one function: start from the unmodified model, add one concern per
-step (SDPA attention, fusion, Tempo layers, checkpointing, tensor parallelism), and for every
-step report what it did to speed (tokens/s, and the ratio to the baseline *in this run*), to
-memory (bytes saved for backward by one forward) and to correctness (`Verify` against the
-baseline: outputs, every gradient, one optimizer step).
+step (SDPA attention, fusion, Tempo layers, checkpointing, tensor parallelism; on GPU: compiled
+blocks, kernels, a fused loss, selective checkpointing), and for every step report what it did
+to speed (tokens/s, and the ratio to the baseline *in this run*), to memory (bytes saved for
+backward by one forward) and to correctness (`Verify` against the baseline: outputs, every
+gradient, one optimizer step).
+
+**The trade, not only the cost.** A memory step (Tempo, checkpointing) is often slower at equal
+batch: it recomputes what it did not save. What it buys is batch. So each step is also run at
+the **largest batch that fits a fixed activation budget** — the baseline's saved-for-backward
+bytes at the demo batch — and timed there:
+
+* candidates are the demo batch times powers of two up to `budget_max_factor` (and halvings of
+  it, for a step that needs more than the baseline); the search is capped so the demo stays short;
+* the per-sample bytes measured at the demo batch predict the largest candidate; the bytes are
+  then *measured* there (`slapo.profile.saved_bytes`, the same counter as the column before
+  it), stepping down while a measurement exceeds the budget and up while one fits. A reported
+  batch is a measured fit, and the next candidate was measured not to fit (or is past the cap);
+* tokens/s at that batch is the median of a few AdamW steps after one warm-up step.
+
+Under torch.distributed every rank takes the same decisions (the measured bytes are all-reduced
+with MAX), since a TP forward is a collective.
 
 Used by `slapo train --progressive`; callable directly for any supported HF model.
 """
@@ -12,7 +29,7 @@ Used by `slapo train --progressive`; callable directly for any supported HF mode
 from __future__ import annotations
 
 import copy
-import statistics
+import inspect
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
@@ -27,6 +44,8 @@ from .profile import saved_bytes
 from .schedule import create_schedule
 from .verify import Verify
 
+Batch = dict
+
 
 @dataclass
 class Step:
@@ -39,6 +58,9 @@ class Step:
 
 @dataclass
 class StepResult:
+    """One measured row. `budget_*`: the same step at the largest batch whose measured
+    saved-for-backward bytes fit `budget_bytes` (the baseline's at the demo batch)."""
+
     name: str
     knobs: dict
     tokens_per_s: float = 0.0
@@ -48,10 +70,18 @@ class StepResult:
     verified: bool = False
     losses: list[float] = field(default_factory=list)
     note: str = ""
+    batch: int = 0
+    budget_bytes: int = 0
+    budget_batch: int = 0             # 0: not searched (skipped step, or search disabled)
+    budget_saved_bytes: int = 0       # measured at budget_batch: <= budget_bytes
+    budget_capped: bool = False       # the search stopped at its cap: more may fit
+    budget_tokens_per_s: float = 0.0
+    budget_speedup: float = 0.0       # vs the baseline's tokens/s at its own budget batch
 
 
 def default_steps(world_size: int, fuse_available: bool, tempo: bool = True,
                   fuse_compiler: str = "inductor") -> list[Step]:
+    """The CPU progression (fp32): what a schedule can change on a CPU."""
     knobs: dict = {}
     steps = [Step("baseline (HF eager)", {})]
 
@@ -70,6 +100,28 @@ def default_steps(world_size: int, fuse_available: bool, tempo: bool = True,
     return steps
 
 
+def gpu_steps(world_size: int) -> list[Step]:
+    """The GPU progression, run under bf16 autocast against HF's default (SDPA) attention.
+
+    Why this baseline: on a GPU nobody trains with HF eager attention, so beating it would prove
+    nothing. Knobs an older `model_schedule.apply` does not take are skipped by `run` with a note.
+    """
+    knobs: dict = {}
+    steps = [Step("baseline (HF SDPA, bf16)", {})]
+
+    def add(name: str, **k) -> None:
+        knobs.update(k)
+        steps.append(Step(name, dict(knobs)))
+
+    add("+ compiled blocks", attention="sdpa", compile_blocks=True)
+    add("+ GPU kernels", kernels=True)
+    add("+ fused linear+CE loss", fused_loss=True)
+    add("+ selective checkpointing", ckpt_ratio=1.0, ckpt_policy="selective")
+    if world_size > 1:
+        add(f"+ tensor parallel x{world_size}", tp=world_size)
+    return steps
+
+
 def _loss(out) -> torch.Tensor:
     return out.loss
 
@@ -79,11 +131,18 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _autocast(device: torch.device, dtype: torch.dtype | None):
+    return torch.autocast(device.type, dtype=dtype, enabled=dtype is not None)
+
+
 def _train(model: nn.Module, batches: list[dict], warmup: int, lr: float,
            autocast_dtype: torch.dtype | None = None) -> tuple[float, list]:
-    """Seconds per step (median after warm-up) and the losses of a few AdamW steps; with
-    `autocast_dtype` (e.g. bf16 on GPU) the step runs under torch.autocast (fp32 master
-    weights)."""
+    """Seconds per step and the losses of a few AdamW steps; with `autocast_dtype` (e.g. bf16
+    on GPU) the step runs under torch.autocast (fp32 master weights).
+
+    The time is the *fastest* step after warm-up: other jobs on a shared machine only ever add
+    time to a step, so the minimum is the least disturbed estimate of what the step costs (a
+    median still moves with how long a neighbour's burst lasted)."""
     device = next(model.parameters()).device
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     times, losses = [], []
@@ -93,8 +152,7 @@ def _train(model: nn.Module, batches: list[dict], warmup: int, lr: float,
         _sync(device)
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
-        with torch.autocast(device.type, dtype=autocast_dtype,
-                            enabled=autocast_dtype is not None):
+        with _autocast(device, autocast_dtype):
             loss = _loss(model(**batch))
         loss.backward()
         opt.step()
@@ -103,7 +161,7 @@ def _train(model: nn.Module, batches: list[dict], warmup: int, lr: float,
         losses.append(loss.item())
         if i >= warmup:
             times.append(time.perf_counter() - t0)
-    return statistics.median(times) if times else float("nan"), losses
+    return min(times) if times else float("nan"), losses
 
 
 def _g_barrier() -> None:
@@ -113,17 +171,215 @@ def _g_barrier() -> None:
         dist.barrier()
 
 
+def _agree_max(value: int, device: torch.device) -> int:
+    """The largest `value` over all ranks, so every rank takes the same batch decision."""
+    if not _g.is_initialized():
+        return value
+    import torch.distributed as dist
+
+    t = torch.tensor([value], dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t.item())
+
+
+def _measure_bytes(model: nn.Module, batch: dict, autocast_dtype: torch.dtype | None) -> int:
+    """Saved-for-backward bytes of one forward, under the same autocast as training, agreed
+    over ranks. Under autocast the cached low-precision weight copies count too: they are held
+    for backward like any activation."""
+    device = next(model.parameters()).device
+    with _autocast(device, autocast_dtype):
+        n = saved_bytes(model, **batch)
+    return _agree_max(n, device)
+
+
+# ---- the activation-budget search -------------------------------------------------------------
+def batch_candidates(batch: int, max_factor: int) -> list[int]:
+    """`batch` times 1, 2, 4, ... up to `max_factor`, and its halvings down to 1, ascending."""
+    if batch < 1 or max_factor < 1:
+        raise SlapoError(f"batch ({batch}) and max_factor ({max_factor}) must be >= 1")
+    out = {batch}
+    f = 2
+    while f <= max_factor:
+        out.add(batch * f)
+        f *= 2
+    b = batch // 2
+    while b >= 1:
+        out.add(b)
+        b //= 2
+    return sorted(out)
+
+
+def largest_fitting(candidates: list[int], measure: Callable[[int], int], budget: int,
+                    known: tuple[int, int]) -> tuple[int, int] | None:
+    """(batch, measured bytes) of the largest candidate whose *measured* bytes fit `budget`.
+
+    `known` is (batch, bytes) already measured (the demo batch): its per-sample bytes pick the
+    first candidate to measure. The search then walks down while a measurement exceeds the
+    budget and up while one fits, so the answer is a measured fit whose next candidate was
+    measured *not* to fit (or is past the cap). A prediction alone is not trusted either way:
+    fixed costs (autocast weight copies, position tensors) make bytes affine, not linear, in the
+    batch. Usually two measurements. Returns None when not even the smallest candidate fits.
+    """
+    cache = {known[0]: known[1]}
+
+    def m(b: int) -> int:
+        if b not in cache:
+            cache[b] = measure(b)
+        return cache[b]
+
+    per_sample = known[1] / known[0]
+    fits = [i for i, b in enumerate(candidates) if per_sample * b <= budget]
+    i, ceiling = (fits[-1] if fits else 0), len(candidates)
+    while True:
+        if m(candidates[i]) > budget:
+            ceiling = i
+            if i == 0:
+                return None
+            i -= 1
+        elif i + 1 < ceiling:
+            i += 1
+        else:
+            return candidates[i], m(candidates[i])
+
+
+def tiled_batches(batches: list[dict]) -> Callable[[int], dict]:
+    """A `make_batch(n)` that cycles through the rows of `batches` (used when the caller gives
+    no source of fresh samples): every call returns the next n rows."""
+    keys = [k for k, v in batches[0].items() if isinstance(v, torch.Tensor)]
+    pool = {k: torch.cat([b[k] for b in batches]) for k in keys}
+    total = next(iter(pool.values())).shape[0]
+    pos = [0]
+
+    def make(n: int) -> dict:
+        idx = (torch.arange(n) + pos[0]) % total
+        pos[0] = (pos[0] + n) % total
+        return {k: v[idx.to(v.device)] for k, v in pool.items()}
+
+    return make
+
+
+class _BatchSource:
+    """Batches of a given size, drawn once and reused by every step (same data, fair ratios)."""
+
+    def __init__(self, make_batch: Callable[[int], dict], device: torch.device | None):
+        self.make, self.device, self.cache = make_batch, device, {}
+
+    def get(self, size: int, n: int) -> list[dict]:
+        have = self.cache.setdefault(size, [])
+        while len(have) < n:
+            b = self.make(size)
+            if self.device is not None:
+                b = {k: v.to(self.device) if isinstance(v, torch.Tensor) else v
+                     for k, v in b.items()}
+            have.append(b)
+        return have[:n]
+
+
+@dataclass
+class _Budget:
+    """What the budget search needs from `run`."""
+
+    bytes: int
+    max_factor: int
+    timed_steps: int
+    source: _BatchSource
+    tokens_per_sample: float
+    lr: float
+    autocast_dtype: torch.dtype | None
+
+
+def _at_budget(model: nn.Module, res: StepResult, bud: _Budget) -> None:
+    """Fill `res.budget_*`: the largest measured fit, and tokens/s there (reused at the demo
+    batch, where the step was already timed)."""
+    res.budget_bytes = bud.bytes
+    cands = batch_candidates(res.batch, bud.max_factor)
+    found = largest_fitting(
+        cands, lambda b: _measure_bytes(model, bud.source.get(b, 1)[0], bud.autocast_dtype),
+        bud.bytes, (res.batch, res.saved_bytes))
+    if found is None:
+        res.note = (res.note + "; " if res.note else "") + "batch 1 exceeds the budget"
+        return
+    res.budget_batch, res.budget_saved_bytes = found
+    res.budget_capped = res.budget_batch == cands[-1]
+    if res.budget_batch == res.batch:
+        res.budget_tokens_per_s = res.tokens_per_s
+        return
+    batches = bud.source.get(res.budget_batch, 1 + bud.timed_steps)
+    sec, _ = _train(model, batches, 1, bud.lr, bud.autocast_dtype)
+    res.budget_tokens_per_s = bud.tokens_per_sample * res.budget_batch / sec
+
+
+# ---- the progression --------------------------------------------------------------------------
+def _accepted_knobs() -> set[str] | None:
+    """Keyword names the installed `model_schedule.apply` takes (None: it takes any)."""
+    params = inspect.signature(model_schedule.apply).parameters.values()
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        return None
+    return {p.name for p in params}
+
+
+def _baseline(make_model: Callable[[], nn.Module], device, attention: str) -> nn.Module:
+    model = make_model()
+    if device is not None:
+        model.to(device)
+    if hasattr(model, "set_attn_implementation"):  # the baseline's attention, stated
+        model.set_attn_implementation(attention)
+    if getattr(getattr(model, "config", None), "use_cache", False):
+        model.config.use_cache = False  # training: no KV cache to fill
+    return model
+
+
+def _schedule(model: nn.Module, knobs: dict, example: dict, res: StepResult) -> str | None:
+    """Apply the knobs under `Verify`; returns an error note, or None when verified."""
+    try:
+        sch = create_schedule(model)
+        with Verify(sch, example_kwargs=example, loss_fn=_loss):
+            if knobs:
+                model_schedule.apply(sch, **knobs)
+        res.verified = True
+        return None
+    except SlapoError as e:  # a failed verification or an unavailable knob
+        return f"{type(e).__name__}: {e}"[:200]
+
+
+def _ratios(results: list[StepResult]) -> None:
+    base = results[0]
+    for r in results:
+        if r.tokens_per_s and base.tokens_per_s:
+            r.speedup = r.tokens_per_s / base.tokens_per_s
+        if r.saved_bytes and base.saved_bytes:
+            r.memory_ratio = r.saved_bytes / base.saved_bytes
+        if r.budget_tokens_per_s and base.budget_tokens_per_s:
+            r.budget_speedup = r.budget_tokens_per_s / base.budget_tokens_per_s
+
+
+def _describe(res: StepResult) -> str:
+    s = (f"[{res.name}] {res.tokens_per_s:,.0f} tokens/s, saved activations "
+         f"{res.saved_bytes / 2**20:.2f} MiB, verified={res.verified}")
+    if res.budget_batch:
+        s += (f"; at the budget: batch {res.budget_batch} ({res.budget_saved_bytes / 2**20:.2f}"
+              f" MiB measured), {res.budget_tokens_per_s:,.0f} tokens/s")
+    return s
+
+
 def run(make_model: Callable[[], nn.Module], batches: Iterator[dict] | list[dict], *,
         steps: list[Step] | None = None, train_steps: int = 6, warmup: int = 2,
         lr: float = 1e-3, device: torch.device | str | None = None,
-        autocast_dtype: torch.dtype | None = None,
+        autocast_dtype: torch.dtype | None = None, baseline_attention: str = "eager",
+        budget_max_factor: int = 0, budget_steps: int = 2,
+        make_batch: Callable[[int], dict] | None = None,
         log: Callable[[str], None] = print) -> list[StepResult]:
     """Run every step on a fresh copy of the same model and return one result per step.
 
     `make_model()` must build the same weights on every call and every rank (seed it).
     `batches` yields dicts of keyword inputs with labels (HF models return `.loss`).
     `device`: where to run (default: the model's). Verification always runs in fp32; timing
-    runs under `autocast_dtype` when given (bf16 on GPU).
+    and byte counts run under `autocast_dtype` when given (bf16 on GPU).
+    `baseline_attention`: the HF attention of the baseline ("eager"; "sdpa" on GPU).
+    Budget search (module docstring): `budget_max_factor` caps the batch at that many times the
+    demo batch (0, the default: no search, so benchmarks calling `run` keep their run time; the
+    demo passes 16); `budget_steps` timed steps (after one warm-up) at the found batch;
+    `make_batch(n)` draws n fresh samples (same on every rank; default: cycles `batches`).
     """
     batches = list(batches)
     if device is not None:
@@ -131,72 +387,98 @@ def run(make_model: Callable[[], nn.Module], batches: Iterator[dict] | list[dict
                     for k, v in b.items()} for b in batches]
     if len(batches) < train_steps:
         raise SlapoError(f"need {train_steps} batches, got {len(batches)}")
-    world = _g.world_size()
     from .primitives import get_primitive
 
-    steps = steps or default_steps(world, get_primitive("fuse") is not None)
+    steps = steps or default_steps(_g.world_size(), get_primitive("fuse") is not None)
     example = batches[0]
-    tokens = sum(v.numel() for k, v in example.items() if k == "input_ids")
+    batch_size = example["input_ids"].shape[0]
+    tokens = example["input_ids"].numel()
+    base_model = _baseline(make_model, device, baseline_attention)
+    budget = None
+    if budget_max_factor:
+        source = _BatchSource(make_batch or tiled_batches(batches), device)
+        budget = _Budget(0, budget_max_factor, budget_steps, source, tokens / batch_size, lr,
+                         autocast_dtype)
+    accepted = _accepted_knobs()
     results: list[StepResult] = []
-    base_model = make_model()
-    if device is not None:
-        base_model.to(device)
-    if hasattr(base_model, "set_attn_implementation"):  # the baseline is HF *eager* attention
-        base_model.set_attn_implementation("eager")
-    if getattr(getattr(base_model, "config", None), "use_cache", False):
-        base_model.config.use_cache = False  # training: no KV cache to fill
     unavailable: set[str] = set()  # knobs this model cannot take: dropped from later steps
     previous: dict = {}
     for step in steps:
         new_knobs = {k for k in step.knobs if k not in previous}
         previous = step.knobs
-        knobs = {k: v for k, v in step.knobs.items() if k not in unavailable}
+        missing = {k for k in new_knobs if accepted is not None and k not in accepted}
+        knobs = {k: v for k, v in step.knobs.items() if k not in unavailable | missing}
+        res = StepResult(step.name, knobs, note=step.note, batch=batch_size)
+        if missing:
+            unavailable |= missing
+            res.note = f"model_schedule.apply here does not take {', '.join(sorted(missing))}"
+            log(f"[{step.name}] skipped: {res.note}")
+            results.append(res)
+            continue
         model = copy.deepcopy(base_model)
-        res = StepResult(step.name, knobs, note=step.note)
-        try:
-            sch = create_schedule(model)
-            with Verify(sch, example_kwargs=example, loss_fn=_loss):
-                if knobs:
-                    model_schedule.apply(sch, **knobs)
-            res.verified = True
-        except SlapoError as e:  # a failed verification or an unavailable knob
-            res.note = f"{type(e).__name__}: {e}"[:200]
-            if "VerificationError" not in res.note:
+        err = _schedule(model, knobs, example, res)
+        if err is not None:
+            res.note = err
+            if "VerificationError" not in err:
                 unavailable |= new_knobs
-                log(f"[{step.name}] skipped: {res.note}")
+                log(f"[{step.name}] skipped: {err}")
                 results.append(res)
                 continue
-        res.saved_bytes = saved_bytes(model, **example)
+        res.saved_bytes = _measure_bytes(model, example, autocast_dtype)
         sec, res.losses = _train(model, batches[:train_steps], warmup, lr, autocast_dtype)
         res.tokens_per_s = tokens / sec
+        if budget is not None:
+            budget.bytes = budget.bytes or res.saved_bytes  # the baseline's, at the demo batch
+            _at_budget(model, res, budget)
         results.append(res)
-        log(f"[{step.name}] {res.tokens_per_s:,.0f} tokens/s, saved activations "
-            f"{res.saved_bytes / 2**20:.2f} MiB, verified={res.verified}")
-    base = results[0]
-    for r in results:
-        if r.tokens_per_s and base.tokens_per_s:
-            r.speedup = r.tokens_per_s / base.tokens_per_s
-        if r.saved_bytes and base.saved_bytes:
-            r.memory_ratio = r.saved_bytes / base.saved_bytes
+        log(_describe(res))
+    _ratios(results)
     return results
 
 
+# ---- output -----------------------------------------------------------------------------------
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.2f} MiB" if n else "-"
+
+
+def _x(v: float) -> str:
+    return f"{v:.2f}x" if v else "-"
+
+
+def _tps(v: float) -> str:
+    return f"{v:,.0f}" if v else "-"
+
+
+def _budget_batch(r: StepResult) -> str:
+    if not r.budget_batch:
+        return "-"
+    cap = ", cap" if r.budget_capped and r.budget_batch > r.batch else ""
+    return f"{r.budget_batch} ({r.budget_batch / r.batch:g}x{cap})"
+
+
 def table(results: list[StepResult], title: str = "Progressive optimization"):
-    """A rich Table of the results."""
+    """A rich Table: speed and memory at the demo batch, then the largest batch that fits the
+    baseline's activation budget (its measured bytes) and the speed there."""
     from rich.table import Table
 
     t = Table(title=title)
-    for col, just in (("step", "left"), ("tokens/s", "right"), ("vs baseline", "right"),
-                      ("saved activations", "right"), ("vs baseline", "right"),
-                      ("verified", "center")):
+    budget = any(r.budget_batch for r in results)
+    cols = [("step", "left"), ("tokens/s", "right"), ("vs base", "right"),
+            ("saved act.", "right"), ("vs base", "right")]
+    if budget:
+        cols += [("batch @ budget", "right"), ("saved @ budget", "right"),
+                 ("tokens/s @ budget", "right"), ("vs base", "right")]
+    for col, just in cols + [("verified", "center")]:
         t.add_column(col, justify=just)
     for r in results:
         ok = "[green]yes[/green]" if r.verified else ("[red]NO[/red]" if r.tokens_per_s
                                                       else "skipped")
-        t.add_row(r.name, f"{r.tokens_per_s:,.0f}" if r.tokens_per_s else "-",
-                  f"{r.speedup:.2f}x" if r.speedup else "-",
-                  f"{r.saved_bytes / 2**20:.2f} MiB" if r.saved_bytes else "-",
-                  f"{r.memory_ratio:.2f}x" if r.memory_ratio else "-", ok)
+        row = [r.name, _tps(r.tokens_per_s), _x(r.speedup), _mib(r.saved_bytes),
+               _x(r.memory_ratio)]
+        if budget:
+            row += [_budget_batch(r), _mib(r.budget_saved_bytes), _tps(r.budget_tokens_per_s),
+                    _x(r.budget_speedup)]
+        t.add_row(*row, ok)
     return t
 
 

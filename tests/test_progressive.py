@@ -29,11 +29,24 @@ def test_progressive_single_process(tmp_path):
     # checkpointing every layer keeps only layer inputs: far less than the baseline
     assert by["+ checkpointing"]["memory_ratio"] < 0.3
     assert by["+ Tempo layers"]["saved_bytes"] < by["+ SDPA attention"]["saved_bytes"]
+    # the activation budget is the baseline's measured bytes at the demo batch; every row's
+    # batch @ budget was measured to fit it, and checkpointing buys a larger batch
+    budget = rows[0]["saved_bytes"]
+    for r in rows:
+        assert r["batch"] == 4 and r["budget_bytes"] == budget, r
+        assert 0 < r["budget_saved_bytes"] <= budget and r["budget_tokens_per_s"] > 0, r
+    assert rows[0]["budget_batch"] == 4 and rows[0]["budget_speedup"] == 1.0
+    ck = by["+ checkpointing"]
+    assert ck["budget_batch"] >= 4 * 4, ck  # bytes 0.06-0.3x of the baseline: >= 4x the batch
+    assert ck["budget_saved_bytes"] > ck["saved_bytes"]  # really measured at the larger batch
 
 
 def job_progressive_tp(out: str):
     import torch.distributed as dist
 
+    from slapo.train import progressive as demo
+
+    demo.BUDGET_MAX_FACTOR = 4  # this worker only: the search itself is checked single-process
     rows = main(["train", "--progressive", "--steps", "3", "--num-layers", "2",
                  "--hidden-size", "64", "--seq-len", "32", "--batch-size", "4",
                  "--fuse-compiler", "aot_eager", "--out", out])
@@ -48,6 +61,10 @@ def test_progressive_two_ranks_adds_tensor_parallel(dist2, tmp_path):
     rows = _rows(tmp_path)
     assert rows[-1]["name"] == "+ tensor parallel x2"
     assert all(r["verified"] for r in rows), rows
+    # both ranks took the same budget decisions (a TP forward is a collective: no hang)
+    tp = rows[-1]
+    assert tp["budget_batch"] == 16 and tp["budget_capped"], tp
+    assert 0 < tp["budget_saved_bytes"] <= tp["budget_bytes"] == rows[0]["saved_bytes"]
 
 
 def test_unavailable_knob_is_skipped_and_dropped_from_later_steps():
@@ -66,3 +83,125 @@ def test_unavailable_knob_is_skipped_and_dropped_from_later_steps():
     assert "no fusion plan for the t5 family" in res[1].note
     assert res[2].knobs == {"ckpt_ratio": 1.0}
     assert res[2].saved_bytes < res[0].saved_bytes
+
+
+def _gpt2_steps():
+    from slapo import progressive
+
+    return [progressive.Step("base", {}), progressive.Step("+ ckpt", {"ckpt_ratio": 1.0})]
+
+
+def test_batch_at_budget_is_the_largest_measured_fit():
+    """Re-measure, independently, the checkpointed model at the batch the search reported: its
+    bytes are what the row says and fit the budget; the next power of two does not (or the
+    search stopped at its cap)."""
+    import models
+
+    from slapo import model_schedule, progressive
+    from slapo.profile import saved_bytes
+
+    batches = [models.batch_for("gpt2", batch=2, seq=16, seed=s) for s in range(3)]
+    res = progressive.run(lambda: models.gpt2(seed=0), batches, steps=_gpt2_steps(),
+                          train_steps=3, warmup=1, budget_max_factor=32, log=lambda s: None)
+    base, ck = res
+    assert base.budget_bytes == ck.budget_bytes == base.saved_bytes
+    assert ck.budget_batch > ck.batch and not ck.budget_capped, ck
+    model = models.gpt2(seed=0)
+    model.set_attn_implementation("eager")  # as run() prepares the baseline it copies
+    model.config.use_cache = False
+    model_schedule.apply(model, ckpt_ratio=1.0)
+    again = progressive.tiled_batches(batches)
+    at = saved_bytes(model, **again(ck.budget_batch))
+    assert at == ck.budget_saved_bytes <= ck.budget_bytes
+    assert saved_bytes(model, **again(2 * ck.budget_batch)) > ck.budget_bytes
+    assert ck.budget_tokens_per_s > 0 and ck.budget_speedup > 0
+
+
+def test_largest_fitting_walks_to_the_measured_answer():
+    from slapo.progressive import batch_candidates, largest_fitting
+
+    cands = batch_candidates(8, 16)
+    assert cands == [1, 2, 4, 8, 16, 32, 64, 128]
+    assert batch_candidates(6, 4) == [1, 3, 6, 12, 24]
+    seen = []
+
+    def affine(fixed, per):
+        def m(b):
+            seen.append(b)
+            return fixed + per * b
+        return m
+
+    # a fixed part (affine bytes): the linear prediction from batch 8 says 16 does not fit,
+    # the measurement says it does, and 32 is measured not to
+    assert largest_fitting(cands, affine(1000, 100), 3000, (8, 1800)) == (16, 2600)
+    assert seen == [16, 32]
+    seen.clear()
+    assert largest_fitting(cands, affine(8000, 10), 9000, (8, 8080)) == (64, 8640)
+    assert seen == [16, 32, 64, 128]
+    # superlinear: the prediction (32) is measured too big, the walk goes down to 16
+    seen.clear()
+    assert largest_fitting(cands, lambda b: seen.append(b) or 10 * b * b, 2600,
+                           (8, 640)) == (16, 2560)
+    assert seen == [32, 16]
+    # the cap: the largest candidate fits, nothing above it is tried
+    assert largest_fitting(cands, affine(0, 1), 10**6, (8, 8)) == (128, 128)
+    # nothing fits: None; a step that needs more than the baseline gets a smaller batch
+    assert largest_fitting(cands, affine(0, 100), 50, (8, 800)) is None
+    assert largest_fitting(cands, affine(0, 100), 400, (8, 800)) == (4, 400)
+
+
+def test_table_prints_the_budget_columns():
+    from rich.console import Console
+
+    from slapo import progressive
+
+    rows = [progressive.StepResult("baseline", {}, 1000.0, 1.0, 8 << 20, 1.0, True, batch=8,
+                                   budget_bytes=8 << 20, budget_batch=8,
+                                   budget_saved_bytes=8 << 20, budget_tokens_per_s=1000.0,
+                                   budget_speedup=1.0),
+            progressive.StepResult("+ ckpt", {"ckpt_ratio": 1.0}, 500.0, 0.5, 1 << 19, 0.06,
+                                   True, batch=8, budget_bytes=8 << 20, budget_batch=128,
+                                   budget_saved_bytes=7 << 20, budget_capped=True,
+                                   budget_tokens_per_s=1400.0, budget_speedup=1.4),
+            progressive.StepResult("+ warp", {}, note="skipped", batch=8)]
+    con = Console(record=True, width=160)
+    con.print(progressive.table(rows))
+    text = con.export_text()
+    for want in ("batch @ budget", "tokens/s @ budget", "saved @ budget", "128 (16x, cap)",
+                 "7.00 MiB", "1,400", "1.40x", "0.50x", "skipped"):
+        assert want in text, (want, text)
+
+
+def test_knob_the_installed_apply_does_not_take_is_skipped_with_a_note():
+    """The GPU step list names knobs (compile_blocks, kernels, ...) an older `apply` lacks: such
+    a step is skipped with a note, the knob dropped, and later steps run without it."""
+    import models
+
+    from slapo import progressive
+
+    batches = [models.batch_for("gpt2", seed=s) for s in range(3)]
+    steps = [progressive.Step("base", {}),
+             progressive.Step("+ warp", {"attention": "sdpa", "warp_drive": True}),
+             progressive.Step("+ ckpt", {"attention": "sdpa", "warp_drive": True,
+                                         "ckpt_ratio": 1.0})]
+    res = progressive.run(lambda: models.gpt2(seed=0), batches, steps=steps, train_steps=3,
+                          warmup=1, log=lambda s: None)
+    assert [r.verified for r in res] == [True, False, True]
+    assert "does not take warp_drive" in res[1].note and res[1].tokens_per_s == 0
+    assert res[2].knobs == {"attention": "sdpa", "ckpt_ratio": 1.0}
+    assert res[2].budget_batch == 0  # the search is off unless asked for
+
+
+def test_gpu_plan_uses_the_gpu_schedule_in_bf16():
+    import torch
+
+    from slapo.train.progressive import _plan
+
+    plan = _plan(1, torch.device("cuda", 0), "inductor")
+    assert plan["autocast_dtype"] is torch.bfloat16 and plan["baseline_attention"] == "sdpa"
+    last = plan["steps"][-1].knobs
+    assert last == {"attention": "sdpa", "compile_blocks": True, "kernels": True,
+                    "fused_loss": True, "ckpt_ratio": 1.0, "ckpt_policy": "selective"}
+    assert _plan(2, torch.device("cuda", 0), "inductor")["steps"][-1].knobs["tp"] == 2
+    cpu = _plan(1, torch.device("cpu"), "inductor")
+    assert "autocast_dtype" not in cpu and cpu["steps"][0].name == "baseline (HF eager)"

@@ -1,10 +1,18 @@
 """`slapo train --progressive`: the README demo.
 
 Builds the chosen model (same seed on every rank), draws real batches from the shipped corpus,
-and runs `slapo.progressive.run`: baseline HF eager, + SDPA attention, + fused MLP activation,
-+ Tempo layers, + checkpointing, and + tensor parallelism when launched with several processes.
-Every step is verified against the baseline (outputs, all gradients, one optimizer step) and
-measured (tokens/s relative to the baseline in this run, bytes saved for backward).
+and runs `slapo.progressive.run`, every step verified against the baseline (outputs, all
+gradients, one optimizer step) and measured in this run:
+
+* on CPU (fp32): baseline HF eager, + SDPA attention, + fused MLP activation, + Tempo layers,
+  + checkpointing, and + tensor parallelism when launched with several processes;
+* on CUDA (bf16 autocast, fp32 master weights): baseline HF SDPA, + compiled blocks, + GPU
+  kernels, + fused linear+CE loss, + selective checkpointing (+ TP): `progressive.gpu_steps`.
+
+Each step is measured twice: at the demo batch (tokens/s, saved-for-backward bytes), and at the
+largest batch (powers of two, up to 16x) whose *measured* saved bytes fit the baseline's at the
+demo batch, with tokens/s there. That shows the trade a memory step makes: slower at equal batch,
+but a larger batch fits the same activation memory.
 """
 
 from __future__ import annotations
@@ -19,6 +27,24 @@ from .. import progressive
 from ..data import CorpusLoader
 from .models import build_model, get_model_spec
 
+BUDGET_MAX_FACTOR = 16  # largest batch tried: 16x the demo batch (keeps the CPU demo < 90 s)
+BUDGET_TIMED_STEPS = 2  # timed AdamW steps at the budget batch, after one warm-up step
+CPU_NOTE = ("CPU VM, shared cores: absolute tokens/s swing between runs, so compare ratios within "
+            "one run (each the fastest of its timed steps).\nSaved-activation bytes are exact. "
+            "Budget = the baseline's saved activations at the demo batch; every batch @ budget "
+            "was measured to fit.")
+
+
+def _plan(world: int, device: torch.device, fuse_compiler: str) -> dict[str, Any]:
+    """Steps and measurement settings for the device: the GPU schedule in bf16 on CUDA."""
+    if device.type == "cuda":
+        return dict(steps=progressive.gpu_steps(world), autocast_dtype=torch.bfloat16,
+                    baseline_attention="sdpa")
+    from ..primitives import get_primitive
+
+    return dict(steps=progressive.default_steps(world, get_primitive("fuse") is not None,
+                                                fuse_compiler=fuse_compiler))
+
 
 def run_progressive(cfg: Any, log=print) -> list[dict]:
     from .loop import setup, teardown
@@ -29,37 +55,46 @@ def run_progressive(cfg: Any, log=print) -> list[dict]:
         data = CorpusLoader(spec.task, cfg.seq_len, seed=cfg.seed)
         steps = max(cfg.steps, 3)
         batches = [data.next_batch(cfg.batch_size) for _ in range(steps)]
+        fresh = CorpusLoader(spec.task, cfg.seq_len, seed=cfg.seed + 1)  # budget batches
 
         def make():
             torch.manual_seed(cfg.seed)
             return build_model(cfg.model, cfg.size())[0]
 
         say = log if env.is_main else (lambda *_: None)
+        plan = _plan(env.world, env.device, cfg.fuse_compiler or "inductor")
+        precision = "bf16 autocast" if plan.get("autocast_dtype") else "fp32"
         say(f"Progressive optimization of {cfg.model} ({cfg.hidden_size} hidden, "
             f"{cfg.num_layers} layers) on the shipped corpus: batch {cfg.batch_size} x "
-            f"{cfg.seq_len} tokens, {steps} AdamW steps per variant, {env.world} process(es)")
-        from ..primitives import get_primitive
-
-        plan = progressive.default_steps(env.world, get_primitive("fuse") is not None,
-                                         fuse_compiler=cfg.fuse_compiler or "inductor")
-        results = progressive.run(make, batches, steps=plan, train_steps=steps,
-                                  warmup=min(2, steps - 1), lr=cfg.lr, device=env.device,
-                                  log=say)
+            f"{cfg.seq_len} tokens, {steps} AdamW steps per variant, {env.world} process(es), "
+            f"{env.device.type} {precision}")
+        results = progressive.run(make, batches, train_steps=steps, warmup=min(2, steps - 1),
+                                  lr=cfg.lr, device=env.device, log=say,
+                                  budget_max_factor=BUDGET_MAX_FACTOR,
+                                  budget_steps=BUDGET_TIMED_STEPS,
+                                  make_batch=fresh.next_batch, **plan)
         rows = progressive.to_json(results)
         if env.is_main:
-            from rich.console import Console
-
-            Console(width=110).print(progressive.table(results, title=(
-                f"Progressive optimization: {cfg.model}, {env.world} process(es), CPU/GPU "
-                f"ratios within this run")))
-            ok = all(r["verified"] for r in rows if r["tokens_per_s"])
-            say("every step verified against the baseline (outputs, gradients, one optimizer "
-                "step)" if ok else "SOME STEPS FAILED VERIFICATION")
-            if cfg.out:
-                out = Path(cfg.out)
-                out.mkdir(parents=True, exist_ok=True)
-                (out / "progressive.json").write_text(json.dumps(rows, indent=2))
-                say(f"wrote {out / 'progressive.json'}")
+            _report(results, rows, cfg, env, say)
         return rows
     finally:
         teardown(env)
+
+
+def _report(results, rows: list[dict], cfg: Any, env: Any, say) -> None:
+    """Print the table and the verdict; write progressive.json under `cfg.out`."""
+    from rich.console import Console
+
+    Console(width=150).print(progressive.table(results, title=(
+        f"Progressive optimization: {cfg.model}, {env.world} process(es), {env.device.type}, "
+        f"ratios within this run")))
+    if env.device.type == "cpu":
+        say(CPU_NOTE)
+    ok = all(r["verified"] for r in rows if r["tokens_per_s"])
+    say("every step verified against the baseline (outputs, gradients, one optimizer step)"
+        if ok else "SOME STEPS FAILED VERIFICATION")
+    if cfg.out:
+        out = Path(cfg.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "progressive.json").write_text(json.dumps(rows, indent=2))
+        say(f"wrote {out / 'progressive.json'}")
