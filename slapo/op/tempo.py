@@ -9,11 +9,17 @@ What is replaced (each only where it saves memory and the result is the same com
 * GELU modules: `nn.GELU`, HF `GELUActivation`,
   `NewGELUActivation`, `GELUTanh`                  -> `TempoGELU` (erf or tanh form);
 * HF attention modules whose model uses the "eager" attention implementation -> the same module
-  with `TempoAttentionCore` (sdpa/flash already keep no s*s tensors, so they are left alone).
+  with `TempoAttentionCore`. Attention that runs SDPA / flash (or any non-eager implementation) is
+  kept: those kernels never store the s*s probabilities, so they already save more than Tempo's
+  softmax-dropout trick and are faster. `apply_tempo` reports the choice per attention module
+  (`TempoReport.attention`: "tempo" or "kept <implementation>") and logs it.
+
+GELU and LayerNorm run fused kernels (Triton on CUDA; see `tempo_gelu` / `tempo_layernorm`).
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch.nn.functional as F
@@ -26,6 +32,36 @@ from .tempo_gelu import TempoGELU
 from .tempo_layernorm import TempoLayerNorm
 
 _TANH_GELUS = {"NewGELUActivation", "GELUTanh", "PytorchGELUTanh"}
+_log = logging.getLogger(__name__)
+
+
+class TempoReport(list):
+    """`apply_tempo`'s result: [(path, new module class)] in pre-order, plus `.attention`.
+
+    `.attention` maps every HF attention module met to "tempo" (its core was replaced by
+    `TempoAttentionCore`: the model runs eager attention) or "kept <implementation>" (SDPA/flash
+    or a core a schedule installed before: faster and already free of s*s tensors), or "off"
+    when `attention=False`.
+    """
+
+    def __init__(self, items=(), attention: dict[str, str] | None = None):
+        super().__init__(items)
+        self.attention: dict[str, str] = dict(attention or {})
+
+
+def attention_choice(module: nn.Module, enabled: bool = True) -> str | None:
+    """What Tempo does with an HF attention module: "tempo", "kept <impl>", "off"; None if the
+    module is not HF attention."""
+    if not is_hf_attention(module):
+        return None
+    if not enabled:
+        return "off"
+    impl = module.config._attn_implementation
+    if impl == "eager" and not getattr(module, "reorder_and_upcast_attn", False):
+        return "tempo"
+    if impl == "eager":
+        return "kept eager (reorder_and_upcast_attn)"
+    return f"kept {impl}"
 
 
 def gelu_kind(module: nn.Module) -> str | None:
@@ -49,7 +85,6 @@ def tempo_replacement(
     gelu: bool = True,
     layernorm: bool = True,
     attention: bool = True,
-    band: float = 0.05,
     min_gamma_ratio: float | None = None,
 ) -> nn.Module | None:
     """The Tempo module to install in place of `module`, or None if it is not a target."""
@@ -58,13 +93,8 @@ def tempo_replacement(
     if gelu:
         kind = gelu_kind(module)
         if kind is not None:
-            return TempoGELU(kind, band)
-    if (
-        attention
-        and is_hf_attention(module)
-        and module.config._attn_implementation == "eager"
-        and not getattr(module, "reorder_and_upcast_attn", False)
-    ):
+            return TempoGELU(kind)
+    if attention_choice(module, bool(attention)) == "tempo":
         return use_attention_core(module, TempoAttentionCore(), path)
     return None
 
@@ -76,7 +106,7 @@ def replace_layernorm(sch: Any, min_gamma_ratio: float | None = None) -> nn.Modu
     return sch.replace(TempoLayerNorm.from_layernorm(sch.mod, min_gamma_ratio))
 
 
-def replace_gelu(sch: Any, band: float = 0.05) -> nn.Module:
+def replace_gelu(sch: Any) -> nn.Module:
     """One-line schedule replacement: `replace_gelu(sch["intermediate.intermediate_act_fn"])`."""
     kind = gelu_kind(sch.mod)
     if kind is None:
@@ -85,7 +115,7 @@ def replace_gelu(sch: Any, band: float = 0.05) -> nn.Module:
             f"{type(sch.mod).__name__} is not a GELU module Tempo can replace.",
             "target nn.GELU or HF's GELUActivation / NewGELUActivation / GELUTanh.",
         )
-    return sch.replace(TempoGELU(kind, band))
+    return sch.replace(TempoGELU(kind))
 
 
 def replace_attention_core(sch: Any, core: nn.Module | None = None) -> nn.Module:
@@ -101,13 +131,13 @@ def apply_tempo(
     gelu: bool = True,
     layernorm: bool = True,
     attention: bool = True,
-    band: float = 0.05,
     min_gamma_ratio: float | None = None,
-) -> list[tuple[str, str]]:
+) -> TempoReport:
     """Replace every Tempo target under schedule `sch` (any root: a whole model or one layer).
 
     Uses only `sch.replace`, deepest modules first (so a replaced attention module already holds
-    its replaced children). Returns [(path, new module class)] in pre-order.
+    its replaced children). Returns a `TempoReport`: [(path, new module class)] in pre-order, and
+    `.attention` saying per attention module whether Tempo's core or the model's SDPA/flash runs.
     """
     if not hasattr(sch, "named_schedules") or not hasattr(sch, "mod"):
         raise SchedulingError(
@@ -116,15 +146,27 @@ def apply_tempo(
             "use slapo.create_schedule(model), or apply_tempo_to_module(model) for a plain module.",
         )
     nodes = [node for _, node in sch.named_schedules()]
-    done = []
+    done, choices = [], {}
     for node in reversed(nodes):
-        new = tempo_replacement(
-            node.mod, node.path, gelu, layernorm, attention, band, min_gamma_ratio
-        )
+        choice = attention_choice(node.mod, bool(attention))
+        if choice is not None:
+            choices[node.path] = choice
+        new = tempo_replacement(node.mod, node.path, gelu, layernorm, attention, min_gamma_ratio)
         if new is not None:
             node.replace(new)
             done.append((node.path, type(new).__name__))
-    return done[::-1]
+    report = TempoReport(done[::-1], dict(sorted(choices.items())))
+    _log_attention(report.attention)
+    return report
+
+
+def _log_attention(choices: dict[str, str]) -> None:
+    kinds: dict[str, int] = {}
+    for choice in choices.values():
+        kinds[choice] = kinds.get(choice, 0) + 1
+    if kinds:
+        summary = ", ".join(f"{n} x {k}" for k, n in sorted(kinds.items()))
+        _log.info("apply_tempo attention: %s", summary)
 
 
 def apply_tempo_to_module(
@@ -132,14 +174,13 @@ def apply_tempo_to_module(
     gelu: bool = True,
     layernorm: bool = True,
     attention: bool = True,
-    band: float = 0.05,
     min_gamma_ratio: float | None = None,
 ) -> nn.Module:
     """`apply_tempo` for a plain module, without a schedule. Returns the (possibly new) root."""
     paths = [path for path, _ in model.named_modules()]
     for path in reversed(paths):
         mod = model.get_submodule(path)
-        new = tempo_replacement(mod, path, gelu, layernorm, attention, band, min_gamma_ratio)
+        new = tempo_replacement(mod, path, gelu, layernorm, attention, min_gamma_ratio)
         if new is None:
             continue
         new.train(mod.training)

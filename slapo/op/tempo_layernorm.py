@@ -8,15 +8,27 @@ normalised input is x_hat = (y - beta) / gamma and the backward needs nothing el
     dx = rstd * (g - mean(g) - x_hat * mean(g * x_hat))     (means over the normalised dims)
     dgamma = sum_rows(dy * x_hat),  dbeta = sum_rows(dy)
 
-Dividing by gamma is the only risk: y_j carries a rounding error of ~eps * (|gamma_j x_hat| +
-|beta_j|), so x_hat_j is off by ~eps * (1 + |beta_j| / |gamma_j|). The forward therefore checks
-min_j |gamma_j| / (|gamma_j| + |beta_j|) (one host sync per call) and, below `min_gamma_ratio`,
-falls back to saving x like the normal LayerNorm. Defaults: 1e-2 for fp32 (x_hat error <= ~1e-5
-relative; measured: with |gamma_j| = 1e-3 and |beta_j| ~ 1 the output-saving path would give a
-4e-5 relative error in those dgamma_j, hence the fallback), 0.25 for fp16/bf16, 1e-6 for fp64.
+Kernels: one fused pass each way -- Triton on CUDA (`slapo.op.tempo_kernels`: per-row forward
+writing y and rstd; per-row backward with dgamma/dbeta accumulated per program), the PyTorch
+reference below elsewhere (same math). Under `torch.compile` the pair is a custom op
+(`slapo_tempo::ln_fwd` / `ln_bwd`), so compiled blocks neither graph-break nor fall back on it.
 
-Exact up to floating-point rounding (not bit-identical: x_hat is rebuilt). The forward output is
-bit-identical to `F.layer_norm`. Devices: any; half-precision backward math runs in fp32.
+Mixed precision: under autocast, PyTorch runs LayerNorm in fp32 and the next Linear saves its own
+bf16 copy of y, so saving the fp32 y would save nothing. Tempo then returns the same fp32 y (same
+forward numerics as autocast) and saves y rounded to the autocast dtype (written by the same pass):
+4 bytes (fp32 x) -> 2 bytes per element. Outside autocast y itself is saved (its storage is shared
+with the next Linear's saved input: the LayerNorm then costs only rstd).
+
+Dividing by gamma is the only risk: y_j carries a rounding error of ~eps * (|gamma_j x_hat| +
+|beta_j|), so x_hat_j is off by ~eps * (1 + |beta_j| / |gamma_j|). Below a ratio
+min_j |gamma_j| / (|gamma_j| + |beta_j|) < `min_gamma_ratio` (default 1e-2 for fp32 storage, 0.25
+for fp16/bf16, 1e-6 for fp64) the module runs the plain `F.layer_norm` instead (saves x). The
+check costs a host sync, so `TempoLayerNorm` repeats it only when gamma or beta changed (their
+version counters, i.e. once per optimizer step) and never inside a compiled region (a compiled
+block uses the decision of the last eager call / of construction).
+
+Exact up to floating-point rounding (x_hat is rebuilt). The reference's forward output is
+bit-identical to `F.layer_norm`; the Triton forward matches it to the last bit of the dtype.
 """
 
 from __future__ import annotations
@@ -24,7 +36,10 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+
+from . import tempo_kernels
 
 _DEFAULT_RATIO = {torch.float64: 1e-6, torch.float32: 1e-2}
 
@@ -34,7 +49,8 @@ def default_min_gamma_ratio(dtype: torch.dtype) -> float:
     return _DEFAULT_RATIO.get(dtype, 0.25)
 
 
-def _needs_fallback(weight, bias, threshold: float) -> bool:
+def needs_fallback(weight, bias, threshold: float) -> bool:
+    """True when some |gamma_j| < threshold * (|gamma_j| + |beta_j|) (one host sync)."""
     if weight is None:
         return False
     g = weight.detach().abs()
@@ -42,65 +58,192 @@ def _needs_fallback(weight, bias, threshold: float) -> bool:
     return bool((g < threshold * denom).any() | (g == 0).any())
 
 
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def layer_norm_forward_reference(x2d, weight, bias, eps: float, save_dtype: torch.dtype):
+    """(y, y_saved, rstd (M,) fp32-or-fp64) for rows of x2d; y bit-identical to F.layer_norm."""
+    n = x2d.shape[-1]
+    y, _mean, rstd = torch.native_layer_norm(x2d, [n], weight, bias, eps)
+    ys = y if save_dtype == y.dtype else y.to(save_dtype)
+    return y, ys, rstd.reshape(-1).to(_compute_dtype(x2d.dtype))
+
+
+def layer_norm_backward_reference(dy2d, ys, weight, bias, rstd, dx_dtype: torch.dtype):
+    """(dx, dweight, dbias) from the saved y (see the module docstring); compute in fp32/fp64."""
+    ct = _compute_dtype(dx_dtype) if ys.dtype != torch.float64 else torch.float64
+    xhat = ys.to(ct)
+    if bias is not None:
+        xhat = xhat - bias.to(ct)
+    if weight is not None:
+        xhat = xhat / weight.to(ct)
+    dyc = dy2d.to(ct)
+    g = dyc * weight.to(ct) if weight is not None else dyc
+    dx = rstd.to(ct)[:, None] * (
+        g - g.mean(-1, keepdim=True) - xhat * (g * xhat).mean(-1, keepdim=True)
+    )
+    dw = (dyc * xhat).sum(0) if weight is not None else None
+    db = dyc.sum(0) if bias is not None else None
+    return dx.to(dx_dtype), dw, db
+
+
+def layer_norm_forward(x2d, weight, bias, eps: float, save_dtype: torch.dtype):
+    """Fastest available forward: Triton on CUDA, else the reference."""
+    if tempo_kernels.use_triton(x2d):
+        return tempo_kernels.layer_norm_fwd(x2d, weight, bias, eps, x2d.dtype, save_dtype)
+    return layer_norm_forward_reference(x2d, weight, bias, eps, save_dtype)
+
+
+def layer_norm_backward(dy2d, ys, weight, bias, rstd, dx_dtype: torch.dtype):
+    """Fastest available backward: Triton on CUDA, else the reference."""
+    if tempo_kernels.use_triton(ys) and tempo_kernels.use_triton(dy2d):
+        return tempo_kernels.layer_norm_bwd(dy2d, ys, weight, bias, rstd, dx_dtype)
+    return layer_norm_backward_reference(dy2d, ys, weight, bias, rstd, dx_dtype)
+
+
+def _flat(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else t.reshape(-1)
+
+
+def _cast_grad(g: torch.Tensor | None, like: torch.Tensor | None) -> torch.Tensor | None:
+    return None if g is None or like is None else g.to(like.dtype).view(like.shape)
+
+
 class TempoLayerNormFunction(torch.autograd.Function):
-    """LayerNorm over the trailing `normalized_shape` dims, saving (y, rstd) instead of x."""
+    """LayerNorm over the trailing `normalized_shape` dims, saving (y or its half copy, rstd).
+
+    The eager-mode path; `_ln_fwd_op` is the same computation as a custom op for torch.compile.
+    """
 
     @staticmethod
-    def forward(ctx, x, weight, bias, normalized_shape, eps, min_gamma_ratio):
-        y, mean, rstd = torch.native_layer_norm(x, normalized_shape, weight, bias, eps)
-        ctx.nd = len(normalized_shape)
-        ctx.has_w, ctx.has_b = weight is not None, bias is not None
-        thr = default_min_gamma_ratio(x.dtype) if min_gamma_ratio is None else min_gamma_ratio
-        ctx.fallback = _needs_fallback(weight, bias, thr)
-        if ctx.fallback:
-            ctx.save_for_backward(x, weight, bias, mean, rstd)
-        else:
-            ctx.save_for_backward(y, weight, bias, rstd)
-        return y
+    def forward(ctx, x, weight, bias, normalized_shape, eps, save_dtype=None):
+        n = math.prod(normalized_shape)
+        x2d = x.contiguous().view(-1, n)
+        save_dtype = save_dtype or x.dtype
+        y, ys, rstd = layer_norm_forward(x2d, _flat(weight), _flat(bias), eps, save_dtype)
+        ctx.save_for_backward(ys, weight, bias, rstd)
+        return y.view(x.shape)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, dy):
-        ct = torch.float64 if dy.dtype == torch.float64 else torch.float32
-        if ctx.fallback:
-            x, weight, bias, mean, rstd = ctx.saved_tensors
-            xhat = (x.to(ct) - mean.to(ct)) * rstd.to(ct)
-        else:
-            y, weight, bias, rstd = ctx.saved_tensors
-            xhat = y.to(ct)
-            if bias is not None:
-                xhat = xhat - bias.to(ct)
-            if weight is not None:
-                xhat = xhat / weight.to(ct)
-        dims = tuple(range(-ctx.nd, 0))
-        dyc = dy.to(ct)
-        g = dyc * weight.to(ct) if weight is not None else dyc
-        dx = rstd.to(ct) * (
-            g - g.mean(dims, keepdim=True) - xhat * (g * xhat).mean(dims, keepdim=True)
-        )
-        rows = tuple(range(dy.dim() - ctx.nd))
-        dw = (
-            (dyc * xhat).sum(rows).to(weight.dtype)
-            if ctx.has_w and ctx.needs_input_grad[1]
-            else None
-        )
-        db = dyc.sum(rows).to(bias.dtype) if ctx.has_b and ctx.needs_input_grad[2] else None
-        dx = dx.to(dy.dtype) if ctx.needs_input_grad[0] else None
-        return dx, dw, db, None, None, None
+        ys, weight, bias, rstd = ctx.saved_tensors
+        dy2d = dy.contiguous().view(ys.shape)
+        dx, dw, db = layer_norm_backward(dy2d, ys, _flat(weight), _flat(bias), rstd, dy.dtype)
+        dw = _cast_grad(dw, weight) if ctx.needs_input_grad[1] else None
+        db = _cast_grad(db, bias) if ctx.needs_input_grad[2] else None
+        return dx.view(dy.shape), dw, db, None, None, None
+
+
+@torch.library.custom_op("slapo_tempo::ln_fwd", mutates_args=())
+def _ln_fwd_op(
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    normalized_shape: list[int],
+    eps: float,
+    save_dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Returns (y, y_saved or an empty tensor when y itself is saved, rstd): outputs of a custom
+    op may not alias each other."""
+    n = math.prod(normalized_shape)
+    y, ys, rstd = layer_norm_forward(x.contiguous().view(-1, n), _flat(weight), _flat(bias), eps,
+                                     save_dtype)
+    extra = ys if ys is not y else y.new_empty(0)
+    return y.view(x.shape), extra, rstd
+
+
+@_ln_fwd_op.register_fake
+def _(x, weight, bias, normalized_shape, eps, save_dtype):
+    rows = x.numel() // math.prod(normalized_shape)
+    extra = x.new_empty((rows, math.prod(normalized_shape)), dtype=save_dtype) \
+        if save_dtype != x.dtype else x.new_empty(0)
+    return torch.empty_like(x), extra, x.new_empty((rows,), dtype=_compute_dtype(x.dtype))
+
+
+@torch.library.custom_op("slapo_tempo::ln_bwd", mutates_args=())
+def _ln_bwd_op(
+    dy: torch.Tensor,
+    ys: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    rstd: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dx, dweight or empty, dbias or empty); dweight/dbias in the parameters' dtypes."""
+    ys2d = ys.reshape(rstd.shape[0], -1)
+    dx, dw, db = layer_norm_backward(dy.contiguous().view(ys2d.shape), ys2d, _flat(weight),
+                                     _flat(bias), rstd, dy.dtype)
+    dw = _cast_grad(dw, weight) if weight is not None else dy.new_empty(0)
+    db = _cast_grad(db, bias) if bias is not None else dy.new_empty(0)
+    return dx.view(dy.shape), dw, db
+
+
+@_ln_bwd_op.register_fake
+def _(dy, ys, weight, bias, rstd):
+    dw = torch.empty_like(weight) if weight is not None else dy.new_empty(0)
+    db = torch.empty_like(bias) if bias is not None else dy.new_empty(0)
+    return torch.empty_like(dy), dw, db
+
+
+def _ln_setup(ctx, inputs, output):
+    _x, weight, bias = inputs[:3]
+    y, extra, rstd = output
+    ctx.save_for_backward(extra if extra.numel() else y, weight, bias, rstd)
+
+
+def _ln_grad(ctx, dy, _dextra, _drstd):
+    ys, weight, bias, rstd = ctx.saved_tensors
+    dx, dw, db = _ln_bwd_op(dy, ys, weight, bias, rstd)
+    return (dx, dw if weight is not None else None, db if bias is not None else None,
+            None, None, None)
+
+
+_ln_fwd_op.register_autograd(_ln_grad, setup_context=_ln_setup)
+
+
+def _autocast_dtype(device_type: str) -> torch.dtype | None:
+    """The autocast dtype when autocast is on for `device_type` (LayerNorm then runs in fp32)."""
+    try:
+        if torch.is_autocast_enabled(device_type):
+            return torch.get_autocast_dtype(device_type)
+    except (TypeError, RuntimeError):  # a device type autocast does not know
+        return None
+    return None
+
+
+def _output_saving(x, weight, bias, normalized_shape: list[int], eps: float) -> torch.Tensor:
+    """The output-saving path for any mode (eager Function / compiled custom op, autocast)."""
+    half = _autocast_dtype(x.device.type)
+    save_dtype = x.dtype
+    if half is not None:  # autocast runs LayerNorm in fp32; save y in the autocast dtype
+        x, save_dtype = x.float(), half
+        weight = weight.float() if weight is not None else None
+        bias = bias.float() if bias is not None else None
+    if torch.compiler.is_compiling():
+        return _ln_fwd_op(x, weight, bias, normalized_shape, eps, save_dtype)[0]
+    return TempoLayerNormFunction.apply(x, weight, bias, normalized_shape, eps, save_dtype)
+
+
+def _save_dtype(x: torch.Tensor) -> torch.dtype:
+    return _autocast_dtype(x.device.type) or x.dtype
 
 
 class TempoLayerNorm(nn.LayerNorm):
     """Drop-in `nn.LayerNorm` that saves its output and 1/std instead of its input.
 
     Use when the next layer saves the LayerNorm output anyway (pre-LN blocks: QKV/FC1 projections;
-    BERT's post-LN output feeds the next layer's projections). Exact up to rounding; falls back to
-    the normal path when some |gamma_j| / (|gamma_j| + |beta_j|) < `min_gamma_ratio`. Any device.
-    Parameters are shared, not copied, by `from_layernorm`, so optimizers keep working.
+    BERT's post-LN output feeds the next layer's projections). Exact up to rounding; runs the plain
+    LayerNorm when some |gamma_j| / (|gamma_j| + |beta_j|) < `min_gamma_ratio` (see the module
+    docstring for when that is checked). Parameters are shared, not copied, by `from_layernorm`,
+    so optimizers keep working.
     """
 
     def __init__(self, *args, min_gamma_ratio: float | None = None, **kwargs):
         super().__init__(*args, **kwargs)
         self.min_gamma_ratio = min_gamma_ratio
+        self._checked: tuple | None = None
+        self._fallback = False
 
     @classmethod
     def from_layernorm(
@@ -117,8 +260,24 @@ class TempoLayerNorm(nn.LayerNorm):
         new.weight = ln.weight
         new.bias = ln.bias
         new.min_gamma_ratio = min_gamma_ratio
+        new._checked = None
+        new._fallback = False
         new.train(ln.training)
         return new
+
+    def uses_fallback(self, save_dtype: torch.dtype) -> bool:
+        """Whether gamma is too small for the output-saving path; re-checked only when the
+        parameters (their version counters) or the saved dtype changed, never when compiling."""
+        if torch.compiler.is_compiling() or self.weight is None:
+            return self._fallback
+        key = (self.weight._version, None if self.bias is None else self.bias._version,
+               save_dtype, self.min_gamma_ratio)
+        if key != self._checked:
+            thr = self.min_gamma_ratio
+            thr = default_min_gamma_ratio(save_dtype) if thr is None else thr
+            self._fallback = needs_fallback(self.weight, self.bias, thr)
+            self._checked = key
+        return self._fallback
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-len(self.normalized_shape) :] != self.normalized_shape:
@@ -126,9 +285,10 @@ class TempoLayerNorm(nn.LayerNorm):
                 f"TempoLayerNorm: input shape {tuple(x.shape)} does not end with "
                 f"normalized_shape {self.normalized_shape}"
             )
-        return TempoLayerNormFunction.apply(
-            x, self.weight, self.bias, list(self.normalized_shape), self.eps, self.min_gamma_ratio
-        )
+        shape = list(self.normalized_shape)
+        if not torch.is_grad_enabled() or self.uses_fallback(_save_dtype(x)):
+            return F.layer_norm(x, shape, self.weight, self.bias, self.eps)
+        return _output_saving(x, self.weight, self.bias, shape, self.eps)
 
 
 def tempo_layer_norm(
@@ -139,11 +299,16 @@ def tempo_layer_norm(
     eps: float = 1e-5,
     min_gamma_ratio: float | None = None,
 ) -> torch.Tensor:
-    """Functional output-saving LayerNorm (see `TempoLayerNorm`)."""
+    """Functional output-saving LayerNorm (see `TempoLayerNorm`; checks gamma on every eager
+    call, never when compiling)."""
     if isinstance(normalized_shape, int):
         normalized_shape = [normalized_shape]
     if math.isnan(eps) or eps < 0:
         raise ValueError(f"tempo_layer_norm: eps must be >= 0, got {eps}")
-    return TempoLayerNormFunction.apply(
-        x, weight, bias, list(normalized_shape), eps, min_gamma_ratio
-    )
+    shape = list(normalized_shape)
+    if not torch.compiler.is_compiling():
+        thr = default_min_gamma_ratio(_save_dtype(x)) if min_gamma_ratio is None \
+            else min_gamma_ratio
+        if not torch.is_grad_enabled() or needs_fallback(weight, bias, thr):
+            return F.layer_norm(x, shape, weight, bias, eps)
+    return _output_saving(x, weight, bias, shape, eps)
