@@ -126,12 +126,16 @@ def vocab_parallel(sch: Schedule, head_input_grad: bool = True) -> bool:
     return True
 
 
-def checkpoint_layers(layers: list[Schedule], ratio: float) -> int:
-    """Checkpoint the first round-half-up(ratio * L) layers (the earliest activations live longest)."""
+def checkpoint_layers(layers: list[Schedule], ratio: float, policy=None) -> int:
+    """Checkpoint the first round-half-up(ratio * L) layers (the earliest activations live
+    longest); `policy` as the checkpoint primitive's (None: full, "selective": SAC)."""
     if not 0.0 <= ratio <= 1.0:
         raise SchedulingError(layers[0].parent.path if layers else "", f"ckpt_ratio must be "
                               f"in [0, 1], got {ratio}.", "pass e.g. ckpt_ratio=0.5.")
     n = math.floor(ratio * len(layers) + 0.5)  # round half up: ratio 0.5 of 1 layer checkpoints it
     for node in layers[:n]:
-        node.checkpoint()
+        if policy is None:
+            node.checkpoint()
+        else:
+            node.checkpoint(policy=policy)
     return n

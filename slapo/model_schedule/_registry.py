@@ -77,14 +77,30 @@ def apply(model_or_sch: nn.Module | Schedule, *, tp: int | None = None, ckpt_rat
           attention: str = "eager", fuse: bool = False, fuse_compiler: str = "inductor",
           tempo: bool = False, pp_stages: int = 1,
           sequence_parallel: bool = False, vocab_parallel: bool = True, group=None,
-          mesh=None) -> Schedule:
-    """Schedule a Hugging Face model of a supported family (see the package docstring)."""
+          mesh=None, ckpt_policy: str = "full", compile_blocks: bool | str = False,
+          fused_loss: bool = False, kernels: bool = False) -> Schedule:
+    """Schedule a Hugging Face model of a supported family (see the package docstring).
+
+    GPU knobs (composable with the rest):
+    - `ckpt_policy`: "full" (recompute the whole checkpointed layer) or "selective" (keep
+      matmul/attention outputs, recompute elementwise ops; torch's SAC), for the
+      `ckpt_ratio` share of layers;
+    - `compile_blocks`: compile every transformer layer with `torch.compile` (True: inductor;
+      a string or callable is the backend), one graph shared by identical layers; sets
+      `config.use_cache=False` (a KV cache makes each layer a separate graph);
+    - `fused_loss`: the LM head and cross-entropy as one chunked op (no logits; see
+      `model_schedule.fused_loss`); needs an unsharded head (`vocab_parallel=False` under TP);
+    - `kernels`: swap in Slapo's fused GPU kernels (RMSNorm, LayerNorm, SwiGLU, GELU; see
+      `model_schedule.kernels`), exact PyTorch fallbacks on CPU.
+    """
     sch = model_or_sch if isinstance(model_or_sch, Schedule) else \
         create_schedule(model_or_sch, group=group, mesh=mesh)
     family = detect(sch.mod)
     ws = sch.world_size
     tp = ws if tp is None else tp
     _validate(sch, family, tp, ws, attention, pp_stages, sequence_parallel)
+    _validate_gpu_knobs(sch, ckpt_policy, compile_blocks, fused_loss, pp_stages,
+                        vocab_parallel and tp > 1)
     layers_of(sch, family)  # a missing layer list fails here, before anything changes
     if attention != "eager":
         _set_attention(sch, attention)
@@ -101,6 +117,10 @@ def apply(model_or_sch: nn.Module | Schedule, *, tp: int | None = None, ckpt_rat
             _common.vocab_parallel(sch)
     if fuse:
         _fuse_mlps(sch, family, fuse_compiler)
+    if kernels:
+        from .kernels import apply_kernels
+
+        apply_kernels(sch, family.name)
     if tempo:
         from ..op import apply_tempo
 
@@ -109,7 +129,14 @@ def apply(model_or_sch: nn.Module | Schedule, *, tp: int | None = None, ckpt_rat
     layers = layers_of(sch, family)
     if sp:  # after fuse/tempo, which may replace the norms and dropouts
         _sp.replicated_on_shards(sch, family, layers)
-    _common.checkpoint_layers(layers, ckpt_ratio)
+    _common.checkpoint_layers(layers, ckpt_ratio,
+                              policy=None if ckpt_policy == "full" else ckpt_policy)
+    if fused_loss:
+        from .fused_loss import fuse_loss
+
+        fuse_loss(sch)
+    if compile_blocks:
+        _compile_layers(sch, layers, "inductor" if compile_blocks is True else compile_blocks)
     if pp_stages > 1:
         _cut_pipeline(sch, layers, pp_stages)
     return sch
@@ -129,6 +156,42 @@ def _validate(sch, family, tp, ws, attention, pp_stages, sequence_parallel) -> N
     if sequence_parallel:
         _sp.check_supported(sch, family, pp_stages,
                             [f.name for f in _FAMILIES.values() if f.sequence_plan is not None])
+
+
+CKPT_POLICIES = ("full", "selective")
+
+
+def _validate_gpu_knobs(sch, ckpt_policy, compile_blocks, fused_loss, pp_stages,
+                        vocab_sharded) -> None:
+    if ckpt_policy not in CKPT_POLICIES:
+        raise SchedulingError(sch.path, f"unknown ckpt_policy {ckpt_policy!r}.",
+                              f"use one of {', '.join(CKPT_POLICIES)}.")
+    if not (isinstance(compile_blocks, (bool, str)) or callable(compile_blocks)):
+        raise SchedulingError(sch.path, f"compile_blocks must be a bool or a backend name, got "
+                              f"{compile_blocks!r}.", "pass compile_blocks=True.")
+    if fused_loss:
+        if pp_stages > 1:
+            raise SchedulingError(sch.path, "fused_loss is not available with pipeline stages "
+                                  "(the last stage computes the loss with loss_fn).",
+                                  "pass fused_loss=False, or pp_stages=1.")
+        if vocab_sharded:
+            raise SchedulingError(sch.path, "fused_loss needs an unsharded LM head, and "
+                                  "vocab_parallel=True shards it under tp > 1.",
+                                  "pass vocab_parallel=False with fused_loss=True.")
+        from .fused_loss import check_fusable
+
+        check_fusable(sch)
+
+
+def _compile_layers(sch: Schedule, layers: list[Schedule], backend) -> None:
+    """Regional compilation: every layer with the same options, so identical layers share one
+    graph. HF layers read `layer_idx` only to fill a KV cache; without a cache they are
+    identical to dynamo, so training turns the cache off (as HF's gradient checkpointing does)."""
+    cfg = getattr(sch.mod, "config", None)
+    if cfg is not None and getattr(cfg, "use_cache", False):
+        cfg.use_cache = False
+    for layer in layers:
+        layer.compile(backend=backend)
 
 
 def _set_attention(sch: Schedule, attention: str) -> None:

@@ -21,6 +21,9 @@ from torch import nn
 
 from .attention_core import AttentionCore, causal_mask, padding_mask, repeat_kv
 
+# SDPA takes grouped-query K/V without materialising repeated heads since torch 2.5.
+_SDPA_GQA = "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")
+
 
 @functools.cache
 def _flash_attn_func():
@@ -73,10 +76,15 @@ class SDPAttention(AttentionCore):
         if mask is not None and mask.dtype != torch.bool:
             mask = mask.to(q.dtype)
         n_rep = q.shape[1] // k.shape[1]
+        gqa = {}
         if n_rep > 1:
-            k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)
+            # the flash kernel reads shared K/V heads directly (no mask); others need copies
+            if _SDPA_GQA and q.is_cuda and mask is None:
+                gqa = {"enable_gqa": True}
+            else:
+                k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)
         return F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, dropout_p=p, is_causal=is_causal, scale=scaling
+            q, k, v, attn_mask=mask, dropout_p=p, is_causal=is_causal, scale=scaling, **gqa
         )
 
 

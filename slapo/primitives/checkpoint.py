@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Callable
 
@@ -25,9 +26,11 @@ class CheckpointWrapper(module_patch.ForwardWrapper):
 
     name = "checkpoint"
 
-    def __init__(self, order_args_fn: Callable | None = None, condition: Callable | None = None):
+    def __init__(self, order_args_fn: Callable | None = None, condition: Callable | None = None,
+                 policy: str | Callable | None = None):
         self.order_args_fn = order_args_fn
         self.condition = condition
+        self.policy = policy
 
     def __call__(self, module, fn, args, kwargs):
         if not torch.is_grad_enabled() or (self.condition is not None and
@@ -36,6 +39,13 @@ class CheckpointWrapper(module_patch.ForwardWrapper):
         args, kwargs = _drop_empty_caches(module, args, kwargs)
         if self.order_args_fn is not None:
             args, kwargs = tuple(self.order_args_fn(*args, **kwargs)), {}
+        extra = {}
+        if self.policy is not None:
+            extra["context_fn"] = selective_context_fn(self.policy)
+        if not _forks_rng(module):  # nothing to replay: no Python side effects, so
+            # torch.compile traces the checkpoint as one region
+            return _torch_checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=True,
+                                     **extra, **kwargs)
         tracker = get_rng_tracker()
         snapshot = tracker.get_states()
         first = [True]
@@ -52,7 +62,51 @@ class CheckpointWrapper(module_patch.ForwardWrapper):
                 tracker.set_states(current)
 
         return _torch_checkpoint(run, *args, use_reentrant=False, preserve_rng_state=True,
-                                 **kwargs)
+                                 **extra, **kwargs)
+
+
+# Ops whose outputs selective checkpointing keeps: the matmuls and attention kernels (costly to
+# recompute, and their outputs are what the next op needs). Everything else (norms, activations,
+# dropout, residual adds, casts) is recomputed: cheap, memory-bound, and the bulk of the bytes.
+def _compute_intensive_ops() -> set:
+    aten = torch.ops.aten
+    names = ["mm", "addmm", "bmm", "baddbmm", "_scaled_dot_product_flash_attention",
+             "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
+             "_scaled_dot_product_flash_attention_for_cpu", "_flash_attention_forward",
+             "_efficient_attention_forward", "convolution",
+             "_scaled_dot_product_fused_attention_overrideable"]
+    return {getattr(aten, n).default for n in names if hasattr(aten, n)}
+
+
+POLICIES = ("selective",)
+
+
+def selective_policy(ctx, op, *args, **kwargs):
+    """Save matmul/attention outputs, recompute the rest (see `_compute_intensive_ops`)."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    if op in _SAVE_OPS:
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+_SAVE_OPS = _compute_intensive_ops()
+
+
+def selective_context_fn(policy: str | Callable) -> Callable:
+    """`context_fn` for torch.utils.checkpoint: "selective" or a policy
+    `(ctx, op, *args, **kwargs) -> CheckpointPolicy` of the user's."""
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    fn = selective_policy if policy == "selective" else policy
+    # a functools.partial (not a closure): torch.compile traces checkpoint only with one
+    return functools.partial(create_selective_checkpoint_contexts, fn)
+
+
+def _forks_rng(module) -> bool:
+    """Whether dropout inside `module` draws from a tensor-parallel RNG stream (`fork_rng`),
+    whose state the recomputation must replay."""
+    return any(w.name == "fork_rng" for m in module.modules() for w in module_patch.wrappers(m))
 
 
 def _is_kv_cache(x) -> bool:
@@ -90,12 +144,25 @@ class CheckpointPrimitive(Primitive):
     (e.g. `lambda m: m.training`); `order_args_fn(*args, **kwargs) -> tuple` is accepted for
     compatibility with Slapo 2023 and turns the call into positional arguments. Passing a
     subgraph (from `find`) checkpoints only those ops of a traced module.
+
+    `policy="selective"` is selective activation checkpointing (op-level, as torchtitan's SAC):
+    outputs of matmuls and attention kernels are kept, cheap elementwise ops (norms,
+    activations, dropout, adds) are recomputed: most of the memory of full checkpointing for a
+    fraction of its recompute cost. A callable `(ctx, op, *args, **kwargs) -> CheckpointPolicy`
+    is used as torch's SAC policy as it is.
     """
 
     name = "checkpoint"
 
     @classmethod
-    def validate(cls, sch, subgraph=None, order_args_fn=None, condition=None):
+    def validate(cls, sch, subgraph=None, order_args_fn=None, condition=None, policy=None):
+        if policy is not None and policy not in POLICIES and not callable(policy):
+            raise SchedulingError(sch.path, f"unknown checkpoint policy {policy!r}.",
+                                  f"use one of {POLICIES}, a torch SAC policy function, or "
+                                  "None (full checkpointing).")
+        if policy is not None and subgraph is not None:
+            raise SchedulingError(sch.path, "a checkpoint policy applies to a whole module, "
+                                  "not a subgraph.", "drop policy= or the subgraph.")
         if subgraph is not None:
             refuse_in_export_capture(sch, "subgraph checkpoint", "trace with tracer='fx', or "
                                      "checkpoint the whole module.")
@@ -113,7 +180,7 @@ class CheckpointPrimitive(Primitive):
                                   "remove the second checkpoint call.")
 
     @classmethod
-    def apply(cls, sch, subgraph=None, order_args_fn=None, condition=None):
+    def apply(cls, sch, subgraph=None, order_args_fn=None, condition=None, policy=None):
         if subgraph is not None:
             return GRAPH_HANDLERS["checkpoint"](sch, subgraph)
-        module_patch.add_wrapper(sch.mod, CheckpointWrapper(order_args_fn, condition))
+        module_patch.add_wrapper(sch.mod, CheckpointWrapper(order_args_fn, condition, policy))

@@ -1,0 +1,168 @@
+"""The `fused_loss` knob: the LM head and its cross-entropy as one chunked op, no logits.
+
+Why: for a language model the logits are the largest activation of the step (tokens x vocab,
+upcast to fp32 by HF's loss): LLaMA 1.1B at 8 x 2048 holds 2 GiB of bf16 logits plus 4 GiB of
+fp32 copies and their gradients. `slapo.op.fused_linear_cross_entropy` computes loss and
+gradients chunk by chunk (Liger-Kernel's recipe) so none of that lives across the step.
+
+How: a `Kernel` (see `slapo.module_patch`) replaces the *root* model's forward when it is called
+with `labels`: it runs the base model as HF would, applies the per-token part of the head
+(BERT's transform, RoBERTa's dense+GELU+norm), and the fused loss with the head's own weight
+and bias (tied embeddings stay tied: the same Parameter). Without labels the original forward
+runs unchanged. The output is the model's own output class with `loss` set and `logits=None`
+(the point is not to build them); code that needs logits calls the model without labels.
+
+Exactness: the same loss as HF's (causal LMs shift labels, ignore -100, mean over counted
+tokens or `num_items_in_batch`); masked LMs compute only the rows that have a label
+(`skip_ignored`), which does not change the loss. Verified against the original model
+(outputs and every gradient) in tests/test_fused_loss.py.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .. import module_patch
+from ..errors import SchedulingError
+from ..schedule import Schedule
+
+
+def _identity(root: nn.Module, h: torch.Tensor) -> torch.Tensor:
+    return h
+
+
+def _bert_transform(root: nn.Module, h: torch.Tensor) -> torch.Tensor:
+    return root.cls.predictions.transform(h)
+
+
+def _roberta_transform(root: nn.Module, h: torch.Tensor) -> torch.Tensor:
+    head = root.lm_head
+    return head.layer_norm(F.gelu(head.dense(h)))
+
+
+@dataclass(frozen=True)
+class LossPlan:
+    """Where a head class keeps its pieces: `base` (attribute with the base model), `head` (path
+    of the vocabulary Linear), `transform(root, hidden)` (per-token layers before it), and
+    whether labels are shifted (causal LM) or used in place (masked LM)."""
+
+    base: str
+    head: str
+    transform: Callable[[nn.Module, torch.Tensor], torch.Tensor]
+    causal: bool
+
+
+# HF head class name -> plan. A table, so a new head is one line.
+PLANS: dict[str, LossPlan] = {
+    "GPT2LMHeadModel": LossPlan("transformer", "lm_head", _identity, True),
+    "GPTNeoForCausalLM": LossPlan("transformer", "lm_head", _identity, True),
+    "LlamaForCausalLM": LossPlan("model", "lm_head", _identity, True),
+    "MistralForCausalLM": LossPlan("model", "lm_head", _identity, True),
+    "Qwen2ForCausalLM": LossPlan("model", "lm_head", _identity, True),
+    "Qwen3ForCausalLM": LossPlan("model", "lm_head", _identity, True),
+    "OPTForCausalLM": LossPlan("model", "lm_head", _identity, True),
+    "BertForMaskedLM": LossPlan("bert", "cls.predictions.decoder", _bert_transform, False),
+    "RobertaForMaskedLM": LossPlan("roberta", "lm_head.decoder", _roberta_transform, False),
+}
+
+_DROP = ("labels", "logits_to_keep", "num_items_in_batch", "shift_labels", "return_dict")
+
+
+class FusedLossKernel(module_patch.Kernel):
+    """The root model's forward with the head and loss fused (see module docstring)."""
+
+    name = "fused_loss"
+
+    def __init__(self, plan: LossPlan, original_forward: Callable):
+        self.plan = plan
+        self.signature = inspect.signature(original_forward)
+        self.original_forward = original_forward
+
+    def __call__(self, module: nn.Module, *args, **kwargs):
+        bound = self.signature.bind(module, *args, **kwargs)
+        params = dict(bound.arguments)
+        params.pop("self", None)
+        extra = params.pop("kwargs", {}) or {}
+        params.update(extra)
+        labels = params.get("labels")
+        if labels is None:
+            return self.original_forward(module, *args, **kwargs)
+        return self.fused(module, params)
+
+    def fused(self, root: nn.Module, params: dict):
+        plan = self.plan
+        shift = params.get("shift_labels")
+        num_items = params.get("num_items_in_batch")
+        labels = params["labels"]
+        inputs = {k: v for k, v in params.items() if k not in _DROP}
+        out = getattr(root, plan.base)(**inputs, return_dict=True)
+        hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+        if plan.causal:
+            if shift is None:
+                shift = F.pad(labels, (0, 1), value=-100)[..., 1:]
+            labels = shift
+        head = root.get_submodule(plan.head)
+        valid = labels != -100
+        if not plan.causal:  # per-token transform only where a label exists (exact for the loss)
+            idx = valid.reshape(-1).nonzero()[:, 0]
+            hidden = hidden.reshape(-1, hidden.shape[-1]).index_select(0, idx)
+            labels = labels.reshape(-1)[idx]
+        hidden = plan.transform(root, hidden)
+        from ..op.linear_ce import fused_linear_cross_entropy
+
+        loss = fused_linear_cross_entropy(hidden, head.weight, labels, head.bias,
+                                          num_items=num_items)
+        return _output(root, out, loss)
+
+
+def _output(root: nn.Module, base_out, loss: torch.Tensor):
+    """The head class's own output type, with the loss and no logits."""
+    from transformers import modeling_outputs as mo
+
+    fields = {k: getattr(base_out, k, None) for k in ("past_key_values", "hidden_states",
+                                                       "attentions", "cross_attentions")}
+    if type(root).__name__.endswith("MaskedLM"):
+        return mo.MaskedLMOutput(loss=loss, logits=None, hidden_states=fields["hidden_states"],
+                                 attentions=fields["attentions"])
+    cls = mo.CausalLMOutputWithCrossAttentions if "GPT2" in type(root).__name__ else \
+        mo.CausalLMOutputWithPast
+    keep = {k: v for k, v in fields.items() if k in cls.__dataclass_fields__}
+    return cls(loss=loss, logits=None, **keep)
+
+
+def plan_for(model: nn.Module) -> LossPlan | None:
+    return PLANS.get(module_patch.original_class(model).__name__)
+
+
+def check_fusable(sch: Schedule) -> LossPlan:
+    """The plan for this root, or a SchedulingError saying why not (nothing is changed)."""
+    root = sch.mod
+    name = module_patch.original_class(root).__name__
+    plan = PLANS.get(name)
+    if plan is None:
+        raise SchedulingError(sch.path, f"fused_loss has no plan for {name}.",
+                              f"pass fused_loss=False (heads with a plan: "
+                              f"{', '.join(sorted(PLANS))}).")
+    head = root.get_submodule(plan.head)
+    if getattr(head.weight, "_slapo_shard", None) is not None:
+        raise SchedulingError(sch.path, f"fused_loss needs an unsharded LM head, but "
+                              f"{plan.head}.weight is sharded over the vocabulary.",
+                              "pass vocab_parallel=False with fused_loss=True.")
+    if module_patch.kernel(root) is not None:
+        raise SchedulingError(sch.path, "the model's forward is already replaced.",
+                              "apply fused_loss once.")
+    return plan
+
+
+def fuse_loss(sch: Schedule) -> None:
+    """Install the fused head+loss on the schedule's root (see module docstring)."""
+    plan = check_fusable(sch)
+    original = module_patch.original_class(sch.mod).forward
+    module_patch.set_kernel(sch.mod, FusedLossKernel(plan, original))
+    sch._record("fused_loss", (), {"head": plan.head})

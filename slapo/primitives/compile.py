@@ -1,0 +1,107 @@
+"""`compile`: compile one module (a transformer block, usually) with `torch.compile`.
+
+Why regional compilation (torchtitan's recipe) rather than `torch.compile(model)`:
+- identical blocks share one compiled graph, so compile time does not grow with depth;
+- it composes with the rest of the schedule: the block's sharded weights, its `sync`
+  collectives, `checkpoint` (plain or selective) and `fork_rng` run inside the compiled call,
+  and pipeline stages hold compiled blocks;
+- the model's structure is untouched: `nn.Module.compile` keeps the same module object, so
+  parameter names, `state_dict` keys and optimizer state are those of the original model (no
+  `_orig_mod.` prefix).
+
+Recompilation: dynamo specialises on Python values a block reads. HF layers read their
+`layer_idx` only to update a KV cache, so train with `use_cache=False` (HF does the same under
+gradient checkpointing); `model_schedule.apply(compile_blocks=True)` sets it on the config.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from ..errors import SchedulingError
+from ._util import refuse_in_export_capture
+from .base import Primitive, register_primitive
+
+MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+
+
+class CompiledCall:
+    """The compiled call installed as the module's `_compiled_call_impl` (what
+    `nn.Module.compile` installs, plus a correct deepcopy).
+
+    A plain `torch.compile(module._call_impl)` is bound to *this* module object: a deepcopy of
+    the model (Verify's reference, a progressive step) would silently run the original's
+    weights. Copying rebinds to the copy (found in deepcopy's memo) and compiles it again;
+    dynamo's cache is per code object, so the copy reuses the compiled graph."""
+
+    def __init__(self, module: nn.Module, options: dict[str, Any]):
+        self.module = module
+        self.options = options
+        self.fn = torch.compile(module._call_impl, **options)
+
+    def __call__(self, *args, **kwargs):
+        return self.fn(*args, **kwargs)
+
+    def __deepcopy__(self, memo):
+        twin = memo.get(id(self.module))
+        if twin is None:  # copied on its own, not as part of its module: keep the original
+            return self
+        return CompiledCall(twin, self.options)
+
+
+def is_compiled(module: nn.Module) -> bool:
+    """True when `module.compile()` (or this primitive) compiled the module's call."""
+    return getattr(module, "_compiled_call_impl", None) is not None
+
+
+def compile_options(module: nn.Module) -> dict[str, Any] | None:
+    """The options this primitive compiled `module` with (None: not compiled by it)."""
+    return module.__dict__.get("_slapo_compile")
+
+
+@register_primitive
+class CompilePrimitive(Primitive):
+    """Compile this module's call with `torch.compile` (regional compilation; see module doc).
+
+    `backend` ("inductor", or any registered dynamo backend such as "aot_eager"), `mode`,
+    `fullgraph` and `dynamic` are `torch.compile`'s. `dynamic=False` (default) specialises on
+    shapes: training with fixed batch and sequence compiles once.
+    """
+
+    name = "compile"
+
+    @classmethod
+    def validate(cls, sch, backend: str | Any = "inductor", mode: str | None = None,
+                 fullgraph: bool = False, dynamic: bool | None = False):
+        refuse_in_export_capture(sch, "compile", "compile the module that holds the capture.")
+        if sch.parent is None and not isinstance(sch.mod, nn.Module):
+            raise SchedulingError(sch.path, "compile needs an nn.Module.", "")
+        if is_compiled(sch.mod):
+            raise SchedulingError(sch.path, "this module is already compiled.",
+                                  "remove the second compile call.")
+        if mode not in MODES:
+            raise SchedulingError(sch.path, f"unknown compile mode {mode!r}.",
+                                  f"use one of {', '.join(map(repr, MODES))}.")
+        if not (isinstance(backend, str) or callable(backend)):
+            raise SchedulingError(sch.path, f"backend must be a name or a callable, got "
+                                  f"{backend!r}.", "pass e.g. backend='inductor'.")
+        if isinstance(backend, str) and backend not in torch._dynamo.list_backends(None):
+            raise SchedulingError(sch.path, f"unknown torch.compile backend {backend!r}.",
+                                  f"use one of {', '.join(torch._dynamo.list_backends(None))}.")
+        inner = [p for p, m in sch.mod.named_modules() if p and is_compiled(m)]
+        if inner:
+            raise SchedulingError(sch.path, f"submodule {sch.path}.{inner[0]} is already "
+                                  "compiled; nested regions compile the inner one twice.",
+                                  "compile either the block or its parts, not both.")
+
+    @classmethod
+    def apply(cls, sch, backend: str | Any = "inductor", mode: str | None = None,
+              fullgraph: bool = False, dynamic: bool | None = False):
+        opts = {"backend": backend, "mode": mode, "fullgraph": fullgraph, "dynamic": dynamic}
+        if mode is None:
+            del opts["mode"]
+        sch.mod._compiled_call_impl = CompiledCall(sch.mod, opts)
+        sch.mod.__dict__["_slapo_compile"] = opts
