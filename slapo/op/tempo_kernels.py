@@ -47,8 +47,15 @@ def _k() -> Any:
     return tempo_triton
 
 
+def _gelu_module() -> Any:
+    """The tempo_gelu module (`slapo.op.tempo_gelu` the attribute is the function of that name)."""
+    import importlib
+
+    return importlib.import_module("slapo.op.tempo_gelu")
+
+
 def _gelu_consts(approximate: str, dtype: torch.dtype) -> dict:
-    from . import tempo_gelu as tg
+    tg = _gelu_module()
 
     hl, hr = tg.table_steps(approximate)
     return dict(
@@ -67,7 +74,7 @@ _BLOCK = 1024
 
 def gelu_fwd(x: torch.Tensor, approximate: str = "none") -> tuple[torch.Tensor, torch.Tensor]:
     """One fused pass: y = GELU(x) (x's dtype) and the 1-byte code (see `tempo_gelu`)."""
-    from . import tempo_gelu as tg
+    tg = _gelu_module()
 
     x = x.contiguous()
     y = torch.empty_like(x)
@@ -79,14 +86,14 @@ def gelu_fwd(x: torch.Tensor, approximate: str = "none") -> tuple[torch.Tensor, 
         grid = (triton_cdiv(n, _BLOCK),)
         _k().gelu_fwd_kernel[grid](x, y, code, table, n, c["xm"], c["ym"], c["inv_hl"],
                                    c["inv_hr"], 1.0 / c["scale"], TANH=c["TANH"],
-                                   TAB_N=c["TAB_N"], BLOCK=_BLOCK)
+                                   BF16=x.dtype == torch.bfloat16, TAB_N=c["TAB_N"], BLOCK=_BLOCK)
     return y, code
 
 
 def gelu_bwd(dy: torch.Tensor, y: torch.Tensor, code: torch.Tensor,
              approximate: str = "none") -> torch.Tensor:
     """One fused pass: dx = dy * GELU'(x) recovered from (y, code)."""
-    from . import tempo_gelu as tg
+    tg = _gelu_module()
 
     dy = dy.contiguous()
     dx = torch.empty_like(dy)
@@ -125,7 +132,8 @@ def layer_norm_fwd(x2d: torch.Tensor, weight: torch.Tensor | None, bias: torch.T
         _k().ln_fwd_kernel[(m,)](x2d, weight if weight is not None else dummy,
                                  bias if bias is not None else dummy, y, ys, rstd, n, eps,
                                  HAS_W=weight is not None, HAS_B=bias is not None,
-                                 SEPARATE=ys is not y, BLOCK_N=_block_n(n))
+                                 SEPARATE=ys is not y,
+                                 BF16_SAVE=save_dtype == torch.bfloat16, BLOCK_N=_block_n(n))
     return y, ys, rstd
 
 

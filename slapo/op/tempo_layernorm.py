@@ -67,7 +67,10 @@ def layer_norm_forward_reference(x2d, weight, bias, eps: float, save_dtype: torc
     n = x2d.shape[-1]
     y, _mean, rstd = torch.native_layer_norm(x2d, [n], weight, bias, eps)
     ys = y if save_dtype == y.dtype else y.to(save_dtype)
-    return y, ys, rstd.reshape(-1).to(_compute_dtype(x2d.dtype))
+    ct = _compute_dtype(x2d.dtype)
+    if rstd.dtype != ct:  # CPU returns half-precision statistics for half inputs
+        rstd = torch.rsqrt(x2d.to(ct).var(-1, unbiased=False) + eps)
+    return y, ys, rstd.reshape(-1)
 
 
 def layer_norm_backward_reference(dy2d, ys, weight, bias, rstd, dx_dtype: torch.dtype):

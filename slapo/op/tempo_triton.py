@@ -32,6 +32,15 @@ def _gelu_and_grad(x, TANH: tl.constexpr):
 
 
 @triton.jit
+def _round_bf16(v):
+    """fp32 -> nearest bf16 value (ties to even), still as fp32. Explicit because Triton's CPU
+    interpreter truncates on `.to(tl.bfloat16)`; on GPU it equals the hardware conversion."""
+    bits = v.to(tl.uint32, bitcast=True)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _estimate(y, right, tab_ptr, ym, inv_hl, inv_hr, TAB_N: tl.constexpr):
     """GELU' from y and the branch: linear interpolation in the table (see tempo_gelu)."""
     w_right = tl.sqrt(tl.maximum(y - ym, 0.0))
@@ -51,11 +60,14 @@ def _estimate(y, right, tab_ptr, ym, inv_hl, inv_hr, TAB_N: tl.constexpr):
 
 @triton.jit
 def gelu_fwd_kernel(x_ptr, y_ptr, code_ptr, tab_ptr, n, xm, ym, inv_hl, inv_hr, inv_scale,
-                    TANH: tl.constexpr, TAB_N: tl.constexpr, BLOCK: tl.constexpr):
+                    TANH: tl.constexpr, BF16: tl.constexpr, TAB_N: tl.constexpr,
+                    BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     y, d = _gelu_and_grad(x, TANH)
+    if BF16:
+        y = _round_bf16(y)
     ys = y.to(y_ptr.dtype.element_ty)
     right = x >= xm
     est = _estimate(ys.to(tl.float32), right, tab_ptr, ym, inv_hl, inv_hr, TAB_N)
@@ -81,7 +93,8 @@ def gelu_bwd_kernel(dy_ptr, y_ptr, code_ptr, dx_ptr, tab_ptr, n, ym, inv_hl, inv
 
 @triton.jit
 def ln_fwd_kernel(x_ptr, w_ptr, b_ptr, y_ptr, ys_ptr, rstd_ptr, n, eps, HAS_W: tl.constexpr,
-                  HAS_B: tl.constexpr, SEPARATE: tl.constexpr, BLOCK_N: tl.constexpr):
+                  HAS_B: tl.constexpr, SEPARATE: tl.constexpr, BF16_SAVE: tl.constexpr,
+                  BLOCK_N: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_N)
     mask = cols < n
@@ -97,6 +110,8 @@ def ln_fwd_kernel(x_ptr, w_ptr, b_ptr, y_ptr, ys_ptr, rstd_ptr, n, eps, HAS_W: t
         y = y + tl.load(b_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     tl.store(y_ptr + row * n + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
     if SEPARATE:
+        if BF16_SAVE:
+            y = _round_bf16(y)
         tl.store(ys_ptr + row * n + cols, y.to(ys_ptr.dtype.element_ty), mask=mask)
     tl.store(rstd_ptr + row, rstd)
 
@@ -118,18 +133,18 @@ def ln_bwd_kernel(dy_ptr, ys_ptr, w_ptr, b_ptr, rstd_ptr, dx_ptr, dw_ptr, db_ptr
         b = tl.zeros((BLOCK_N,), dtype=tl.float32)
     dw_acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
     db_acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for i in range(0, rows_per_prog):
-        row = (pid * rows_per_prog + i).to(tl.int64)
-        rmask = mask & (row < m)
-        dy = tl.load(dy_ptr + row * n + cols, mask=rmask, other=0.0).to(tl.float32)
-        y = tl.load(ys_ptr + row * n + cols, mask=rmask, other=0.0).to(tl.float32)
-        rstd = tl.load(rstd_ptr + row, mask=row < m, other=0.0)
-        xhat = tl.where(rmask, (y - b) / w, 0.0)
+    first = pid * rows_per_prog
+    for i in range(0, tl.minimum(rows_per_prog, m - first)):
+        row = (first + i).to(tl.int64)
+        dy = tl.load(dy_ptr + row * n + cols, mask=mask, other=0.0).to(tl.float32)
+        y = tl.load(ys_ptr + row * n + cols, mask=mask, other=0.0).to(tl.float32)
+        rstd = tl.load(rstd_ptr + row)
+        xhat = tl.where(mask, (y - b) / w, 0.0)
         g = dy * w
         c1 = tl.sum(g, axis=0) / n
         c2 = tl.sum(g * xhat, axis=0) / n
         dx = (g - c1 - xhat * c2) * rstd
-        tl.store(dx_ptr + row * n + cols, dx.to(dx_ptr.dtype.element_ty), mask=rmask)
+        tl.store(dx_ptr + row * n + cols, dx.to(dx_ptr.dtype.element_ty), mask=mask)
         dw_acc += dy * xhat
         db_acc += dy
     if HAS_W:
