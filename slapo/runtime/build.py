@@ -5,7 +5,8 @@ The composition order is torchtitan's, each concern one function applied in visi
     check arguments (every rank, before any communication)
     -> [pipeline] split into stages from the cuts, keep this rank's
     -> materialise delayed-init weights (only what this rank keeps) / move to the device
-    -> data parallel (DDP or FSDP2) per model or stage
+    -> [mixed precision] autocast per stage forward (pipelines); Precision for the step
+    -> data parallel (DDP or FSDP2, with FSDP2's MixedPrecisionPolicy) per model or stage
     -> optimizer over what this rank holds
     -> [pipeline] PipelineStage + schedule
     -> TrainModule(model or stages, optimizer, runner) with `train_step(batch)`
@@ -35,6 +36,7 @@ from .pipelining import (
     make_stages,
     plan_pipeline,
 )
+from .precision import Precision, check_autocast, check_mixed_precision, module_device_type
 from .train_step import LocalRunner, LossFn, NormWeights, StepConfig, TrainModule
 
 TARGETS = (None, "deepspeed")
@@ -83,6 +85,41 @@ def mesh_info(sch: Schedule, mesh) -> MeshInfo:
             f"the mesh's tp dimension has {info.tp}.",
             "create the schedule with slapo.create_schedule(model, mesh=mesh).")
     return info
+
+
+def _check_precision_target(kind: str | None, target: str | None) -> None:
+    if kind is not None and target == "deepspeed":
+        raise SchedulingError("", f"mixed_precision={kind!r} with target='deepspeed': DeepSpeed "
+                              "manages precision itself.",
+                              f"drop mixed_precision and put {{'{kind}': {{'enabled': True}}}} "
+                              "in deepspeed_config.")
+
+
+def _run_device_type(sch: Schedule, device, info: MeshInfo) -> str:
+    """Where the model will run (the autocast device type), known before anything is moved."""
+    if device is not None:
+        return torch.device(device).type
+    if has_meta_tensors(sch.mod):
+        return _default_device(info).type
+    return module_device_type(sch.mod, default=_default_device(info).type)
+
+
+def _job_group(info: MeshInfo):
+    """Every rank that takes this optimizer step (the fp16 scaler's inf/NaN vote is reduced
+    over it): the whole mesh, or the schedule's TP group without a mesh, or None.
+    Creating a group for a mesh smaller than the job is a collective over the job."""
+    import torch.distributed as dist
+
+    if info.mesh is None:
+        return info.tp_group if info.tp > 1 else None
+    if info.mesh.size() == dist.get_world_size():
+        return dist.group.WORLD
+    return dist.new_group(ranks=info.mesh.mesh.flatten().tolist())
+
+
+def make_precision(kind: str | None, device_type: str, info: MeshInfo) -> Precision:
+    group = _job_group(info) if kind == "fp16" else None
+    return Precision(kind, device_type, group)
 
 
 def _check_pipeline_off(sch: Schedule, info: MeshInfo) -> None:
@@ -171,8 +208,9 @@ def build(sch: Schedule, *, optimizer: Callable | None = None,
           virtual_stages: int | None = None, data_parallel: str | None = None,
           reshard_after_forward: bool | int = True, loss_fn: LossFn | None = None,
           grad_clip: float | None = None, grad_accum: int = 1, batch_is_global: bool = True,
-          target: str | None = None,
-          deepspeed_config: dict | None = None) -> tuple[TrainModule, torch.optim.Optimizer | None]:
+          target: str | None = None, deepspeed_config: dict | None = None,
+          mixed_precision: str | None = None
+          ) -> tuple[TrainModule, torch.optim.Optimizer | None]:
     """Return `(model, optimizer)` for a schedule; `model.train_step(batch) -> float` trains.
 
     Weights:
@@ -201,14 +239,26 @@ def build(sch: Schedule, *, optimizer: Callable | None = None,
     - The returned loss is the mean over the global batch (exactly, for losses that are means
       over samples of equal weight), as a float on every rank.
 
+    `mixed_precision`: None (default; "fp32" is the same), "bf16" or "fp16". Weights and
+    optimizer state stay fp32; forward and loss run under `torch.autocast(device_type, dtype)`;
+    "fp16" adds a gradient scaler (unscaled before clipping; a step with inf/NaN gradients on
+    any rank is skipped on every rank and counted in `model.precision.skipped_steps`). With
+    `data_parallel="fsdp"` FSDP2 also gets `MixedPrecisionPolicy(param_dtype=dtype,
+    reduce_dtype=float32)`; pipeline stages run their forward under autocast. See
+    `slapo.runtime.precision` and docs/runtime.md ("Mixed precision").
+
     `target="deepspeed"`: hand the model to a DeepSpeed engine instead (ZeRO stages 1-3 through
     `deepspeed_config`); see `slapo.runtime.deepspeed`.
     """
     _check_schedule(sch)
     _check_optimizer(sch, optimizer)
     _check_step_args(grad_accum, grad_clip, target)
+    kind = check_mixed_precision(mixed_precision)
+    _check_precision_target(kind, target)
     info = mesh_info(sch, mesh)
     check_data_parallel(data_parallel, info)
+    device_type = _run_device_type(sch, device, info)
+    check_autocast(kind, device_type)
     config = StepConfig(info, grad_accum, grad_clip, 1, batch_is_global)
     if target == "deepspeed":
         from .deepspeed import build_deepspeed
@@ -223,34 +273,38 @@ def build(sch: Schedule, *, optimizer: Callable | None = None,
         return _build_local(sch, info, config, optimizer=optimizer,
                             optimizer_kwargs=optimizer_kwargs, loss_fn=loss_fn, device=device,
                             init_weights=init_weights, seed=seed, data_parallel=data_parallel,
-                            reshard_after_forward=reshard_after_forward)
+                            reshard_after_forward=reshard_after_forward,
+                            precision=make_precision(kind, device_type, info))
     return _build_pipeline(sch, info, config, pipeline=pipeline,
                            num_microbatches=num_microbatches, virtual_stages=virtual_stages,
                            optimizer=optimizer, optimizer_kwargs=optimizer_kwargs,
                            loss_fn=loss_fn, device=device, init_weights=init_weights, seed=seed,
                            data_parallel=data_parallel,
-                           reshard_after_forward=reshard_after_forward)
+                           reshard_after_forward=reshard_after_forward,
+                           precision=make_precision(kind, device_type, info))
 
 
 def _build_local(sch: Schedule, info: MeshInfo, config: StepConfig, *, optimizer,
                  optimizer_kwargs, loss_fn, device, init_weights, seed, data_parallel,
-                 reshard_after_forward) -> tuple[TrainModule, torch.optim.Optimizer | None]:
+                 reshard_after_forward,
+                 precision: Precision) -> tuple[TrainModule, torch.optim.Optimizer | None]:
     """The whole model on every rank (optionally tensor-parallel), optionally data-parallel."""
     model = sch.mod
     place_weights(model, device, info, init_weights, seed)
     table = norm_weight_table([model], info)
     model = apply_data_parallel(model, data_parallel, info,
-                                reshard_after_forward=reshard_after_forward)
+                                reshard_after_forward=reshard_after_forward,
+                                mp_policy=precision.fsdp_policy())
     opt = make_optimizer(optimizer, _unique_params([model]), optimizer_kwargs)
-    runner = LocalRunner(model, loss_fn)
+    runner = LocalRunner(model, loss_fn, precision)
     nw = norm_weights(model, table, dp_sharded=data_parallel == "fsdp")
-    return TrainModule(model, [], opt, runner, config, nw), opt
+    return TrainModule(model, [], opt, runner, config, nw, precision), opt
 
 
 def _build_pipeline(sch: Schedule, info: MeshInfo, config: StepConfig, *, pipeline: str,
                     num_microbatches, virtual_stages, optimizer, optimizer_kwargs, loss_fn,
-                    device, init_weights, seed, data_parallel,
-                    reshard_after_forward) -> tuple[TrainModule, torch.optim.Optimizer | None]:
+                    device, init_weights, seed, data_parallel, reshard_after_forward,
+                    precision: Precision) -> tuple[TrainModule, torch.optim.Optimizer | None]:
     """This rank's pipeline stages (each optionally data-parallel) driven by a torch schedule."""
     plan = plan_pipeline(pipeline, info, num_microbatches, virtual_stages)
     check_cuts(sch, plan)
@@ -260,17 +314,18 @@ def _build_pipeline(sch: Schedule, info: MeshInfo, config: StepConfig, *, pipeli
     tied = find_tied(all_stages, plan, info.pp_rank)  # before weights are replaced
     _place_stage_weights(sch, mine, device, info, init_weights, seed)
     table = norm_weight_table(mine, info, tied)
-    wrapped = [apply_data_parallel(m, data_parallel, info,
-                                   reshard_after_forward=reshard_after_forward) for m in mine]
+    wrapped = [precision.wrap_forward(apply_data_parallel(
+        m, data_parallel, info, reshard_after_forward=reshard_after_forward,
+        mp_policy=precision.fsdp_policy())) for m in mine]
     dev = device or _stage_device(mine, info)
     opt = make_optimizer(optimizer, _unique_params(wrapped), optimizer_kwargs)
-    runner = PipelineRunner(None, plan, info, ids, mine, loss_fn, tied)
+    runner = PipelineRunner(None, plan, info, ids, mine, loss_fn, tied, precision)
     pstages = make_stages(wrapped, ids, plan, info, torch.device(dev))
     runner.schedule = make_schedule(pstages, plan, runner.schedule_loss)
     config.num_microbatches = plan.num_microbatches
     holder = nn.ModuleList(wrapped)
     nw = norm_weights(holder, table, dp_sharded=data_parallel == "fsdp")
-    return TrainModule(None, wrapped, opt, runner, config, nw), opt
+    return TrainModule(None, wrapped, opt, runner, config, nw, precision), opt
 
 
 def _place_stage_weights(sch: Schedule, stages: list[nn.Module], device, info: MeshInfo,

@@ -77,10 +77,14 @@ def apply_ddp(model: nn.Module, info: MeshInfo) -> nn.Module:
 
 
 def apply_data_parallel(model: nn.Module, kind: str | None, info: MeshInfo, *,
-                        reshard_after_forward: bool | int = True) -> nn.Module:
-    """Apply `kind` ("ddp", "fsdp" or None) over the dp dimension; a no-op when dp == 1 and DDP."""
+                        reshard_after_forward: bool | int = True, mp_policy=None) -> nn.Module:
+    """Apply `kind` ("ddp", "fsdp" or None) over the dp dimension; a no-op when dp == 1 and DDP.
+
+    `mp_policy`: FSDP2's MixedPrecisionPolicy (`Precision.fsdp_policy()`); DDP needs none (it
+    all-reduces the fp32 gradients of the fp32 parameters; autocast lives in the forward)."""
     if kind is None:
         return model
     if kind == "ddp":
         return apply_ddp(model, info)
-    return apply_fsdp(model, info, reshard_after_forward=reshard_after_forward)
+    return apply_fsdp(model, info, reshard_after_forward=reshard_after_forward,
+                      mp_policy=mp_policy)

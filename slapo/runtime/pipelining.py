@@ -13,6 +13,13 @@ the schedule splits it exactly like the inputs, and the loss looks the samples u
 Gradients are averaged by us, not by torch (`scale_grads=False`): each micro-batch loss is
 divided by (micro-batches x accumulation steps), so gradient accumulation over several `step`
 calls stays exact (torch's rescaling would also rescale gradients accumulated before the call).
+
+Mixed precision (`Precision`): each stage's forward runs under autocast (`wrap_forward`, applied
+to the module the PipelineStage calls, so torch's metadata inference, which calls the same
+forward on real tensors of the stage's device, infers the activation dtypes the micro-batches
+really have: fp32 for HF decoders, whose residual stream stays fp32 under autocast), the loss
+runs under autocast, and the loss handed to the schedule's backward is `loss_for_backward`
+(fp32, scaled for fp16).
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ import torch.nn as nn
 from ..errors import SchedulingError
 from .batch import Batch, batch_size, index_batch
 from .mesh import MeshInfo
+from .precision import Precision
 from .train_step import LossFn, compute_loss
 
 V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
@@ -245,7 +253,8 @@ class PipelineRunner:
     """One `schedule.step` per accumulation slice; the loss is the mean over micro-batches."""
 
     def __init__(self, schedule, plan: PipelinePlan, info: MeshInfo, stage_ids: list[int],
-                 stage_modules: list[nn.Module], loss_fn: LossFn | None, tied: TiedWeights):
+                 stage_modules: list[nn.Module], loss_fn: LossFn | None, tied: TiedWeights,
+                 precision: Precision | None = None):
         self.schedule = schedule
         self.plan = plan
         self.info = info
@@ -256,6 +265,7 @@ class PipelineRunner:
             if self.holds_last else None
         self.loss_fn = loss_fn
         self.tied = tied
+        self.precision = precision or Precision()
         self._batch: Batch | None = None
         self._scale = 1.0
         self._losses: list[torch.Tensor] = []
@@ -263,13 +273,14 @@ class PipelineRunner:
     def schedule_loss(self, output: Any, index: torch.Tensor) -> torch.Tensor:
         """The schedule's `loss_fn(output, target)`: target holds the micro-batch's indices."""
         mb = index_batch(self._batch, index)
-        outputs = stage_outputs(self.last, output)
-        if self.loss_fn is None:
-            loss = stage_default_loss(self.last, outputs, mb)
-        else:
-            loss = compute_loss(outputs, mb, self.loss_fn)
+        with self.precision.autocast():
+            outputs = stage_outputs(self.last, output)
+            if self.loss_fn is None:
+                loss = stage_default_loss(self.last, outputs, mb)
+            else:
+                loss = compute_loss(outputs, mb, self.loss_fn)
         self._losses.append(loss.detach())
-        return loss * (self._scale / self.plan.num_microbatches)
+        return self.precision.loss_for_backward(loss * (self._scale / self.plan.num_microbatches))
 
     def forward_backward(self, batch: Batch, scale: float, sync_grads: bool) -> torch.Tensor:
         check_no_padding_mask(batch)

@@ -3,11 +3,15 @@
 The step is the same sequence whatever `build` composed:
 
     slice this dp rank's samples -> zero grads -> for each accumulation slice: runner.forward_backward
-    -> runner.finish_grads (e.g. sum tied weights across pipeline stages) -> clip -> optimizer.step
-    -> the loss, averaged over samples, as a float on every rank
+    -> runner.finish_grads (e.g. sum tied weights across pipeline stages) -> unscale (fp16)
+    -> clip -> optimizer.step (fp16: skipped on inf/NaN) -> the loss, averaged over samples, as a
+    float on every rank
 
 Only the *runner* differs: `LocalRunner` runs the module (plain, DDP or FSDP2) on the slice;
-`slapo.runtime.pipelining.PipelineRunner` runs a torch.distributed.pipelining schedule.
+`slapo.runtime.pipelining.PipelineRunner` runs a torch.distributed.pipelining schedule. Both get
+the step's `Precision` (`slapo.runtime.precision`): forward and loss under its `autocast()`,
+backward on its `loss_for_backward(loss)`; the step's unscale and optimizer step are the
+TrainModule's, so precision is decided in one place.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from torch.nn.parallel import DistributedDataParallel
 from ..errors import SchedulingError
 from .batch import Batch, batch_size, call, check_divisible, slice_batch, split_batch
 from .mesh import MeshInfo
+from .precision import Precision
 
 LossFn = Callable[[Any, Batch], torch.Tensor]
 
@@ -61,9 +66,11 @@ class Runner(Protocol):
 class LocalRunner:
     """The whole model on every rank of a dp group: plain, DistributedDataParallel or FSDP2."""
 
-    def __init__(self, module: nn.Module, loss_fn: LossFn | None):
+    def __init__(self, module: nn.Module, loss_fn: LossFn | None,
+                 precision: Precision | None = None):
         self.module = module
         self.loss_fn = loss_fn
+        self.precision = precision or Precision()
 
     def _no_sync(self, sync: bool):
         if not sync and isinstance(self.module, DistributedDataParallel):
@@ -74,8 +81,9 @@ class LocalRunner:
         if isinstance(self.module, FSDPModule):  # reduce-scatter only on the last slice
             self.module.set_requires_gradient_sync(sync_grads)
         with self._no_sync(sync_grads):
-            loss = compute_loss(call(self.module, batch), batch, self.loss_fn)
-            (loss * scale if scale != 1 else loss).backward()
+            with self.precision.autocast():  # forward and loss; backward outside autocast
+                loss = compute_loss(call(self.module, batch), batch, self.loss_fn)
+            (self.precision.loss_for_backward(loss * scale if scale != 1 else loss)).backward()
         return loss.detach()
 
     def finish_grads(self) -> None:
@@ -157,7 +165,7 @@ class TrainModule(nn.Module):
 
     def __init__(self, module: nn.Module | None, stages: Iterable[nn.Module],
                  optimizer: torch.optim.Optimizer | None, runner: Runner, config: StepConfig,
-                 norm_weights: NormWeights):
+                 norm_weights: NormWeights, precision: Precision | None = None):
         super().__init__()
         self.model = module
         self.stages = nn.ModuleList(stages)
@@ -165,6 +173,7 @@ class TrainModule(nn.Module):
         self.runner = runner
         self.step_config = config
         self._norm_weights = norm_weights
+        self.precision = precision or Precision()
 
     # ---- the model --------------------------------------------------------------------------
     def forward(self, *args, **kwargs):
@@ -230,20 +239,24 @@ class TrainModule(nn.Module):
         return slice_batch(batch, info.dp_rank * size, (info.dp_rank + 1) * size)
 
     def train_step(self, batch: Batch) -> float:
-        """Forward, backward, (clip), optimizer step; the batch's mean loss on every rank."""
+        """Forward, backward, (unscale, clip), optimizer step; the batch's mean loss on every
+        rank. With fp16 the step may be skipped (inf/NaN gradients on some rank): see
+        `self.precision.last_step_skipped` / `.skipped_steps`; the loss is returned either way."""
         if self.optimizer is None:
             raise SchedulingError("", "train_step needs an optimizer.",
                                   "pass build(sch, optimizer=torch.optim.AdamW, ...).")
         cfg = self.step_config
         batch = self.local_batch(batch)
         self.optimizer.zero_grad(set_to_none=True)
+        self.precision.begin_step()
         k = cfg.grad_accum
         loss = torch.zeros((), dtype=torch.float64)
         for i, part in enumerate(split_batch(batch, k) if k > 1 else [batch]):
             part_loss = self.runner.forward_backward(part, 1.0 / k, sync_grads=i == k - 1)
             loss = loss + part_loss.detach().double().cpu() / k
         self.runner.finish_grads()
+        self.precision.unscale_(self.optimizer)
         if cfg.grad_clip is not None:
             clip_grad_norm(self._norm_weights, cfg.grad_clip, cfg.info)
-        self.optimizer.step()
+        self.precision.step(self.optimizer)
         return reduce_loss(loss, cfg.info)

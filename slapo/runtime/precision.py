@@ -1,0 +1,215 @@
+"""Mixed precision for the training step: one `Precision` object owns autocast and loss scaling.
+
+`build(sch, ..., mixed_precision="bf16" | "fp16" | None)` makes one `Precision` and hands it to
+the step loop (`TrainModule.train_step`) and its runner; nothing else knows about dtypes:
+
+- **Master weights and optimizer state stay fp32.** Parameters are never cast; the optimizer
+  sees the fp32 parameters and fp32 gradients.
+- **Forward and loss run under `torch.autocast(device_type, dtype)`**: matmuls in bf16/fp16 on
+  fp32 weights cast on the fly (cached once per forward), reductions such as softmax, layer norm
+  and cross-entropy kept in fp32 by autocast's op lists. Backward runs *outside* autocast (as
+  PyTorch recommends); autograd replays the dtypes the forward chose.
+- **The loss** is taken in fp32 (`loss.float()`) before backward, so a model that returns a bf16
+  loss trains exactly like one returning fp32 (HF upcasts its logits for the loss anyway).
+- **fp16** adds a gradient scaler: the loss is multiplied by the scale before backward,
+  gradients are unscaled before clipping, the optimizer step is skipped when any gradient on any
+  rank is inf/NaN, and the scale is updated. Skipped steps are counted (`skipped_steps`,
+  `last_step_skipped`). The scaler is torch's `ShardedGradScaler` over the whole mesh when there
+  is more than one rank, so every rank (TP shards, pipeline stages, FSDP shards: different
+  gradients) takes the same skip decision and keeps the same scale; `torch.amp.GradScaler`
+  otherwise.
+- **FSDP2**: `fsdp_policy()` gives `MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=fp32)`,
+  so the all-gather moves half the bytes and gradients are reduce-scattered in fp32 into fp32
+  shards. Autocast still wraps the forward: with bf16 parameters its weight casts are no-ops,
+  but it keeps the ops on its fp32 list (softmax, layer/RMS norm on CUDA, losses) in fp32, which
+  the policy alone would run in bf16. The two together therefore match the plain (DDP or
+  one-process) autocast run within bf16 roundoff; the remaining difference is that weights outside
+  autocast's low-precision list (norm weights, embeddings, biases added outside a matmul) are
+  rounded to bf16 by the all-gather.
+- **Pipelines**: `wrap_forward(stage)` runs each stage's forward under autocast (stage forwards
+  are called by torch's schedule, not by us), and the pipeline's loss runs under `autocast()`.
+  torch's metadata inference calls the same (wrapped) forward, so the inferred activation
+  dtypes are the ones the real micro-batches have.
+
+fp16 on CPU: torch's CPU autocast supports float16 (2.13; checked at build time by entering
+autocast once: a device/dtype pair autocast does not support is refused with a clear error
+rather than silently running fp32). It is slow on CPUs without native fp16, but correct, so it
+is allowed; bf16 is the recommended CPU (and H100) precision.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import warnings
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from ..errors import SchedulingError
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+MIXED_PRECISION = (None, "fp32", "bf16", "fp16")  # "fp32" means None (off)
+
+
+def check_mixed_precision(value) -> str | None:
+    """Return the canonical precision (None, "bf16" or "fp16"); raise on anything else.
+
+    Called first thing in `build`, on every rank, so a bad value fails before anything is
+    placed, wrapped or communicated."""
+    if value is None or value == "fp32":
+        return None
+    if isinstance(value, str) and value in DTYPES:
+        return value
+    raise SchedulingError("", f"mixed_precision={value!r} is not supported.",
+                          "use None (fp32, the default), 'bf16' or 'fp16'.")
+
+
+def check_autocast(kind: str | None, device_type: str) -> None:
+    """Refuse a (device, dtype) pair that autocast would silently ignore (it only warns)."""
+    if kind is None:
+        return
+    try:
+        available = torch.amp.is_autocast_available(device_type)
+    except RuntimeError:  # not a device type at all
+        available = False
+    if not available:
+        raise SchedulingError("", f"mixed_precision={kind!r}: torch has no autocast for device "
+                              f"type {device_type!r}.", "use a cpu or cuda device, or "
+                              "mixed_precision=None.")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with torch.autocast(device_type, dtype=DTYPES[kind]):
+            enabled = torch.is_autocast_enabled(device_type)
+    if not enabled or any("not supported" in str(w.message) for w in caught):
+        raise SchedulingError("", f"mixed_precision={kind!r}: this torch's {device_type} "
+                              f"autocast does not support {DTYPES[kind]}.",
+                              "use 'bf16' (supported on CPU and recent GPUs).")
+
+
+def module_device_type(*modules: nn.Module, default: str = "cpu") -> str:
+    """The device type of the first parameter (or buffer) found: where autocast must act."""
+    for m in modules:
+        for t in list(m.parameters()) + list(m.buffers()):
+            if t.device.type != "meta":
+                return t.device.type
+    return default
+
+
+class Precision:
+    """Autocast context and (fp16) loss scaling for one trained model; see the module doc.
+
+    `kind`: None (fp32: every method is a no-op pass-through), "bf16" or "fp16".
+    `group`: the process group every rank of the job is in (the scaler's inf/NaN check is
+    reduced over it); None for one process.
+    """
+
+    def __init__(self, kind: str | None = None, device_type: str = "cpu", group=None):
+        self.kind = check_mixed_precision(kind)
+        self.device_type = device_type
+        self.dtype = DTYPES.get(self.kind) if self.kind else None
+        self.scaler = self._make_scaler(group) if self.kind == "fp16" else None
+        self.skipped_steps = 0
+        self.last_step_skipped = False
+
+    def _make_scaler(self, group):
+        if group is not None and dist.is_initialized() and dist.get_world_size(group) > 1:
+            from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+            return ShardedGradScaler(self.device_type, process_group=group)
+        return torch.amp.GradScaler(self.device_type)
+
+    def __repr__(self) -> str:
+        return f"Precision({self.kind or 'fp32'!r}, device_type={self.device_type!r})"
+
+    @property
+    def name(self) -> str:
+        """"fp32", "bf16" or "fp16" (for logs and metrics)."""
+        return self.kind or "fp32"
+
+    # ---- forward --------------------------------------------------------------------------
+    def autocast(self) -> contextlib.AbstractContextManager:
+        """The forward/loss context: autocast to `dtype`, or nothing for fp32."""
+        if self.dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device_type, dtype=self.dtype)
+
+    def wrap_forward(self, module: nn.Module) -> nn.Module:
+        """Run `module.forward` under `autocast()` from now on (same module object, so DDP /
+        FSDP2 / pipeline code that checks its type keeps working); returns the module."""
+        if self.dtype is None:
+            return module
+        inner = module.forward
+
+        @functools.wraps(inner)
+        def forward(*args, **kwargs):
+            with self.autocast():
+                return inner(*args, **kwargs)
+
+        module.forward = forward
+        return module
+
+    def fsdp_policy(self):
+        """FSDP2's MixedPrecisionPolicy for this precision (None for fp32: FSDP's default)."""
+        if self.dtype is None:
+            return None
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        return MixedPrecisionPolicy(param_dtype=self.dtype, reduce_dtype=torch.float32)
+
+    # ---- backward and step ----------------------------------------------------------------
+    def loss_for_backward(self, loss: torch.Tensor) -> torch.Tensor:
+        """The tensor to call `.backward()` on: the loss in fp32, times the scale for fp16.
+        (For fp32 and an fp32 loss this is `loss` itself, so nothing changes.)"""
+        if self.dtype is None:
+            return loss
+        loss = loss.float()
+        return self.scaler.scale(loss) if self.scaler is not None else loss
+
+    def begin_step(self) -> None:
+        """Make sure the scaler's scale exists on this rank, also where no loss is computed
+        (pipeline ranks without the last stage), so every rank can unscale and update."""
+        if self.scaler is not None and self.scaler._scale is None:
+            device = torch.device("cuda", torch.cuda.current_device()) \
+                if self.device_type == "cuda" else torch.device(self.device_type)
+            self.scaler.scale(torch.zeros((), device=device))
+
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        """Divide gradients by the scale (fp16), before clipping sees them."""
+        if self.scaler is not None:
+            self.scaler.unscale_(optimizer)
+
+    def step(self, optimizer: torch.optim.Optimizer) -> bool:
+        """`optimizer.step()`, or for fp16 the scaler's step and update; False if skipped.
+
+        A step is skipped exactly when the scaler backs off (found inf/NaN on some rank), which
+        is when its scale decreases."""
+        if self.scaler is None:
+            optimizer.step()
+            self.last_step_skipped = False
+            return True
+        before = self.scaler.get_scale()
+        self.scaler.step(optimizer)
+        self.scaler.update()
+        self.last_step_skipped = self.scaler.get_scale() < before
+        self.skipped_steps += int(self.last_step_skipped)
+        return not self.last_step_skipped
+
+    # ---- checkpoints ----------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """The scaler's state (scale, growth tracker) and the skip count; JSON-able."""
+        state: dict = {"precision": self.name, "skipped_steps": self.skipped_steps}
+        if self.scaler is not None:
+            state["scaler"] = {k: (float(v) if isinstance(v, float) else v)
+                               for k, v in self.scaler.state_dict().items()}
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        self.skipped_steps = int(state.get("skipped_steps", 0))
+        if self.scaler is not None and state.get("scaler"):
+            self.scaler.load_state_dict(dict(state["scaler"]))
+
+
+__all__ = ["DTYPES", "MIXED_PRECISION", "Precision", "check_autocast", "check_mixed_precision",
+           "module_device_type"]
