@@ -9,6 +9,10 @@ Why regional compilation (torchtitan's recipe) rather than `torch.compile(model)
   parameter names, `state_dict` keys and optimizer state are those of the original model (no
   `_orig_mod.` prefix).
 
+Copies: torch drops the compiled call when a module is copied or pickled (`__getstate__`), so
+a `deepcopy` of a scheduled model (Verify's reference, say) runs its own weights uncompiled:
+correct, and compiled again only if scheduled again.
+
 Recompilation: dynamo specialises on Python values a block reads. HF layers read their
 `layer_idx` only to update a KV cache, so train with `use_cache=False` (HF does the same under
 gradient checkpointing); `model_schedule.apply(compile_blocks=True)` sets it on the config.
@@ -28,30 +32,6 @@ from .base import Primitive, register_primitive
 MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
 
-class CompiledCall:
-    """The compiled call installed as the module's `_compiled_call_impl` (what
-    `nn.Module.compile` installs, plus a correct deepcopy).
-
-    A plain `torch.compile(module._call_impl)` is bound to *this* module object: a deepcopy of
-    the model (Verify's reference, a progressive step) would silently run the original's
-    weights. Copying rebinds to the copy (found in deepcopy's memo) and compiles it again;
-    dynamo's cache is per code object, so the copy reuses the compiled graph."""
-
-    def __init__(self, module: nn.Module, options: dict[str, Any]):
-        self.module = module
-        self.options = options
-        self.fn = torch.compile(module._call_impl, **options)
-
-    def __call__(self, *args, **kwargs):
-        return self.fn(*args, **kwargs)
-
-    def __deepcopy__(self, memo):
-        twin = memo.get(id(self.module))
-        if twin is None:  # copied on its own, not as part of its module: keep the original
-            return self
-        return CompiledCall(twin, self.options)
-
-
 def is_compiled(module: nn.Module) -> bool:
     """True when `module.compile()` (or this primitive) compiled the module's call."""
     return getattr(module, "_compiled_call_impl", None) is not None
@@ -59,7 +39,7 @@ def is_compiled(module: nn.Module) -> bool:
 
 def compile_options(module: nn.Module) -> dict[str, Any] | None:
     """The options this primitive compiled `module` with (None: not compiled by it)."""
-    return module.__dict__.get("_slapo_compile")
+    return module.__dict__.get("_slapo_compile") if is_compiled(module) else None
 
 
 @register_primitive
@@ -103,5 +83,5 @@ class CompilePrimitive(Primitive):
         opts = {"backend": backend, "mode": mode, "fullgraph": fullgraph, "dynamic": dynamic}
         if mode is None:
             del opts["mode"]
-        sch.mod._compiled_call_impl = CompiledCall(sch.mod, opts)
+        sch.mod.compile(**opts)
         sch.mod.__dict__["_slapo_compile"] = opts

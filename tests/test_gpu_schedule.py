@@ -1,0 +1,293 @@
+"""The GPU schedule's pieces on CPU: compile primitive, selective checkpointing, fused loss.
+
+Each is checked for what it must not change (outputs, every gradient, parameter names and
+state_dict keys) against the unscheduled model, on GPT-2, LLaMA and BERT built from configs.
+Compilation uses the "aot_eager" backend (dynamo + AOTAutograd, no code generation) except where
+inductor itself is the point, to keep the suite fast.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import slapo
+from slapo import model_schedule
+from slapo.errors import SchedulingError
+from slapo.model_schedule._registry import detect, layers_of
+from slapo.op.linear_ce import fused_linear_cross_entropy
+from slapo.primitives.compile import is_compiled
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+
+def _models():
+    from transformers import (
+        BertConfig,
+        BertForMaskedLM,
+        GPT2Config,
+        GPT2LMHeadModel,
+        LlamaConfig,
+        LlamaForCausalLM,
+    )
+
+    return {
+        "llama": lambda: LlamaForCausalLM(LlamaConfig(
+            hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+            num_key_value_heads=2, vocab_size=100, bos_token_id=0, eos_token_id=0,
+            pad_token_id=0)),
+        "gpt2": lambda: GPT2LMHeadModel(GPT2Config(
+            n_embd=64, n_layer=3, n_head=4, vocab_size=100, resid_pdrop=0, embd_pdrop=0,
+            attn_pdrop=0, bos_token_id=0, eos_token_id=0)),
+        "bert": lambda: BertForMaskedLM(BertConfig(
+            hidden_size=64, num_hidden_layers=3, num_attention_heads=4, intermediate_size=128,
+            vocab_size=100, hidden_dropout_prob=0, attention_probs_dropout_prob=0)),
+    }
+
+
+def _pair(name):
+    make = _models()[name]
+    torch.manual_seed(0)
+    ref = make()
+    torch.manual_seed(0)
+    return ref, make()
+
+
+def _batch(name):
+    g = torch.Generator().manual_seed(1)
+    x = torch.randint(0, 100, (2, 16), generator=g)
+    y = x.clone()
+    if name == "bert":
+        y[torch.rand(2, 16, generator=g) > 0.3] = -100
+    return x, y
+
+
+def _assert_same(ref, model, name, atol=2e-6):
+    x, y = _batch(name)
+    l1 = ref(input_ids=x, labels=y).loss
+    l1.backward()
+    l2 = model(input_ids=x, labels=y).loss
+    l2.backward()
+    torch.testing.assert_close(l2, l1, atol=atol, rtol=1e-5)
+    pairs = zip(ref.named_parameters(), model.named_parameters(), strict=True)
+    for (n1, p1), (n2, p2) in pairs:
+        assert n1 == n2
+        if p1.grad is None:
+            assert p2.grad is None or not p2.grad.any(), n1
+            continue
+        torch.testing.assert_close(p2.grad, p1.grad, atol=atol, rtol=1e-4, msg=n1)
+    assert list(model.state_dict()) == list(ref.state_dict())
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2", "bert"])
+def test_gpu_schedule_matches_original(name):
+    """Every GPU knob at once (SDPA, compiled blocks, SAC on all layers, fused loss)."""
+    ref, model = _pair(name)
+    sch = model_schedule.apply(model, attention="sdpa", fused_loss=True,
+                               compile_blocks="aot_eager", ckpt_ratio=1.0,
+                               ckpt_policy="selective")
+    layers = layers_of(sch, detect(model))
+    assert all(is_compiled(layer.mod) for layer in layers)
+    _assert_same(ref, model, name)
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2", "bert"])
+def test_fused_loss_alone_and_without_labels(name):
+    ref, model = _pair(name)
+    model_schedule.apply(model, fused_loss=True)
+    _assert_same(ref, model, name)
+    x, _ = _batch(name)
+    with torch.no_grad():  # without labels the original forward runs: logits are there
+        torch.testing.assert_close(model(input_ids=x).logits, ref(input_ids=x).logits)
+    out = model(input_ids=x, labels=x)
+    assert out.logits is None and out.loss is not None
+
+
+def test_fused_loss_positional_and_num_items():
+    ref, model = _pair("llama")
+    model_schedule.apply(model, fused_loss=True)
+    x, y = _batch("llama")
+    l1 = ref(x, labels=y, num_items_in_batch=7).loss
+    l2 = model(x, labels=y, num_items_in_batch=7).loss
+    torch.testing.assert_close(l2, l1)
+
+
+def test_identical_layers_share_one_graph():
+    """Compile time must not grow with depth: one graph for all (identical) layers."""
+    _, model = _pair("llama")
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    model_schedule.apply(model, compile_blocks=backend)
+    x, y = _batch("llama")
+    model(input_ids=x, labels=y).loss.backward()
+    assert len(graphs) == 1
+
+
+def test_selective_checkpoint_compiles_to_one_graph():
+    """A side effect in the checkpoint wrapper would make dynamo fall back to eager silently."""
+    _, model = _pair("gpt2")
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    model_schedule.apply(model, compile_blocks=backend, ckpt_ratio=1.0,
+                         ckpt_policy="selective")
+    x, y = _batch("gpt2")
+    model(input_ids=x, labels=y).loss.backward()
+    assert len(graphs) == 1
+
+
+def _matmuls_in_backward(model, x, y) -> int:
+    """How many matmuls backward runs (recomputed forward matmuls included)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    mm = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default}
+
+    class Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.n += func in mm
+            return func(*args, **(kwargs or {}))
+
+    loss = model(input_ids=x, labels=y).loss
+    with Count():
+        loss.backward()
+    return Count.n
+
+
+def test_selective_checkpoint_keeps_matmuls_and_saves_memory():
+    """SAC recomputes no matmul (full checkpointing recomputes all of them) and saves less for
+    backward than no checkpointing."""
+    from slapo.profile import saved_bytes
+
+    x, y = _batch("gpt2")
+    count, size = {}, {}
+    for policy in ("none", "selective", "full"):
+        _, model = _pair("gpt2")
+        if policy != "none":
+            model_schedule.apply(model, ckpt_ratio=1.0, ckpt_policy=policy)
+        count[policy] = _matmuls_in_backward(model, x, y)
+        size[policy] = saved_bytes(model, input_ids=x, labels=y)
+    assert count["selective"] == count["none"] < count["full"], count
+    assert size["selective"] < size["none"], size
+
+
+def test_checkpoint_policy_matches_original():
+    ref, model = _pair("gpt2")
+    sch = slapo.create_schedule(model)
+    for layer in sch["transformer.h"]:
+        layer.checkpoint(policy="selective")
+    _assert_same(ref, model, "gpt2")
+
+
+def test_compiled_module_deepcopy_runs_the_copy():
+    """A copy of a compiled model must run its own weights (torch drops the compiled call on
+    copy: the copy runs uncompiled), never the original's."""
+    _, model = _pair("llama")
+    sch = slapo.create_schedule(model)
+    sch["model.layers.0"].compile(backend="aot_eager")
+    twin = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in twin.model.layers[0].parameters():
+            p.zero_()
+    x, _ = _batch("llama")
+    assert is_compiled(model.model.layers[0]) and not is_compiled(twin.model.layers[0])
+    with torch.no_grad():
+        a = model(input_ids=x).logits
+        b = twin(input_ids=x).logits
+    assert not torch.allclose(a, b)
+
+
+@pytest.mark.compile
+def test_inductor_compiled_block_matches():
+    ref, model = _pair("llama")
+    sch = slapo.create_schedule(model)
+    sch["model.layers.1"].compile()
+    _assert_same(ref, model, "llama", atol=1e-5)
+
+
+def test_bad_knobs_change_nothing():
+    _, model = _pair("llama")
+    before = copy.deepcopy(model.state_dict())
+    with pytest.raises(SchedulingError, match="ckpt_policy"):
+        model_schedule.apply(model, ckpt_ratio=1.0, ckpt_policy="some")
+    with pytest.raises(SchedulingError, match="pipeline"):
+        model_schedule.apply(model, fused_loss=True, pp_stages=2)
+    sch = slapo.create_schedule(model)
+    with pytest.raises(SchedulingError, match="unknown torch.compile backend"):
+        sch["model.layers.0"].compile(backend="no-such-backend")
+    with pytest.raises(SchedulingError, match="mode"):
+        sch["model.layers.0"].compile(mode="fastest")
+    with pytest.raises(SchedulingError, match="policy"):
+        sch["model.layers.0"].checkpoint(policy="half")
+    assert not any(is_compiled(m) for m in model.modules())
+    assert not sch.applied() or all(n == "" for n, _ in [])
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k])
+
+
+def test_compile_twice_and_nested_refused():
+    _, model = _pair("llama")
+    sch = slapo.create_schedule(model)
+    sch["model.layers.0.mlp"].compile(backend="aot_eager")
+    with pytest.raises(SchedulingError, match="already compiled"):
+        sch["model.layers.0.mlp"].compile(backend="aot_eager")
+    with pytest.raises(SchedulingError, match="nested|already compiled"):
+        sch["model.layers.0"].compile(backend="aot_eager")
+
+
+def test_fused_loss_refuses_unknown_head():
+    from transformers import BertConfig, BertModel
+
+    model = BertModel(BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                 intermediate_size=64, vocab_size=50))
+    with pytest.raises(SchedulingError, match="fused_loss has no plan"):
+        model_schedule.apply(model, fused_loss=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("skip", [False, True])
+def test_fused_linear_cross_entropy_exact(dtype, skip):
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(37, 16, dtype=dtype, generator=g, requires_grad=True)
+    w = torch.randn(29, 16, dtype=dtype, generator=g, requires_grad=True)
+    b = torch.randn(29, dtype=dtype, generator=g, requires_grad=True)
+    y = torch.randint(0, 29, (37,), generator=g)
+    y[::3] = -100
+    logits = F.linear(h, w, b)
+    ref = F.cross_entropy(logits if dtype == torch.float64 else logits.float(), y)
+    ref.backward()
+    want = [t.grad.clone() for t in (h, w, b)]
+    for t in (h, w, b):
+        t.grad = None
+    out = fused_linear_cross_entropy(h, w, y, b, chunk_size=8, skip_ignored=skip)
+    (3 * out).backward()
+    tol = 1e-12 if dtype == torch.float64 else 1e-6
+    torch.testing.assert_close(out, ref, atol=tol, rtol=tol)
+    for t, expect in zip((h, w, b), want):
+        torch.testing.assert_close(t.grad / 3, expect, atol=tol, rtol=1e-5)
+
+
+def test_fused_linear_cross_entropy_sum_and_autocast():
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(20, 8, generator=g)
+    w = torch.randn(11, 8, generator=g)
+    y = torch.randint(0, 11, (20,), generator=g)
+    torch.testing.assert_close(fused_linear_cross_entropy(h, w, y, reduction="sum"),
+                               F.cross_entropy(h @ w.t(), y, reduction="sum"))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref = F.cross_entropy(F.linear(h, w).float(), y)
+        out = fused_linear_cross_entropy(h, w, y)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
