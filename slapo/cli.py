@@ -2,6 +2,7 @@
 
     slapo train --model gpt2 --steps 50 --out runs/gpt2
     slapo train --config run.toml --steps 100          # flags override the TOML file
+    slapo train --model llama --precision bf16 --device cuda
     torchrun --nproc-per-node 2 -m slapo.cli train --tp 2 --out runs/tp2
 
 Options come from three places, later ones winning: `TrainConfig`'s defaults, the TOML file
@@ -48,6 +49,9 @@ HELP = {
     "fuse_compiler": "schedule knob: torch.compile backend for --fuse (inductor, aot_eager, ...)",
     "tempo": "schedule knob: memory-saving Tempo layers",
     "pp_stages": "schedule knob: pipeline stages",
+    "precision": "fp32, or bf16 / fp16 mixed precision: autocast forward and loss on fp32 master "
+                 "weights and optimizer state (fp16 adds a gradient scaler)",
+    "device": "auto (CUDA when available), cpu or cuda",
     "progressive": "apply the schedule steps one at a time (SDPA, fusion, Tempo, checkpointing, "
                    "TP with several processes), verify each against HF eager and print a table "
                    "of speed, memory and correctness; --steps is per step",
@@ -63,7 +67,9 @@ def _base_type(annotation: str) -> str:
 
 
 def _parser() -> argparse.ArgumentParser:
-    from .train.loop import TrainConfig
+    from .train.loop import DEVICES, PRECISIONS, TrainConfig
+
+    choices = {"precision": PRECISIONS, "device": DEVICES}
 
     parser = argparse.ArgumentParser(prog="slapo", description="Slapo: schedule, verify and "
                                      "train PyTorch models.")
@@ -84,6 +90,8 @@ def _parser() -> argparse.ArgumentParser:
             train.add_argument(flag, nargs="?", const="latest", metavar="CKPT_DIR", help=text)
         elif kind == "bool":
             train.add_argument(flag, action=argparse.BooleanOptionalAction, help=text)
+        elif f.name in choices:
+            train.add_argument(flag, choices=choices[f.name], help=text)
         else:
             train.add_argument(flag, type={"int": int, "float": float, "str": str}[kind],
                                metavar=f.name.upper(), help=text)

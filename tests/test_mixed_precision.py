@@ -357,3 +357,69 @@ def test_verify_bf16_catches_a_missing_all_reduce(dist2):
     for result in dist2.run(job_verify_bf16_catches_missing_all_reduce):
         assert result["correct"] is None, result["correct"]
         assert result["missing"] is not None and "under bf16" in result["missing"], result
+
+
+# ------------------------------------------------------------------------------------------------
+# slapo train --precision / --device
+# ------------------------------------------------------------------------------------------------
+
+TINY = ["--hidden-size", "32", "--num-layers", "2", "--num-heads", "2", "--seq-len", "32",
+        "--batch-size", "4", "--no-progress", "--no-plot", "--eval-batches", "1",
+        "--device", "cpu"]
+
+
+def _train(out, *flags):
+    import json
+
+    from slapo.cli import main
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        assert main(["train", *TINY, "--out", str(out), *flags]) == 0
+    finally:
+        torch.set_num_threads(n)
+    return json.loads((out / "metrics.json").read_text())
+
+
+def test_cli_precision_trains_logs_and_resumes_fp16_exactly(tmp_path, capsys):
+    import json
+
+    fp32 = _train(tmp_path / "fp32", "--steps", "4")
+    bf16 = _train(tmp_path / "bf16", "--steps", "4", "--precision", "bf16")
+    assert "precision bf16 (autocast, fp32 master weights)" in capsys.readouterr().out
+    assert fp32["precision"] == "fp32" and bf16["precision"] == "bf16"
+    assert bf16["config"]["device"] == "cpu" and bf16["device"] == "cpu"
+    assert bf16["losses"] != fp32["losses"]                       # bf16 was in effect
+    torch.testing.assert_close(torch.tensor(bf16["losses"]), torch.tensor(fp32["losses"]),
+                               rtol=2e-2, atol=0)                  # ... and trains the same
+    # fp16: the loss scale is checkpointed, so a resumed run continues bit for bit
+    straight = _train(tmp_path / "a", "--steps", "4", "--precision", "fp16", "--save-every", "2")
+    step2 = tmp_path / "a" / "checkpoints" / "step_000002"
+    saved = json.loads((step2 / "trainer.json").read_text())["precision"]
+    assert saved["precision"] == "fp16" and saved["scaler"]["scale"] == 2.0 ** 16
+    resumed = _train(tmp_path / "b", "--steps", "4", "--precision", "fp16", "--resume",
+                     str(step2))
+    assert resumed["losses"] == straight["losses"] and resumed["skipped_steps"] == 0
+
+
+def test_cli_precision_from_toml_and_bad_values(tmp_path, capsys):
+    from slapo.cli import main, parse_train_args
+
+    cfg = tmp_path / "run.toml"
+    cfg.write_text('[run]\nprecision = "bf16"\ndevice = "cpu"\n')
+    parsed = parse_train_args(["--config", str(cfg)])
+    assert (parsed.precision, parsed.device, parsed.mixed_precision()) == ("bf16", "cpu", "bf16")
+    assert parse_train_args([]).mixed_precision() is None
+    cfg.write_text('precision = "half"\n')
+    with pytest.raises(SystemExit) as e:
+        main(["train", "--config", str(cfg)])
+    assert e.value.code == 2
+    assert "--precision must be one of fp32, bf16, fp16, got 'half'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["train", "--device", "tpu"])
+    assert "invalid choice: 'tpu'" in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit):
+            main(["train", "--device", "cuda"])
+        assert "no CUDA device is available" in capsys.readouterr().err

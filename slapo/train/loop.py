@@ -32,6 +32,8 @@ from . import checkpoint as ckpt
 from .models import ModelSize, build_model, get_model_spec
 
 KNOBS = ("tp", "ckpt_ratio", "attention", "fuse", "fuse_compiler", "tempo", "pp_stages")
+PRECISIONS = ("fp32", "bf16", "fp16")
+DEVICES = ("auto", "cpu", "cuda")
 DIST_TIMEOUT_S = 60
 
 
@@ -68,6 +70,8 @@ class TrainConfig:
     tempo: bool | None = None
     pp_stages: int | None = None
     progressive: bool = False   # run the progressive-optimization demo instead of training
+    precision: str = "fp32"     # fp32, or bf16 / fp16 mixed precision (fp32 master weights)
+    device: str = "auto"        # auto (CUDA when available), cpu or cuda
 
     def check(self) -> None:
         """Reject bad values before anything is built, with the option's name in the message."""
@@ -96,6 +100,18 @@ class TrainConfig:
             raise ValueError(f"--ckpt-ratio must be in [0, 1], got {self.ckpt_ratio}")
         if self.attention is not None and self.attention not in ("eager", "sdpa", "flash"):
             raise ValueError(f"--attention must be eager, sdpa or flash, got {self.attention!r}")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"--precision must be one of {', '.join(PRECISIONS)}, got "
+                             f"{self.precision!r}")
+        if self.device not in DEVICES:
+            raise ValueError(f"--device must be one of {', '.join(DEVICES)}, got {self.device!r}")
+        if self.device == "cuda" and not torch.cuda.is_available():
+            raise ValueError("--device cuda: no CUDA device is available here (use --device cpu "
+                             "or auto)")
+
+    def mixed_precision(self) -> str | None:
+        """The `slapo.build(mixed_precision=...)` value: None for fp32."""
+        return None if self.precision == "fp32" else self.precision
 
     def knobs(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in KNOBS if getattr(self, k) is not None}
@@ -150,24 +166,34 @@ def setup(cfg: TrainConfig) -> Env:
                          "data-parallel ranks.")
     env = Env(world=world, dp=dp)
     if world == 1 and not dist.is_initialized():
-        env.device = _local_device()
+        env.device = _local_device(cfg.device)
         return env
     owns = not dist.is_initialized()
     if owns:
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        backend = "nccl" if _use_cuda(cfg.device) else "gloo"
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group(backend, timeout=timedelta(seconds=DIST_TIMEOUT_S))
     from torch.distributed.device_mesh import init_device_mesh
 
     env.rank, env.owns_process_group = dist.get_rank(), owns
-    env.device = _local_device()
+    env.device = _local_device(cfg.device)
     env.mesh = init_device_mesh(env.device.type, (dp, pp, tp), mesh_dim_names=("dp", "pp", "tp"))
     return env
 
 
-def _local_device() -> torch.device:
-    if torch.cuda.is_available():
+def _use_cuda(device: str = "auto") -> bool:
+    """--device: "cuda" (checked to exist by TrainConfig.check), "cpu", or "auto": CUDA if
+    available, or, when a process group already exists, what its backend runs on (NCCL: CUDA)."""
+    if device != "auto":
+        return device == "cuda"
+    if dist.is_initialized():
+        return "nccl" in str(dist.get_backend())
+    return torch.cuda.is_available()
+
+
+def _local_device(device: str = "auto") -> torch.device:
+    if _use_cuda(device):
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
@@ -194,6 +220,14 @@ class Run:
     losses: list[float] = field(default_factory=list)
     step_times: list[float] = field(default_factory=list)
     resumed_from: int | None = None
+
+    @property
+    def precision(self):
+        """The step's `slapo.runtime.precision.Precision` (autocast context, fp16 scaler)."""
+        from slapo.runtime.precision import Precision
+
+        owner = getattr(self.step_fn, "__self__", None)
+        return getattr(owner, "precision", None) or Precision()
 
 
 def build(cfg: TrainConfig, env: Env, log=print) -> Run:
@@ -250,7 +284,8 @@ def make_trainable(sch: Any, cfg: TrainConfig, env: Env
     The step is the runtime's `train_step(batch) -> float`: the same call for one process,
     data parallelism (DDP over the mesh's dp ranks, each taking its slice of the global batch),
     tensor parallelism (already in the schedule) and pipelines (`--pp-stages`, 1F1B), with
-    gradient clipping over the whole mesh.
+    gradient clipping over the whole mesh, in `--precision` (bf16/fp16: autocast on fp32 master
+    weights; fp16 with a gradient scaler).
     """
     import slapo
 
@@ -258,7 +293,8 @@ def make_trainable(sch: Any, cfg: TrainConfig, env: Env
         sch, optimizer=torch.optim.AdamW, seed=cfg.seed, mesh=env.mesh,
         optimizer_kwargs={"lr": cfg.lr, "weight_decay": cfg.weight_decay, "betas": (0.9, 0.95)},
         grad_clip=cfg.grad_clip, data_parallel="ddp" if env.dp > 1 else None,
-        pipeline=PIPELINE_SCHEDULE if (cfg.pp_stages or 1) > 1 else None)
+        pipeline=PIPELINE_SCHEDULE if (cfg.pp_stages or 1) > 1 else None,
+        mixed_precision=cfg.mixed_precision())
     return optimizer, trainable.train_step
 
 
@@ -357,8 +393,9 @@ def progress_bar(run: Run):
 def log_step(run: Run, bar) -> None:
     tok_s = tokens_per_step(run.cfg) / run.step_times[-1]
     mem = peak_memory_bytes(run.env.device) / 2**20
-    bar.set_postfix_str(f"loss {run.losses[-1]:.4f}  {tok_s:,.0f} tok/s  peak {mem:,.0f} MiB",
-                        refresh=False)
+    skipped = run.precision.skipped_steps
+    bar.set_postfix_str(f"loss {run.losses[-1]:.4f}  {tok_s:,.0f} tok/s  peak {mem:,.0f} MiB"
+                        + (f"  skipped {skipped}" if skipped else ""), refresh=False)
     bar.update(1)
 
 
@@ -375,7 +412,8 @@ def val_loss(run: Run) -> float | None:
         for _ in range(run.cfg.eval_batches):
             batch = {k: v.to(run.env.device)
                      for k, v in val.next_batch(run.cfg.batch_size).items()}
-            total += float(run.model(**batch).loss)
+            with run.precision.autocast():  # evaluate as trained
+                total += float(run.model(**batch).loss)
     finally:
         run.model.train(was_training)
     return total / run.cfg.eval_batches
@@ -385,7 +423,8 @@ def val_loss(run: Run) -> float | None:
 def save(run: Run) -> Path:
     path = ckpt.checkpoint_dir(Path(run.cfg.out), run.step)
     trainer = {"step": run.step, "losses": run.losses, "step_times": run.step_times,
-               "data": run.data.state_dict(), "config": asdict(run.cfg)}
+               "data": run.data.state_dict(), "config": asdict(run.cfg),
+               "precision": run.precision.state_dict()}  # fp16: the loss scale
     ckpt.save(path, run.model, run.optimizer, trainer, run.env.rank)
     return path
 
@@ -411,6 +450,8 @@ def resume(run: Run, log=print) -> None:
     run.step = trainer["step"]
     run.losses = list(trainer["losses"])
     run.data.load_state_dict(trainer["data"])
+    if "precision" in trainer:
+        run.precision.load_state_dict(trainer["precision"])
     run.resumed_from = run.step
     log(f"resumed from {path} at step {run.step}")
 
@@ -430,6 +471,8 @@ def metrics(run: Run, val: float | None, peak: int) -> dict[str, Any]:
         "steps": run.step,
         "resumed_from": run.resumed_from,
         "schedule": run.schedule_note,
+        "precision": run.precision.name,
+        "skipped_steps": run.precision.skipped_steps,
         "world_size": run.env.world,
         "device": str(run.env.device),
         "torch": torch.__version__,
@@ -479,7 +522,8 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     try:
         run = build(cfg, env, log)
         log(f"slapo train: {cfg.model} ({trained_parameters(run):,} parameters on rank 0), "
-            f"{env.world} process(es), device {env.device}, "
+            f"{env.world} process(es), device {env.device}, precision {cfg.precision}"
+            f"{' (autocast, fp32 master weights)' if cfg.precision != 'fp32' else ''}, "
             f"schedule {run.schedule_note}")
         if cfg.resume is not None:
             resume(run, log)
