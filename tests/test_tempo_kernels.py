@@ -241,3 +241,56 @@ def test_compiled_hf_bert_layer_with_tempo():
     assert torch.allclose(out, ref, atol=1e-5)
     (gx,), (gr,) = torch.autograd.grad(out.sum(), [x]), torch.autograd.grad(ref.sum(), [x2])
     assert torch.allclose(gx, gr, rtol=1e-4, atol=1e-5)
+
+
+def _hf_layer(kind: str, dropout: float):
+    transformers = pytest.importorskip("transformers")
+    if kind == "bert":
+        cfg = transformers.BertConfig(hidden_size=64, num_attention_heads=4, intermediate_size=256,
+                                      hidden_dropout_prob=dropout,
+                                      attention_probs_dropout_prob=dropout,
+                                      attn_implementation="eager")
+        return transformers.models.bert.modeling_bert.BertLayer(cfg).train(), {}
+    cfg = transformers.GPT2Config(n_embd=64, n_head=4, resid_pdrop=dropout, attn_pdrop=dropout,
+                                  embd_pdrop=dropout, activation_function="gelu_new",
+                                  attn_implementation="eager")
+    return transformers.models.gpt2.modeling_gpt2.GPT2Block(cfg, layer_idx=0).train(), {}
+
+
+def _saved(m, x, kw):
+    def fn(t):
+        out = m(t * 1.0, **kw)  # t * 1.0: the first LayerNorm's input is not the leaf
+        return out[0] if isinstance(out, tuple) else out
+    return saved_bytes(fn, x, exclude=[x, m])
+
+
+@pytest.mark.parametrize("kind", ["bert", "gpt2"])
+def test_layer_saved_bytes_drop_by_the_analytic_amount(kind):
+    """slapo.profile's saved-for-backward bytes of one layer, fp32 on CPU (b=2, s=16, h=64, 4
+    heads, FFN 256): the GELU input and the LayerNorm inputs are no longer saved, and with dropout
+    the attention keeps a bool mask instead of a float mask plus the dropout output.
+
+    Per layer Tempo removes: the GELU's saved input (BERT's erf GELU: 4 B/el; HF GPT-2's Python
+    tanh formula saves four FFN-sized tensors, 16 B/el) minus the 1-byte code; per LayerNorm the
+    fp32 mean and the fp32 input, since the output it keeps instead is shared with the next
+    Linear -- except BERT's last LayerNorm, whose output is the layer output (shared with the next
+    layer's QKV only in a stack, so within one layer it swaps x for y); with dropout p > 0, per
+    attention-score element the CPU float mask and the dropout output (4 + 4 B) minus a bool mask.
+    """
+    b, s, h, heads, ffn = 2, 16, 64, 4, 256
+    n_ffn, rows, n_bsh, n_att = b * s * ffn, b * s, b * s * h, b * heads * s * s
+    gelu = (4 if kind == "bert" else 16) * n_ffn - n_ffn
+    ln = 2 * 4 * rows + (1 if kind == "bert" else 2) * 4 * n_bsh
+    x = torch.randn(b, s, h, requires_grad=True)
+    drops = {}
+    for dropout in (0.0, 0.1):
+        torch.manual_seed(0)
+        layer, kw = _hf_layer(kind, dropout)
+        base = _saved(layer, x, kw)
+        no_att = apply_tempo_to_module(copy.deepcopy(layer), attention=False)
+        assert base - _saved(no_att, x, kw) == gelu + ln
+        drops[dropout] = base - _saved(apply_tempo_to_module(copy.deepcopy(layer)), x, kw)
+    # Tempo's attention core: with dropout it saves the float mask and the dropout output.
+    assert drops[0.1] - drops[0.0] == (4 + 4 - 1) * n_att
+    if kind == "bert":
+        assert drops[0.0] == gelu + ln

@@ -10,10 +10,10 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-_INV_SQRT2: tl.constexpr = 0.7071067811865476
-_INV_SQRT_2PI: tl.constexpr = 0.3989422804014327
-_SQRT_2_OVER_PI: tl.constexpr = 0.7978845608028654
-_TANH_K: tl.constexpr = 0.044715
+_INV_SQRT2 = tl.constexpr(0.7071067811865476)
+_INV_SQRT_2PI = tl.constexpr(0.3989422804014327)
+_SQRT_2_OVER_PI = tl.constexpr(0.7978845608028654)
+_TANH_K = tl.constexpr(0.044715)
 
 
 @triton.jit
