@@ -18,7 +18,8 @@ bytes at the demo batch — and timed there:
   then *measured* there (`slapo.profile.saved_bytes`, the same counter as the column before
   it), stepping down while a measurement exceeds the budget and up while one fits. A reported
   batch is a measured fit, and the next candidate was measured not to fit (or is past the cap);
-* tokens/s at that batch is the median of a few AdamW steps after one warm-up step.
+* tokens/s at that batch is the fastest of a few AdamW steps (after one warm-up step on GPU,
+  where a new batch shape recompiles compiled regions).
 
 Under torch.distributed every rank takes the same decisions (the measured bytes are all-reduced
 with MAX), since a TP forward is a collective.
@@ -117,8 +118,8 @@ def gpu_steps(world_size: int) -> list[Step]:
     add("+ GPU kernels", kernels=True)
     add("+ fused linear+CE loss", fused_loss=True)
     add("+ selective checkpointing", ckpt_ratio=1.0, ckpt_policy="selective")
-    if world_size > 1:
-        add(f"+ tensor parallel x{world_size}", tp=world_size)
+    if world_size > 1:  # the fused loss needs an unsharded LM head
+        add(f"+ tensor parallel x{world_size}", tp=world_size, vocab_parallel=False)
     return steps
 
 
@@ -282,6 +283,7 @@ class _Budget:
     bytes: int
     max_factor: int
     timed_steps: int
+    warmup: int
     source: _BatchSource
     tokens_per_sample: float
     lr: float
@@ -304,8 +306,8 @@ def _at_budget(model: nn.Module, res: StepResult, bud: _Budget) -> None:
     if res.budget_batch == res.batch:
         res.budget_tokens_per_s = res.tokens_per_s
         return
-    batches = bud.source.get(res.budget_batch, 1 + bud.timed_steps)
-    sec, _ = _train(model, batches, 1, bud.lr, bud.autocast_dtype)
+    batches = bud.source.get(res.budget_batch, bud.warmup + bud.timed_steps)
+    sec, _ = _train(model, batches, bud.warmup, bud.lr, bud.autocast_dtype)
     res.budget_tokens_per_s = bud.tokens_per_sample * res.budget_batch / sec
 
 
@@ -334,8 +336,8 @@ def _schedule(model: nn.Module, knobs: dict, example: dict, res: StepResult) -> 
     try:
         sch = create_schedule(model)
         with Verify(sch, example_kwargs=example, loss_fn=_loss):
-            if knobs:
-                model_schedule.apply(sch, **knobs)
+            if knobs:  # tp=1 unless the step says otherwise: apply's default is the world size
+                model_schedule.apply(sch, **{"tp": 1, **knobs})
         res.verified = True
         return None
     except SlapoError as e:  # a failed verification or an unavailable knob
@@ -376,9 +378,11 @@ def run(make_model: Callable[[], nn.Module], batches: Iterator[dict] | list[dict
     `device`: where to run (default: the model's). Verification always runs in fp32; timing
     and byte counts run under `autocast_dtype` when given (bf16 on GPU).
     `baseline_attention`: the HF attention of the baseline ("eager"; "sdpa" on GPU).
+    A step runs on one device (`tp=1`) unless its knobs set `tp`: `apply`'s own default (the
+    world size) would shard every step under torchrun and credit TP's savings to the others.
     Budget search (module docstring): `budget_max_factor` caps the batch at that many times the
     demo batch (0, the default: no search, so benchmarks calling `run` keep their run time; the
-    demo passes 16); `budget_steps` timed steps (after one warm-up) at the found batch;
+    demo passes 16); `budget_steps` timed steps at the found batch (+ one warm-up on GPU);
     `make_batch(n)` draws n fresh samples (same on every rank; default: cycles `batches`).
     """
     batches = list(batches)
@@ -397,8 +401,11 @@ def run(make_model: Callable[[], nn.Module], batches: Iterator[dict] | list[dict
     budget = None
     if budget_max_factor:
         source = _BatchSource(make_batch or tiled_batches(batches), device)
-        budget = _Budget(0, budget_max_factor, budget_steps, source, tokens / batch_size, lr,
-                         autocast_dtype)
+        # a new batch recompiles compiled regions on GPU: one untimed step there; on CPU the
+        # first step only grows the allocator, which the fastest-of-steps timing already skips
+        warm = 1 if example["input_ids"].device.type == "cuda" else 0
+        budget = _Budget(0, budget_max_factor, budget_steps, warm, source, tokens / batch_size,
+                         lr, autocast_dtype)
     accepted = _accepted_knobs()
     results: list[StepResult] = []
     unavailable: set[str] = set()  # knobs this model cannot take: dropped from later steps

@@ -13,12 +13,19 @@ def _rows(out):
     return json.loads((out / "progressive.json").read_text())
 
 
-def test_progressive_single_process(tmp_path):
+@pytest.fixture(scope="module")
+def single_rows(tmp_path_factory):
+    """The demo in one process (tiny GPT-2), run once for the tests that read its rows."""
+    out = tmp_path_factory.mktemp("progressive")
     status = main(["train", "--progressive", "--steps", "3", "--num-layers", "2",
                    "--hidden-size", "64", "--seq-len", "32", "--batch-size", "4",
-                   "--fuse-compiler", "aot_eager", "--out", str(tmp_path)])
+                   "--fuse-compiler", "aot_eager", "--out", str(out)])
     assert status == 0
-    rows = _rows(tmp_path)
+    return _rows(out)
+
+
+def test_progressive_single_process(single_rows):
+    rows = single_rows
     names = [r["name"] for r in rows]
     assert names[0] == "baseline (HF eager)"
     assert {"+ SDPA attention", "+ fused bias+GELU", "+ Tempo layers",
@@ -55,12 +62,15 @@ def job_progressive_tp(out: str):
 
 @pytest.mark.dist
 @pytest.mark.compile
-def test_progressive_two_ranks_adds_tensor_parallel(dist2, tmp_path):
+def test_progressive_two_ranks_adds_tensor_parallel(dist2, tmp_path, single_rows):
     res = dist2.run(job_progressive_tp, str(tmp_path))
     assert [r[0] for r in res] == [0, 0]
     rows = _rows(tmp_path)
     assert rows[-1]["name"] == "+ tensor parallel x2"
     assert all(r["verified"] for r in rows), rows
+    # only the TP step shards: every earlier step saves per rank what it saves in one process
+    # (apply's default tp is the world size; the progression pins tp=1 until the TP step)
+    assert [r["saved_bytes"] for r in rows[:-1]] == [r["saved_bytes"] for r in single_rows]
     # both ranks took the same budget decisions (a TP forward is a collective: no hang)
     tp = rows[-1]
     assert tp["budget_batch"] == 16 and tp["budget_capped"], tp
@@ -202,6 +212,7 @@ def test_gpu_plan_uses_the_gpu_schedule_in_bf16():
     last = plan["steps"][-1].knobs
     assert last == {"attention": "sdpa", "compile_blocks": True, "kernels": True,
                     "fused_loss": True, "ckpt_ratio": 1.0, "ckpt_policy": "selective"}
-    assert _plan(2, torch.device("cuda", 0), "inductor")["steps"][-1].knobs["tp"] == 2
+    tp = _plan(2, torch.device("cuda", 0), "inductor")["steps"][-1].knobs
+    assert tp["tp"] == 2 and tp["vocab_parallel"] is False
     cpu = _plan(1, torch.device("cpu"), "inductor")
     assert "autocast_dtype" not in cpu and cpu["steps"][0].name == "baseline (HF eager)"

@@ -28,7 +28,7 @@ from ..data import CorpusLoader
 from .models import build_model, get_model_spec
 
 BUDGET_MAX_FACTOR = 16  # largest batch tried: 16x the demo batch (keeps the CPU demo < 90 s)
-BUDGET_TIMED_STEPS = 2  # timed AdamW steps at the budget batch, after one warm-up step
+BUDGET_TIMED_STEPS = 2  # timed AdamW steps at the budget batch (after one warm-up on GPU)
 CPU_NOTE = ("CPU VM, shared cores: absolute tokens/s swing between runs, so compare ratios within "
             "one run (each the fastest of its timed steps).\nSaved-activation bytes are exact. "
             "Budget = the baseline's saved activations at the demo batch; every batch @ budget "
