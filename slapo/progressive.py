@@ -489,5 +489,23 @@ def table(results: list[StepResult], title: str = "Progressive optimization"):
     return t
 
 
+def summary(results: list[StepResult]) -> list[str]:
+    """The trade in two sentences: the fastest step at the demo batch, and the fastest within
+    the baseline's activation memory (with the batch that bought it). Ratios are this run's."""
+    ran = [r for r in results[1:] if r.tokens_per_s]
+    if not ran:
+        return []
+    fast = max(ran, key=lambda r: r.speedup)
+    lines = [f"At the demo batch ({fast.batch}): fastest step '{fast.name}', {fast.speedup:.2f}x "
+             f"the baseline's tokens/s, {fast.memory_ratio:.2f}x its saved activations."]
+    fits = [r for r in ran if r.budget_speedup]
+    if fits:
+        best = max(fits, key=lambda r: r.budget_speedup)
+        lines.append(f"Within the baseline's activation memory: '{best.name}' trains batch "
+                     f"{best.budget_batch} ({best.budget_batch / best.batch:g}x) at "
+                     f"{best.budget_speedup:.2f}x the baseline's tokens/s.")
+    return lines
+
+
 def to_json(results: list[StepResult]) -> list[dict]:
     return [asdict(r) for r in results]

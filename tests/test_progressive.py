@@ -180,6 +180,11 @@ def test_table_prints_the_budget_columns():
     for want in ("batch @ budget", "tokens/s @ budget", "saved @ budget", "128 (16x, cap)",
                  "7.00 MiB", "1,400", "1.40x", "0.50x", "skipped"):
         assert want in text, (want, text)
+    assert progressive.summary(rows) == [
+        "At the demo batch (8): fastest step '+ ckpt', 0.50x the baseline's tokens/s, 0.06x its "
+        "saved activations.",
+        "Within the baseline's activation memory: '+ ckpt' trains batch 128 (16x) at 1.40x the "
+        "baseline's tokens/s."]
 
 
 def test_knob_the_installed_apply_does_not_take_is_skipped_with_a_note():

@@ -88,6 +88,8 @@ def _report(results, rows: list[dict], cfg: Any, env: Any, say) -> None:
     Console(width=150).print(progressive.table(results, title=(
         f"Progressive optimization: {cfg.model}, {env.world} process(es), {env.device.type}, "
         f"ratios within this run")))
+    for line in progressive.summary(results):
+        say(line)
     if env.device.type == "cpu":
         say(CPU_NOTE)
     ok = all(r["verified"] for r in rows if r["tokens_per_s"])
