@@ -32,6 +32,19 @@ def _gelu_and_grad(x, TANH: tl.constexpr):
 
 
 @triton.jit
+def _add(a, b):
+    return a + b
+
+
+@triton.jit
+def _row_sum(v):
+    """tl.sum without `tl.sum`: triton's standard-library helpers are decorated when triton is
+    first imported, so they stay compiled-only if that happened before TRITON_INTERPRET=1 was set
+    (e.g. by another test module); our own helpers follow the setting at our import."""
+    return tl.reduce(v, 0, _add)
+
+
+@triton.jit
 def _round_bf16(v):
     """fp32 -> nearest bf16 value (ties to even), still as fp32. Explicit because Triton's CPU
     interpreter truncates on `.to(tl.bfloat16)`; on GPU it equals the hardware conversion."""
@@ -99,9 +112,9 @@ def ln_fwd_kernel(x_ptr, w_ptr, b_ptr, y_ptr, ys_ptr, rstd_ptr, n, eps, HAS_W: t
     cols = tl.arange(0, BLOCK_N)
     mask = cols < n
     x = tl.load(x_ptr + row * n + cols, mask=mask, other=0.0).to(tl.float32)
-    mean = tl.sum(x, axis=0) / n
+    mean = _row_sum(x) / n
     xc = tl.where(mask, x - mean, 0.0)
-    var = tl.sum(xc * xc, axis=0) / n
+    var = _row_sum(xc * xc) / n
     rstd = 1.0 / tl.sqrt(var + eps)
     y = xc * rstd
     if HAS_W:
@@ -130,9 +143,9 @@ def ln_bwd_kernel(dy_ptr, ys_ptr, w_ptr, b_ptr, rstd_ptr, dx_ptr, dw_ptr, db_ptr
     if HAS_B:
         b = tl.load(b_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     else:
-        b = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    dw_acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    db_acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        b = tl.full((BLOCK_N,), 0.0, dtype=tl.float32)
+    dw_acc = tl.full((BLOCK_N,), 0.0, dtype=tl.float32)
+    db_acc = tl.full((BLOCK_N,), 0.0, dtype=tl.float32)
     first = pid * rows_per_prog
     for i in range(0, tl.minimum(rows_per_prog, m - first)):
         row = (first + i).to(tl.int64)
@@ -141,8 +154,8 @@ def ln_bwd_kernel(dy_ptr, ys_ptr, w_ptr, b_ptr, rstd_ptr, dx_ptr, dw_ptr, db_ptr
         rstd = tl.load(rstd_ptr + row)
         xhat = tl.where(mask, (y - b) / w, 0.0)
         g = dy * w
-        c1 = tl.sum(g, axis=0) / n
-        c2 = tl.sum(g * xhat, axis=0) / n
+        c1 = _row_sum(g) / n
+        c2 = _row_sum(g * xhat) / n
         dx = (g - c1 - xhat * c2) * rstd
         tl.store(dx_ptr + row * n + cols, dx.to(dx_ptr.dtype.element_ty), mask=mask)
         dw_acc += dy * xhat
