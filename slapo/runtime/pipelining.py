@@ -280,7 +280,7 @@ class PipelineRunner:
             else:
                 loss = compute_loss(outputs, mb, self.loss_fn)
         self._losses.append(loss.detach())
-        return self.precision.loss_for_backward(loss * (self._scale / self.plan.num_microbatches))
+        return self.precision.loss_for_backward(loss) * (self._scale / self.plan.num_microbatches)
 
     def forward_backward(self, batch: Batch, scale: float, sync_grads: bool) -> torch.Tensor:
         check_no_padding_mask(batch)

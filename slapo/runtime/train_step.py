@@ -83,7 +83,8 @@ class LocalRunner:
         with self._no_sync(sync_grads):
             with self.precision.autocast():  # forward and loss; backward outside autocast
                 loss = compute_loss(call(self.module, batch), batch, self.loss_fn)
-            (self.precision.loss_for_backward(loss * scale if scale != 1 else loss)).backward()
+            grad_loss = self.precision.loss_for_backward(loss)  # fp32 (x the fp16 scale)
+            (grad_loss * scale if scale != 1 else grad_loss).backward()
         return loss.detach()
 
     def finish_grads(self) -> None:
