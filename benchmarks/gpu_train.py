@@ -203,7 +203,22 @@ def matmul_tflops(n: int = 8192) -> float:
     return 2 * n**3 * 10 / (time.perf_counter() - t) / 1e12
 
 
-def measure(name: str, variant: str, batch: int, seq: int, steps: int, warmup: int) -> dict:
+def _profile(step, data, path: str) -> None:
+    """Two steps under torch.profiler: the kernels by total CUDA time, to a text file."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(2):
+            step(data)
+        torch.cuda.synchronize()
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=40, max_name_column_width=70)
+    Path(path).write_text(table)
+    print(table, file=sys.stderr)
+
+
+def measure(name: str, variant: str, batch: int, seq: int, steps: int, warmup: int,
+            profile_to: str | None = None) -> dict:
     """Build, warm up and time one variant at one batch size (in this process)."""
     import torch
 
@@ -221,6 +236,8 @@ def measure(name: str, variant: str, batch: int, seq: int, steps: int, warmup: i
         sync()
         times.append(time.perf_counter() - t)
     timed = sum(times[warmup:])
+    if profile_to and device == "cuda":
+        _profile(step, data, profile_to)
     tps = batch * seq * steps / timed
     flops = model_flops_per_token(cfg, seq)
     row = dict(model=name, variant=variant, batch=batch, seq=seq, tokens_per_s=tps,
@@ -244,7 +261,9 @@ def child(args) -> None:
     peak = matmul_tflops() if torch.cuda.is_available() and not args.tiny else None
     for b in batches:
         try:
-            row = measure(args.models, args.variants, b, seq, args.steps, args.warmup)
+            prof = (str(Path(args.out) / f"profile.{args.models}.{args.variants}.txt")
+                    if args.profile else None)
+            row = measure(args.models, args.variants, b, seq, args.steps, args.warmup, prof)
         except torch.OutOfMemoryError:
             print(json.dumps(dict(model=args.models, variant=args.variants, batch=b, seq=seq,
                                   status="OOM")), flush=True)
@@ -271,7 +290,10 @@ def run_all(args) -> list[dict]:
         for variant in args.variants.split(","):
             cmd = [sys.executable, __file__, "--child", "--models", name, "--variants", variant,
                    "--steps", str(args.steps), "--warmup", str(args.warmup),
-                   "--cap-gib", str(args.cap_gib), "--cap-batches", args.cap_batches]
+                   "--cap-gib", str(args.cap_gib), "--cap-batches", args.cap_batches,
+                   "--out", str(out)]
+            if args.profile:
+                cmd.append("--profile")
             if args.tiny:
                 cmd.append("--tiny")
             t = time.perf_counter()
@@ -340,6 +362,8 @@ def main(argv=None) -> None:
     p.add_argument("--timeout", type=int, default=400, help="seconds per variant")
     p.add_argument("--out", default="runs/gpu_train")
     p.add_argument("--tiny", action="store_true", help="CPU smoke run (tiny configs)")
+    p.add_argument("--profile", action="store_true",
+                   help="also write each variant's top CUDA kernels (torch.profiler)")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:

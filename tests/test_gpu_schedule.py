@@ -259,7 +259,13 @@ def test_fused_loss_refuses_unknown_head():
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("skip", [False, True])
-def test_fused_linear_cross_entropy_exact(dtype, skip):
+@pytest.mark.parametrize("padded", [False, True])
+def test_fused_linear_cross_entropy_exact(dtype, skip, padded, monkeypatch):
+    """Exact against F.cross_entropy; `padded` forces the CUDA path's vocabulary padding."""
+    if padded:
+        import slapo.op.linear_ce as lce
+
+        monkeypatch.setattr(lce, "_vocab_padding", lambda vocab, device: -vocab % 128)
     g = torch.Generator().manual_seed(0)
     h = torch.randn(37, 16, dtype=dtype, generator=g, requires_grad=True)
     w = torch.randn(29, 16, dtype=dtype, generator=g, requires_grad=True)

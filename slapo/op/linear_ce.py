@@ -98,18 +98,33 @@ def auto_chunk_rows(vocab: int) -> int:
     return max(64, 1 << (rows.bit_length() - 1))
 
 
-def _ce_chunk(logits: torch.Tensor, target: torch.Tensor, weight: torch.Tensor):
+def _ce_chunk(logits: torch.Tensor, target: torch.Tensor, weight: torch.Tensor, vocab: int):
     """Per-row loss and d(loss)/d(logits) for one chunk; rows scaled by `weight` (0 = ignored).
+    Columns from `vocab` on are padding (see `_VOCAB_ALIGN`): -inf logits, zero gradient.
 
     Pure elementwise + row reductions over fp32 upcasts: on CUDA it is compiled into two fused
     kernels that read the logits once (see `_chunk_fn`)."""
     x = logits.to(_compute_dtype(logits.dtype))
+    cols = torch.arange(x.shape[1], device=x.device)[None, :]
+    if x.shape[1] != vocab:
+        x = x.masked_fill(cols >= vocab, float("-inf"))
     lse = torch.logsumexp(x, dim=-1)
     picked = x.gather(1, target[:, None])[:, 0]
     loss = (lse - picked) * weight
-    onehot = torch.arange(x.shape[1], device=x.device)[None, :] == target[:, None]
+    onehot = cols == target[:, None]
     grad = (torch.exp(x - lse[:, None]) - onehot.to(x.dtype)) * weight[:, None]
     return loss, grad.to(logits.dtype)
+
+
+# The vocabulary is padded to a multiple of this inside the op: GEMMs whose vocabulary dimension
+# is not a multiple of 8 elements (GPT-2's 50257) run on cuBLAS's slow unaligned kernels (what
+# inductor's shape padding does for a compiled LM head).
+_VOCAB_ALIGN = 128
+
+
+def _vocab_padding(vocab: int, device: torch.device) -> int:
+    """Padding rows for the head weight (CUDA only: CPU GEMMs do not care)."""
+    return -vocab % _VOCAB_ALIGN if device.type == "cuda" else 0
 
 
 _COMPILED: dict[str, object] = {}
@@ -144,21 +159,23 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
         n = hidden.shape[0]
         need_h, need_w, need_b = (ctx.needs_input_grad[0], ctx.needs_input_grad[1],
                                   bias is not None and ctx.needs_input_grad[2])
+        vocab = weight.shape[0]
+        pad = _vocab_padding(vocab, dev)
         with torch.autocast(dev.type, enabled=False):
-            w = weight.to(dtype)
-            b = bias.to(dtype) if bias is not None else None
+            w = F.pad(weight.to(dtype), (0, 0, 0, pad))
+            b = F.pad(bias.to(dtype), (0, pad)) if bias is not None else None
             h_all = hidden.to(dtype)
             loss = torch.zeros((), dtype=row_weight.dtype, device=dev)
             dh = torch.empty_like(hidden) if need_h else None
             acc = row_weight.dtype  # fp32 (fp64 for fp64 inputs)
-            dw = torch.zeros(weight.shape, dtype=acc, device=dev) if need_w else None
-            db = torch.zeros(weight.shape[0], dtype=acc, device=dev) if need_b else None
+            dw = torch.zeros(w.shape, dtype=acc, device=dev) if need_w else None
+            db = torch.zeros(w.shape[0], dtype=acc, device=dev) if need_b else None
             chunk = _chunk_fn(dev)
             for i in range(0, n, chunk_size):
                 h = h_all[i : i + chunk_size]
                 logits = F.linear(h, w, b)
                 rows, g = chunk(logits, labels[i : i + chunk_size],
-                                row_weight[i : i + chunk_size])
+                                row_weight[i : i + chunk_size], vocab)
                 del logits
                 loss += rows.sum()
                 if need_h:
@@ -168,8 +185,8 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
                 if need_b:
                     db += g.to(acc).sum(0)
                 del g
-        ctx.save_for_backward(dh, dw.to(weight.dtype) if need_w else None,
-                              db.to(bias.dtype) if need_b else None)
+        ctx.save_for_backward(dh, dw[:vocab].to(weight.dtype) if need_w else None,
+                              db[:vocab].to(bias.dtype) if need_b else None)
         return loss
 
     @staticmethod
