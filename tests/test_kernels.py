@@ -10,41 +10,61 @@ value plus a small fraction of the tensor's range (for sums over rows).
 
 from __future__ import annotations
 
+import importlib
 import os
+import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-if DEVICE == "cpu":
-    # Triton decides at decoration time, for its own library too (tl.sum, tl.rand, ...), whether
-    # to compile or interpret: this must precede the process's first `import triton` (test
-    # collection imports this module before any test runs torch.compile, which imports triton).
-    os.environ["TRITON_INTERPRET"] = "1"
+
+
+def _triton_for_this_device():
+    """The triton module; on CPU one whose kernels *and library* (tl.sum, tl.rand, ...) run in
+    the interpreter.
+
+    Triton decides at decoration time whether a function is compiled or interpreted, and test
+    collection may already have imported it in compiled mode (`import torch._dynamo` imports
+    triton). Then its pure-Python modules (not the `triton._C` extension, which cannot be loaded
+    twice) and our kernel modules are dropped from `sys.modules` and imported again with
+    `TRITON_INTERPRET=1`. CPU only: nothing in a CPU process runs compiled Triton code.
+    """
+    if DEVICE == "cpu":
+        os.environ["TRITON_INTERPRET"] = "1"
+    mod = pytest.importorskip(
+        "triton", reason="the triton package is not installed (pip install -e '.[dev]'); the "
+        "Triton kernels cannot be interpreted on CPU without it")
+    if DEVICE == "cuda" or _interpreted(mod):
+        return mod
+    for name in [m for m in sys.modules if _compiled_mode_module(m)]:
+        del sys.modules[name]
+    return importlib.import_module("triton")
+
+
+def _compiled_mode_module(name: str) -> bool:
+    if name.startswith("slapo.op.kernels._") and name.endswith("_triton"):
+        return True
+    return (name == "triton" or name.startswith("triton.")) and not name.startswith("triton._C")
+
+
+def _interpreted(mod) -> bool:
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return isinstance(mod.language.standard.sum, InterpretedFunction)
+
+
+triton = _triton_for_this_device()
 
 from slapo.op import kernels as K  # noqa: E402
 from slapo.op.kernels import _common  # noqa: E402
 
 BF16, F32 = torch.bfloat16, torch.float32
 
-triton = pytest.importorskip(
-    "triton", reason="the triton package is not installed (pip install -e '.[dev]'); the "
-    "Triton kernels cannot be interpreted on CPU without it")
-
-
-def _interpreter_ready() -> bool:
-    if DEVICE == "cuda":
-        return True
-    from triton.runtime.interpreter import InterpretedFunction
-
-    return isinstance(triton.language.standard.sum, InterpretedFunction)
-
-
 pytestmark = [
-    pytest.mark.skipif(not _interpreter_ready(), reason="triton was imported before "
-                       "TRITON_INTERPRET=1 was set, so its library functions are compiled, not "
-                       "interpreted; run this file in its own process"),
+    pytest.mark.skipif(DEVICE == "cpu" and not _interpreted(triton), reason="triton could not "
+                       "be re-imported in interpreter mode; run this file in its own process"),
     # numpy's exp overflows to inf in the interpreter's sigmoid for large |x|; the result is exact
     pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning"),
 ]
