@@ -45,7 +45,7 @@ from .profile import saved_bytes
 from .schedule import create_schedule
 from .verify import Verify
 
-Batch = dict
+OVER = 2**62  # the "bytes" of a forward that ran out of device memory: fits no budget
 
 
 @dataclass
@@ -188,8 +188,12 @@ def _measure_bytes(model: nn.Module, batch: dict, autocast_dtype: torch.dtype | 
     over ranks. Under autocast the cached low-precision weight copies count too: they are held
     for backward like any activation."""
     device = next(model.parameters()).device
-    with _autocast(device, autocast_dtype):
-        n = saved_bytes(model, **batch)
+    try:
+        with _autocast(device, autocast_dtype):
+            n = saved_bytes(model, **batch)
+    except torch.cuda.OutOfMemoryError:  # a batch past the budget may not fit the device at all
+        torch.cuda.empty_cache()
+        n = OVER
     return _agree_max(n, device)
 
 
@@ -385,6 +389,9 @@ def run(make_model: Callable[[], nn.Module], batches: Iterator[dict] | list[dict
     demo passes 16); `budget_steps` timed steps at the found batch (+ one warm-up on GPU);
     `make_batch(n)` draws n fresh samples (same on every rank; default: cycles `batches`).
     """
+    if budget_max_factor < 0 or budget_steps < 1:
+        raise SlapoError(f"budget_max_factor must be >= 0 (got {budget_max_factor}) and "
+                         f"budget_steps >= 1 (got {budget_steps})")
     batches = list(batches)
     if device is not None:
         batches = [{k: v.to(device) if isinstance(v, torch.Tensor) else v
