@@ -34,12 +34,14 @@ def _all_reduce(x: torch.Tensor, group) -> torch.Tensor:
     return funcol.wait_tensor(funcol.all_reduce(x.contiguous(), "sum", _grp(group)))
 
 
+# `all_gather_tensor` / `reduce_scatter_tensor` (not the newer `*_single` names, which torch
+# 2.11 lacks): the same collectives on every torch we support.
 def _all_gather(x: torch.Tensor, dim: int, group) -> torch.Tensor:
-    return funcol.wait_tensor(funcol.all_gather_single(x.contiguous(), dim, _grp(group)))
+    return funcol.wait_tensor(funcol.all_gather_tensor(x.contiguous(), dim, _grp(group)))
 
 
 def _reduce_scatter(x: torch.Tensor, dim: int, group) -> torch.Tensor:
-    return funcol.wait_tensor(funcol.reduce_scatter_single(x.contiguous(), "sum", dim,
+    return funcol.wait_tensor(funcol.reduce_scatter_tensor(x.contiguous(), "sum", dim,
                                                            _grp(group)))
 
 
