@@ -306,8 +306,11 @@ def run_all(args) -> list[dict]:
                     err = (proc.stderr.strip().splitlines() or ["no output"])[-1]
                     got = [dict(model=name, variant=variant, status=f"failed: {err[:200]}")]
                     (out / f"{name}.{variant}.stderr.txt").write_text(proc.stderr[-20000:])
-            except subprocess.TimeoutExpired:
-                got = [dict(model=name, variant=variant, status=f"timeout {args.timeout}s")]
+            except subprocess.TimeoutExpired as e:  # keep the batch sizes that finished
+                out_text = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+                got = [json.loads(ln) for ln in out_text.splitlines() if ln.startswith("{")]
+                got.append(dict(model=name, variant=variant,
+                                status=f"timeout {args.timeout}s"))
             for r in got:
                 r["wall_s"] = time.perf_counter() - t
                 rows.append(r)

@@ -7,11 +7,15 @@ Each op's docstring says when to use it, whether it is exact or approximate, and
 * Tempo (memory-efficient, arXiv 2210.10246): `TempoGELU`, `TempoLayerNorm`,
   `softmax_dropout_matmul`, `apply_tempo(sch)`, `apply_tempo_to_module(model)`.
 * Fused epilogues: `FusedBiasGELU`, `FusedBiasDropoutAdd` (torch.compile when asked).
-* LM head: `linear_cross_entropy` (chunked, no full logits), `VocabParallelEmbedding`,
+* GPU kernels (Triton on CUDA, exact PyTorch elsewhere): `kernels` (RMSNorm, LayerNorm, SwiGLU,
+  bias+GELU+dropout, RoPE; see docs/kernels.md).
+* LM head: `fused_linear_cross_entropy` (scalar loss, gradient in forward, no logits; the
+  `fused_loss` knob), `linear_cross_entropy` (chunked, per-row losses too), `VocabParallelEmbedding`,
   `VocabParallelLMHead`, `vocab_parallel_cross_entropy` (tensor parallel over the vocabulary).
 * `RMSNorm`, `SwiGLU`.
 """
 
+from . import kernels
 from .attention import SDPAttention, SelfAttention, flash_attn_available
 from .attention_core import AttentionCore, causal_mask, padding_mask, repeat_kv
 from .fused import FusedBiasDropoutAdd, FusedBiasGELU, bias_dropout_add, bias_gelu
@@ -19,12 +23,15 @@ from .hf_attention import SLAPO_ATTN, is_hf_attention, use_attention_core
 from .linear_ce import (
     ChunkedLinearCrossEntropy,
     ChunkedLinearCrossEntropyFunction,
+    fused_linear_cross_entropy,
     linear_cross_entropy,
 )
 from .mlp import RMSNorm, SwiGLU
 from .tempo import (
+    TempoReport,
     apply_tempo,
     apply_tempo_to_module,
+    attention_choice,
     replace_attention_core,
     replace_gelu,
     replace_layernorm,
@@ -72,8 +79,12 @@ __all__ = [
     "TempoGELUFunction",
     "TempoLayerNorm",
     "TempoLayerNormFunction",
+    "TempoReport",
     "apply_tempo",
     "apply_tempo_to_module",
+    "attention_choice",
+    "fused_linear_cross_entropy",
+    "kernels",
     "causal_mask",
     "flash_attn_available",
     "gelu_derivative_from_output",
