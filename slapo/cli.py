@@ -49,6 +49,13 @@ HELP = {
     "fuse_compiler": "schedule knob: torch.compile backend for --fuse (inductor, aot_eager, ...)",
     "tempo": "schedule knob: memory-saving Tempo layers",
     "pp_stages": "schedule knob: pipeline stages",
+    "ckpt_policy": "schedule knob: full (recompute whole layers) or selective (keep matmul and "
+                   "attention outputs, recompute the rest) for the --ckpt-ratio layers",
+    "compile_blocks": "schedule knob: torch.compile every transformer layer (one graph shared "
+                      "by identical layers)",
+    "fused_loss": "schedule knob: LM head + cross-entropy in chunks, no logits (turns "
+                  "vocabulary parallelism off under --tp)",
+    "kernels": "schedule knob: Slapo's fused GPU kernels (RMSNorm, LayerNorm, SwiGLU, GELU)",
     "precision": "fp32, or bf16 / fp16 mixed precision: autocast forward and loss on fp32 master "
                  "weights and optimizer state (fp16 adds a gradient scaler)",
     "device": "auto (CUDA when available), cpu or cuda",
@@ -67,9 +74,9 @@ def _base_type(annotation: str) -> str:
 
 
 def _parser() -> argparse.ArgumentParser:
-    from .train.loop import DEVICES, PRECISIONS, TrainConfig
+    from .train.loop import CKPT_POLICIES, DEVICES, PRECISIONS, TrainConfig
 
-    choices = {"precision": PRECISIONS, "device": DEVICES}
+    choices = {"precision": PRECISIONS, "device": DEVICES, "ckpt_policy": CKPT_POLICIES}
 
     parser = argparse.ArgumentParser(prog="slapo", description="Slapo: schedule, verify and "
                                      "train PyTorch models.")

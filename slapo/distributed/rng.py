@@ -48,11 +48,14 @@ class RNGStatesTracker:
         self._states[name] = _current()
         _restore(outer)
 
+    # The state tensors are snapshots (`get_rng_state` returns a new tensor, and nothing here
+    # writes into one), so sharing them is safe and needs no tensor op: a snapshot taken inside
+    # a selectively checkpointed region must not run ops the forward did not run.
     def get_states(self) -> dict:
-        return {k: (c.clone(), None if g is None else g.clone()) for k, (c, g) in self._states.items()}
+        return dict(self._states)
 
     def set_states(self, states: dict) -> None:
-        self._states = {k: (c.clone(), None if g is None else g.clone()) for k, (c, g) in states.items()}
+        self._states = dict(states)
 
     @contextlib.contextmanager
     def fork(self, name: str = TP_STREAM):

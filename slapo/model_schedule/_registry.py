@@ -100,7 +100,7 @@ def apply(model_or_sch: nn.Module | Schedule, *, tp: int | None = None, ckpt_rat
     tp = ws if tp is None else tp
     _validate(sch, family, tp, ws, attention, pp_stages, sequence_parallel)
     _validate_gpu_knobs(sch, ckpt_policy, compile_blocks, fused_loss, pp_stages,
-                        vocab_parallel and tp > 1)
+                        vocab_parallel and tp > 1, fuse)
     layers_of(sch, family)  # a missing layer list fails here, before anything changes
     if attention != "eager":
         _set_attention(sch, attention)
@@ -162,13 +162,17 @@ CKPT_POLICIES = ("full", "selective")
 
 
 def _validate_gpu_knobs(sch, ckpt_policy, compile_blocks, fused_loss, pp_stages,
-                        vocab_sharded) -> None:
+                        vocab_sharded, fuse) -> None:
     if ckpt_policy not in CKPT_POLICIES:
         raise SchedulingError(sch.path, f"unknown ckpt_policy {ckpt_policy!r}.",
                               f"use one of {', '.join(CKPT_POLICIES)}.")
     if not (isinstance(compile_blocks, (bool, str)) or callable(compile_blocks)):
         raise SchedulingError(sch.path, f"compile_blocks must be a bool or a backend name, got "
                               f"{compile_blocks!r}.", "pass compile_blocks=True.")
+    if compile_blocks and fuse:
+        raise SchedulingError(sch.path, "fuse=True compiles regions inside the blocks that "
+                              "compile_blocks=True compiles whole (inductor fuses the same ops).",
+                              "pass fuse=False with compile_blocks=True.")
     if fused_loss:
         if pp_stages > 1:
             raise SchedulingError(sch.path, "fused_loss is not available with pipeline stages "

@@ -31,7 +31,9 @@ from ..data import CorpusLoader
 from . import checkpoint as ckpt
 from .models import ModelSize, build_model, get_model_spec
 
-KNOBS = ("tp", "ckpt_ratio", "attention", "fuse", "fuse_compiler", "tempo", "pp_stages")
+KNOBS = ("tp", "ckpt_ratio", "attention", "fuse", "fuse_compiler", "tempo", "pp_stages",
+         "ckpt_policy", "compile_blocks", "fused_loss", "kernels")
+CKPT_POLICIES = ("full", "selective")
 PRECISIONS = ("fp32", "bf16", "fp16")
 DEVICES = ("auto", "cpu", "cuda")
 DIST_TIMEOUT_S = 60
@@ -69,6 +71,10 @@ class TrainConfig:
     fuse_compiler: str | None = None   # torch.compile backend for --fuse (default: inductor)
     tempo: bool | None = None
     pp_stages: int | None = None
+    ckpt_policy: str | None = None     # full / selective (SAC) for the --ckpt-ratio layers
+    compile_blocks: bool | None = None
+    fused_loss: bool | None = None
+    kernels: bool | None = None
     progressive: bool = False   # run the progressive-optimization demo instead of training
     precision: str = "fp32"     # fp32, or bf16 / fp16 mixed precision (fp32 master weights)
     device: str = "auto"        # auto (CUDA when available), cpu or cuda
@@ -100,6 +106,9 @@ class TrainConfig:
             raise ValueError(f"--ckpt-ratio must be in [0, 1], got {self.ckpt_ratio}")
         if self.attention is not None and self.attention not in ("eager", "sdpa", "flash"):
             raise ValueError(f"--attention must be eager, sdpa or flash, got {self.attention!r}")
+        if self.ckpt_policy is not None and self.ckpt_policy not in CKPT_POLICIES:
+            raise ValueError(f"--ckpt-policy must be one of {', '.join(CKPT_POLICIES)}, got "
+                             f"{self.ckpt_policy!r}")
         if self.precision not in PRECISIONS:
             raise ValueError(f"--precision must be one of {', '.join(PRECISIONS)}, got "
                              f"{self.precision!r}")
@@ -114,7 +123,12 @@ class TrainConfig:
         return None if self.precision == "fp32" else self.precision
 
     def knobs(self) -> dict[str, Any]:
-        return {k: getattr(self, k) for k in KNOBS if getattr(self, k) is not None}
+        """`model_schedule.apply` keyword arguments. `--fused-loss` needs an unsharded LM head,
+        so with `--tp` > 1 it also turns vocabulary parallelism off (the user asked for it)."""
+        knobs = {k: getattr(self, k) for k in KNOBS if getattr(self, k) is not None}
+        if knobs.get("fused_loss") and (self.tp or 1) > 1:
+            knobs["vocab_parallel"] = False
+        return knobs
 
     def size(self) -> ModelSize:
         return ModelSize(self.hidden_size, self.num_layers, self.num_heads,
