@@ -1,4 +1,5 @@
-"""The GPU schedule composed with tensor, sequence and pipeline parallelism, on 2 gloo ranks.
+"""The GPU schedule composed with data, tensor, sequence and pipeline parallelism, on 2 gloo
+ranks.
 
 Compiled blocks (aot_eager: dynamo + AOTAutograd, as inductor sees them, without code
 generation), selective checkpointing and the fused loss must train exactly as one process does:
@@ -58,6 +59,34 @@ def job_pp_gpu_schedule():
     expected = reference_losses(ref, batches)
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), rtol=1e-5, atol=0)
     return losses
+
+
+def job_dp_gpu_schedule(data_parallel: str):
+    """DDP / FSDP2 over 2 ranks with compiled blocks, SAC and the fused loss (the head's weight is
+    read inside the fused op, which FSDP2 must have gathered) == one process."""
+    import models
+
+    import slapo
+    import slapo.runtime
+    from slapo import model_schedule
+
+    model = models.gpt2(seed=0)
+    ref = copy.deepcopy(model)
+    mesh = slapo.runtime.init_mesh(dp=2)
+    sch = model_schedule.apply(model, mesh=mesh, fused_loss=True, **GPU_KNOBS)
+    trained, _ = slapo.build(sch, optimizer=torch.optim.AdamW, optimizer_kwargs={"lr": 1e-3},
+                             data_parallel=data_parallel)
+    batches = make_batches()
+    losses = [trained.train_step(b) for b in batches]
+    expected = reference_losses(ref, batches)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), rtol=1e-5, atol=0)
+    return losses
+
+
+@pytest.mark.parametrize("data_parallel", ["ddp", "fsdp"])
+def test_data_parallel_with_gpu_schedule_matches_single_process(dist2, data_parallel):
+    losses = dist2.run(job_dp_gpu_schedule, data_parallel)
+    assert losses[0] == losses[1]
 
 
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
