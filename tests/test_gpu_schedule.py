@@ -115,9 +115,9 @@ def test_fused_loss_positional_and_num_items():
     torch.testing.assert_close(l2, l1)
 
 
-def test_identical_layers_share_one_graph():
-    """Compile time must not grow with depth: one graph for all (identical) layers."""
-    _, model = _pair("llama")
+def _graphs_compiled(name: str, **knobs) -> int:
+    """How many graphs dynamo hands the backend for one training step of the scheduled model."""
+    _, model = _pair(name)
     graphs = []
 
     def backend(gm, example_inputs):
@@ -125,27 +125,20 @@ def test_identical_layers_share_one_graph():
         return gm.forward
 
     torch._dynamo.reset()
-    model_schedule.apply(model, compile_blocks=backend)
-    x, y = _batch("llama")
+    model_schedule.apply(model, compile_blocks=backend, **knobs)
+    x, y = _batch(name)
     model(input_ids=x, labels=y).loss.backward()
-    assert len(graphs) == 1
+    return len(graphs)
+
+
+def test_identical_layers_share_one_graph():
+    """Compile time must not grow with depth: one graph for all (identical) layers."""
+    assert _graphs_compiled("llama") == 1
 
 
 def test_selective_checkpoint_compiles_to_one_graph():
     """A side effect in the checkpoint wrapper would make dynamo fall back to eager silently."""
-    _, model = _pair("gpt2")
-    graphs = []
-
-    def backend(gm, example_inputs):
-        graphs.append(gm)
-        return gm.forward
-
-    torch._dynamo.reset()
-    model_schedule.apply(model, compile_blocks=backend, ckpt_ratio=1.0,
-                         ckpt_policy="selective")
-    x, y = _batch("gpt2")
-    model(input_ids=x, labels=y).loss.backward()
-    assert len(graphs) == 1
+    assert _graphs_compiled("gpt2", ckpt_ratio=1.0, ckpt_policy="selective") == 1
 
 
 def _matmuls_in_backward(model, x, y) -> int:
