@@ -6,13 +6,21 @@ The model definition stays untouched; a schedule (`create_schedule`) describes h
 # Sub-packages, importable as attributes (`slapo.op.SDPAttention`, `slapo.model_schedule.apply`).
 from . import graph, model_schedule, op, pipeline, profile, progressive, tune  # noqa: E402,I001
 from .consolidate import consolidate
-from .distributed.rng import get_rng_tracker, set_random_seed
+from .distributed.rng import get_rng_tracker
 from .errors import SchedulingError, SlapoError, TraceError, VerificationError
 from .init import init_empty_weights
 from .primitives import Primitive, list_primitives, register_primitive
 from .runtime import TrainModule, build, init_mesh
 from .schedule import Schedule, create_schedule
 from .verify import Verify
+
+# Slapo 2023 names (docs/migrating.md): aliases and adapters onto the modern API above.
+# `set_random_seed` is the 2023 signature, a superset of today's keyword form.
+from . import compat, pattern, random, utils  # noqa: E402,I001
+from .compat import (Database, Space, Symbol, cleanup, consolidate_model, execute, get_logger,
+                     init_target_engine, setup, trace)
+from .pattern import ModulePattern, Pattern
+from .random import checkpoint, get_cuda_rng_tracker, is_random_seed_set, set_random_seed
 
 __version__ = "0.1.0"
 
@@ -42,4 +50,24 @@ __all__ = [
     "list_primitives",
     "register_primitive",
     "set_random_seed",
+    # Slapo 2023 compatibility
+    "Database",
+    "ModulePattern",
+    "Pattern",
+    "Space",
+    "Symbol",
+    "checkpoint",
+    "cleanup",
+    "compat",
+    "consolidate_model",
+    "execute",
+    "get_cuda_rng_tracker",
+    "get_logger",
+    "init_target_engine",
+    "is_random_seed_set",
+    "pattern",
+    "random",
+    "setup",
+    "trace",
+    "utils",
 ]

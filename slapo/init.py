@@ -30,8 +30,15 @@ from . import sharding
 
 
 @contextlib.contextmanager
-def init_empty_weights():
-    """Create modules on the meta device (shapes only, no memory)."""
+def init_empty_weights(enable: bool = True, include_buffers: bool = False):
+    """Create modules on the meta device (shapes only, no memory).
+
+    `enable=False` is a no-op context (Slapo 2023's `init_empty_weights(enable=delay_init)`).
+    `include_buffers` is accepted for the 2023 signature: buffers always go to meta here and
+    `build` materialises them like parameters."""
+    if not enable:
+        yield
+        return
     with torch.device("meta"):
         yield
 

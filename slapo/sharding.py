@@ -133,11 +133,15 @@ class _BiasAfterReduceKernel(module_patch.Kernel):
             y = collectives.reduce_forward(y, self.group)
         elif self.scatter_dim is not None:
             y = collectives.reduce_scatter(y, self.scatter_dim, self.group)
-        if mod.bias is None:
-            return y
-        bias = collectives.reduce_backward(mod.bias, self.group) if self.reduces_bias_grad \
-            else mod.bias
-        return y + bias
+        if mod.bias is not None:
+            bias = collectives.reduce_backward(mod.bias, self.group) if self.reduces_bias_grad \
+                else mod.bias
+            y = y + bias
+        # A Linear subclass whose forward goes on after the bias (an activation or dropout:
+        # slapo.op.compat2023's LinearWithAct/LinearWithDropout) says so with `post_bias`;
+        # this kernel replaces its forward, so it must run that tail too.
+        post = getattr(mod, "post_bias", None)
+        return post(y) if post is not None else y
 
 
 class LinearKernel(_BiasAfterReduceKernel):

@@ -70,18 +70,28 @@ def is_predicate(fn: Callable, gm: fx.GraphModule) -> bool:
 
 
 class _PatternTracer(fx.Tracer):
-    """Traces a pattern function/module, inlining any module it calls (e.g. an activation)."""
+    """Traces a pattern function/module, inlining any module it calls (e.g. an activation).
+
+    In a `slapo.pattern.Pattern` (Slapo 2023's module patterns) torch.nn submodules stay
+    `call_module` nodes instead, so they match graph submodules of the same class."""
+
+    def __init__(self, by_type: bool = False):
+        super().__init__()
+        self.by_type = by_type
 
     def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
         return False
 
     def call_module(self, m, forward, args, kwargs):
+        if self.by_type and type(m).__module__.startswith("torch.nn") and \
+                not isinstance(m, (nn.Sequential, nn.ModuleList, nn.ModuleDict)):
+            return self.create_proxy("call_module", self.path_of_module(m), args, kwargs)
         return forward(*args, **kwargs)
 
 
 def trace_pattern(pattern: Callable | nn.Module) -> fx.GraphModule:
     root = pattern if isinstance(pattern, nn.Module) else _fn_module(pattern)
-    graph = _PatternTracer().trace(root)
+    graph = _PatternTracer(getattr(root, "_slapo_match_by_type", False)).trace(root)
     return fx.GraphModule(root, graph)
 
 
@@ -118,14 +128,21 @@ def _match(pn: fx.Node, gn: fx.Node, mapping: dict, pat: nn.Module, gm: nn.Modul
     if pn.op == "placeholder":
         mapping[pn] = gn
         return True
-    if gn.op in ("placeholder", "output") or _canon(pn, pat) != _canon(gn, gm):
+    regex = _module_regex(pn)
+    if regex is not None:  # slapo.pattern.call_module: any submodule whose path matches
+        if gn.op != "call_module" or not re.search(regex, str(gn.target)):
+            return False
+        pargs = pn.args[1:]
+    elif gn.op in ("placeholder", "output") or _canon(pn, pat) != _canon(gn, gm):
         return False
-    if len(pn.args) > len(gn.args):
+    else:
+        pargs = pn.args
+    if len(pargs) > len(gn.args):
         return False
     snapshot = dict(mapping)
     mapping[pn] = gn
-    pairs = list(zip(pn.args, gn.args)) + [(v, gn.kwargs.get(k, _MISSING))
-                                           for k, v in pn.kwargs.items()]
+    pairs = list(zip(pargs, gn.args)) + [(v, gn.kwargs.get(k, _MISSING))
+                                         for k, v in pn.kwargs.items()]
     for pa, ga in pairs:
         if not _match_arg(pa, ga, mapping, pat, gm):
             mapping.clear()
@@ -135,6 +152,13 @@ def _match(pn: fx.Node, gn: fx.Node, mapping: dict, pat: nn.Module, gm: nn.Modul
 
 
 _MISSING = object()
+
+
+def _module_regex(pn: fx.Node) -> str | None:
+    """The regex of a `slapo.pattern.call_module` pattern node, else None."""
+    if pn.op == "call_function" and getattr(pn.target, "_slapo_module_regex", False):
+        return pn.args[0]
+    return None
 
 
 def _match_arg(pa, ga, mapping, pat, gm) -> bool:

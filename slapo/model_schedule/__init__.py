@@ -29,5 +29,6 @@ from __future__ import annotations
 
 from . import albert, bert, gpt2, gpt_neo, llama, opt, roberta, t5  # noqa: F401  (register)
 from ._registry import Family, apply, detect, register_family, supported
+from .compat import apply_schedule  # noqa: F401  (Slapo 2023 spelling, compat.py)
 
 __all__ = ["Family", "apply", "detect", "register_family", "supported"]

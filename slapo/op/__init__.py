@@ -13,11 +13,26 @@ Each op's docstring says when to use it, whether it is exact or approximate, and
   `fused_loss` knob), `linear_cross_entropy` (chunked, per-row losses too), `VocabParallelEmbedding`,
   `VocabParallelLMHead`, `vocab_parallel_cross_entropy` (tensor parallel over the vocabulary).
 * `RMSNorm`, `SwiGLU`.
+* Slapo 2023 class names (`FlashAttention`, `FlashAttentionOp`, `FusedQKV`, `FusedMLP`,
+  `LinearWithSeparateBias`, `LinearWithSyncFunc`, `LinearWithAct`, `LinearWithDropout`,
+  `ParallelCrossEntropy`, `Print`): adapters onto the ops above (`compat2023`).
 """
 
 from . import kernels
 from .attention import SDPAttention, SelfAttention, flash_attn_available
 from .attention_core import AttentionCore, causal_mask, padding_mask, repeat_kv
+from .compat2023 import (
+    FlashAttention,
+    FlashAttentionOp,
+    FusedMLP,
+    FusedQKV,
+    LinearWithAct,
+    LinearWithDropout,
+    LinearWithSeparateBias,
+    LinearWithSyncFunc,
+    ParallelCrossEntropy,
+    Print,
+)
 from .fused import FusedBiasDropoutAdd, FusedBiasGELU, bias_dropout_add, bias_gelu
 from .hf_attention import SLAPO_ATTN, is_hf_attention, use_attention_core
 from .linear_ce import (
@@ -54,6 +69,16 @@ from .vocab_parallel import (
 )
 
 __all__ = [
+    "FlashAttention",
+    "FlashAttentionOp",
+    "FusedMLP",
+    "FusedQKV",
+    "LinearWithAct",
+    "LinearWithDropout",
+    "LinearWithSeparateBias",
+    "LinearWithSyncFunc",
+    "ParallelCrossEntropy",
+    "Print",
     "SLAPO_ATTN",
     "AttentionCore",
     "ChunkedLinearCrossEntropy",

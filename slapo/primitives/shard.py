@@ -86,6 +86,7 @@ class ShardPrimitive(Primitive):
             new = nn.Parameter(local, requires_grad=t.requires_grad) if kind == "parameter" \
                 else local
             _copy_tags(t, new)
+            _tag(new, "orig_shape", tuple(t.shape))  # Slapo 2023's annotation, for its users
             new._slapo_shard = spec
             tied = [(m, n, k) for (m, n, k) in holders(root, t)]
             for m, n, k in tied or [(sch.mod, name, kind)]:
@@ -109,3 +110,9 @@ def _copy_tags(old: torch.Tensor, new: torch.Tensor) -> None:
         new._slapo_tags = dict(tags)
         for k, v in tags.items():
             setattr(new, k, v)
+
+
+def _tag(t: torch.Tensor, key: str, value) -> None:
+    """An annotation (as `annotate` sets it), so deepcopy/build/consolidate carry it over."""
+    t._slapo_tags = {**(getattr(t, "_slapo_tags", None) or {}), key: value}
+    setattr(t, key, value)

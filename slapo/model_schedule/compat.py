@@ -1,0 +1,160 @@
+"""Slapo 2023 `model_schedule.apply_schedule(model, key, **sch_config)` over `apply`.
+
+    sch = apply_schedule(model, "gpt2", model_config=config, prefix="transformer",
+                         attn_op_name="cuda", ckpt_ratio=0.5, checkpoint_method="uniform")
+
+Each 2023 key maps onto a knob of `apply` (or a primitive call after it):
+
+| 2023 key | here |
+|---|---|
+| `model_config` | accepted; the family is detected from `model.config` and must equal `key` |
+| `fp16` / `bf16` | the model is cast before scheduling, as in 2023 (prefer `build(mixed_precision=)`) |
+| `group` | the tensor-parallel group (`tp` is its size) |
+| `prefix` | checked to exist; layer paths are found by the family's own suffixes |
+| `delay_init` | accepted; nothing is created here, a meta model stays meta until `build` |
+| `attn_op_name` | "cuda"/"triton" -> `attention="flash"` when flash-attn and CUDA exist, else "sdpa"; "auto"/"cutlass" -> "sdpa"; "native_*" (reference einsum) -> "eager" |
+| `disable_fuse_bias_gelu` / `disable_fusion` | `fuse = not ...` (default: no fusion, as 2023) |
+| `ckpt_ratio`, `checkpoint_method` | n = round(ratio * L) layers: "head" the first n, "uniform" n evenly spaced |
+| `pipeline_cuts` | `cut_pipeline_stage()` after each listed layer; T5 takes [[encoder], [decoder]] |
+| `sequence_parallel` | `sequence_parallel` |
+| `disable_shard_embedding` | `vocab_parallel = not ...` |
+| `bcast_input` | a forward pre-hook broadcasting tensor inputs from the group's first rank |
+
+Fixed 2023 bugs: "uniform" checkpointed every floor(1/r)-th layer (r=0.34 gave every 2nd layer,
+not a third of them) in GPT-2/GPT-Neo and the *first* layers in BERT/OPT/T5; here both methods
+checkpoint exactly round(r * L) layers, placed as named. ALBERT honours the ratio. The ready
+schedules underneath are today's (SDPA cores keep HF's masks: no encoder turns causal).
+WideResNet (`"wideresnet"`, `fuse_conv`) is not available yet.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from ..errors import SchedulingError
+from ..schedule import Schedule, create_schedule
+from . import _common
+from ._registry import apply, detect, layers_of, supported
+
+KEYS_2023 = ("model_config", "fp16", "bf16", "group", "prefix", "delay_init", "attn_op_name",
+             "disable_fuse_bias_gelu", "disable_fusion", "ckpt_ratio", "checkpoint_method",
+             "bcast_input", "pipeline_cuts", "sequence_parallel", "disable_shard_embedding",
+             "fuse_conv")
+CHECKPOINT_METHODS = ("uniform", "head")
+
+
+def apply_schedule(model: nn.Module, schedule_key: str, **sch_config: Any) -> Schedule:
+    """Schedule `model` with the ready schedule `schedule_key` and 2023 configuration keys."""
+    cfg = _validated(model, schedule_key, sch_config)
+    if cfg.get("bf16") or cfg.get("fp16"):
+        model.to(torch.bfloat16 if cfg.get("bf16") else torch.float16)
+    sch = create_schedule(model, group=cfg.get("group"))
+    ratio, method = float(cfg.get("ckpt_ratio", 0.0)), cfg.get("checkpoint_method", "uniform")
+    apply(sch, ckpt_ratio=ratio if method == "head" else 0.0,
+          attention=_attention(cfg.get("attn_op_name", "cuda")),
+          fuse=not (cfg.get("disable_fuse_bias_gelu", True) and
+                    cfg.get("disable_fusion", True)),
+          sequence_parallel=bool(cfg.get("sequence_parallel", False)),
+          vocab_parallel=not cfg.get("disable_shard_embedding", False))
+    family = detect(sch.mod)
+    if method == "uniform" and ratio > 0:
+        _checkpoint_uniform(layers_of(sch, family), ratio)
+    if cfg.get("pipeline_cuts"):
+        _cut(sch, family, cfg["pipeline_cuts"])
+    if cfg.get("bcast_input") and sch.world_size > 1:
+        sch.mod.register_forward_pre_hook(_broadcast_hook(sch.group), with_kwargs=True)
+    return sch
+
+
+def _validated(model: nn.Module, key: str, cfg: dict) -> dict:
+    """Every check before anything changes (a bad config leaves the model untouched)."""
+    if key == "wideresnet":
+        raise SchedulingError("", "the 'wideresnet' schedule is not available yet.",
+                              "schedule the ResNet with the primitives (shard/sync/checkpoint).")
+    if key not in supported():
+        raise SchedulingError("", f"unknown schedule key {key!r}.",
+                              f"use one of: {', '.join(supported())}.")
+    unknown = sorted(set(cfg) - set(KEYS_2023))
+    if unknown:
+        raise SchedulingError("", f"unknown apply_schedule option(s) {unknown}.",
+                              f"use the 2023 keys {', '.join(KEYS_2023)}, or "
+                              "slapo.model_schedule.apply for today's knobs.")
+    family = detect(model).name
+    if family != key:
+        raise SchedulingError("", f"schedule key {key!r} does not fit this {family} model "
+                              f"({type(model).__name__}).", f"use apply_schedule(model, "
+                              f"{family!r}, ...).")
+    if cfg.get("fuse_conv"):
+        raise SchedulingError("", "fuse_conv is a wideresnet option.", "drop it.")
+    if cfg.get("bf16") and cfg.get("fp16"):
+        raise SchedulingError("", "bf16 and fp16 are both set.", "choose one.")
+    if cfg.get("checkpoint_method", "uniform") not in CHECKPOINT_METHODS:
+        raise SchedulingError("", f"unknown checkpoint_method {cfg['checkpoint_method']!r}.",
+                              f"use one of {CHECKPOINT_METHODS}.")
+    prefix = cfg.get("prefix")
+    if prefix and prefix not in dict(model.named_modules()):
+        raise SchedulingError("", f"prefix {prefix!r} is not a submodule of "
+                              f"{type(model).__name__}.", "pass the base model's attribute "
+                              "name (e.g. 'transformer' for GPT2LMHeadModel) or leave it out.")
+    return cfg
+
+
+def _attention(attn_op_name: str | None) -> str:
+    from ..op import flash_attn_available
+    from ..op.compat2023 import ATTN_OP_NAMES
+
+    if attn_op_name is None or attn_op_name.startswith("native_"):
+        return "eager"
+    if attn_op_name not in ATTN_OP_NAMES:
+        raise SchedulingError("", f"unknown attn_op_name {attn_op_name!r}.",
+                              f"use one of {ATTN_OP_NAMES}.")
+    if attn_op_name in ("cuda", "triton") and flash_attn_available():
+        return "flash"
+    return "sdpa"
+
+
+def _checkpoint_uniform(layers: list[Schedule], ratio: float) -> None:
+    """round-half-up(ratio * L) layers, evenly spaced (first one included)."""
+    if not 0.0 <= ratio <= 1.0:
+        raise SchedulingError("", f"ckpt_ratio must be in [0, 1], got {ratio}.",
+                              "pass e.g. ckpt_ratio=0.5.")
+    n = math.floor(ratio * len(layers) + 0.5)
+    for i in sorted({math.floor(k * len(layers) / n) for k in range(n)}) if n else ():
+        layers[i].checkpoint()
+
+
+def _cut(sch: Schedule, family, cuts: list) -> None:
+    """Cut after layer k of each layer list (one list of ints, or one list per layer list)."""
+    per_list = cuts if cuts and isinstance(cuts[0], (list, tuple)) else [cuts]
+    if len(per_list) > len(family.layer_lists):
+        raise SchedulingError(sch.path, f"pipeline_cuts has {len(per_list)} lists but the "
+                              f"{family.name} model has {len(family.layer_lists)} layer list(s).",
+                              "pass one list of layer indices per layer list.")
+    for suffix, ks in zip(family.layer_lists, per_list):
+        layers = list(sch[_common.require_path(sch, suffix, family.name)])
+        for k in ks:
+            if not 0 <= k < len(layers):
+                raise SchedulingError(sch.path, f"pipeline cut {k} is outside 0..{len(layers) - 1}"
+                                      f" of '{suffix}'.", "cut after an existing layer.")
+            layers[k].cut_pipeline_stage()
+
+
+def _broadcast_hook(group):
+    """Forward pre-hook: every tensor input takes the values of the group's first rank."""
+    src = dist.get_global_rank(group, 0) if group is not None else 0
+
+    def hook(module, args, kwargs):
+        for t in [*args, *kwargs.values()]:
+            if isinstance(t, torch.Tensor):
+                dist.broadcast(t, src=src, group=group)
+        return None
+
+    return hook
+
+
+__all__ = ["CHECKPOINT_METHODS", "KEYS_2023", "apply_schedule"]
