@@ -36,9 +36,15 @@ HELP = {
     "num_layers": "number of layers (T5: split between encoder and decoder)",
     "num_heads": "attention heads",
     "out": "run directory: metrics.json, metrics.png, checkpoints/",
-    "resume": "resume from the newest checkpoint in --out (or from the checkpoint directory "
-              "given)",
+    "resume": "resume from the newest intact checkpoint in --out (or from the checkpoint "
+              "directory given); an error if there is none",
+    "resume_or_start": "resume from the newest intact checkpoint in --out if there is one, "
+                       "else start a fresh run there (for restartable job scripts)",
     "save_every": "checkpoint every N steps (0: only at the end); needs --out",
+    "keep_last": "keep only the N newest checkpoints (0: keep all; keep 2 or more so a damaged "
+                 "newest one can fall back)",
+    "dist_timeout": "seconds a collective waits for a peer before the job fails (raise it for "
+                    "long checkpoint saves or first-step compiles)",
     "eval_batches": "val-loss batches at the end (0: skip)",
     "progress": "show the progress bar",
     "plot": "write metrics.png",

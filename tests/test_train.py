@@ -93,7 +93,7 @@ def test_latest_picks_highest_complete_checkpoint(tmp_path):
         d = ckpt.checkpoint_dir(tmp_path, step)
         d.mkdir(parents=True)
         if complete:
-            (d / ckpt.TRAINER_FILE).write_text("{}")
+            (d / ckpt.MARKER).write_text("{}")
     (tmp_path / "checkpoints" / "step_000200.tmp").mkdir()
     assert ckpt.latest(tmp_path).name == "step_000040"
 
@@ -113,7 +113,7 @@ def test_sigkill_then_resume_matches_uninterrupted(tmp_path):
     step10 = ckpt.checkpoint_dir(killed, 10)
     try:
         deadline = time.monotonic() + 120
-        while not (step10 / ckpt.TRAINER_FILE).exists():
+        while not (step10 / ckpt.MARKER).exists():
             assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
             assert time.monotonic() < deadline, "no step-10 checkpoint after 120 s"
             time.sleep(0.02)

@@ -11,6 +11,7 @@ output, walking inputs backwards. Like Slapo's, it does not try commuted operand
 from __future__ import annotations
 
 import inspect
+import keyword
 import re
 from collections.abc import Callable
 from typing import Any
@@ -96,8 +97,17 @@ def trace_pattern(pattern: Callable | nn.Module) -> fx.GraphModule:
 
 
 def _fn_module(fn: Callable) -> nn.Module:
-    """A module whose forward has the function's own parameter names (so placeholders do)."""
+    """A module whose forward has the function's own parameter names (so placeholders do).
+
+    The names are spliced into source for `exec`, so each must be a plain identifier:
+    `inspect.Parameter` enforces that, but a forged `__signature__` can bypass it, and a name
+    like `x): import os  #` would run code. Checked here; the function itself is the caller's
+    own Python object, never a string from a file or the command line."""
     names = [p.name for p in inspect.signature(fn).parameters.values()]
+    bad = [n for n in names if not (isinstance(n, str) and n.isidentifier()
+                                     and not keyword.iskeyword(n))]
+    if bad:
+        raise ValueError(f"pattern {fn!r} has parameter names that are not identifiers: {bad}")
     ns: dict[str, Any] = {"_fn": fn}
     exec(f"def forward(self, {', '.join(names)}):\n    return _fn({', '.join(names)})", ns)
     return type("Pattern", (nn.Module,), {"forward": ns["forward"]})()

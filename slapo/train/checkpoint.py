@@ -1,12 +1,30 @@
-"""Sharded training checkpoints with torch.distributed.checkpoint (DCP).
+"""Sharded training checkpoints: safe to load, crash-safe to write, verified before use.
 
 Layout of one checkpoint, `OUT/checkpoints/step_000010/`:
-- DCP files: the model and optimizer state dicts (HF keys; each rank writes its own shards),
-- `rng_rank{r}.pt`: every RNG stream of rank r (torch, CUDA, python, numpy, slapo's TP stream),
-- `trainer.json`: step, loss history, data-sampler state and the run's config (rank 0).
+- DCP files (`torch.distributed.checkpoint`): `.metadata` and `__{rank}_{i}.distcp`, the model
+  and optimizer state dicts (HF keys; each rank writes its own shards),
+- `rng_rank{r}.json`: every RNG stream of rank r (torch, CUDA, python, numpy, Slapo's TP stream),
+- `trainer.json`: step, loss history, data-sampler state and the run's config (rank 0),
+- `COMPLETE.json`: the completion marker, written last: format version, step, world size, and
+  the size and sha256 of every other file.
 
-A checkpoint is written to `step_000010.tmp/` and renamed when every rank has finished, so a
-process killed mid-save never leaves a directory that `latest` would pick.
+Crash safety. Every rank writes into `step_000010.tmp/`; once all are done, each rank hashes its
+share of the files, rank 0 writes `COMPLETE.json` (fsynced) and renames the directory to
+`step_000010` (an atomic rename on POSIX). A process killed mid-save leaves only a `.tmp`
+directory, which nothing reads. On `--resume`, `find_resumable` checks the newest checkpoint
+(marker, file list, sizes, checksums) and falls back to the newest intact one, reporting what
+it skipped and why. Checksums catch accidents (a truncated copy, a flipped bit, a lost file),
+not attacks: anyone who can write a checkpoint can write a matching marker.
+
+Safety against attacks is the loaders': nothing read back can run code.
+- JSON files (`trainer.json`, `rng_rank{r}.json`, `COMPLETE.json`) hold only data.
+- DCP's `FileSystemReader` unpickles `.metadata` with plain `pickle` and loads non-tensor items
+  (optimizer hyper-parameters) with `torch.load(weights_only=False)`. `_SafeReader` replaces the
+  first with an unpickler that resolves only DCP's own metadata classes, `torch.Size`,
+  dtypes/layouts and paths (any other global is refused before anything is called), and
+  `_SafeLoadPlanner` loads the second with `weights_only=True`. Tensors are loaded by DCP with
+  `weights_only=True` already. torch 2.13 offers no pickle-free format for this state (its
+  safetensors storage holds tensors only, no optimizer hyper-parameters or DTensor shards).
 
 Tensor-parallel parameters are local shards (see `slapo.sharding`), identical in name and shape
 on every rank; DCP would take them for replicas and keep one. They are handed to DCP as DTensors
@@ -15,8 +33,13 @@ over their TP group, so each rank's shard is saved (and could be resharded on lo
 
 from __future__ import annotations
 
+import base64
 import contextlib
+import hashlib
+import io
 import json
+import os
+import pickle
 import random
 import shutil
 import warnings
@@ -27,6 +50,9 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_state_dict,
@@ -34,23 +60,58 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from .. import sharding
+from ..errors import SlapoError
 
 CHECKPOINTS = "checkpoints"
 TRAINER_FILE = "trainer.json"
+MARKER = "COMPLETE.json"
+DCP_METADATA = ".metadata"
+FORMAT = "slapo-train-checkpoint"
+VERSION = 2
+_CHUNK = 1 << 20
+
+
+class CheckpointError(SlapoError):
+    """A checkpoint that cannot be used: damaged, unsafe, or from a different run/job shape.
+
+    `path` is the file (or directory) at fault; the message names it and says what to do.
+    """
+
+    def __init__(self, path: Path | str, problem: str):
+        self.path = Path(path)
+        self.problem = problem
+        super().__init__(f"{path}: {problem}")
 
 
 def checkpoint_dir(out: Path, step: int) -> Path:
     return out / CHECKPOINTS / f"step_{step:06d}"
 
 
-def latest(out: Path) -> Path | None:
-    """The complete checkpoint with the highest step in `out`, or None."""
-    root = out / CHECKPOINTS
+def rng_file(rank: int) -> str:
+    return f"rng_rank{rank}.json"
+
+
+def step_of(path: Path) -> int | None:
+    """The step of a published checkpoint directory name (`step_000010`), else None."""
+    digits = path.name[5:]
+    return int(digits) if path.name.startswith("step_") and digits.isdigit() else None
+
+
+def candidates(out: Path) -> list[Path]:
+    """Every published checkpoint directory in `out` (complete or not), newest first.
+
+    `.tmp` (a save in progress or killed) and `.old` (being replaced) directories are not
+    candidates: their names are not `step_` + digits."""
+    root = Path(out) / CHECKPOINTS
     if not root.is_dir():
-        return None
-    done = [p for p in root.iterdir() if p.is_dir() and p.name.startswith("step_")
-            and p.name[5:].isdigit() and (p / TRAINER_FILE).is_file()]
-    return max(done, key=lambda p: int(p.name[5:]), default=None)
+        return []
+    found = [p for p in root.iterdir() if p.is_dir() and step_of(p) is not None]
+    return sorted(found, key=step_of, reverse=True)
+
+
+def latest(out: Path) -> Path | None:
+    """The newest checkpoint in `out` that has a completion marker (not verified: cheap)."""
+    return next((p for p in candidates(out) if (p / MARKER).is_file()), None)
 
 
 @contextlib.contextmanager
@@ -62,40 +123,264 @@ def _quiet_single_process():
         yield
 
 
+# ---- collectives (no-ops in one process) ------------------------------------------------------
 def _barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
 
 
-# ---- RNG --------------------------------------------------------------------------------------
+def _all_gather(obj: Any) -> list[Any]:
+    """Every rank's `obj` (a small Python value; pickled between the job's own processes)."""
+    if not dist.is_initialized():
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def _broadcast(obj: Any) -> Any:
+    """Rank 0's `obj` on every rank, so all ranks act on one directory listing."""
+    if not dist.is_initialized():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+# ---- files ------------------------------------------------------------------------------------
+def _fsync_dir(path: Path) -> None:
+    """Make a rename or a new file in `path` durable (no-op where directories cannot be
+    opened, e.g. Windows)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _write_synced(path: Path, text: str) -> None:
+    with open(path, "w", encoding="utf-8") as fh:
+        fh.write(text)
+        fh.flush()
+        os.fsync(fh.fileno())
+
+
+def sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while chunk := fh.read(_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def read_json(path: Path) -> Any:
+    """A JSON file, or a CheckpointError naming it (a pickle or garbage in its place)."""
+    try:
+        return json.loads(Path(path).read_bytes().decode("utf-8"))
+    except FileNotFoundError:
+        raise CheckpointError(path, "missing") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(path, f"not a JSON file ({e}); refusing to read it any other "
+                              "way") from None
+
+
+# ---- RNG state as JSON ------------------------------------------------------------------------
+def _bytes_to_json(t: torch.Tensor) -> str:
+    return base64.b64encode(bytes(t.to(torch.uint8).reshape(-1).tolist())).decode("ascii")
+
+
+def _bytes_from_json(text: str) -> torch.Tensor:
+    return torch.tensor(list(base64.b64decode(text, validate=True)), dtype=torch.uint8)
+
+
 def rng_state() -> dict[str, Any]:
+    """Every RNG stream of this process as JSON-able data (byte states base64-encoded)."""
     from ..distributed.rng import get_rng_tracker
 
-    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate(),
-                             "slapo_tracker": get_rng_tracker().get_states()}
+    version, internal, gauss = random.getstate()
+    state: dict[str, Any] = {
+        "torch": _bytes_to_json(torch.get_rng_state()),
+        "python": {"version": version, "internal": list(internal), "gauss_next": gauss},
+        "slapo_tracker": {name: [_bytes_to_json(cpu), None if cuda is None
+                                 else _bytes_to_json(cuda)]
+                          for name, (cpu, cuda) in get_rng_tracker().get_states().items()},
+    }
     if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+        state["cuda"] = [_bytes_to_json(s) for s in torch.cuda.get_rng_state_all()]
     try:
         import numpy as np
 
-        state["numpy"] = np.random.get_state()
+        kind, keys, pos, has_gauss, cached = np.random.get_state()
+        state["numpy"] = {"kind": kind, "keys": [int(k) for k in keys], "pos": int(pos),
+                          "has_gauss": int(has_gauss), "cached_gaussian": float(cached)}
     except ImportError:  # pragma: no cover
         pass
     return state
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
+    """Restore what `rng_state` returned (raises KeyError/TypeError/ValueError on bad data)."""
     from ..distributed.rng import get_rng_tracker
 
-    torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
-    get_rng_tracker().set_states(state["slapo_tracker"])
+    torch.set_rng_state(_bytes_from_json(state["torch"]))
+    py = state["python"]
+    random.setstate((int(py["version"]), tuple(int(x) for x in py["internal"]),
+                     None if py["gauss_next"] is None else float(py["gauss_next"])))
+    get_rng_tracker().set_states({
+        str(name): (_bytes_from_json(cpu), None if cuda is None else _bytes_from_json(cuda))
+        for name, (cpu, cuda) in state["slapo_tracker"].items()})
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        torch.cuda.set_rng_state_all([_bytes_from_json(s) for s in state["cuda"]])
     if "numpy" in state:
         import numpy as np
 
-        np.random.set_state(state["numpy"])
+        n = state["numpy"]
+        np.random.set_state((str(n["kind"]), np.array(n["keys"], dtype=np.uint32),
+                             int(n["pos"]), int(n["has_gauss"]), float(n["cached_gaussian"])))
+
+
+def load_rng(path: Path) -> None:
+    """Restore this rank's RNG streams from its JSON file, naming the file on bad data."""
+    state = read_json(path)
+    try:
+        set_rng_state(state)
+    except (KeyError, TypeError, ValueError, RuntimeError, AttributeError) as e:
+        raise CheckpointError(path, f"not a valid RNG state ({type(e).__name__}: {e})") from None
+
+
+# ---- safe DCP reading -------------------------------------------------------------------------
+_DCP_CLASSES = {
+    "torch.distributed.checkpoint.metadata": {
+        "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
+        "BytesStorageMetadata", "ChunkStorageMetadata", "_MEM_FORMAT_ENCODING"},
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo", "_StoragePrefix"},
+    "pathlib": {"Path", "PosixPath", "WindowsPath", "PurePath", "PurePosixPath",
+                "PureWindowsPath"},
+    "pathlib._local": {"Path", "PosixPath", "WindowsPath", "PurePath", "PurePosixPath",
+                       "PureWindowsPath"},
+    "torch": {"Size"},
+    "torch.serialization": {"_get_layout"},
+    "collections": {"OrderedDict"},
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Resolves only the classes DCP's metadata is made of (data holders with no side effects),
+    plus torch dtype/layout/memory-format constants; refuses every other global, so a crafted
+    `.metadata` cannot reach `os.system`, `eval`, `builtins.getattr` or any importer."""
+
+    def __init__(self, fh, path: Path):
+        super().__init__(fh)
+        self.path = path
+
+    def find_class(self, module: str, name: str) -> Any:
+        if name in _DCP_CLASSES.get(module, ()):
+            return super().find_class(module, name)
+        if module == "torch" and not name.startswith("_"):
+            value = getattr(torch, name, None)
+            if isinstance(value, (torch.dtype, torch.layout, torch.memory_format)):
+                return value
+        raise CheckpointError(self.path, f"refusing to unpickle {module}.{name}: not part of "
+                              "DCP checkpoint metadata (a crafted or foreign file?)")
+
+
+def _plain_name(name: str) -> bool:
+    """A file name inside the checkpoint directory: no separators, no `..`."""
+    return bool(name) and name not in (".", "..") and "/" not in name and "\\" not in name
+
+
+class _SafeReader(FileSystemReader):
+    """DCP's file reader with `.metadata` unpickled by `_MetadataUnpickler`, and every storage
+    entry checked to name a file inside the checkpoint directory."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any):
+        from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+
+        rank = kwargs.get("rank")
+        name = DCP_METADATA if rank is None else f"__{rank}{DCP_METADATA}"
+        path = Path(str(self.path)) / name
+        try:
+            with open(path, "rb") as fh:
+                metadata = _MetadataUnpickler(fh, path).load()
+        except CheckpointError:
+            raise
+        except FileNotFoundError:
+            raise CheckpointError(path, "missing") from None
+        except Exception as e:  # noqa: BLE001 - any unpickling failure: a damaged file
+            raise CheckpointError(path, f"not readable DCP metadata ({type(e).__name__}: "
+                                  f"{e})") from None
+        if not isinstance(metadata, Metadata):
+            raise CheckpointError(path, f"holds a {type(metadata).__name__}, not DCP Metadata")
+        for info in (metadata.storage_data or {}).values():
+            if not _plain_name(str(getattr(info, "relative_path", ""))):
+                raise CheckpointError(path, f"names a file outside the checkpoint: {info!r}")
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = getattr(self, "load_id", None)
+        return metadata
+
+
+    def read_data(self, plan, planner):
+        """DCP's reader (tensors with `weights_only=True`), with a failure naming the file(s)
+        this rank was reading instead of torch's bare unpickling message."""
+        try:
+            return super().read_data(plan, planner)
+        except CheckpointError:
+            raise
+        except Exception as e:  # noqa: BLE001 - a refused or damaged tensor record
+            files = sorted({self.storage_data[item.storage_index].relative_path
+                            for item in plan.items if item.storage_index in self.storage_data})
+            where = Path(str(self.path)) / (files[0] if len(files) == 1 else
+                                            "{" + ",".join(files) + "}")
+            raise CheckpointError(where, f"refusing to load a tensor record: {_reason(e)}"
+                                  ) from None
+
+
+def _reason(e: BaseException) -> str:
+    """The informative line of a loader error (torch's weights-only refusal names the global
+    it refused several lines down)."""
+    lines = [x.strip() for x in str(e).splitlines() if x.strip()]
+    named = [x for x in lines if "GLOBAL" in x or "Unsupported" in x]
+    return f"{type(e).__name__}: {(named or lines or [''])[0][:300]}"
+
+
+class _SafeLoadPlanner(DefaultLoadPlanner):
+    """DCP's default planner, loading non-tensor items (optimizer hyper-parameters: floats,
+    tuples, strings, None) with `torch.load(weights_only=True)` instead of a full unpickle."""
+
+    def __init__(self, checkpoint_dir: Path | str = "") -> None:
+        super().__init__()
+        self.checkpoint_dir = checkpoint_dir  # for error messages
+
+    def load_bytes(self, read_item, value: io.BytesIO) -> None:
+        from torch.distributed.checkpoint._traverse import set_element
+
+        fqn = read_item.dest_index.fqn
+        try:
+            obj = torch.load(value, weights_only=True)
+        except Exception as e:  # noqa: BLE001 - the weights-only unpickler refused it
+            info = (getattr(self, "metadata", None) and
+                    self.metadata.storage_data.get(read_item.storage_index))
+            where = getattr(info, "relative_path", "a .distcp file")
+            where = Path(str(getattr(self, "checkpoint_dir", ""))) / where
+            raise CheckpointError(where, f"refusing to load {fqn!r}: not plain data "
+                                  f"({_reason(e)})") from None
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[fqn], obj)
+        else:
+            self.state_dict[fqn] = obj
+
+
+def _first_checkpoint_error(e: BaseException) -> BaseException:
+    """DCP wraps per-rank failures in a CheckpointException: dig out ours, if any."""
+    failures = getattr(e, "failures", None) or {}
+    inner = [pair[0] if isinstance(pair, tuple) else pair for _, pair in sorted(failures.items())]
+    return next((x for x in inner if isinstance(x, CheckpointError)), inner[0] if inner else e)
 
 
 # ---- TP shards as DTensors --------------------------------------------------------------------
@@ -146,7 +431,6 @@ def _wrap(state: dict[str, Any], specs: dict[str, sharding.ShardSpec], fn) -> di
     return {"model": model_sd, "optim": {**state["optim"], "state": optim_state}}
 
 
-# ---- save / load ------------------------------------------------------------------------------
 def _state(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict, bool]:
     """{"model", "optim"} state dicts to hand DCP, the shard specs, and whether the model part
     is partial. Only the parameters this rank trains (those in its optimizer) are included: with
@@ -164,43 +448,190 @@ def _state(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, di
     return state, specs, bool(foreign)
 
 
+# ---- completion marker and verification -------------------------------------------------------
+def _hash_share(tmp: Path, names: list[str], rank: int, world: int) -> dict[str, dict]:
+    """{name: {size, sha256}} for this rank's share of the files (every world-th)."""
+    return {n: {"size": (tmp / n).stat().st_size, "sha256": sha256(tmp / n)}
+            for n in names[rank::world]}
+
+
+def _write_marker(tmp: Path, step: int, world: int, files: dict[str, dict]) -> None:
+    manifest = {"format": FORMAT, "version": VERSION, "step": step, "world_size": world,
+                "hash": "sha256", "files": dict(sorted(files.items()))}
+    _write_synced(tmp / MARKER, json.dumps(manifest, indent=1))
+    _fsync_dir(tmp)
+
+
+def read_manifest(path: Path) -> dict[str, Any]:
+    """The checkpoint's `COMPLETE.json`, checked for shape; CheckpointError if absent or bad."""
+    marker = Path(path) / MARKER
+    if not marker.is_file():
+        raise CheckpointError(path, f"no {MARKER} (a save that never finished, or a checkpoint "
+                              "from an older Slapo, whose RNG files are unsafe pickles)")
+    m = read_json(marker)
+    ok = (isinstance(m, dict) and m.get("format") == FORMAT and m.get("version") == VERSION
+          and isinstance(m.get("step"), int) and isinstance(m.get("world_size"), int)
+          and m["world_size"] >= 1 and isinstance(m.get("files"), dict))
+    if not ok:
+        raise CheckpointError(marker, f"not a {FORMAT} v{VERSION} completion marker")
+    files = m["files"]
+    for name, entry in files.items():
+        if not (_plain_name(name) and isinstance(entry, dict) and isinstance(entry.get("size"),
+                int) and isinstance(entry.get("sha256"), str)):
+            raise CheckpointError(marker, f"bad file entry {name!r}: {entry!r}")
+    needed = [DCP_METADATA, TRAINER_FILE, *(rng_file(r) for r in range(m["world_size"]))]
+    missing = [n for n in needed if n not in files]
+    if missing:
+        raise CheckpointError(marker, f"does not list {', '.join(missing)}")
+    return m
+
+
+def verify(path: Path, rank: int = 0, world: int = 1) -> str | None:
+    """Why the checkpoint at `path` is not intact, or None. Checks the marker, that every
+    listed file exists with its size, and the sha256 of this rank's share of the files (with
+    `world` ranks each hashing every world-th file; `verify_all` combines them)."""
+    try:
+        files = read_manifest(path)["files"]
+    except CheckpointError as e:
+        return e.problem if e.path == Path(path) else f"{e.path.name}: {e.problem}"
+    for name in sorted(files):
+        f = Path(path) / name
+        if not f.is_file():
+            return f"missing file {name}"
+        size, want = f.stat().st_size, files[name]["size"]
+        if size != want:
+            return f"{name} has {size} bytes, {want} expected ({'truncated' if size < want else 'grown'})"
+    for name in sorted(files)[rank::world]:
+        if sha256(Path(path) / name) != files[name]["sha256"]:
+            return f"{name} does not match its sha256 in {MARKER} (corrupted: flipped bytes?)"
+    return None
+
+
+def verify_all(path: Path, rank: int = 0, world: int = 1) -> str | None:
+    """Collective `verify`: every rank hashes its share; all ranks get the same answer."""
+    reasons = _all_gather(verify(path, rank, world))
+    return next((r for r in reasons if r is not None), None)
+
+
+def find_resumable(out: Path, rank: int = 0, world: int = 1
+                   ) -> tuple[Path | None, list[tuple[Path, str]]]:
+    """Collective. The newest intact checkpoint in `out` (or None), and the newer ones skipped
+    with the reason each was skipped (newest first)."""
+    root = Path(out) / CHECKPOINTS
+    names = _broadcast([p.name for p in candidates(out)])
+    skipped: list[tuple[Path, str]] = []
+    for name in names:
+        reason = verify_all(root / name, rank, world)
+        if reason is None:
+            return root / name, skipped
+        skipped.append((root / name, reason))
+    return None, skipped
+
+
+# ---- save -------------------------------------------------------------------------------------
+def _publish(tmp: Path, path: Path) -> None:
+    """Rename the finished `tmp` to `path` atomically; an existing `path` (the same step saved
+    by an earlier run) is moved aside first and removed after."""
+    old = path.with_name(path.name + ".old")
+    if old.exists():
+        shutil.rmtree(old)
+    if path.exists():
+        path.rename(old)
+    tmp.rename(path)
+    _fsync_dir(path.parent)
+    if old.exists():
+        shutil.rmtree(old)
+
+
+def prune(out: Path, step: int, keep_last: int) -> list[Path]:
+    """Retention: keep the `keep_last` newest checkpoints up to `step` (0: keep all); remove
+    older ones and stale `.tmp`/`.old` directories of earlier steps. Checkpoints of later steps
+    (from a run this one resumed behind) are left alone. Returns what was removed."""
+    root = Path(out) / CHECKPOINTS
+    removed = []
+    for p in root.iterdir() if root.is_dir() else ():
+        stem, _, suffix = p.name.partition(".")
+        if suffix in ("tmp", "old") and stem[5:].isdigit() and int(stem[5:]) < step:
+            removed.append(p)
+    if keep_last > 0:
+        removed += [p for p in candidates(out) if step_of(p) <= step][keep_last:]
+    for p in removed:
+        shutil.rmtree(p, ignore_errors=True)
+    return removed
+
+
 def save(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
-         trainer: dict[str, Any], rank: int) -> None:
-    """Collective: every rank calls it. `trainer` (JSON-able) is written by rank 0."""
+         trainer: dict[str, Any], rank: int, keep_last: int = 0) -> None:
+    """Collective: every rank calls it. `trainer` (JSON-able) is written by rank 0.
+
+    Write into `path.tmp`, hash, mark complete, rename: a crash at any point leaves either the
+    previous checkpoints untouched plus a `.tmp` directory, or a complete, verified `path`."""
+    world = dist.get_world_size() if dist.is_initialized() else 1
     tmp = path.with_name(path.name + ".tmp")
-    if rank == 0 and tmp.exists():
-        shutil.rmtree(tmp)
+    if rank == 0:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir(parents=True)
     _barrier()
     state, _, _ = _state(model, optimizer)
     with _quiet_single_process():
         dcp.save(state, checkpoint_id=str(tmp), no_dist=not dist.is_initialized())
-    torch.save(rng_state(), tmp / f"rng_rank{rank}.pt")
-    _barrier()
+    _write_synced(tmp / rng_file(rank), json.dumps(rng_state()))
     if rank == 0:
-        (tmp / TRAINER_FILE).write_text(json.dumps(trainer))
-        if path.exists():
-            shutil.rmtree(path)
-        tmp.rename(path)
+        _write_synced(tmp / TRAINER_FILE, json.dumps(trainer))
+    _barrier()
+    names = _broadcast(sorted(p.name for p in tmp.iterdir() if p.name != MARKER))
+    shares = _all_gather(_hash_share(tmp, names, rank, world))
+    if rank == 0:
+        _write_marker(tmp, int(trainer["step"]), world, {k: v for s in shares
+                                                          for k, v in s.items()})
+        _publish(tmp, path)
+        prune(path.parent.parent, int(trainer["step"]), keep_last)
     _barrier()
 
 
-def load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, rank: int
-         ) -> dict[str, Any]:
-    """Load weights, optimizer state and this rank's RNG streams; return the trainer state."""
-    if not (path / TRAINER_FILE).is_file():
-        raise FileNotFoundError(f"{path} is not a complete slapo train checkpoint (no "
-                                f"{TRAINER_FILE}); pass a directory like OUT/{CHECKPOINTS}/"
-                                "step_000010, or --resume latest.")
+# ---- load -------------------------------------------------------------------------------------
+def read_trainer(path: Path) -> dict[str, Any]:
+    """The checkpoint's `trainer.json` (JSON: step, losses, data, config), read before any
+    tensor so the caller can check the run's identity first."""
+    trainer = read_json(Path(path) / TRAINER_FILE)
+    keys = ("step", "losses", "data", "config")
+    if not (isinstance(trainer, dict) and all(k in trainer for k in keys)
+            and isinstance(trainer["config"], dict)):
+        raise CheckpointError(Path(path) / TRAINER_FILE, f"not a trainer state (needs "
+                              f"{', '.join(keys)})")
+    return trainer
+
+
+def check_world(path: Path, world: int) -> None:
+    """The job must have as many processes as the one that wrote the checkpoint: each rank
+    restores its own RNG streams."""
+    saved = read_manifest(path)["world_size"]
+    if saved != world:
+        raise CheckpointError(path, f"written by {saved} process(es), this job has {world}: "
+                              f"resume with `torchrun --nproc-per-node {saved}` (or the same "
+                              "launcher as the run that wrote it).")
+
+
+def load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, rank: int) -> None:
+    """Collective. Load weights, optimizer state and this rank's RNG streams from a verified
+    checkpoint, with loaders that run no code from the files (see the module docstring)."""
+    _SafeReader(str(path)).read_metadata()  # a refused .metadata: our error, before DCP's
     state, specs, partial = _state(model, optimizer)
-    with _quiet_single_process():
-        dcp.load(state, checkpoint_id=str(path), no_dist=not dist.is_initialized())
+    try:
+        with _quiet_single_process():
+            dcp.load(state, storage_reader=_SafeReader(str(path)), planner=_SafeLoadPlanner(path),
+                     no_dist=not dist.is_initialized())
+    except CheckpointError:
+        raise
+    except (Exception, CheckpointException) as e:  # noqa: BLE001
+        inner = _first_checkpoint_error(e)
+        if isinstance(inner, CheckpointError):
+            raise inner from None
+        raise CheckpointError(path, "could not load the model/optimizer state: "
+                              f"{_reason(inner)}") from None
     if specs:
         state = _wrap(state, specs, _from_dtensor)
     set_state_dict(model, optimizer, model_state_dict=state["model"],
                    optim_state_dict=state["optim"], options=StateDictOptions(strict=not partial))
-    rng_file = path / f"rng_rank{rank}.pt"
-    if not rng_file.is_file():
-        raise FileNotFoundError(f"{rng_file} is missing: resume with the same number of "
-                                "processes that wrote the checkpoint.")
-    set_rng_state(torch.load(rng_file, weights_only=False))
-    return json.loads((path / TRAINER_FILE).read_text())
+    load_rng(Path(path) / rng_file(rank))

@@ -36,7 +36,7 @@ KNOBS = ("tp", "ckpt_ratio", "attention", "fuse", "fuse_compiler", "tempo", "pp_
 CKPT_POLICIES = ("full", "selective")
 PRECISIONS = ("fp32", "bf16", "fp16")
 DEVICES = ("auto", "cpu", "cuda")
-DIST_TIMEOUT_S = 60
+DIST_TIMEOUT_S = 60.0   # --dist-timeout default: long saves or first compiles may need more
 
 
 @dataclass
@@ -58,8 +58,11 @@ class TrainConfig:
     num_layers: int = 4
     num_heads: int = 4
     out: str | None = None
-    resume: str | None = None   # "latest" (the newest checkpoint in `out`) or a checkpoint dir
+    resume: str | None = None   # "latest" (the newest intact checkpoint in `out`) or a dir
+    resume_or_start: bool = False  # resume from `out` if it has a checkpoint, else start fresh
     save_every: int = 0         # 0: only at the end (when `out` is given)
+    keep_last: int = 0          # keep the N newest checkpoints (0: keep all)
+    dist_timeout: float = DIST_TIMEOUT_S  # seconds a collective may wait for a peer
     eval_batches: int = 4       # val-loss batches at the end (0: skip)
     progress: bool = True
     plot: bool = True
@@ -85,7 +88,7 @@ class TrainConfig:
         for name in ("steps", "batch_size", "seq_len", "hidden_size", "num_layers", "num_heads"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{_flag(name)} must be >= 1, got {getattr(self, name)}")
-        for name in ("save_every", "warmup", "eval_batches"):
+        for name in ("save_every", "warmup", "eval_batches", "keep_last"):
             if getattr(self, name) < 0:
                 raise ValueError(f"--{_flag(name)} must be >= 0, got {getattr(self, name)}")
         if not self.lr > 0:
@@ -94,8 +97,9 @@ class TrainConfig:
             raise ValueError(f"--min-lr-ratio must be in [0, 1], got {self.min_lr_ratio}")
         if not 0 <= self.dropout < 1:
             raise ValueError(f"--dropout must be in [0, 1), got {self.dropout}")
-        if self.resume == "latest" and self.out is None:
-            raise ValueError("--resume needs --out DIR (the run directory holding checkpoints)")
+        if not self.dist_timeout > 0:
+            raise ValueError(f"--dist-timeout must be > 0 seconds, got {self.dist_timeout}")
+        self._check_resume()
         if self.save_every and self.out is None:
             raise ValueError("--save-every needs --out DIR (where checkpoints are written)")
         for name in ("tp", "pp_stages"):
@@ -117,6 +121,29 @@ class TrainConfig:
         if self.device == "cuda" and not torch.cuda.is_available():
             raise ValueError("--device cuda: no CUDA device is available here (use --device cpu "
                              "or auto)")
+
+    def resume_target(self) -> str | None:
+        """What to resume from: "latest" (in `out`), a checkpoint directory, or None."""
+        return "latest" if self.resume_or_start and self.resume is None else self.resume
+
+    def _check_resume(self) -> None:
+        """--resume must find something: a typo in --out must not silently start over."""
+        target = self.resume_target()
+        if target is None:
+            return
+        if self.resume_or_start and target != "latest":
+            raise ValueError("--resume-or-start resumes from the newest checkpoint in --out; "
+                             f"it cannot be combined with a checkpoint directory ({target})")
+        if target == "latest" and self.out is None:
+            raise ValueError("--resume needs --out DIR (the run directory holding checkpoints)")
+        if target != "latest" and not Path(target).is_dir():
+            raise ValueError(f"--resume {target}: no such checkpoint directory")
+        if target == "latest" and not self.resume_or_start and not ckpt.candidates(
+                Path(self.out)):
+            raise ValueError(f"--resume: no checkpoint in {Path(self.out) / ckpt.CHECKPOINTS}; "
+                             "drop --resume to start a fresh run there, or pass "
+                             "--resume-or-start to resume when a checkpoint exists and start "
+                             "fresh otherwise")
 
     def mixed_precision(self) -> str | None:
         """The `slapo.build(mixed_precision=...)` value: None for fp32."""
@@ -165,7 +192,8 @@ class Env:
 
 
 def setup(cfg: TrainConfig) -> Env:
-    """One process, or join torchrun's job (gloo on CPU, NCCL on CUDA; 60 s collective timeout)."""
+    """One process, or join torchrun's job (gloo on CPU, NCCL on CUDA; collectives time out
+    after --dist-timeout seconds, so a dead rank fails its peers instead of hanging them)."""
     tp, pp = cfg.tp or 1, cfg.pp_stages or 1
     launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     world = int(os.environ["WORLD_SIZE"]) if launched else (
@@ -187,7 +215,7 @@ def setup(cfg: TrainConfig) -> Env:
         backend = "nccl" if _use_cuda(cfg.device) else "gloo"
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group(backend, timeout=timedelta(seconds=DIST_TIMEOUT_S))
+        dist.init_process_group(backend, timeout=timedelta(seconds=cfg.dist_timeout))
     from torch.distributed.device_mesh import init_device_mesh
 
     env.rank, env.owns_process_group = dist.get_rank(), owns
@@ -234,6 +262,7 @@ class Run:
     losses: list[float] = field(default_factory=list)
     step_times: list[float] = field(default_factory=list)
     resumed_from: int | None = None
+    resume_skipped: list[dict[str, str]] = field(default_factory=list)  # damaged checkpoints
 
     @property
     def precision(self):
@@ -439,28 +468,67 @@ def save(run: Run) -> Path:
     trainer = {"step": run.step, "losses": run.losses, "step_times": run.step_times,
                "data": run.data.state_dict(), "config": asdict(run.cfg),
                "precision": run.precision.state_dict()}  # fp16: the loss scale
-    ckpt.save(path, run.model, run.optimizer, trainer, run.env.rank)
+    ckpt.save(path, run.model, run.optimizer, trainer, run.env.rank, keep_last=run.cfg.keep_last)
     return path
 
 
-def resume(run: Run, log=print) -> None:
-    """Load the checkpoint named by cfg.resume ("latest" in cfg.out, or a directory)."""
-    cfg = run.cfg
-    if cfg.resume == "latest":
-        path = ckpt.latest(Path(cfg.out))
-        if path is None:
-            log(f"--resume: no checkpoint in {cfg.out}/checkpoints yet; starting from step 0")
-            return
-    else:
-        path = Path(cfg.resume)
-    trainer = ckpt.load(path, run.model, run.optimizer, run.env.rank)
-    saved = trainer["config"]
+def _warn(run: Run, message: str) -> None:
+    if run.env.is_main:
+        print(f"warning: {message}", file=sys.stderr, flush=True)
+
+
+def pick_checkpoint(run: Run) -> Path | None:
+    """Collective. The checkpoint to resume from, verified (marker, sizes, sha256).
+
+    `--resume` (latest): the newest intact checkpoint in --out; newer damaged ones are skipped
+    with a warning naming each and why (and recorded in metrics.json as `resume_skipped`).
+    None only with --resume-or-start and no checkpoint at all. `--resume DIR`: that checkpoint,
+    or an error saying what is wrong with it.
+    """
+    cfg, env = run.cfg, run.env
+    target = cfg.resume_target()
+    if target != "latest":
+        reason = ckpt.verify_all(Path(target), env.rank, env.world)
+        if reason is not None:
+            raise ckpt.CheckpointError(target, f"cannot resume: {reason}. `--resume` with no "
+                                       "directory picks the newest intact checkpoint in --out.")
+        return Path(target)
+    path, skipped = ckpt.find_resumable(Path(cfg.out), env.rank, env.world)
+    for bad, why in skipped:
+        _warn(run, f"skipping checkpoint {bad}: {why}")
+        run.resume_skipped.append({"checkpoint": str(bad), "reason": why})
+    if path is None and skipped:
+        raise ckpt.CheckpointError(Path(cfg.out) / ckpt.CHECKPOINTS, "no intact checkpoint to "
+                                   "resume from (every one is listed above with its fault); "
+                                   "start a fresh run in another --out, or repair one")
+    if path is not None and skipped:
+        _warn(run, f"resuming from {path.name}, the newest intact checkpoint")
+    return path
+
+
+def check_identity(cfg: TrainConfig, path: Path, saved: dict[str, Any]) -> None:
+    """The options that define the run must match the checkpoint's; checked before any tensor
+    is read, so a different model or size gets this message, not a loader error."""
     diff = {k: (saved.get(k), getattr(cfg, k)) for k in RUN_IDENTITY
             if saved.get(k) != getattr(cfg, k)}
     if diff:
         shown = ", ".join(f"--{_flag(k)} {new} (checkpoint: {old})" for k, (old, new) in
                           diff.items())
         raise ValueError(f"cannot resume from {path}: it is a different run: {shown}.")
+
+
+def resume(run: Run, log=print) -> None:
+    """Resume from cfg.resume ("latest" in cfg.out, or a directory): verify, check identity,
+    then load weights, optimizer, RNG streams, sampler and history."""
+    path = pick_checkpoint(run)
+    if path is None:
+        log(f"--resume-or-start: no checkpoint in {run.cfg.out}/checkpoints; starting from "
+            "step 0")
+        return
+    trainer = ckpt.read_trainer(path)
+    check_identity(run.cfg, path, trainer["config"])
+    ckpt.check_world(path, run.env.world)
+    ckpt.load(path, run.model, run.optimizer, run.env.rank)
     run.step = trainer["step"]
     run.losses = list(trainer["losses"])
     run.data.load_state_dict(trainer["data"])
@@ -484,6 +552,7 @@ def metrics(run: Run, val: float | None, peak: int) -> dict[str, Any]:
         "parameters_on_rank0": trained_parameters(run),
         "steps": run.step,
         "resumed_from": run.resumed_from,
+        "resume_skipped": run.resume_skipped,
         "schedule": run.schedule_note,
         "precision": run.precision.name,
         "skipped_steps": run.precision.skipped_steps,
@@ -539,7 +608,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
             f"{env.world} process(es), device {env.device}, precision {cfg.precision}"
             f"{' (autocast, fp32 master weights)' if cfg.precision != 'fp32' else ''}, "
             f"schedule {run.schedule_note}")
-        if cfg.resume is not None:
+        if cfg.resume_target() is not None:
             resume(run, log)
         reset_peak_memory(env.device)
         bar = progress_bar(run)
