@@ -632,6 +632,10 @@ def load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, rank: i
                               f"{_reason(inner)}") from None
     if specs:
         state = _wrap(state, specs, _from_dtensor)
-    set_state_dict(model, optimizer, model_state_dict=state["model"],
-                   optim_state_dict=state["optim"], options=StateDictOptions(strict=not partial))
+    try:
+        set_state_dict(model, optimizer, model_state_dict=state["model"],
+                       optim_state_dict=state["optim"],
+                       options=StateDictOptions(strict=not partial))
+    except (RuntimeError, KeyError, ValueError) as e:
+        raise CheckpointError(path, f"does not fit this model/optimizer: {_reason(e)}") from None
     load_rng(Path(path) / rng_file(rank))
