@@ -643,3 +643,31 @@ def test_example_scripts_train(name):
     assert len(losses) == 4 and all(math.isfinite(v) for v in losses)
     assert losses[-1] < losses[0]
 
+
+
+def test_2023_schedule_methods_and_primitive_registration():
+    class ScaleOutput(slapo.primitives.Primitive):  # a 2023-style user primitive
+        @staticmethod
+        def name():
+            return "scale_output_2023"
+
+        @staticmethod
+        def apply(sch, factor):
+            sch.mod.register_forward_hook(lambda m, a, out: out * factor)
+
+    slapo.register_primitive()(ScaleOutput)
+    torch.manual_seed(0)
+    model, x = Block(), torch.randn(2, 8)
+    ref_mlp = model.mlp(x)
+    sch = slapo.create_schedule(model)
+    assert sch.get_module("mlp.fc1") is model.mlp.fc1
+    sch["mlp"].scale_output_2023(3.0)
+    _close(model.mlp(x), 3 * ref_mlp)
+    sch.trace_until("mlp")  # the top is traced, mlp stays a leaf (untraced inside)
+    assert not isinstance(model.mlp, torch.fx.GraphModule)
+    assert isinstance(sch.mod, torch.fx.GraphModule)
+    node_sch = slapo.create_schedule(MLP())
+    found = node_sch.find_node(lambda n: n.op == "call_module" and n.target == "act")
+    assert [n.target for n in found] == ["act"]  # traced on demand, as 2023's find did
+    with pytest.raises(slapo.SchedulingError, match="top schedule"):
+        sch["mlp"].trace_until("fc1")

@@ -1,4 +1,7 @@
-"""2023 primitive `replace_all(target_type, make_mod_fn, **kw)`, as a loop over `replace`.
+"""2023 schedule methods that today's primitives do not spell: `replace_all`, `find_node`,
+`trace_until`, `get_module`, each a thin loop or query over the modern primitives.
+
+`replace_all(target_type, make_mod_fn, **kw)` is a loop over `replace`:
 
 Every module of `target_type` under this node (found in one snapshot taken before any change,
 so a replacement that itself contains `target_type` is not replaced again) is replaced by
@@ -56,3 +59,73 @@ class ReplaceAllPrimitive(Primitive):
         for node, new in plan:
             replace.run(node, new)
         return len(plan)
+
+
+@register_primitive
+class FindNodePrimitive(Primitive):
+    """2023 `sch.find_node(fn)`: the nodes for which `fn(node)` is true, as one Subgraph (2023
+    returned (parent_name, node) pairs). Like 2023's `find`, an untraced module is traced first
+    (default options)."""
+
+    name = "find_node"
+
+    @classmethod
+    def validate(cls, sch, fn: Callable) -> None:
+        if not callable(fn):
+            raise SchedulingError(sch.path, "find_node needs a predicate fn(node) -> bool.",
+                                  "e.g. lambda n: n.op == 'call_method' and n.target == 'view'.")
+
+    @classmethod
+    def apply(cls, sch, fn: Callable):
+        import torch.fx as fx
+
+        if not isinstance(sch.mod, fx.GraphModule):
+            sch.trace()
+        return sch.find(fn, kind="predicate")
+
+    @classmethod
+    def record(cls, sch, *args, **kwargs) -> bool:
+        return False
+
+
+@register_primitive
+class TraceUntilPrimitive(Primitive):
+    """2023 `sch.trace_until(paths, **trace_kw)` on the top schedule: trace from the top down
+    to the module(s) at `paths`, which stay leaves (their insides untraced); each traced level
+    keeps its own GraphModule, as 2023 did for pipeline cutting."""
+
+    name = "trace_until"
+
+    @classmethod
+    def validate(cls, sch, paths, **kwargs) -> None:
+        if sch.parent is not None:
+            raise SchedulingError(sch.path, "trace_until works on the top schedule.",
+                                  "call it on the root: sch.trace_until(...).")
+        for p in [paths] if isinstance(paths, str) else list(paths):
+            sch[p]  # raises a ScheduleKeyError naming the missing part
+
+    @classmethod
+    def apply(cls, sch, paths, **kwargs):
+        leaves = [paths] if isinstance(paths, str) else list(paths)
+        return sch.trace(leaves=leaves, flatten=False, **kwargs)
+
+
+@register_primitive
+class GetModulePrimitive(Primitive):
+    """2023 `sch.get_module(name)`: the submodule at dotted path `name` (relative)."""
+
+    name = "get_module"
+
+    @classmethod
+    def validate(cls, sch, name: str) -> None:
+        if name not in dict(sch.mod.named_modules()):
+            raise SchedulingError(sch.path, f"no submodule {name!r}.",
+                                  "use a dotted path relative to this node.")
+
+    @classmethod
+    def apply(cls, sch, name: str) -> nn.Module:
+        return dict(sch.mod.named_modules())[name]
+
+    @classmethod
+    def record(cls, sch, *args, **kwargs) -> bool:
+        return False

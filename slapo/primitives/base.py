@@ -48,6 +48,8 @@ def register_primitive(cls: type[Primitive] | None = None):
     """Class decorator adding a primitive to every schedule node (`sch.<name>(...)`)."""
 
     def deco(c: type[Primitive]) -> type[Primitive]:
+        if callable(c.name):  # Slapo 2023 primitives define `name()` as a static method
+            c.name = c.name()
         if not c.name:
             raise ValueError(f"{c.__name__} must set a non-empty `name`.")
         _REGISTRY[c.name] = c
