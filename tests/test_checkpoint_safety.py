@@ -355,3 +355,45 @@ def test_pattern_with_forged_signature_cannot_inject_code(tmp_path):
         trace_pattern(pattern)
     assert not marker.exists()
     assert len(list(trace_pattern(lambda x: x + 1).graph.nodes)) == 3  # a normal pattern traces
+
+
+# ---- a real kill -9 during a save -------------------------------------------------------------
+def test_sigkill_during_a_save_resumes_from_an_intact_checkpoint(tmp_path, capsys):
+    """A real `slapo train` process, SIGKILLed as soon as its step-4 save directory appears
+    (mid-save: DCP, RNG, hashing and rename take tens of ms). Whatever the moment, `--resume`
+    finds an intact checkpoint and the losses continue bit for bit (constant LR, so the killed
+    run's huge --steps does not change the schedule)."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    root = Path(__file__).resolve().parents[1]
+    flags = [*TINY, "--min-lr-ratio", "1"]
+    out = tmp_path / "killed"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
+           "PYTHONPATH": str(root) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    proc = subprocess.Popen([sys.executable, "-m", "slapo.cli", "train", *flags, "--steps",
+                             "100000", "--save-every", "2", "--out", str(out)], env=env,
+                            cwd=root, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    tmp4 = ckpt.checkpoint_dir(out, 4).with_name("step_000004.tmp")
+    try:
+        deadline = time.monotonic() + 120
+        while not tmp4.exists():
+            assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
+            assert time.monotonic() < deadline, "no step-4 save after 120 s"
+            time.sleep(0.002)
+        proc.send_signal(signal.SIGKILL)
+    finally:
+        proc.kill()
+        proc.wait()
+        proc.stderr.close()
+    assert proc.returncode == -signal.SIGKILL
+    published = ckpt.checkpoint_dir(out, 4).exists()
+    print("killed", "after" if published else "during", "the step-4 save")
+    assert published or tmp4.exists()  # either the save finished or its .tmp is left over
+    straight = train(tmp_path / "straight", *flags[len(TINY):], "--steps", "6")["losses"]
+    resumed = train(out, "--min-lr-ratio", "1", "--steps", "6", "--resume")
+    assert resumed["resumed_from"] == (4 if published else 2)
+    assert resumed["losses"] == straight
+    assert not tmp4.exists()  # the final save at step 6 removed the stale .tmp of step 4
