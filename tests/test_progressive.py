@@ -215,7 +215,7 @@ def test_gpu_plan_uses_the_gpu_schedule_in_bf16():
     plan = _plan(1, torch.device("cuda", 0), "inductor")
     assert plan["autocast_dtype"] is torch.bfloat16 and plan["baseline_attention"] == "sdpa"
     last = plan["steps"][-1].knobs
-    assert last == {"attention": "sdpa", "compile_blocks": True, "kernels": True,
+    assert last == {"attention": "sdpa", "compile_blocks": True,
                     "fused_loss": True, "ckpt_ratio": 1.0, "ckpt_policy": "selective"}
     tp = _plan(2, torch.device("cuda", 0), "inductor")["steps"][-1].knobs
     assert tp["tp"] == 2 and tp["vocab_parallel"] is False
