@@ -23,8 +23,15 @@ def cuts_of(sch) -> list[str]:
     return list(sch._root.meta.get("pipeline_cuts", []))
 
 
+ENCODER_PREFIXES = ("", "bert.", "roberta.")
+# the masked-LM head module of each supported head class (BertForMaskedLM: `cls`,
+# RobertaForMaskedLM: `lm_head`); other head classes are refused at build, naming the
+# parameters no stage would hold (`slapo.runtime.stages.check_stage_coverage`)
+MLM_HEADS = ("cls", "lm_head")
+
+
 def _bert_layers(model: nn.Module) -> str | None:
-    for prefix in ("", "bert."):
+    for prefix in ENCODER_PREFIXES:
         try:
             model.get_submodule(prefix + "encoder.layer")
             model.get_submodule(prefix + "embeddings")
@@ -34,34 +41,76 @@ def _bert_layers(model: nn.Module) -> str | None:
     return None
 
 
+def mlm_head(model: nn.Module) -> str | None:
+    """The path of the masked-LM head of a `*ForMaskedLM` encoder, else None."""
+    if not type(model).__name__.endswith("ForMaskedLM"):
+        return None
+    return next((h for h in MLM_HEADS if isinstance(getattr(model, h, None), nn.Module)), None)
+
+
 class BertStage(nn.Module):
-    """Layers [lo, hi) of an HF BERT encoder; the first stage embeds `input_ids`, the last also
-    runs the pooler (returns `(last_hidden_state, pooler_output)`)."""
+    """Layers [lo, hi) of an HF BERT-like encoder (BERT, RoBERTa); the first stage embeds
+    `input_ids`. The last stage also runs what follows the encoder: a `*ForMaskedLM` model's
+    head (returns the logits; `outputs.loss` is the model's own masked-LM cross-entropy), else
+    the pooler if any (returns `(last_hidden_state, pooler_output)`)."""
 
     def __init__(self, root: nn.Module, prefix: str, lo: int, hi: int, first: bool, last: bool):
         super().__init__()
         self.prefix, self.lo, self.hi, self.first, self.last = prefix, lo, hi, first, last
         self.config = root.config
+        self._root = (root,)  # a tuple: not registered, so its parameters stay out of the stage
+        self.head = mlm_head(root) if last else None
+        self.input_names = ("input_ids",) if first else ()
         paths = ([prefix + "embeddings"] if first else [])
         paths += [f"{prefix}encoder.layer.{i}" for i in range(lo, hi)]
-        if last and getattr(root.get_submodule(prefix.rstrip(".")) if prefix else root,
-                            "pooler", None) is not None:
+        encoder = root.get_submodule(prefix.rstrip(".")) if prefix else root
+        if last and self.head is None and getattr(encoder, "pooler", None) is not None:
             paths.append(prefix + "pooler")
+        if self.head is not None:
+            paths.append(self.head)
         for p in paths:
             _stages._graft(self, root, p)
+
+    def _init_weights(self, module: nn.Module) -> None:  # delayed init uses the model's own
+        self._root[0]._init_weights(module)
 
     def forward(self, x: torch.Tensor):
         h = self.get_submodule(self.prefix + "embeddings")(input_ids=x) if self.first else x
         for i in range(self.lo, self.hi):
             out = self.get_submodule(f"{self.prefix}encoder.layer.{i}")(h)
             h = out[0] if isinstance(out, tuple) else out
-        if self.last:
-            try:
-                pooler = self.get_submodule(self.prefix + "pooler")
-            except AttributeError:
-                return h
-            return h, pooler(h)
-        return h
+        if not self.last:
+            return h
+        if self.head is not None:
+            return self.get_submodule(self.head)(h)
+        try:
+            pooler = self.get_submodule(self.prefix + "pooler")
+        except AttributeError:
+            return h
+        return h, pooler(h)
+
+    # ---- what the pipeline runtime asks the last stage ----------------------------------------
+    def pipeline_outputs(self, output):
+        if self.head is None:
+            return output
+        from transformers.modeling_outputs import MaskedLMOutput
+
+        return MaskedLMOutput(logits=output)
+
+    def default_loss(self, outputs, batch) -> torch.Tensor:
+        """The `*ForMaskedLM` model's own loss: cross-entropy over `batch['labels']` (-100
+        ignored), as HF computes it."""
+        if self.head is None:
+            raise SchedulingError("", f"{type(self._root[0]).__name__} has no loss of its own "
+                                  "(no masked-LM head).", "pass build(..., loss_fn=fn) with "
+                                  "fn(outputs, batch) -> scalar.")
+        labels = batch.get("labels") if isinstance(batch, dict) else None
+        if labels is None:
+            raise SchedulingError("", "the batch has no `labels`, so the model's own loss cannot "
+                                  "be computed.", "add labels to the batch or pass loss_fn=.")
+        logits = outputs.logits
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                                                 labels.reshape(-1).to(logits.device))
 
 
 def partition(sch_or_model, num_stages: int | None = None) -> list[nn.Module]:

@@ -12,7 +12,8 @@ import math
 import torch.nn as nn
 
 from ..errors import SchedulingError
-from ..module_patch import module_meta
+from ..module_patch import module_meta, wrappers
+from ..op.attention_core import AttentionCore
 from ..schedule import Schedule
 
 SEQ_DIM = 1  # Hugging Face hidden states are [batch, sequence, hidden]
@@ -139,3 +140,109 @@ def checkpoint_layers(layers: list[Schedule], ratio: float, policy=None) -> int:
         else:
             node.checkpoint(policy=policy)
     return n
+
+
+# ---- tensor-parallel dropout: per-rank masks inside sharded regions -------------------------
+
+def tp_divisibility(model: nn.Module, tp: int) -> list[str]:
+    """The config sizes a tp-way head/feature split needs divisible, as "name=value" for each
+    that is not (HF configs map `num_attention_heads` to each family's own name, e.g. GPT-2's
+    `n_head`, T5's `num_heads`; `num_key_value_heads` is LLaMA's GQA)."""
+    cfg = getattr(model, "config", None)
+    bad = []
+    for name in ("num_attention_heads", "num_key_value_heads"):
+        value = getattr(cfg, name, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value % tp:
+            bad.append(f"{name}={value}")
+    return bad
+
+
+def check_tp_heads(sch: Schedule, tp: int) -> None:
+    """Raise before any change when the heads (or KV heads) do not split over `tp` ranks:
+    otherwise the sharded q/k/v reshape fails in the forward with a message naming neither."""
+    bad = tp_divisibility(sch.mod, tp)
+    if bad:
+        raise SchedulingError(sch.path, f"tensor parallelism splits attention heads over "
+                              f"tp={tp} ranks, but {', '.join(bad)} is not divisible by {tp}.",
+                              "choose a tp that divides the number of attention heads and of "
+                              "key/value heads.")
+
+
+class HFAttentionCore(AttentionCore):
+    """The model's own attention function (`eager_attention_forward` of its modeling file, or
+    the registry entry its config names, e.g. "sdpa") behind the attention-core interface.
+
+    Why: GPT-2 and ALBERT keep a *replicated* residual dropout inside the same module as the
+    head-sharded attention core, so neither the module (its residual dropout must draw the same
+    mask on every rank) nor an `nn.Dropout` child (the core's dropout is functional, inside
+    SDPA) can be put in the per-rank RNG stream. Routing the call through this child module
+    makes the core alone forkable; the numbers are the model's own (same function, same mask).
+    """
+
+    def __init__(self, impl: str, eager_fn):
+        super().__init__()
+        self.impl = impl
+        self._eager = eager_fn
+
+    def forward(self, module: nn.Module, query, key, value, attention_mask, **kwargs):
+        if self.impl == "eager":
+            return self._eager(module, query, key, value, attention_mask, **kwargs)
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+        return ALL_ATTENTION_FUNCTIONS[self.impl](module, query, key, value, attention_mask,
+                                                   **kwargs)
+
+
+def install_hf_core(node: Schedule) -> bool:
+    """Give HF attention module `node` an `attn_core` running its own implementation (see
+    `HFAttentionCore`); False (nothing changed) when it has a core or is no HF attention."""
+    import sys
+
+    from ..op import is_hf_attention, use_attention_core
+
+    mod = node.mod
+    if "attn_core" in mod._modules or not is_hf_attention(mod):
+        return False
+    eager = getattr(sys.modules[type(mod).__module__], "eager_attention_forward", None)
+    impl = mod.config._attn_implementation or "eager"
+    if impl == "eager" and eager is None:
+        return False
+    node.replace(use_attention_core(mod, HFAttentionCore(impl, eager), node.path))
+    return True
+
+
+def _forked(mod: nn.Module) -> bool:
+    return any(w.name == "fork_rng" for w in wrappers(mod))
+
+
+def fork_sharded_rng(layer: Schedule, paths: tuple[str, ...], core_paths: tuple[str, ...]) -> int:
+    """Run the random ops of `layer`'s sharded regions in the per-rank TP stream (`fork_rng`).
+
+    `paths`: modules (relative to the layer) whose every random op is inside a head- or
+    feature-sharded region (BERT's self-attention, LLaMA's attention, T5's FF dropout);
+    `core_paths`: attention modules that also hold replicated dropout, whose `attn_core` alone
+    is forked. Missing paths are skipped (T5 encoder blocks have no cross-attention); a module
+    already in (or containing, or inside) a forked module is left alone: nested forks of the
+    same stream would replay its numbers. Returns the number of modules forked."""
+    targets = [layer[p] for p in paths if p in layer]
+    targets += [layer[p]["attn_core"] for p in core_paths
+                if p in layer and "attn_core" in layer[p].mod._modules]
+    n = 0
+    for node in targets:
+        if _forked_around(layer, node):
+            continue
+        node.fork_rng()
+        n += 1
+    return n
+
+
+def _forked_around(layer: Schedule, node: Schedule) -> bool:
+    """A fork_rng on `node`, a module inside it, or a module between the root and it."""
+    if any(_forked(m) for m in node.mod.modules()):
+        return True
+    up = node.parent
+    while up is not None:
+        if _forked(up.mod):
+            return True
+        up = up.parent
+    return False

@@ -27,7 +27,15 @@ class Family:
     - `mlp_paths`: paths (relative to a layer) of the MLP blocks, for `fuse`;
     - `sequence_plan`: where hidden states are split/gathered along the sequence, which norms and
       dropouts see sequence shards (None: `sequence_parallel=True` is rejected). A family with a
-      plan takes `shard_layer(layer, ws, sequence_parallel=True)`.
+      plan takes `shard_layer(layer, ws, sequence_parallel=True)`;
+    - `tp_rng`: modules (relative to a layer) whose random ops all sit inside a head- or
+      feature-sharded region (attention-probability dropout, T5's FF dropout): under tp > 1
+      they run in the per-rank RNG stream (`fork_rng`), as Megatron does, so the ranks' heads
+      see different masks; everything else (residual, hidden, embedding dropout) keeps the
+      default stream and identical masks;
+    - `tp_rng_core`: attention modules that also hold a replicated dropout (GPT-2's
+      `resid_dropout`): only their attention core is forked (a pass-through
+      `_common.HFAttentionCore` is installed when no core replaced the model's own).
     """
 
     name: str
@@ -38,6 +46,8 @@ class Family:
     sequence_plan: _sp.SequencePlan | None = None
     notes: str = ""
     extra: dict = field(default_factory=dict)
+    tp_rng: tuple[str, ...] = ()
+    tp_rng_core: tuple[str, ...] = ()
 
 
 _FAMILIES: dict[str, Family] = {}
@@ -99,14 +109,16 @@ def apply(model_or_sch: nn.Module | Schedule, *, tp: int | None = None, ckpt_rat
     family = detect(sch.mod)
     ws = sch.world_size
     tp = ws if tp is None else tp
+    # every check first: a rejected call leaves the model and the schedule's history untouched
     _validate(sch, family, tp, ws, attention, pp_stages, sequence_parallel)
     _validate_gpu_knobs(sch, ckpt_policy, compile_blocks, fused_loss, pp_stages,
                         vocab_parallel and tp > 1, fuse)
-    layers_of(sch, family)  # a missing layer list fails here, before anything changes
+    _validate_plan(sch, family, tp, attention, ckpt_ratio, fuse, kernels, pp_stages)
     if attention != "eager":
         _set_attention(sch, attention)
     sp = sequence_parallel and tp > 1  # one rank: nothing to split, SP is the identity
     if tp > 1:
+        _install_cores(sch, family)
         for layer in layers_of(sch, family):
             if sp:
                 family.shard_layer(layer, tp, sequence_parallel=True)
@@ -137,6 +149,9 @@ def apply(model_or_sch: nn.Module | Schedule, *, tp: int | None = None, ckpt_rat
     layers = layers_of(sch, family)
     if sp:  # after fuse/tempo, which may replace the norms and dropouts
         _sp.replicated_on_shards(sch, family, layers)
+    if tp > 1:  # after fuse/tempo too (Tempo may swap the attention core)
+        for layer in layers:
+            _common.fork_sharded_rng(layer, family.tp_rng, family.tp_rng_core)
     _common.checkpoint_layers(layers, ckpt_ratio,
                               policy=None if ckpt_policy == "full" else ckpt_policy)
     if fused_loss:
@@ -148,6 +163,50 @@ def apply(model_or_sch: nn.Module | Schedule, *, tp: int | None = None, ckpt_rat
     if pp_stages > 1:
         _cut_pipeline(sch, layers, pp_stages)
     return sch
+
+
+def _install_cores(sch: Schedule, family: Family) -> None:
+    """Pass-through attention cores where only the core may be forked (see `Family`)."""
+    for layer in layers_of(sch, family):
+        for rel in family.tp_rng_core:
+            if rel in layer:
+                _common.install_hf_core(layer[rel])
+
+
+def _validate_plan(sch, family, tp, attention, ckpt_ratio, fuse, kernels, pp_stages) -> None:
+    """The checks that used to run between mutations (after attention and TP were applied)."""
+    layers = layers_of(sch, family)  # a missing layer list fails here, before anything changes
+    if isinstance(ckpt_ratio, bool) or not isinstance(ckpt_ratio, (int, float)) or \
+            not 0.0 <= ckpt_ratio <= 1.0:
+        raise SchedulingError(sch.path, f"ckpt_ratio must be a number in [0, 1], got "
+                              f"{ckpt_ratio!r}.", "pass e.g. ckpt_ratio=0.5.")
+    if tp > 1:
+        _common.check_tp_heads(sch, tp)
+    if attention == "flash":
+        from ..op import flash_attn_available
+
+        if not flash_attn_available():
+            raise SchedulingError(sch.path, "attention='flash' needs the flash-attn package and "
+                                  "a CUDA GPU.", "use attention='sdpa' (PyTorch's fused kernels).")
+    if fuse:
+        _check_fusable(sch, family)
+    if kernels:
+        from .kernels import plan_targets
+
+        plan_targets(sch, family.name)  # mutates nothing; raises for an unknown family
+    if pp_stages > 1:
+        _check_pipeline(sch, layers, pp_stages)
+
+
+def _check_pipeline(sch: Schedule, layers: list[Schedule], stages: int) -> None:
+    from ..primitives import get_primitive
+
+    if get_primitive("cut_pipeline_stage") is None:
+        raise SchedulingError(sch.path, "pp_stages > 1 needs cut_pipeline_stage, which is not "
+                              "available.", "pass pp_stages=1.")
+    if len(layers) < stages:
+        raise SchedulingError(sch.path, f"{len(layers)} layers cannot make {stages} stages.",
+                              "use fewer pipeline stages.")
 
 
 def _validate(sch, family, tp, ws, attention, pp_stages, sequence_parallel) -> None:
@@ -218,37 +277,40 @@ def _set_attention(sch: Schedule, attention: str) -> None:
                                                                    "flash"), node.path))
 
 
-def _fuse_mlps(sch: Schedule, family: Family, compiler: str) -> None:
+def _check_fusable(sch: Schedule, family: Family) -> None:
+    """Every MLP checked before the first is traced: a rejection mutates nothing."""
     from ..primitives import get_primitive
 
     if get_primitive("fuse") is None:
         raise SchedulingError(sch.path, "fuse=True needs the compute primitives (trace/find/"
                               "fuse), which are not available.", "pass fuse=False.")
-    from .fusion import PLANS, fuse_mlp, unfusable
+    from .fusion import PLANS, unfusable
 
     if family.name not in PLANS or not family.mlp_paths:
         raise SchedulingError(sch.path, f"fuse=True has no fusion plan for the {family.name} "
                               "family.", f"pass fuse=False (plans: {', '.join(sorted(PLANS))}).")
-    mlps = [layer[rel] for layer in layers_of(sch, family) for rel in family.mlp_paths
-            if rel in layer]
-    for mlp in mlps:  # all checked before the first is traced: a rejection mutates nothing
+    for mlp in _mlps(sch, family):
         reason = unfusable(mlp, family.name)
         if reason is not None:
             raise SchedulingError(sch.path, f"fuse=True: {reason}.",
                                   f"pass fuse=False (plans: {', '.join(sorted(PLANS))}).")
-    for mlp in mlps:
+
+
+def _mlps(sch: Schedule, family: Family) -> list[Schedule]:
+    return [layer[rel] for layer in layers_of(sch, family) for rel in family.mlp_paths
+            if rel in layer]
+
+
+def _fuse_mlps(sch: Schedule, family: Family, compiler: str) -> None:
+    from .fusion import fuse_mlp
+
+    _check_fusable(sch, family)
+    for mlp in _mlps(sch, family):
         fuse_mlp(mlp, family.name, compiler)
 
 
 def _cut_pipeline(sch: Schedule, layers: list[Schedule], stages: int) -> None:
-    from ..primitives import get_primitive
-
-    if get_primitive("cut_pipeline_stage") is None:
-        raise SchedulingError(sch.path, "pp_stages > 1 needs cut_pipeline_stage, which is not "
-                              "available.", "pass pp_stages=1.")
-    if len(layers) < stages:
-        raise SchedulingError(sch.path, f"{len(layers)} layers cannot make {stages} stages.",
-                              "use fewer pipeline stages.")
+    _check_pipeline(sch, layers, stages)
     per = len(layers) / stages
     for s in range(1, stages):
         layers[round(s * per) - 1].cut_pipeline_stage()

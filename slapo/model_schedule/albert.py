@@ -22,4 +22,5 @@ def shard_layer(layer, ws: int) -> None:
 FAMILY = register_family(Family(
     name="albert", model_types=("albert",), layer_lists=("albert_layer_groups.0.albert_layers",),
     shard_layer=shard_layer,
+    tp_rng_core=("attention",),  # AlbertAttention also holds the replicated output_dropout
     notes="layers share weights: ckpt_ratio > 0 checkpoints the shared layer (all of them)."))

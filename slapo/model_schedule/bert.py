@@ -22,6 +22,9 @@ def shard_layer(layer, ws: int, sequence_parallel: bool = False) -> None:
 FAMILY = register_family(Family(
     name="bert", model_types=("bert",), layer_lists=("encoder.layer",),
     shard_layer=shard_layer, mlp_paths=("intermediate",),
+    # BertSelfAttention draws only the probability dropout; `attention.output.dropout` and
+    # `output.dropout` act after the row-parallel all-reduce (replicated)
+    tp_rng=("attention.self",),
     # post-LN: the norms and dropouts sit inside `attention.output` / `output`. The embeddings
     # (positions, token types, their norm) run on the full sequence before the first layer; the
     # encoder's output is gathered, then the (replicated) MLM transform and pooler run on it.

@@ -24,6 +24,9 @@ def shard_layer(layer, ws: int, sequence_parallel: bool = False) -> None:
 FAMILY = register_family(Family(
     name="gpt2", model_types=("gpt2",), layer_lists=("h",), shard_layer=shard_layer,
     mlp_paths=("mlp",),
+    # the attention core (heads sharded) draws per-rank masks; `attn.resid_dropout`, in the same
+    # module but after the row-parallel all-reduce, must not: fork the core alone
+    tp_rng_core=("attn",),
     # the hidden states are split at the embedding dropout (after `wte + wpe`: positions are
     # full-sequence) and gathered after `ln_f`; residual-path dropouts see sequence shards.
     sequence_plan=SequencePlan(split="transformer.drop", gather="transformer.ln_f",

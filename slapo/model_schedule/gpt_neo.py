@@ -25,6 +25,9 @@ def shard_layer(layer, ws: int, sequence_parallel: bool = False) -> None:
 FAMILY = register_family(Family(
     name="gpt_neo", model_types=("gpt_neo",), layer_lists=("h",), shard_layer=shard_layer,
     mlp_paths=("mlp",),
+    # GPTNeoSelfAttention applies its probability dropout as the `attn_dropout` module (its
+    # `resid_dropout`, after the row-parallel all-reduce, stays in the default stream)
+    tp_rng=("attn.attention.attn_dropout",),
     # as GPT-2: split at the embedding dropout (after `wte + wpe`, positions and the mask are
     # full-sequence), gather after `ln_f` (before the model's `view` to the full length)
     sequence_plan=SequencePlan(split="transformer.drop", gather="transformer.ln_f",

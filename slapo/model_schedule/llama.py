@@ -31,6 +31,7 @@ def shard_layer(layer, ws: int, sequence_parallel: bool = False) -> None:
 FAMILY = register_family(Family(
     name="llama", model_types=("llama", "mistral", "qwen2", "qwen3"), layer_lists=("layers",),
     shard_layer=shard_layer, mlp_paths=("mlp",),
+    tp_rng=("self_attn",),  # its only random op is the core's probability dropout
     # the hidden states are split entering the first layer (the rotary tables and the causal
     # mask are computed on the full sequence before it) and gathered after the final norm.
     sequence_plan=SequencePlan(split="layers.0", gather="norm",

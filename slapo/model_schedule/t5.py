@@ -46,5 +46,9 @@ def shard_layer(block, ws: int) -> None:
 FAMILY = register_family(Family(
     name="t5", model_types=("t5", "mt5"), layer_lists=("encoder.block", "decoder.block"),
     shard_layer=shard_layer,
+    # attention (only its probability dropout is random) and the FF dropout between the
+    # column-parallel `wi` and the row-parallel `wo` (feature-sharded) draw per-rank masks
+    tp_rng=("layer.0.SelfAttention", "layer.1.EncDecAttention", "layer.1.DenseReluDense.dropout",
+            "layer.2.DenseReluDense.dropout"),
     # encoder blocks: [self-attention, FF]; decoder blocks: [self, cross, FF]
     mlp_paths=("layer.1.DenseReluDense", "layer.2.DenseReluDense")))

@@ -37,6 +37,7 @@ from .pipelining import (
     plan_pipeline,
 )
 from .precision import Precision, check_autocast, check_mixed_precision, module_device_type
+from .stages import check_stage_coverage
 from .train_step import LocalRunner, LossFn, NormWeights, StepConfig, TrainModule
 
 TARGETS = (None, "deepspeed")
@@ -309,6 +310,7 @@ def _build_pipeline(sch: Schedule, info: MeshInfo, config: StepConfig, *, pipeli
     plan = plan_pipeline(pipeline, info, num_microbatches, virtual_stages)
     check_cuts(sch, plan)
     all_stages = partition(sch, plan.num_stages)
+    check_stage_coverage(sch.mod, all_stages)  # every parameter trained, by exactly one stage
     ids = plan.stage_ids(info.pp_rank)
     mine = [all_stages[i] for i in ids]
     tied = find_tied(all_stages, plan, info.pp_rank)  # before weights are replaced

@@ -269,26 +269,45 @@ class PipelineRunner:
         self._batch: Batch | None = None
         self._scale = 1.0
         self._losses: list[torch.Tensor] = []
+        self._error: BaseException | None = None
 
     def schedule_loss(self, output: Any, index: torch.Tensor) -> torch.Tensor:
-        """The schedule's `loss_fn(output, target)`: target holds the micro-batch's indices."""
-        mb = index_batch(self._batch, index)
-        with self.precision.autocast():
-            outputs = stage_outputs(self.last, output)
-            if self.loss_fn is None:
-                loss = stage_default_loss(self.last, outputs, mb)
-            else:
-                loss = compute_loss(outputs, mb, self.loss_fn)
+        """The schedule's `loss_fn(output, target)`: target holds the micro-batch's indices.
+
+        An exception here (a user `loss_fn` bug, no `labels`, a stage without a loss of its
+        own) is recorded instead of raised: the schedule then runs to its end on every rank
+        (zero gradients flow back), and `forward_backward` raises it on *every* rank. Raised
+        here, it would leave only this rank's peers blocked on a receive until they die on a
+        closed connection or a collective timeout."""
+        if self._error is not None:
+            return _zero_loss(output)
+        try:
+            mb = index_batch(self._batch, index)
+            with self.precision.autocast():
+                outputs = stage_outputs(self.last, output)
+                if self.loss_fn is None:
+                    loss = stage_default_loss(self.last, outputs, mb)
+                else:
+                    loss = compute_loss(outputs, mb, self.loss_fn)
+        except Exception as e:  # noqa: BLE001 - re-raised on every rank after the step
+            self._error = e
+            return _zero_loss(output)
         self._losses.append(loss.detach())
         return self.precision.loss_for_backward(loss) * (self._scale / self.plan.num_microbatches)
 
     def forward_backward(self, batch: Batch, scale: float, sync_grads: bool) -> torch.Tensor:
-        check_no_padding_mask(batch)
-        self._batch, self._scale, self._losses = batch, scale, []
-        args = first_stage_args(self.first, batch) if self.holds_first else ()
-        target = torch.arange(batch_size(batch)) if self.holds_last else None
+        self._batch, self._scale, self._losses, self._error = batch, scale, [], None
+        args, target = (), None
+        try:  # what can fail before the step fails on its rank only: agree first
+            check_no_padding_mask(batch)
+            args = first_stage_args(self.first, batch) if self.holds_first else ()
+            target = torch.arange(batch_size(batch)) if self.holds_last else None
+        except Exception as e:  # noqa: BLE001
+            self._error = e
+        raise_on_every_rank(self._error, self.info, "preparing the pipeline step")
         self.schedule.step(*args, target=target, return_outputs=False)
         self._batch = None
+        raise_on_every_rank(self._error, self.info, "computing the loss")
         if not self.holds_last:
             return torch.zeros(())
         # torch's first step also calls the loss once on uninitialised tensors to infer
@@ -298,6 +317,46 @@ class PipelineRunner:
 
     def finish_grads(self) -> None:
         self.tied.sync_grads(self.info)
+
+
+def _zero_loss(output: Any) -> torch.Tensor:
+    """A zero loss connected to the stage's output, so the schedule's backward still runs (and
+    sends zero gradients upstream) after a failed loss."""
+    tensors = [t for t in (output if isinstance(output, (tuple, list)) else (output,))
+               if isinstance(t, torch.Tensor) and t.is_floating_point() and t.requires_grad]
+    if not tensors:
+        return torch.zeros((), requires_grad=True)
+    return sum(t.sum() for t in tensors) * 0.0
+
+
+def _error_group(info: MeshInfo):
+    """Every rank that runs this train_step: the whole job when the mesh spans it (a failure
+    on one data-parallel replica must stop the others before their gradient all-reduce),
+    else the pipeline group."""
+    if info.mesh is not None and info.mesh.size() == dist.get_world_size():
+        return dist.group.WORLD
+    return info.group("pp")
+
+
+def raise_on_every_rank(error: BaseException | None, info: MeshInfo, where: str) -> None:
+    """One all-reduced flag: if any rank failed, every rank raises (the failing rank its own
+    exception, the others a `SchedulingError` naming the failed ranks and their messages)."""
+    group = _error_group(info)
+    flag = torch.tensor([0 if error is None else 1], dtype=torch.int32, device=_dev(info))
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    if int(flag.item()) == 0:
+        return
+    mine = None if error is None else f"{type(error).__name__}: {error}"
+    msgs: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(msgs, (dist.get_rank(), mine), group=group)
+    failed = [(r, m) for r, m in msgs if m is not None]
+    if error is not None:
+        raise error
+    detail = "; ".join(f"rank {r}: {m}" for r, m in failed)
+    raise SchedulingError("", f"the pipeline train_step failed on rank(s) "
+                          f"{[r for r, _ in failed]} while {where}: {detail}",
+                          "fix the error reported by that rank; every rank stopped this step "
+                          "(no optimizer step was taken).")
 
 
 def make_stages(modules: list[nn.Module], stage_ids: list[int], plan: PipelinePlan,

@@ -219,3 +219,34 @@ def owners_union(root: nn.Module, stages: list[nn.Module]) -> nn.Module:
         if path and any(id(t) in used for t in owned):
             paths.append(path)
     return _Parts(root, paths)
+
+
+def check_stage_coverage(root: nn.Module, stages: list[nn.Module]) -> None:
+    """Every parameter name of `root` belongs to exactly one stage, checked before anything is
+    materialised or moved (every rank builds all stages, so every rank raises the same error).
+
+    A parameter in no stage would never be trained (nothing logged, the loss silently off);
+    one in two stages would be updated twice. Tied weights follow their owners: a tensor shared
+    under two names (GPT-2's `transformer.wte.weight` and `lm_head.weight`, BERT's word
+    embedding and `cls.predictions.decoder.weight`) is held by the stage of each name, and
+    `find_tied` sums its gradients over those stages' ranks."""
+    count: dict[str, int] = {}
+    for stage in stages:
+        for name, _ in stage.named_parameters(remove_duplicate=False):
+            count[name] = count.get(name, 0) + 1
+    names = [n for n, _ in root.named_parameters(remove_duplicate=False)]
+    orphans = [n for n in names if count.get(n, 0) == 0]
+    doubled = sorted(n for n, c in count.items() if c > 1)
+    if orphans:
+        shown = ", ".join(orphans[:12]) + (f" (+{len(orphans) - 12} more)" if len(orphans) > 12
+                                           else "")
+        raise SchedulingError("", f"{len(orphans)} parameter(s) of {type(root).__name__} belong "
+                              f"to no pipeline stage and would never be trained: {shown}.",
+                              "use a model class whose head the pipeline stages cover (decoder "
+                              "LMs, BertModel/RobertaModel, *ForMaskedLM), or pipeline the base "
+                              "model and apply the head in loss_fn only if it has no "
+                              "parameters.")
+    if doubled:
+        raise SchedulingError("", f"parameter(s) {', '.join(doubled[:12])} are held by more "
+                              "than one pipeline stage.", "cut the model so each module is in "
+                              "one stage.")
