@@ -258,3 +258,149 @@ def measure_saved_bytes(module: torch.nn.Module, inputs: Inputs, checkpoint: boo
     act, saved_in = rec.split(list(module.parameters()) + list(module.buffers()), in_tensors)
     del out
     return act + (saved_in if include_inputs else 0)
+
+
+# ------------------------------------------------------------------------------------------------
+# Op graphs of one layer: what a compiled (inductor) or selectively checkpointed layer saves
+# ------------------------------------------------------------------------------------------------
+
+@dataclass
+class OpRecord:
+    """One dispatched op: its inputs' and outputs' storages (id -> bytes)."""
+
+    func: Any
+    inputs: dict[int, int]
+    outputs: dict[int, int]
+
+    @property
+    def out_bytes(self) -> int:
+        return sum(self.outputs.values())
+
+
+class OpGraphRecorder(TorchDispatchMode):
+    """Records every op the way selective checkpointing sees them (its ignored ops skipped), so
+    an op's index here is its index in a SAC policy's call order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from torch.utils.checkpoint import SAC_IGNORED_OPS
+
+        self.ignored = SAC_IGNORED_OPS
+        self.ops: list[OpRecord] = []
+        self.saved: set[int] = set()
+        self._alive: list = []  # a freed storage's id can be reused: keep every one alive
+
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if func not in self.ignored:
+            ins = {_sid(a): _sbytes(a) for a in tree_flatten((args, kwargs))[0]
+                   if isinstance(a, torch.Tensor)}
+            outs = {_sid(o): _sbytes(o) for o in tree_flatten(out)[0]
+                    if isinstance(o, torch.Tensor)}
+            self.ops.append(OpRecord(func, ins, outs))
+            self._alive.append(out)
+        return out
+
+    def eager_bytes(self) -> int:
+        """Bytes the recorded non-matmul ops read and write when each runs as its own kernel."""
+        return sum(sum(r.inputs.values()) + r.out_bytes for r in self.ops
+                   if not is_matmul(r.func) and not _is_view_like(r))
+
+    def fused_bytes(self) -> int:
+        """Bytes one fused kernel per elementwise chain moves: every input it did not produce
+        is read once, every output that a matmul or nothing recorded (saved, returned) reads
+        is written once. Matmul traffic is in the FLOP term."""
+        consumers: dict[int, set[bool]] = {}
+        for rec in self.ops:
+            for s in rec.inputs:
+                consumers.setdefault(s, set()).add(is_matmul(rec.func))
+        made: set[int] = set()
+        read, written = {}, {}
+        for rec in self.ops:
+            if is_matmul(rec.func) or _is_view_like(rec):
+                continue
+            read.update({s: n for s, n in rec.inputs.items() if s not in made})
+            made.update(rec.outputs)
+            written.update({s: n for s, n in rec.outputs.items()
+                            if True in consumers.get(s, {True})})
+        return sum(read.values()) + sum(written.values())
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        self.saved.add(_sid(t))
+        return t
+
+    @staticmethod
+    def unpack(t: torch.Tensor) -> torch.Tensor:
+        return t
+
+
+def _sbytes(t: torch.Tensor) -> int:
+    return t.untyped_storage().nbytes()
+
+
+def is_matmul(func: Any) -> bool:
+    """Matmul and attention kernels: never recomputed by inductor, always kept by SAC (the same
+    op list as the checkpoint primitive's selective policy: one schema)."""
+    from ..primitives.checkpoint import _SAVE_OPS
+
+    return func in _SAVE_OPS
+
+
+def _banned_from_recompute(rec: OpRecord) -> bool:
+    """Inductor's partitioner does not recompute random ops, nor reductions whose output is 4x
+    (or more) smaller than their input (norm statistics): torch/_functorch/partitioners.py."""
+    name = str(rec.func)
+    if "dropout" in name or "rand" in name:
+        return True
+    return rec.out_bytes * 4 < sum(rec.inputs.values()) and not _is_view_like(rec)
+
+
+def _is_view_like(rec: OpRecord) -> bool:
+    return any(s in rec.inputs for s in rec.outputs)
+
+
+def saved_ops(ops: list[OpRecord], needed: set[int], free: set[int], mode: str) -> set[int]:
+    """Indices of the ops whose outputs a compiled layer keeps for backward: a min cut.
+
+    The graph is the layer's forward; `needed` are the storages eager autograd saves (what the
+    backward reads, or must recompute), `free` the storages that live anyway (parameters, the
+    layer's inputs: a checkpointed or compiled layer holds them). Recomputing costs nothing,
+    saving a tensor costs its bytes, and matmul/attention outputs cannot be recomputed. That is
+    the min-cut formulation of torch's partitioner (`min_cut_rematerialization_partition`).
+    `mode`: "inductor" (anything may be saved; norm statistics and random ops are not
+    recomputed), or "selective" (SAC under compile: only matmul/attention outputs may be saved,
+    and only those a backward needs are).
+    """
+    import networkx as nx
+
+    if mode not in ("inductor", "selective"):
+        raise ValueError(f"mode must be 'inductor' or 'selective', got {mode!r}.")
+    g = nx.DiGraph()
+    producer: dict[int, int] = {}
+    for i, rec in enumerate(ops):
+        if _is_view_like(rec):  # a view (or in-place op) aliases its input: same node
+            continue
+        mm = is_matmul(rec.func)
+        for s, nbytes in rec.outputs.items():
+            producer[s] = i
+            saveable = mm or mode == "inductor"
+            g.add_edge((s, "in"), (s, "out"), **({"capacity": nbytes} if saveable else {}))
+            if mm or (mode == "inductor" and _banned_from_recompute(rec)):
+                g.add_edge("S", (s, "in"))
+            for t in rec.inputs:
+                if t not in producer:  # made outside the layer: kept anyway, saving it is free
+                    producer[t] = -1
+                    g.add_edge("S", (t, "in"))
+                    g.add_edge((t, "in"), (t, "out"), capacity=0 if t in free else
+                               rec.inputs[t])
+                g.add_edge((t, "out"), (s, "in"))
+    for s in needed:
+        if s in producer and (s, "out") in g:
+            g.add_edge((s, "out"), "T")
+    if "T" not in g or "S" not in g:
+        return set()
+    _, (reach, _) = nx.minimum_cut(g, "S", "T")
+    cut = {n[0] for n in reach if isinstance(n, tuple) and n[1] == "in" and (n[0], "out") not in reach}
+    return {producer[s] for s in cut if producer[s] >= 0}

@@ -337,7 +337,21 @@ def add_tune_parser(subparsers: Any) -> argparse.ArgumentParser:
         "x fuse x Tempo): each trial trains a few steps in its own process; the guided search "
         "measures only what the cost model ranks as promising. Resumable from --db.")
     a = p.add_argument
-    a("--model", default="gpt2", help="model family with a tuning space (default: gpt2)")
+    a("--space", choices=("cpu", "gpu"), default="cpu",
+      help="cpu: the CPU space (batch x attention x ckpt x fuse x Tempo on a small model); gpu: "
+      "precision x compile_blocks x fused_loss x kernels x ckpt_ratio/ckpt_policy x attention x "
+      "batch of a benchmark model, trained through slapo.build(...).train_step (default: cpu)")
+    a("--model", default=None, help="cpu space: model family (default: gpt2); gpu space: "
+      "a model of slapo.tune.spaces.GPU_MODELS (default: llama-1b)")
+    a("--device", default="cuda", help="gpu space: trial device (default: cuda)")
+    a("--mem-cap-gib", type=float, default=None, metavar="GIB",
+      help="gpu space: peak allocated memory per trial; configs the cost model predicts above "
+      "it are not enumerated, and trials above it count as oom")
+    a("--precisions", type=_csv(str), default=("fp32", "bf16"), metavar="P,..",
+      help="gpu space: mixed_precision values (default: fp32,bf16)")
+    a("--efficiency", type=float, default=1.0,
+      help="gpu space: roofline efficiency of the time model (default: 1.0; see docs/tune.md "
+      "for the values calibrated on the H100)")
     a("--algorithm", choices=ALGORITHMS, default="guided", help="search (default: guided)")
     a("--out", default="runs/tune", help="output directory (default: runs/tune)")
     a("--db", default=None, help="trial database, resumable (default: OUT/tune.db)")
@@ -434,8 +448,41 @@ class _Progress:
         self.bar.advance(self.task)
 
 
+def _gpu_setup(args: argparse.Namespace) -> tuple[Space, Any, Any, dict]:
+    """The GPU space, its cost model and its evaluator (``--space gpu``)."""
+    from dataclasses import replace
+
+    from .evaluators import GPUTrialEvaluator, GPUTrialSettings
+    from .predictors import GPUCostModel
+    from .spaces import GPU_MODELS, GPUSpaceArgs, gpu_space
+
+    name = args.model or "llama-1b"
+    if name not in GPU_MODELS:
+        raise ValueError(f"no GPU model {name!r}; use one of {', '.join(GPU_MODELS)}.")
+    spec = GPU_MODELS[name]
+    cap = None if not args.mem_cap_gib else int(args.mem_cap_gib * 2**30)
+    predict = GPUCostModel(spec, efficiency=args.efficiency)
+    batches = tuple(args.batch_sizes) if args.batch_sizes != (2, 4, 8) else \
+        (max(spec.batch // 2, 1), spec.batch, 2 * spec.batch)
+    attention = tuple(args.attention) if args.attention != ("eager", "sdpa") else ("sdpa",)
+    space_args = GPUSpaceArgs(batch_sizes=batches, mixed_precision=tuple(args.precisions),
+                              attention=attention, ckpt_ratios=tuple(args.ckpt_ratios),
+                              fits=None if cap is None else
+                              (lambda c: predict(c)["memory"] <= cap))
+    settings = GPUTrialSettings(model=name, device=args.device, steps=args.steps,
+                                warmup=max(args.warmup, 1), mem_cap_bytes=cap, seed=args.seed)
+    space = gpu_space(spec, replace(space_args))
+    evaluate = GPUTrialEvaluator(settings, args.trial_timeout)
+    meta = {"model": name, "space": "gpu", "settings": settings.to_json(),
+            "calibration": predict.device.to_json(), "efficiency": args.efficiency}
+    return space, predict, evaluate, meta
+
+
 def run_tune(args: argparse.Namespace) -> int:
     """``slapo tune``: returns the exit status (0 ok, 1 nothing measured, 2 bad options, 130 ^C)."""
+    if args.space == "gpu":
+        return _run_gpu(args)
+    args.model = args.model or "gpt2"
     from rich.console import Console
 
     from .evaluators import TrialEvaluator
@@ -469,6 +516,33 @@ def run_tune(args: argparse.Namespace) -> int:
                           Console(width=None if sys.stdout.isatty() else 160))
     console.log(f"{report.new_trials} new trials (+{report.extra.get('confirm_runs', 0)} "
                 f"confirmation runs), {len(report.records)}/{report.space_size} measured; stopped: {report.stopped_because}; wrote {', '.join(map(str, paths.values()))}")
+    if report.interrupted:
+        return 130 if "interrupted" in report.stopped_because else 0
+    return 0 if report.best is not None else 1
+
+
+def _run_gpu(args: argparse.Namespace) -> int:
+    """``slapo tune --space gpu``: the same pipeline over the GPU space."""
+    from rich.console import Console
+
+    console = Console(stderr=True)
+    try:
+        space, predict, evaluate, meta = _gpu_setup(args)
+        console.log("predicting every config with the GPU cost model (one fake step each)")
+        n = len(space)
+    except ValueError as e:
+        print(f"slapo tune: error: {e}", file=sys.stderr)
+        return 2
+    out = Path(args.out)
+    db = Database(args.db or out / "tune.db")
+    console.log(f"space: {n} configs of {', '.join(space.names())}; db: {db.path}")
+    cap = meta["settings"]["mem_cap_bytes"]
+    with _Progress(console, n, len(_space_records(space.configs(), db)), args.progress) as prog:
+        report = tune(space, evaluate, predict, db, args.algorithm, mem_cap=cap,
+                      max_trials=args.max_trials, kappa=args.kappa, on_trial=prog,
+                      confirm=args.confirm, repeats=args.confirm_repeats)
+    write_outputs(report, out, args.top, {**meta, "db": str(db.path), "argv": sys.argv},
+                  Console(width=None if sys.stdout.isatty() else 160))
     if report.interrupted:
         return 130 if "interrupted" in report.stopped_because else 0
     return 0 if report.best is not None else 1

@@ -207,3 +207,87 @@ def parse_bytes(text: str | int | float | None) -> int | None:
         raise ValueError(f"memory cap must be positive, got {text!r}.")
     return int(value)
 
+
+
+# ------------------------------------------------------------------------------------------------
+# GPU trials: the product's own step, `slapo.build(...).train_step`
+# ------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class GPUTrialSettings:
+    """A GPU-space trial: the model (a ``spaces.GPU_MODELS`` entry), device and step counts."""
+
+    model: str = "llama-1b"
+    device: str = "cuda"
+    steps: int = 5
+    warmup: int = 3
+    mem_cap_bytes: int | None = None
+    seed: int = 0
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def gpu_train_trial(settings: GPUTrialSettings, config: Config, spec: Any = None) -> dict:
+    """Build the HF model on the device, ``model_schedule.apply(**knobs)``, ``slapo.build``
+    with AdamW (fused on CUDA) and the config's ``mixed_precision``, then time
+    ``train_step``: the same path as ``benchmarks/gpu_train.py``'s slapo variants. Peak memory
+    is ``torch.cuda.max_memory_allocated`` (peak RSS on CPU). ``spec`` overrides the model
+    (tests pass a tiny one)."""
+    import torch
+    import transformers
+
+    from .. import build, model_schedule
+    from .spaces import GPU_MODELS, build_knobs
+
+    spec = spec or GPU_MODELS[settings.model]
+    dev = torch.device(settings.device)
+    cuda = dev.type == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(dev)
+    torch.manual_seed(settings.seed)
+    cfg = getattr(transformers, spec.config_class)(**spec.kwargs)
+    with dev:
+        model = getattr(transformers, spec.model_class)(cfg).train()
+    sch = model_schedule.apply(model, **schedule_knobs(config))
+    trained, _ = build(sch, optimizer=torch.optim.AdamW,
+                       optimizer_kwargs=dict(lr=1e-4, fused=cuda), **build_knobs(config))
+    batch = _gpu_batch(cfg, int(config["batch_size"]), spec.seq, dev, settings.seed)
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    times, loss = [], float("nan")
+    for _ in range(settings.warmup + settings.steps):
+        t0 = time.perf_counter()
+        loss = trained.train_step(batch)
+        sync()
+        times.append(time.perf_counter() - t0)
+    if not loss == loss:
+        raise FloatingPointError(f"loss is NaN for config {config!r}")
+    step = statistics.median(times[settings.warmup:] or times)
+    peak = torch.cuda.max_memory_allocated(dev) if cuda else peak_rss_bytes()
+    return {"throughput": int(config["batch_size"]) * spec.seq / step, "step_time_s": step,
+            "peak_memory_bytes": peak, "loss": loss}
+
+
+def _gpu_batch(cfg: Any, batch: int, seq: int, dev: Any, seed: int) -> dict:
+    """Random ids, as benchmarks/gpu_train.py: causal LMs label every token, masked LMs 15%."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed + 1)
+    ids = torch.randint(0, cfg.vocab_size, (batch, seq), generator=g)
+    labels = ids.clone()
+    if cfg.model_type in ("bert", "roberta"):
+        labels[torch.rand((batch, seq), generator=g) >= 0.15] = -100
+    return {"input_ids": ids.to(dev), "labels": labels.to(dev)}
+
+
+class GPUTrialEvaluator:
+    """``evaluate(config)``: :func:`gpu_train_trial` in a fresh process (a CUDA OOM or a crash
+    costs one trial; no allocator or compiled-graph state leaks into the next)."""
+
+    def __init__(self, settings: GPUTrialSettings, timeout_s: float):
+        self.settings = settings
+        self.inner = CallableEvaluator(functools.partial(gpu_train_trial, settings), timeout_s,
+                                       start_method="spawn")
+
+    def __call__(self, config: Config) -> TrialResult:
+        return _check_peak(self.inner(config), "peak_memory_bytes", self.settings.mem_cap_bytes)
