@@ -646,7 +646,9 @@ def test_example_scripts_train(name):
 
 
 def test_2023_schedule_methods_and_primitive_registration():
-    class ScaleOutput(slapo.primitives.Primitive):  # a 2023-style user primitive
+    class ScaleOutput(slapo.primitives.Primitive):
+        """A 2023-style user primitive: a static name() and apply(sch, ...), no validate."""
+
         @staticmethod
         def name():
             return "scale_output_2023"
@@ -656,6 +658,15 @@ def test_2023_schedule_methods_and_primitive_registration():
             sch.mod.register_forward_hook(lambda m, a, out: out * factor)
 
     slapo.register_primitive()(ScaleOutput)
+    try:
+        _use_2023_methods()
+    finally:  # the registry is global: leave it as other tests expect it
+        from slapo.primitives.base import _REGISTRY
+
+        _REGISTRY.pop("scale_output_2023", None)
+
+
+def _use_2023_methods():
     torch.manual_seed(0)
     model, x = Block(), torch.randn(2, 8)
     ref_mlp = model.mlp(x)
