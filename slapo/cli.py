@@ -21,7 +21,23 @@ from typing import Any
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # configs only: never reach the Hub
 
 HELP = {
-    "model": "architecture (small config): gpt2, llama, opt, gpt_neo, bert, roberta, albert, t5",
+    "model": "architecture (small config): gpt2, llama, opt, gpt_neo, bert, roberta, albert, "
+             "t5; or a local HF model directory (config.json + optional model.safetensors: "
+             "fine-tune it) or a config.json file",
+    "data": "training text: files, globs, directories of *.txt, .jsonl files (comma-separated), "
+            "or a dataset directory saved with `datasets` save_to_disk (default: the shipped "
+            "corpus)",
+    "text_field": "the JSONL field / dataset column that holds the text",
+    "tokenizer": "a local AutoTokenizer directory (default: the model directory's tokenizer if "
+                 "it has one, else byte tokens)",
+    "val_fraction": "share of the data held out for the val loss (JSONL/dataset: of the "
+                    "records; text files: each file's tail; 0: none)",
+    "dp_shard": "data-parallel ranks shard weights, gradients and optimizer state (FSDP2) "
+                "instead of replicating them (DDP)",
+    "pp_schedule": "pipeline schedule with --pp-stages > 1 (default 1F1B); Interleaved1F1B, "
+                   "LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble, DualPipeV run 2 stages "
+                   "per rank",
+    "grad_accum": "gradient accumulation: slices of each batch, one optimizer step",
     "steps": "total optimizer steps (a resumed run continues up to this)",
     "batch_size": "global batch size (samples per step, over all data-parallel ranks)",
     "seq_len": "tokens per sample",
@@ -80,17 +96,20 @@ def _base_type(annotation: str) -> str:
 
 
 def _parser() -> argparse.ArgumentParser:
-    from .train.loop import CKPT_POLICIES, DEVICES, PRECISIONS, TrainConfig
+    from .train.loop import CKPT_POLICIES, DEVICES, PP_SCHEDULES, PRECISIONS, TrainConfig
 
-    choices = {"precision": PRECISIONS, "device": DEVICES, "ckpt_policy": CKPT_POLICIES}
+    choices = {"precision": PRECISIONS, "device": DEVICES, "ckpt_policy": CKPT_POLICIES,
+               "pp_schedule": PP_SCHEDULES}
 
     parser = argparse.ArgumentParser(prog="slapo", description="Slapo: schedule, verify and "
                                      "train PyTorch models.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
-    train = sub.add_parser("train", help="train a model on the shipped corpus",
-                           description="Train a small model of a chosen architecture on the "
-                           "public-domain corpus shipped with Slapo, with schedule knobs.",
+    train = sub.add_parser("train", help="train or fine-tune a language model",
+                           description="Train a small model of a chosen architecture, or "
+                           "fine-tune a local HF checkpoint, on the public-domain corpus "
+                           "shipped with Slapo or on your text (--data, --tokenizer), with "
+                           "schedule knobs. Bad paths stop with exit status 2.",
                            argument_default=argparse.SUPPRESS)
     train.add_argument("--config", metavar="FILE.toml", help="options as TOML (flags override)")
     for f in fields(TrainConfig):
@@ -186,6 +205,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg.check()
     except (UsageError, ValueError) as e:
         train_parser.error(str(e))  # exits with status 2
+    from .data import InputError
     from .errors import SlapoError
     from .train.loop import train
 
@@ -196,6 +216,8 @@ def main(argv: list[str] | None = None) -> int:
             run_progressive(cfg)
         else:
             train(cfg)
+    except InputError as e:  # a bad --data/--tokenizer/--model found while reading it
+        train_parser.error(str(e))  # exits with status 2, before anything is written
     except (ValueError, FileNotFoundError, SlapoError) as e:
         print(f"slapo train: error: {e}", file=sys.stderr)
         return 1

@@ -40,14 +40,66 @@ def split_tokens(texts: dict[str, str], tokenizer: ByteTokenizer, val_fraction: 
     """(train, val) token streams: each document split at `1 - val_fraction`, EOS after each part."""
     if not 0 < val_fraction < 1:
         raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction}")
+    names = sorted(texts)
+    return split_by_tail([texts[n] for n in names], tokenizer, val_fraction)
+
+
+def _eos(tokenizer) -> list[int]:
+    return [] if tokenizer.eos_id is None else [tokenizer.eos_id]
+
+
+def _stream(ids: list[int], tokenizer) -> torch.Tensor:
+    """A packed token stream, int16 when the vocabulary fits (half the memory), else int32."""
+    dtype = torch.int16 if tokenizer.vocab_size <= 2**15 else torch.int32
+    return torch.tensor(ids, dtype=dtype)
+
+
+def split_by_tail(texts: list[str], tokenizer, val_fraction: float
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Whole files: each document's first `1 - val_fraction` of tokens to train, the rest to
+    val, EOS after each part (val covers every document's style; no shuffling needed)."""
     train: list[int] = []
     val: list[int] = []
-    for name in sorted(texts):
-        ids = tokenizer.encode(texts[name])
+    for ids in tokenizer.encode_many(texts):
         cut = int(len(ids) * (1 - val_fraction))
-        train += ids[:cut] + [tokenizer.eos_id]
-        val += ids[cut:] + [tokenizer.eos_id]
-    return torch.tensor(train, dtype=torch.int16), torch.tensor(val, dtype=torch.int16)
+        train += ids[:cut] + _eos(tokenizer)
+        if val_fraction > 0:
+            val += ids[cut:] + _eos(tokenizer)
+    return _stream(train, tokenizer), _stream(val, tokenizer)
+
+
+def split_by_record(texts: list[str], tokenizer, val_fraction: float, seed: int,
+                    val_texts: list[str] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Many small documents (JSONL rows, dataset rows): a seeded `val_fraction` of the
+    documents (at least one) go to val, the rest to train, each packed in its original order
+    with EOS between documents. `val_texts` (a split the data brought) replaces the draw."""
+    if val_texts is not None:
+        train_docs, val_docs = texts, val_texts
+    elif val_fraction == 0 or len(texts) < 2:
+        train_docs, val_docs = texts, []
+    else:
+        n_val = max(1, round(len(texts) * val_fraction))
+        g = torch.Generator().manual_seed(seed * 1_000_003 + 17)
+        is_val = torch.zeros(len(texts), dtype=torch.bool)
+        is_val[torch.randperm(len(texts), generator=g)[:n_val]] = True
+        train_docs = [t for t, v in zip(texts, is_val.tolist()) if not v]
+        val_docs = [t for t, v in zip(texts, is_val.tolist()) if v]
+
+    def pack(docs: list[str]) -> torch.Tensor:
+        out: list[int] = []
+        for ids in tokenizer.encode_many(docs):
+            out += ids + _eos(tokenizer)
+        return _stream(out, tokenizer)
+
+    return pack(train_docs), pack(val_docs)
+
+
+def fingerprint(tokens: torch.Tensor) -> str:
+    """sha256 of a token stream: a checkpoint records it, so resuming on other data (or with
+    another tokenizer) is refused instead of silently drawing different batches."""
+    import hashlib
+
+    return hashlib.sha256(tokens.to(torch.int32).numpy().tobytes()).hexdigest()[:16]
 
 
 @dataclass
@@ -117,46 +169,70 @@ def gather_blocks(tokens: torch.Tensor, starts: torch.Tensor, length: int) -> to
 
 def mask_tokens(ids: torch.Tensor, tokenizer: ByteTokenizer, generator: torch.Generator,
                 prob: float = 0.15) -> tuple[torch.Tensor, torch.Tensor]:
-    """BERT-style masking: of `prob` of the positions, 80% -> MASK, 10% -> random byte,
-    10% unchanged; labels are the original ids there and IGNORE_INDEX elsewhere."""
+    """BERT-style masking: of `prob` of the positions, 80% -> MASK, 10% -> random token (from
+    `tokenizer.random_high`: bytes, or the whole vocabulary), 10% unchanged; labels are the
+    original ids there and IGNORE_INDEX elsewhere. The tokenizer's `special_ids` (EOS, SEP, ...
+    of an HF tokenizer) are never chosen.
+
+    What transformers' `DataCollatorForLanguageModeling` does, but drawn from a generator the
+    caller seeds per batch: the collator's own generator is state that a checkpoint would have
+    to carry, this is a pure function of (seed, batch number), so resume stays exact."""
     chosen = torch.rand(ids.shape, generator=generator) < prob
+    if tokenizer.special_ids:
+        chosen &= ~torch.isin(ids, torch.tensor(tokenizer.special_ids, dtype=ids.dtype))
     chosen[:, 0] |= ~chosen.any(dim=1)  # at least one target per row, so the loss is defined
     labels = torch.where(chosen, ids, torch.full_like(ids, IGNORE_INDEX))
     roll = torch.rand(ids.shape, generator=generator)
     inputs = ids.clone()
     inputs[chosen & (roll < 0.8)] = tokenizer.mask_id
     random_pos = chosen & (roll >= 0.8) & (roll < 0.9)
-    inputs[random_pos] = torch.randint(256, ids.shape, generator=generator)[random_pos]
+    inputs[random_pos] = torch.randint(tokenizer.random_high, ids.shape,
+                                       generator=generator)[random_pos]
     return inputs, labels
 
 
 TASKS = ("causal", "masked", "seq2seq")
 
 
-class CorpusLoader:
-    """Batches of the shipped corpus for a task, drawn by a resumable `BlockSampler`.
+class TokenLoader:
+    """Batches of packed token streams for a task, drawn by a resumable `BlockSampler`.
 
     - "causal": input_ids = labels = a block of seq_len (HF causal LMs shift labels themselves).
     - "masked": a block with 15% of positions masked; labels only at the masked positions.
     - "seq2seq": input_ids = a block of seq_len; labels = the seq_len // 2 tokens that follow it
       (continue the text; the model makes decoder inputs from labels).
     Randomness of masking comes from a generator seeded by (seed, step), never the global RNG,
-    so batches do not depend on what else consumed random numbers.
+    so batches do not depend on what else consumed random numbers. The state (sampler position,
+    batches drawn, the stream's fingerprint) is JSON, so a checkpoint resumes it exactly.
     """
 
-    def __init__(self, task: str, seq_len: int, seed: int = 0, split: str = "train",
-                 val_fraction: float = 0.1):
+    def __init__(self, task: str, seq_len: int, tokens: torch.Tensor, tokenizer, seed: int = 0,
+                 what: str = "the data"):
         if task not in TASKS:
             raise ValueError(f"unknown task {task!r}; use one of {TASKS}")
+        if task == "masked" and tokenizer.mask_id is None:
+            raise ValueError(f"the tokenizer {tokenizer.name} has no mask token, which a masked "
+                             "LM needs; use a tokenizer with one (e.g. BERT's [MASK]).")
         self.task = task
         self.seq_len = seq_len
         self.seed = seed
-        self.tokenizer = ByteTokenizer()
-        train, val = split_tokens(load_corpus(), self.tokenizer, val_fraction)
-        self.tokens = {"train": train, "val": val}[split]
+        self.tokenizer = tokenizer
+        self.tokens = tokens
         self.target_len = seq_len // 2 if task == "seq2seq" else 0
+        need = 2 * seq_len + self.target_len
+        if len(tokens) < need:
+            raise ValueError(f"{what} has {len(tokens)} tokens, too few for blocks of "
+                             f"{seq_len} (at least {need} are needed); use a smaller --seq-len "
+                             "or more data.")
         self.sampler = BlockSampler(len(self.tokens) - self.target_len, seq_len, seed)
         self.batches_drawn = 0
+        self._fingerprint: str | None = None
+
+    @property
+    def fingerprint(self) -> str:
+        if self._fingerprint is None:
+            self._fingerprint = fingerprint(self.tokens)
+        return self._fingerprint
 
     def next_batch(self, batch_size: int) -> dict[str, torch.Tensor]:
         starts = self.sampler.next_starts(batch_size)
@@ -172,9 +248,30 @@ class CorpusLoader:
         both = gather_blocks(self.tokens, starts, self.seq_len + self.target_len)
         return {"input_ids": both[:, :self.seq_len], "labels": both[:, self.seq_len:].clone()}
 
-    def state_dict(self) -> dict[str, int]:
-        return {**self.sampler.state_dict(), "batches_drawn": self.batches_drawn}
+    def state_dict(self) -> dict[str, int | str]:
+        return {**self.sampler.state_dict(), "batches_drawn": self.batches_drawn,
+                "num_tokens": len(self.tokens), "fingerprint": self.fingerprint}
 
-    def load_state_dict(self, state: dict[str, int]) -> None:
+    def load_state_dict(self, state: dict[str, int | str]) -> None:
+        """Restore the position; refuse a state saved on other tokens (other data, another
+        tokenizer or split): the batches would differ silently."""
+        saved = state.get("fingerprint")
+        if saved is not None and saved != self.fingerprint:
+            raise ValueError(f"the checkpoint was trained on other data: its token stream has "
+                             f"{state.get('num_tokens')} tokens (fingerprint {saved}), this "
+                             f"one {len(self.tokens)} ({self.fingerprint}); resume with the "
+                             "same --data, --text-field, --tokenizer and --val-fraction.")
         self.sampler.load_state_dict(state)
         self.batches_drawn = int(state["batches_drawn"])
+
+
+class CorpusLoader(TokenLoader):
+    """`TokenLoader` over the shipped corpus and the byte tokenizer (the offline default)."""
+
+    def __init__(self, task: str, seq_len: int, seed: int = 0, split: str = "train",
+                 val_fraction: float = 0.1):
+        tokenizer = ByteTokenizer()
+        train, val = split_tokens(load_corpus(), tokenizer, val_fraction)
+        tokens = {"train": train, "val": val}[split]
+        super().__init__(task, seq_len, tokens, tokenizer, seed,
+                         what=f"the shipped corpus' {split} split")

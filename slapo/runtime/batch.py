@@ -6,6 +6,7 @@ a config value) is passed unchanged to every slice.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -15,12 +16,21 @@ from ..errors import SchedulingError
 Batch = dict[str, Any] | tuple | list
 
 
+def as_batch(batch: Any) -> Batch:
+    """A plain dict for any `Mapping` (HF `BatchEncoding`, a `UserDict`), so every later step
+    (slicing, pipelines, `**batch`) sees one type; tuples, lists and dicts pass unchanged."""
+    if isinstance(batch, Mapping) and not isinstance(batch, dict):
+        return dict(batch.items())
+    return batch
+
+
 def _values(batch: Batch) -> list:
-    if isinstance(batch, dict):
+    if isinstance(batch, Mapping):
         return list(batch.values())
     if isinstance(batch, (tuple, list)):
         return list(batch)
-    raise SchedulingError("", f"train_step expects a dict (keyword arguments) or a tuple "
+    raise SchedulingError("", f"train_step expects a mapping (keyword arguments: a dict, an HF "
+                          f"BatchEncoding) or a tuple "
                           f"(positional arguments), got {type(batch).__name__}.",
                           "pass e.g. {'input_ids': ids, 'labels': ids}.")
 
@@ -39,7 +49,7 @@ def slice_batch(batch: Batch, start: int, stop: int) -> Batch:
     def cut(v):
         return v[start:stop] if isinstance(v, torch.Tensor) and v.dim() > 0 else v
 
-    if isinstance(batch, dict):
+    if isinstance(batch, Mapping):
         return {k: cut(v) for k, v in batch.items()}
     return type(batch)(cut(v) for v in batch)
 
@@ -73,7 +83,7 @@ def check_divisible(batch: Batch, factors: dict[str, int]) -> int:
 
 
 def call(module, batch: Batch):
-    """Run `module` on a batch: dicts as keyword arguments, tuples positionally."""
-    if isinstance(batch, dict):
+    """Run `module` on a batch: mappings as keyword arguments, tuples positionally."""
+    if isinstance(batch, Mapping):
         return module(**batch)
     return module(*batch)

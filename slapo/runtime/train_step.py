@@ -28,7 +28,15 @@ from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel
 
 from ..errors import SchedulingError
-from .batch import Batch, batch_size, call, check_divisible, slice_batch, split_batch
+from .batch import (
+    Batch,
+    as_batch,
+    batch_size,
+    call,
+    check_divisible,
+    slice_batch,
+    split_batch,
+)
 from .mesh import MeshInfo
 from .precision import Precision
 
@@ -247,7 +255,7 @@ class TrainModule(nn.Module):
             raise SchedulingError("", "train_step needs an optimizer.",
                                   "pass build(sch, optimizer=torch.optim.AdamW, ...).")
         cfg = self.step_config
-        batch = self.local_batch(batch)
+        batch = self.local_batch(as_batch(batch))  # any Mapping (HF BatchEncoding) -> dict
         self.optimizer.zero_grad(set_to_none=True)
         self.precision.begin_step()
         k = cfg.grad_accum

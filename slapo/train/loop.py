@@ -27,8 +27,10 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ..data import CorpusLoader
+from ..data import Data, InputError, TokenLoader, check_tokenizer_dir, make_data
+from ..data.sources import is_saved_dataset
 from . import checkpoint as ckpt
+from . import pretrained
 from .models import ModelSize, build_model, get_model_spec
 
 KNOBS = ("tp", "ckpt_ratio", "attention", "fuse", "fuse_compiler", "tempo", "pp_stages",
@@ -37,13 +39,21 @@ CKPT_POLICIES = ("full", "selective")
 PRECISIONS = ("fp32", "bf16", "fp16")
 DEVICES = ("auto", "cpu", "cuda")
 DIST_TIMEOUT_S = 60.0   # --dist-timeout default: long saves or first compiles may need more
+PP_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble",
+                "ZBVZeroBubble", "DualPipeV")
+MULTI_STAGE = ("Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble",
+               "DualPipeV")  # two stages per rank (torch's PipelineScheduleMulti)
 
 
 @dataclass
 class TrainConfig:
     """Every option of `slapo train`; the CLI flags and TOML keys have the same names."""
 
-    model: str = "gpt2"
+    model: str = "gpt2"         # a registry name, a local HF model directory or a config.json
+    data: str | None = None     # text files / globs / .jsonl / saved dataset (None: the corpus)
+    text_field: str = "text"    # the JSONL field / dataset column holding the text
+    tokenizer: str | None = None  # a local AutoTokenizer directory (None: bytes, or the model's)
+    val_fraction: float = 0.1   # share of the data held out for the val loss
     steps: int = 50
     batch_size: int = 8
     seq_len: int = 64
@@ -81,11 +91,16 @@ class TrainConfig:
     progressive: bool = False   # run the progressive-optimization demo instead of training
     precision: str = "fp32"     # fp32, or bf16 / fp16 mixed precision (fp32 master weights)
     device: str = "auto"        # auto (CUDA when available), cpu or cuda
+    dp_shard: bool = False      # data-parallel ranks shard weights and optimizer (FSDP2), not DDP
+    pp_schedule: str | None = None  # pipeline schedule with --pp-stages > 1 (default 1F1B)
+    grad_accum: int = 1         # slices of each batch, one backward each, one optimizer step
 
     def check(self) -> None:
-        """Reject bad values before anything is built, with the option's name in the message."""
-        get_model_spec(self.model)
-        for name in ("steps", "batch_size", "seq_len", "hidden_size", "num_layers", "num_heads"):
+        """Reject bad values before anything is built, with the option's name in the message.
+        Paths (--model, --data, --tokenizer) raise InputError (exit status 2) naming the path."""
+        self._check_inputs()
+        for name in ("steps", "batch_size", "seq_len", "hidden_size", "num_layers", "num_heads",
+                     "grad_accum"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{_flag(name)} must be >= 1, got {getattr(self, name)}")
         for name in ("save_every", "warmup", "eval_batches", "keep_last"):
@@ -121,6 +136,52 @@ class TrainConfig:
         if self.device == "cuda" and not torch.cuda.is_available():
             raise ValueError("--device cuda: no CUDA device is available here (use --device cpu "
                              "or auto)")
+        self._check_engine()
+
+    def _check_inputs(self) -> None:
+        """--model, --data, --tokenizer: the paths exist and hold what they should (cheap: the
+        data is read in `build`, which reports a bad line or field the same way)."""
+        if pretrained.is_model_path(self.model):
+            pretrained.model_source(self.model)
+        else:
+            get_model_spec(self.model)
+        if self.data is not None:
+            from ..data.sources import _expand
+
+            entries = [e.strip() for e in self.data.split(",") if e.strip()]
+            if not (len(entries) == 1 and is_saved_dataset(Path(entries[0]))):
+                for entry in entries or [""]:
+                    _expand(entry)
+        if self.tokenizer is not None:
+            check_tokenizer_dir(self.tokenizer)
+        if not self.text_field:
+            raise ValueError("--text-field must not be empty")
+        if not 0 <= self.val_fraction < 1:
+            raise ValueError(f"--val-fraction must be in [0, 1), got {self.val_fraction}")
+
+    def _check_engine(self) -> None:
+        if self.pp_schedule is not None:
+            if self.pp_schedule not in PP_SCHEDULES:
+                raise ValueError(f"--pp-schedule must be one of {', '.join(PP_SCHEDULES)}, "
+                                 f"got {self.pp_schedule!r}")
+            if (self.pp_stages or 1) < 2:
+                raise ValueError("--pp-schedule needs --pp-stages 2 or more (a pipeline)")
+        if self.batch_size % self.grad_accum:
+            raise ValueError(f"--batch-size {self.batch_size} is not divisible by --grad-accum "
+                             f"{self.grad_accum}")
+
+    def pipeline_schedule(self) -> str | None:
+        """The torch.distributed.pipelining schedule, None without a pipeline."""
+        return (self.pp_schedule or "1F1B") if (self.pp_stages or 1) > 1 else None
+
+    def stages_per_rank(self) -> int:
+        """Multi-stage schedules (Interleaved1F1B, ...) run 2 stages per rank, so the model is
+        cut into pp * 2 stages."""
+        return 2 if self.pipeline_schedule() in MULTI_STAGE else 1
+
+    def microbatches(self) -> int:
+        """torch's default: one micro-batch per stage."""
+        return (self.pp_stages or 1) * self.stages_per_rank() if self.pipeline_schedule() else 1
 
     def resume_target(self) -> str | None:
         """What to resume from: "latest" (in `out`), a checkpoint directory, or None."""
@@ -155,16 +216,24 @@ class TrainConfig:
         knobs = {k: getattr(self, k) for k in KNOBS if getattr(self, k) is not None}
         if knobs.get("fused_loss") and (self.tp or 1) > 1:
             knobs["vocab_parallel"] = False
+        if "pp_stages" in knobs and knobs["pp_stages"] > 1:
+            knobs["pp_stages"] *= self.stages_per_rank()  # stages to cut, not pipeline ranks
         return knobs
 
-    def size(self) -> ModelSize:
+    def size(self, tokenizer=None) -> ModelSize:
+        """A registry model's size, with the vocabulary of `tokenizer` (default: bytes)."""
+        vocab = {} if tokenizer is None else dict(
+            vocab_size=tokenizer.vocab_size, pad_id=tokenizer.pad_id,
+            bos_id=tokenizer.bos_id, eos_id=tokenizer.eos_id)
         return ModelSize(self.hidden_size, self.num_layers, self.num_heads,
-                         max_positions=max(1024, 2 * self.seq_len), dropout=self.dropout)
+                         max_positions=max(1024, 2 * self.seq_len), dropout=self.dropout,
+                         **vocab)
 
 
 # Options that must match a checkpoint for resuming to continue the same run.
 RUN_IDENTITY = ("model", "batch_size", "seq_len", "seed", "hidden_size", "num_layers",
-                "num_heads", "dropout", "tp", "pp_stages")
+                "num_heads", "dropout", "tp", "pp_stages", "data", "text_field", "tokenizer",
+                "val_fraction")
 
 
 def _flag(name: str) -> str:
@@ -203,9 +272,11 @@ def setup(cfg: TrainConfig) -> Env:
                          f"{world} processes of this job; launch `torchrun --nproc-per-node "
                          f"{tp * pp} -m slapo.cli train ...` (or a multiple of it).")
     dp = world // (tp * pp)
-    if cfg.batch_size % dp:
-        raise ValueError(f"--batch-size {cfg.batch_size} is not divisible by the {dp} "
-                         "data-parallel ranks.")
+    parts = dp * cfg.grad_accum * cfg.microbatches()
+    if cfg.batch_size % parts:
+        raise ValueError(f"--batch-size {cfg.batch_size} is not divisible into {dp} "
+                         f"data-parallel ranks x {cfg.grad_accum} accumulation steps x "
+                         f"{cfg.microbatches()} micro-batches = {parts}; use a multiple of it.")
     env = Env(world=world, dp=dp)
     if world == 1 and not dist.is_initialized():
         env.device = _local_device(cfg.device)
@@ -255,9 +326,10 @@ class Run:
     model: nn.Module            # the (scheduled) HF model: state-dict keys are the HF keys
     optimizer: torch.optim.Optimizer
     step_fn: Any                # batch -> float loss: the runtime's TrainModule.train_step
-    data: CorpusLoader
+    data: TokenLoader           # the train loader (its state is saved in checkpoints)
     task: str
     schedule_note: str
+    dataset: Data | None = None  # tokenizer, val tokens, where the data came from
     step: int = 0
     losses: list[float] = field(default_factory=list)
     step_times: list[float] = field(default_factory=list)
@@ -274,23 +346,76 @@ class Run:
 
 
 def build(cfg: TrainConfig, env: Env, log=print) -> Run:
-    """Model from the registry (same init on every rank), schedule knobs, optimizer, data."""
+    """Data (tokenizer, split, packing), the model (registry config, or a local HF directory
+    / config file; same init on every rank), schedule knobs, pretrained weights (each rank
+    reads its shards), optimizer."""
+    source = pretrained.model_source(cfg.model) if pretrained.is_model_path(cfg.model) else None
+    task = source.task() if source is not None else get_model_spec(cfg.model).task
+    tokenizer = cfg.tokenizer
+    if tokenizer is None and source is not None and source.has_tokenizer():
+        tokenizer = str(source.directory)  # the model's own tokenizer
+    data = make_data(task, cfg.seq_len, cfg.seed, data=cfg.data, text_field=cfg.text_field,
+                     tokenizer=tokenizer, val_fraction=cfg.val_fraction)
+    fresh = _model_factory(cfg, source, data)
     torch.manual_seed(cfg.seed)
-    model, spec = build_model(cfg.model, cfg.size())
-    model, sch, note = schedule(model, cfg, env, log)
+    model = fresh()
+    model, sch, note = schedule(model, cfg, env, log, fresh)
+    if source is not None:
+        _load_pretrained(sch.mod, source, cfg, env, log)
     model.to(env.device).train()
     optimizer, step_fn = make_trainable(sch, cfg, env)
     _seed_training_rng(cfg.seed, env)
-    data = CorpusLoader(spec.task, cfg.seq_len, seed=cfg.seed)
-    return Run(cfg, env, model, optimizer, step_fn, data, spec.task, note)
+    return Run(cfg, env, model, optimizer, step_fn, data.train, task, note, dataset=data)
 
 
-def schedule(model: nn.Module, cfg: TrainConfig, env: Env, log) -> tuple[nn.Module, Any, str]:
+def _model_factory(cfg: TrainConfig, source, data: Data):
+    """A callable building the model (again, if a schedule knob is not implemented)."""
+    if source is None:
+        return lambda: build_model(cfg.model, cfg.size(data.tokenizer))[0]
+    _check_fits(cfg, source, data)
+    return lambda: source.build_empty(dropout=cfg.dropout)
+
+
+def _check_fits(cfg: TrainConfig, source, data: Data) -> None:
+    """The tokenizer's ids and the block length must fit the model's config."""
+    config = source.config()
+    vocab = getattr(config, "vocab_size", None)
+    if isinstance(vocab, int) and data.tokenizer.vocab_size > vocab:
+        raise InputError(str(source.path), f"the model's vocabulary has {vocab} entries, the "
+                         f"tokenizer ({data.tokenizer.name}) {data.tokenizer.vocab_size}.",
+                         "pass --tokenizer with the model's own tokenizer.")
+    limit = pretrained.max_positions(config)
+    need = cfg.seq_len + (cfg.seq_len // 2 if data.task == "seq2seq" else 0)
+    if limit is not None and cfg.seq_len > limit:
+        raise InputError(str(source.path), f"the model takes at most {limit} positions, "
+                         f"--seq-len is {cfg.seq_len} ({need} tokens per sample).",
+                         f"pass --seq-len {limit} or less.")
+
+
+def _load_pretrained(model: nn.Module, source, cfg: TrainConfig, env: Env, log) -> None:
+    """Fill the (scheduled, maybe sharded) meta model from the source's safetensors; a source
+    without weights gets the model's own init (seeded per module, identical on every rank)."""
+    from ..init import has_meta_tensors, materialize
+
+    counts = pretrained.load_weights(model, source)
+    if counts:
+        log(f"loaded {counts['loaded']} tensors from {source.path}"
+            + (f" ({counts['unused_keys']} checkpoint tensors unused)"
+               if counts["unused_keys"] else ""))
+    elif source.directory is not None:
+        log(f"{source.path} holds no weights (no model.safetensors): training from a fresh init")
+    if has_meta_tensors(model):
+        materialize(model, env.device, seed=cfg.seed)
+
+
+def schedule(model: nn.Module, cfg: TrainConfig, env: Env, log, fresh=None
+             ) -> tuple[nn.Module, Any, str]:
     """Apply the schedule knobs with `slapo.model_schedule.apply`, when it exists.
 
     A missing `apply`, or one that raises NotImplementedError for a knob, is reported and the
-    model trains unscheduled (rebuilt from the same seed, in case the failed apply touched it);
-    any other error (an unknown architecture, a bad value) stops the run with its message.
+    model trains unscheduled (rebuilt from the same seed by `fresh()`, in case the failed apply
+    touched it); any other error (an unknown architecture, a bad value) stops the run with its
+    message.
     """
     import slapo
 
@@ -312,12 +437,9 @@ def schedule(model: nn.Module, cfg: TrainConfig, env: Env, log) -> tuple[nn.Modu
         note = f"not applied: {e} ({shown} ignored)"
         log(f"warning: schedule {note}; training unscheduled")
         torch.manual_seed(cfg.seed)
-        model, _ = build_model(cfg.model, cfg.size())
+        model = fresh() if fresh is not None else build_model(cfg.model, cfg.size())[0]
         return model, slapo.create_schedule(model, mesh=env.mesh), note
     return sch.mod, sch, f"applied: {shown}"
-
-
-PIPELINE_SCHEDULE = "1F1B"
 
 
 def make_trainable(sch: Any, cfg: TrainConfig, env: Env
@@ -325,20 +447,29 @@ def make_trainable(sch: Any, cfg: TrainConfig, env: Env
     """`slapo.build` the schedule with AdamW on the mesh; return (optimizer, step fn).
 
     The step is the runtime's `train_step(batch) -> float`: the same call for one process,
-    data parallelism (DDP over the mesh's dp ranks, each taking its slice of the global batch),
-    tensor parallelism (already in the schedule) and pipelines (`--pp-stages`, 1F1B), with
-    gradient clipping over the whole mesh, in `--precision` (bf16/fp16: autocast on fp32 master
-    weights; fp16 with a gradient scaler).
+    data parallelism (DDP over the mesh's dp ranks, or FSDP2 with `--dp-shard`, each rank
+    taking its slice of the global batch), tensor parallelism (already in the schedule) and
+    pipelines (`--pp-stages`, `--pp-schedule`, default 1F1B), `--grad-accum` slices per step,
+    with gradient clipping over the whole mesh, in `--precision` (bf16/fp16: autocast on fp32
+    master weights; fp16 with a gradient scaler).
     """
     import slapo
 
+    pipeline = cfg.pipeline_schedule()
     trainable, optimizer = slapo.build(
         sch, optimizer=torch.optim.AdamW, seed=cfg.seed, mesh=env.mesh,
         optimizer_kwargs={"lr": cfg.lr, "weight_decay": cfg.weight_decay, "betas": (0.9, 0.95)},
-        grad_clip=cfg.grad_clip, data_parallel="ddp" if env.dp > 1 else None,
-        pipeline=PIPELINE_SCHEDULE if (cfg.pp_stages or 1) > 1 else None,
-        mixed_precision=cfg.mixed_precision())
+        grad_clip=cfg.grad_clip, data_parallel=data_parallel(cfg, env),
+        pipeline=pipeline, virtual_stages=cfg.stages_per_rank() if pipeline else None,
+        grad_accum=cfg.grad_accum, mixed_precision=cfg.mixed_precision())
     return optimizer, trainable.train_step
+
+
+def data_parallel(cfg: TrainConfig, env: Env) -> str | None:
+    """"fsdp" (--dp-shard) or "ddp" over more than one data-parallel rank, else None."""
+    if env.dp == 1:
+        return None
+    return "fsdp" if cfg.dp_shard else "ddp"
 
 
 def _seed_training_rng(seed: int, env: Env) -> None:
@@ -445,9 +576,13 @@ def log_step(run: Run, bar) -> None:
 @torch.no_grad()
 def val_loss(run: Run) -> float | None:
     """Mean loss on the first `eval_batches` val batches (fixed, independent of the step)."""
-    if run.cfg.eval_batches == 0 or (run.cfg.pp_stages or 1) > 1:
+    if run.cfg.eval_batches == 0 or (run.cfg.pp_stages or 1) > 1 or run.dataset is None:
         return None  # with a pipeline no rank holds the whole model
-    val = CorpusLoader(run.task, run.cfg.seq_len, seed=run.cfg.seed, split="val")
+    val = run.dataset.val_loader()
+    if val is None:
+        _warn(run, f"no val loss: the val split ({len(run.dataset.val_tokens)} tokens) is too "
+              f"small for blocks of {run.cfg.seq_len}; raise --val-fraction")
+        return None
     was_training = run.model.training
     run.model.eval()
     total = 0.0
@@ -509,8 +644,9 @@ def pick_checkpoint(run: Run) -> Path | None:
 def check_identity(cfg: TrainConfig, path: Path, saved: dict[str, Any]) -> None:
     """The options that define the run must match the checkpoint's; checked before any tensor
     is read, so a different model or size gets this message, not a loader error."""
-    diff = {k: (saved.get(k), getattr(cfg, k)) for k in RUN_IDENTITY
-            if saved.get(k) != getattr(cfg, k)}
+    defaults = TrainConfig()  # a key a checkpoint predates had its default value
+    diff = {k: (saved.get(k, getattr(defaults, k)), getattr(cfg, k)) for k in RUN_IDENTITY
+            if saved.get(k, getattr(defaults, k)) != getattr(cfg, k)}
     if diff:
         shown = ", ".join(f"--{_flag(k)} {new} (checkpoint: {old})" for k, (old, new) in
                           diff.items())
@@ -554,6 +690,10 @@ def metrics(run: Run, val: float | None, peak: int) -> dict[str, Any]:
         "resumed_from": run.resumed_from,
         "resume_skipped": run.resume_skipped,
         "schedule": run.schedule_note,
+        "task": run.task,
+        "data": run.dataset.source if run.dataset is not None else None,
+        "tokenizer": run.dataset.tokenizer.name if run.dataset is not None else None,
+        "train_tokens": len(run.data.tokens),
         "precision": run.precision.name,
         "skipped_steps": run.precision.skipped_steps,
         "world_size": run.env.world,

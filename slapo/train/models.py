@@ -17,11 +17,21 @@ from ..data import ByteTokenizer
 
 @dataclass(frozen=True)
 class ModelSize:
+    """Size of a registry model, and the vocabulary of its tokenizer (the byte tokenizer's by
+    default; `--tokenizer DIR` sets `vocab_size` and the special ids from that tokenizer)."""
+
     hidden: int = 128
     layers: int = 4
     heads: int = 4
     max_positions: int = 1024
     dropout: float = 0.0
+    vocab_size: int = ByteTokenizer.vocab_size
+    pad_id: int | None = ByteTokenizer.pad_id
+    bos_id: int | None = ByteTokenizer.bos_id
+    eos_id: int | None = ByteTokenizer.eos_id
+
+    def special(self) -> dict[str, int | None]:
+        return dict(pad_token_id=self.pad_id, bos_token_id=self.bos_id, eos_token_id=self.eos_id)
 
     def check(self) -> None:
         if self.hidden % self.heads:
@@ -36,16 +46,12 @@ class ModelSpec:
     description: str
 
 
-_TOK = ByteTokenizer()
-_SPECIAL = dict(pad_token_id=_TOK.pad_id, bos_token_id=_TOK.bos_id, eos_token_id=_TOK.eos_id)
-
-
 def _gpt2(s: ModelSize) -> nn.Module:
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    cfg = GPT2Config(vocab_size=_TOK.vocab_size, n_positions=s.max_positions, n_embd=s.hidden,
+    cfg = GPT2Config(vocab_size=s.vocab_size, n_positions=s.max_positions, n_embd=s.hidden,
                      n_layer=s.layers, n_head=s.heads, resid_pdrop=s.dropout,
-                     embd_pdrop=s.dropout, attn_pdrop=s.dropout, **_SPECIAL)
+                     embd_pdrop=s.dropout, attn_pdrop=s.dropout, **s.special())
     model = GPT2LMHeadModel(cfg)
     model.loss_type = "ForCausalLM"  # HF cannot infer it from the class name ("LMHead")
     return model
@@ -55,21 +61,21 @@ def _llama(s: ModelSize) -> nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     kv_heads = s.heads // 2 if s.heads % 2 == 0 else s.heads  # grouped-query attention
-    cfg = LlamaConfig(vocab_size=_TOK.vocab_size, hidden_size=s.hidden,
+    cfg = LlamaConfig(vocab_size=s.vocab_size, hidden_size=s.hidden,
                       intermediate_size=_multiple(8 * s.hidden // 3, 16),
                       num_hidden_layers=s.layers, num_attention_heads=s.heads,
                       num_key_value_heads=kv_heads, max_position_embeddings=s.max_positions,
-                      attention_dropout=s.dropout, tie_word_embeddings=False, **_SPECIAL)
+                      attention_dropout=s.dropout, tie_word_embeddings=False, **s.special())
     return LlamaForCausalLM(cfg)
 
 
 def _opt(s: ModelSize) -> nn.Module:
     from transformers import OPTConfig, OPTForCausalLM
 
-    cfg = OPTConfig(vocab_size=_TOK.vocab_size, hidden_size=s.hidden, word_embed_proj_dim=s.hidden,
+    cfg = OPTConfig(vocab_size=s.vocab_size, hidden_size=s.hidden, word_embed_proj_dim=s.hidden,
                     num_hidden_layers=s.layers, num_attention_heads=s.heads, ffn_dim=4 * s.hidden,
                     max_position_embeddings=s.max_positions, dropout=s.dropout,
-                    attention_dropout=s.dropout, **_SPECIAL)
+                    attention_dropout=s.dropout, **s.special())
     return OPTForCausalLM(cfg)
 
 
@@ -78,21 +84,21 @@ def _gpt_neo(s: ModelSize) -> nn.Module:
 
     if s.layers % 2:
         raise ValueError("gpt_neo alternates global and local attention: use an even --num-layers")
-    cfg = GPTNeoConfig(vocab_size=_TOK.vocab_size, hidden_size=s.hidden, num_layers=s.layers,
+    cfg = GPTNeoConfig(vocab_size=s.vocab_size, hidden_size=s.hidden, num_layers=s.layers,
                        num_heads=s.heads, attention_types=[[["global", "local"], s.layers // 2]],
                        window_size=64, max_position_embeddings=s.max_positions,
                        embed_dropout=s.dropout, attention_dropout=s.dropout,
-                       resid_dropout=s.dropout, **_SPECIAL)
+                       resid_dropout=s.dropout, **s.special())
     return GPTNeoForCausalLM(cfg)
 
 
 def _bert(s: ModelSize) -> nn.Module:
     from transformers import BertConfig, BertForMaskedLM
 
-    cfg = BertConfig(vocab_size=_TOK.vocab_size, hidden_size=s.hidden, num_hidden_layers=s.layers,
+    cfg = BertConfig(vocab_size=s.vocab_size, hidden_size=s.hidden, num_hidden_layers=s.layers,
                      num_attention_heads=s.heads, intermediate_size=4 * s.hidden,
                      max_position_embeddings=s.max_positions, hidden_dropout_prob=s.dropout,
-                     attention_probs_dropout_prob=s.dropout, pad_token_id=_TOK.pad_id)
+                     attention_probs_dropout_prob=s.dropout, pad_token_id=s.pad_id)
     return BertForMaskedLM(cfg)
 
 
@@ -100,34 +106,34 @@ def _roberta(s: ModelSize) -> nn.Module:
     from transformers import RobertaConfig, RobertaForMaskedLM
 
     # RoBERTa numbers positions from pad_token_id + 1, so the table needs that many extra rows.
-    cfg = RobertaConfig(vocab_size=_TOK.vocab_size, hidden_size=s.hidden,
+    cfg = RobertaConfig(vocab_size=s.vocab_size, hidden_size=s.hidden,
                         num_hidden_layers=s.layers, num_attention_heads=s.heads,
                         intermediate_size=4 * s.hidden,
-                        max_position_embeddings=s.max_positions + _TOK.pad_id + 1,
+                        max_position_embeddings=s.max_positions + (s.pad_id or 0) + 1,
                         hidden_dropout_prob=s.dropout, attention_probs_dropout_prob=s.dropout,
-                        **_SPECIAL)
+                        **s.special())
     return RobertaForMaskedLM(cfg)
 
 
 def _albert(s: ModelSize) -> nn.Module:
     from transformers import AlbertConfig, AlbertForMaskedLM
 
-    cfg = AlbertConfig(vocab_size=_TOK.vocab_size, embedding_size=max(s.hidden // 2, 16),
+    cfg = AlbertConfig(vocab_size=s.vocab_size, embedding_size=max(s.hidden // 2, 16),
                        hidden_size=s.hidden, num_hidden_layers=s.layers,
                        num_attention_heads=s.heads, intermediate_size=4 * s.hidden,
                        max_position_embeddings=s.max_positions, hidden_dropout_prob=s.dropout,
-                       attention_probs_dropout_prob=s.dropout, **_SPECIAL)
+                       attention_probs_dropout_prob=s.dropout, **s.special())
     return AlbertForMaskedLM(cfg)
 
 
 def _t5(s: ModelSize) -> nn.Module:
     from transformers import T5Config, T5ForConditionalGeneration
 
-    cfg = T5Config(vocab_size=_TOK.vocab_size, d_model=s.hidden, d_kv=s.hidden // s.heads,
+    cfg = T5Config(vocab_size=s.vocab_size, d_model=s.hidden, d_kv=s.hidden // s.heads,
                    d_ff=4 * s.hidden, num_layers=max(s.layers // 2, 1),
                    num_decoder_layers=max(s.layers // 2, 1), num_heads=s.heads,
-                   dropout_rate=s.dropout, pad_token_id=_TOK.pad_id, eos_token_id=_TOK.eos_id,
-                   decoder_start_token_id=_TOK.pad_id)
+                   dropout_rate=s.dropout, pad_token_id=s.pad_id, eos_token_id=s.eos_id,
+                   decoder_start_token_id=s.pad_id)
     return T5ForConditionalGeneration(cfg)
 
 
@@ -150,7 +156,8 @@ MODELS: dict[str, ModelSpec] = {spec.name: spec for spec in [
 def get_model_spec(name: str) -> ModelSpec:
     spec = MODELS.get(name.lower().replace("-", "_"))
     if spec is None:
-        raise ValueError(f"unknown model {name!r}; choose one of: {', '.join(MODELS)}")
+        raise ValueError(f"unknown model {name!r}; choose one of: {', '.join(MODELS)}, or pass "
+                         "a local HF model directory (config.json) or a config.json file")
     return spec
 
 
