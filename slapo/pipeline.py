@@ -6,7 +6,10 @@ what the ends need: the first stage the embeddings, later stages take hidden sta
 the final norm and head. Sharing means every primitive applied to a layer (shard/sync hooks,
 checkpoint, traced/fused graphs) comes along and parameter names stay those of the full model.
 Decoder LMs (GPT-2, LLaMA) use the pipeline runtime's stages (`slapo.runtime.stages`); this module
-adds encoders (BERT) and the user-facing `partition` / `build_stage`.
+adds encoders (BERT, RoBERTa: the base model, or `*ForMaskedLM` with its head on the last stage)
+and the user-facing `partition` / `build_stage`. Other head classes (sequence classification,
+pre-training) are not partitioned: `build` refuses them, naming the parameters no stage holds
+(`slapo.runtime.stages.check_stage_coverage`), instead of training without them.
 """
 
 from __future__ import annotations

@@ -381,6 +381,27 @@ def test_tp_attention_dropout_per_rank_with_sdpa(dist2, family):
     dist2.run(job_tp_dropout_masks, family, "sdpa")
 
 
+def job_tp_tempo_core_is_forked():
+    """With Tempo's attention core (tempo=True) the fork goes to that core: Tempo's core stays,
+    no pass-through core replaces it, and the residual dropout stays in the default stream."""
+    from slapo import model_schedule, module_patch
+
+    model = dropout_model("gpt2", attn_implementation="eager")  # Tempo replaces eager cores
+    model_schedule.apply(model, tp=2, tempo=True)
+    attn = model.transformer.h[0].attn
+    names = [w.name for w in module_patch.wrappers(attn.attn_core)]
+    assert "fork_rng" in names, names
+    assert "fork_rng" not in [w.name for w in module_patch.wrappers(attn.resid_dropout)]
+    assert "fork_rng" not in [w.name for w in module_patch.wrappers(attn)]
+    return type(attn.attn_core).__name__
+
+
+@pytest.mark.dist
+def test_tp_tempo_attention_core_is_the_forked_one(dist2):
+    res = dist2.run(job_tp_tempo_core_is_forked)
+    assert res[0] == res[1] and res[0].startswith("Tempo"), res
+
+
 @pytest.mark.dist
 @pytest.mark.parametrize("family", ["gpt2", "llama", "t5"])
 def test_tp_dropout_reproducible_under_checkpoint(dist2, family):
@@ -477,7 +498,9 @@ HEADS = [("gpt2", {"n_head": 3, "n_embd": 48}, "num_attention_heads=3"),
          ("roberta", {"num_attention_heads": 1}, "num_attention_heads=1"),
          ("albert", {"num_attention_heads": 1}, "num_attention_heads=1"),
          ("gpt_neo", {"num_heads": 1}, "num_attention_heads=1"),
-         ("t5", {"num_heads": 1}, "num_attention_heads=1")]
+         ("t5", {"num_heads": 1}, "num_attention_heads=1"),
+         ("bert", {"intermediate_size": 129}, "intermediate_size=129"),
+         ("opt", {"ffn_dim": 127}, "ffn_dim=127")]
 
 
 def job_apply_heads_not_divisible():

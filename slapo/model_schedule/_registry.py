@@ -118,7 +118,6 @@ def apply(model_or_sch: nn.Module | Schedule, *, tp: int | None = None, ckpt_rat
         _set_attention(sch, attention)
     sp = sequence_parallel and tp > 1  # one rank: nothing to split, SP is the identity
     if tp > 1:
-        _install_cores(sch, family)
         for layer in layers_of(sch, family):
             if sp:
                 family.shard_layer(layer, tp, sequence_parallel=True)
@@ -149,7 +148,8 @@ def apply(model_or_sch: nn.Module | Schedule, *, tp: int | None = None, ckpt_rat
     layers = layers_of(sch, family)
     if sp:  # after fuse/tempo, which may replace the norms and dropouts
         _sp.replicated_on_shards(sch, family, layers)
-    if tp > 1:  # after fuse/tempo too (Tempo may swap the attention core)
+    if tp > 1:  # after fuse/tempo too: a core Tempo installed is the one to fork
+        _install_cores(sch, family)
         for layer in layers:
             _common.fork_sharded_rng(layer, family.tp_rng, family.tp_rng_core)
     _common.checkpoint_layers(layers, ckpt_ratio,

@@ -20,6 +20,13 @@ forward on real tensors of the stage's device, infers the activation dtypes the 
 really have: fp32 for HF decoders, whose residual stream stays fp32 under autocast), the loss
 runs under autocast, and the loss handed to the schedule's backward is `loss_for_backward`
 (fp32, scaled for fp16).
+
+Errors: what fails on one rank only (preparing the first stage's inputs; the loss, e.g. a user
+`loss_fn` bug or a stage without a loss of its own) is recorded, the schedule runs to its end
+(zero gradients), and one all-reduced flag makes every rank raise (`raise_on_every_rank`): the
+failing rank its own exception, the others a `SchedulingError` naming the rank and its message,
+and no rank takes an optimizer step. An exception inside a stage's forward during the schedule
+is not intercepted (its peers wait on the stage's send until the collective timeout).
 """
 
 from __future__ import annotations
