@@ -84,3 +84,27 @@ def test_pipeline_two_stages_resumes_exactly(dist2, tmp_path):
     assert resumed[0]["losses"][3:] == straight[0]["losses"][3:]
     single = _single({**TINY, "dropout": 0.0})
     assert straight[0]["losses"] == pytest.approx(single, rel=1e-5)
+
+
+@pytest.mark.dist
+def test_dp_shard_fsdp2_trains_like_one_process_and_resumes_exactly(dist2, tmp_path):
+    """--dp-shard: FSDP2 over the 2 data-parallel ranks; its sharded checkpoint resumes."""
+    straight, resumed = _train_save_resume(dist2, tmp_path, dp_shard=True)
+    assert straight[0]["losses"] == straight[1]["losses"]
+    assert resumed[0]["losses"][3:] == straight[0]["losses"][3:]
+    single = _single({**TINY, "dropout": 0.0})
+    fsdp = dist2.run(job_train, {**TINY, "dropout": 0.0, "dp_shard": True})[0]
+    assert fsdp["params"] < 0.6 * job_train({**TINY, "steps": 1})["params"]  # sharded
+    assert fsdp["losses"] == pytest.approx(single, rel=1e-4, abs=1e-5)
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("name", ["GPipe", "Interleaved1F1B"])
+def test_pp_schedule_matches_one_process(dist2, name):
+    """--pp-schedule: GPipe (one stage per rank), Interleaved1F1B (the model cut into 4)."""
+    _need_model_schedule()
+    opts = {**TINY, "dropout": 0.0, "num_layers": 4}
+    ranks = dist2.run(job_train, {**opts, "pp_stages": 2, "pp_schedule": name})
+    cut = 4 if name == "Interleaved1F1B" else 2
+    assert ranks[0]["schedule"] == f"applied: pp_stages={cut}"
+    assert ranks[0]["losses"] == pytest.approx(_single(opts), rel=1e-5)

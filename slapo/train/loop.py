@@ -541,9 +541,10 @@ def peak_memory_bytes(device: torch.device) -> int:
 
 
 def trained_parameters(run: Run) -> int:
-    """Parameters this rank trains (its TP shards, its pipeline stages), counted once."""
+    """Parameters this rank trains (its TP shards, its pipeline stages, its FSDP2 shards: a
+    DTensor counts its local part), counted once."""
     params = {id(p): p for g in run.optimizer.param_groups for p in g["params"]}
-    return sum(p.numel() for p in params.values())
+    return sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in params.values())
 
 
 def tokens_per_step(cfg: TrainConfig) -> int:
