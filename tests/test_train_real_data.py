@@ -85,8 +85,7 @@ def test_sources_text_glob_jsonl_and_saved_dataset(text_dir, tmp_path):
     both = read_documents(f"{text_dir / 'poems.txt'},{text_dir / 'paras.jsonl'}", "body")
     assert len(both.texts) == 1 + len(rows.texts)
 
-    import datasets
-
+    datasets = pytest.importorskip("datasets")
     dd = datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": rows.texts[:40]}),
                                "validation": datasets.Dataset.from_dict(
                                    {"text": rows.texts[40:50]})})
@@ -160,7 +159,7 @@ def test_resume_on_other_data_is_refused(tok_dir, text_dir, tmp_path, capsys):
 
 
 def test_masked_lm_on_a_saved_dataset(tok_dir, text_dir, tmp_path):
-    import datasets
+    datasets = pytest.importorskip("datasets")
 
     rows = read_documents(str(text_dir / "paras.jsonl"), "body").texts
     datasets.Dataset.from_dict({"body": rows}).save_to_disk(str(tmp_path / "ds"))

@@ -211,8 +211,11 @@ class TokenLoader:
         if task not in TASKS:
             raise ValueError(f"unknown task {task!r}; use one of {TASKS}")
         if task == "masked" and tokenizer.mask_id is None:
-            raise ValueError(f"the tokenizer {tokenizer.name} has no mask token, which a masked "
-                             "LM needs; use a tokenizer with one (e.g. BERT's [MASK]).")
+            from .sources import InputError
+
+            raise InputError(tokenizer.name, "the tokenizer has no mask token, which a masked "
+                             "LM needs.", "use a tokenizer with one (e.g. BERT's [MASK]), or "
+                             "add it: tokenizer.add_special_tokens({'mask_token': '[MASK]'}).")
         self.task = task
         self.seq_len = seq_len
         self.seed = seed
