@@ -34,15 +34,18 @@ def _all_reduce(x: torch.Tensor, group) -> torch.Tensor:
     return funcol.wait_tensor(funcol.all_reduce(x.contiguous(), "sum", _grp(group)))
 
 
-# `all_gather_tensor` / `reduce_scatter_tensor` (not the newer `*_single` names, which torch
-# 2.11 lacks): the same collectives on every torch we support.
+# torch 2.13 names these `*_single` (and deprecates `all_gather_tensor` /
+# `reduce_scatter_tensor`); torch 2.11, the GPU image's, has only the older names.
+_GATHER = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
+_SCATTER = getattr(funcol, "reduce_scatter_single", None) or funcol.reduce_scatter_tensor
+
+
 def _all_gather(x: torch.Tensor, dim: int, group) -> torch.Tensor:
-    return funcol.wait_tensor(funcol.all_gather_tensor(x.contiguous(), dim, _grp(group)))
+    return funcol.wait_tensor(_GATHER(x.contiguous(), dim, _grp(group)))
 
 
 def _reduce_scatter(x: torch.Tensor, dim: int, group) -> torch.Tensor:
-    return funcol.wait_tensor(funcol.reduce_scatter_tensor(x.contiguous(), "sum", dim,
-                                                           _grp(group)))
+    return funcol.wait_tensor(_SCATTER(x.contiguous(), "sum", dim, _grp(group)))
 
 
 def _split(x: torch.Tensor, dim: int, group) -> torch.Tensor:
