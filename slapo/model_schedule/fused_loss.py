@@ -109,7 +109,9 @@ class FusedLossKernel(module_patch.Kernel):
             labels = shift
         head = root.get_submodule(plan.head)
         valid = labels != -100
-        if not plan.causal:  # per-token transform only where a label exists (exact for the loss)
+        if not plan.causal and not _is_fake(hidden):
+            # per-token transform only where a label exists (exact for the loss); fake tensors
+            # (the tuner's cost model) cannot take a data-dependent row count: all rows there
             idx = valid.reshape(-1).nonzero()[:, 0]
             hidden = hidden.reshape(-1, hidden.shape[-1]).index_select(0, idx)
             labels = labels.reshape(-1)[idx]
@@ -119,6 +121,12 @@ class FusedLossKernel(module_patch.Kernel):
         loss = fused_linear_cross_entropy(hidden, head.weight, labels, head.bias,
                                           num_items=num_items)
         return _output(root, out, loss)
+
+
+def _is_fake(t: torch.Tensor) -> bool:
+    from torch._subclasses.fake_tensor import is_fake
+
+    return is_fake(t)
 
 
 def _output(root: nn.Module, base_out, loss: torch.Tensor):
