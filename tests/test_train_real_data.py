@@ -348,3 +348,29 @@ def test_train_step_accepts_a_batch_encoding():
         losses.append([model.train_step(wrap({"input_ids": ids, "labels": ids}))
                        for _ in range(2)])
     assert losses[0] == losses[1]
+
+
+@pytest.mark.parametrize("knob", [["--tp", "2"], ["--pp-stages", "2"]])
+def test_dp_shard_with_tp_or_pp_is_refused(knob, capsys):
+    """Not silently wrong: these checkpoints would not resume exactly (see docs/train.md)."""
+    with pytest.raises(SystemExit) as e:
+        main(["train", *TINY, "--dp-shard", *knob])
+    assert e.value.code == 2 and "--dp-shard combines with neither" in capsys.readouterr().err
+
+
+@pytest.mark.dist
+def test_finetune_own_text_bf16_tp2_resumes_exactly(dist2, gpt2_dir, text_dir, tmp_path):
+    """The issue's journey on 2 ranks: a saved GPT-2, the user's text files and tokenizer,
+    bf16 autocast, TP=2, a checkpoint at step 2, resumed: bit-identical losses."""
+    pytest.importorskip("slapo.model_schedule").apply  # noqa: B018
+    options = dict(model=str(gpt2_dir), data=str(text_dir / "*.txt"), steps=4, seq_len=32,
+                   batch_size=4, progress=False, plot=False, eval_batches=1, tp=2,
+                   attention="sdpa", precision="bf16", dropout=0.1)
+    straight = dist2.run(job_tp_from_pretrained, {**options, "out": str(tmp_path / "a"),
+                                                  "save_every": 2})
+    step2 = tmp_path / "a" / "checkpoints" / "step_000002"
+    resumed = dist2.run(job_tp_from_pretrained, {**options, "out": str(tmp_path / "b"),
+                                                 "resume": str(step2)})
+    assert straight[0]["losses"] == straight[1]["losses"]
+    assert resumed[0]["losses"] == straight[0]["losses"]
+    assert all(math.isfinite(x) for x in straight[0]["losses"])
