@@ -2,5 +2,7 @@
 
 from .loop import TrainConfig, train
 from .models import MODELS, ModelSize, build_model
+from .pretrained import ModelSource, load_weights, model_source
 
-__all__ = ["MODELS", "ModelSize", "TrainConfig", "build_model", "train"]
+__all__ = ["MODELS", "ModelSize", "ModelSource", "TrainConfig", "build_model", "load_weights",
+           "model_source", "train"]

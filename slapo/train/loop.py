@@ -160,6 +160,10 @@ class TrainConfig:
             raise ValueError(f"--val-fraction must be in [0, 1), got {self.val_fraction}")
 
     def _check_engine(self) -> None:
+        if self.progressive and (self.data or self.tokenizer
+                                 or pretrained.is_model_path(self.model)):
+            raise ValueError("--progressive compares schedules on a registry model and the "
+                             "shipped corpus; drop --data, --tokenizer and a --model path")
         if self.pp_schedule is not None:
             if self.pp_schedule not in PP_SCHEDULES:
                 raise ValueError(f"--pp-schedule must be one of {', '.join(PP_SCHEDULES)}, "
