@@ -158,6 +158,9 @@ def load_toml(path: str) -> dict[str, Any]:
             if name not in known:
                 raise UsageError(f"--config {path}: unknown option {where}{key!r}; known: "
                                  f"{', '.join(sorted(known))}")
+            if name == "data" and isinstance(value, list) and all(
+                    isinstance(v, str) for v in value):
+                value = ",".join(value)  # data = ["a.txt", "rows.jsonl"]
             flat[name] = _check_type(name, value, known[name], path)
 
     take(doc, "")

@@ -374,3 +374,16 @@ def test_finetune_own_text_bf16_tp2_resumes_exactly(dist2, gpt2_dir, text_dir, t
     assert straight[0]["losses"] == straight[1]["losses"]
     assert resumed[0]["losses"] == straight[0]["losses"]
     assert all(math.isfinite(x) for x in straight[0]["losses"])
+
+
+def test_toml_takes_the_new_options(tmp_path, text_dir, tok_dir):
+    from slapo.cli import parse_train_args
+
+    (tmp_path / "run.toml").write_text(
+        f'data = ["{text_dir / "poems.txt"}", "{text_dir / "paras.jsonl"}"]\n'
+        f'[data_options]\ntext-field = "body"\ntokenizer = "{tok_dir}"\nval-fraction = 0.2\n'
+        '[engine]\ngrad-accum = 2\ndp-shard = true\npp-schedule = "GPipe"\n')
+    cfg = parse_train_args(["--config", str(tmp_path / "run.toml"), "--grad-accum", "4"])
+    assert cfg.data == f"{text_dir / 'poems.txt'},{text_dir / 'paras.jsonl'}"
+    assert (cfg.text_field, cfg.tokenizer, cfg.val_fraction) == ("body", str(tok_dir), 0.2)
+    assert (cfg.grad_accum, cfg.dp_shard, cfg.pp_schedule) == (4, True, "GPipe")
