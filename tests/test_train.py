@@ -36,9 +36,7 @@ def train(out: Path, *flags: str) -> dict:
 
 
 def test_train_50_steps_lowers_loss(tmp_path):
-    t0 = time.perf_counter()
     m = train(tmp_path, "--steps", "50", "--lr", "3e-3")
-    elapsed = time.perf_counter() - t0
     losses = m["losses"]
     assert len(losses) == 50 and all(math.isfinite(x) for x in losses)
     assert abs(losses[0] - math.log(260)) < 0.3  # starts near uniform over the byte vocab
@@ -50,7 +48,6 @@ def test_train_50_steps_lowers_loss(tmp_path):
     assert m["config"]["model"] == "gpt2" and m["steps"] == 50
     assert (tmp_path / "metrics.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert ckpt.latest(tmp_path).name == "step_000050"  # the final state is saved
-    assert elapsed < 30, elapsed
 
 
 def test_resume_gives_identical_losses(tmp_path):
