@@ -123,6 +123,19 @@ def make_precision(kind: str | None, device_type: str, info: MeshInfo) -> Precis
     return Precision(kind, device_type, group)
 
 
+def _check_pipeline_dp(pipeline: str | None, data_parallel: str | None, info: MeshInfo) -> None:
+    """DDP cannot hold a pipeline stage: each stage runs several micro-batch forwards before their
+    backwards, and DDP's reducer prepares one gradient reduction per forward (torch's pipelining
+    re-prepares for the last one), so it fails on the first step with an internal assert
+    ("rebuilt parameter indices size ... 52 vs 26", seen on 4 gloo ranks, torch 2.13)."""
+    if pipeline is not None and data_parallel == "ddp" and info.dp > 1:
+        raise SchedulingError("", f"pipeline={pipeline!r} with data_parallel='ddp' is not "
+                              "supported: DDP's reducer cannot follow several micro-batch "
+                              "forwards per backward.", "use data_parallel='fsdp' with "
+                              "pipelines (reshard_after_forward=False keeps weights gathered, "
+                              "as DDP does).")
+
+
 def _check_pipeline_off(sch: Schedule, info: MeshInfo) -> None:
     if info.pp > 1:
         raise SchedulingError(sch.path, f"the mesh has pp={info.pp}, but build was called "
@@ -258,6 +271,7 @@ def build(sch: Schedule, *, optimizer: Callable | None = None,
     _check_precision_target(kind, target)
     info = mesh_info(sch, mesh)
     check_data_parallel(data_parallel, info)
+    _check_pipeline_dp(pipeline, data_parallel, info)
     device_type = _run_device_type(sch, device, info)
     check_autocast(kind, device_type)
     config = StepConfig(info, grad_accum, grad_clip, 1, batch_is_global)

@@ -174,7 +174,8 @@ class TrainConfig:
             raise ValueError("--dp-shard combines with neither --tp > 1 nor --pp-stages > 1 in "
                              "slapo train yet: checkpoints of TP shards inside FSDP2 shards "
                              "would not hold the full tensors, and pipelined FSDP2 optimizer "
-                             "state does not resume; drop --dp-shard (DDP) for those runs")
+                             "state does not resume; drop --dp-shard for TP runs (DDP), and "
+                             "run pipelines without data parallelism")
         if self.batch_size % self.grad_accum:
             raise ValueError(f"--batch-size {self.batch_size} is not divisible by --grad-accum "
                              f"{self.grad_accum}")
@@ -475,9 +476,17 @@ def make_trainable(sch: Any, cfg: TrainConfig, env: Env
 
 
 def data_parallel(cfg: TrainConfig, env: Env) -> str | None:
-    """"fsdp" (--dp-shard) or "ddp" over more than one data-parallel rank, else None."""
+    """"fsdp" (--dp-shard) or "ddp" over more than one data-parallel rank, else None.
+
+    A pipeline with several data-parallel ranks is refused here, before anything is built:
+    `slapo.build` refuses DDP under a pipeline, and `--dp-shard` with one does not resume."""
     if env.dp == 1:
         return None
+    if (cfg.pp_stages or 1) > 1:
+        raise ValueError(f"--pp-stages {cfg.pp_stages} on {env.world} processes leaves "
+                         f"{env.dp} data-parallel ranks, which slapo train cannot combine with "
+                         "a pipeline yet (DDP cannot hold a stage; pipelined FSDP2 does not "
+                         "resume); run pp_stages x tp processes, or drop --pp-stages")
     return "fsdp" if cfg.dp_shard else "ddp"
 
 
