@@ -30,8 +30,16 @@ def _models():
         BertForMaskedLM,
         GPT2Config,
         GPT2LMHeadModel,
+        GPTNeoConfig,
+        GPTNeoForCausalLM,
         LlamaConfig,
         LlamaForCausalLM,
+        MistralConfig,
+        MistralForCausalLM,
+        OPTConfig,
+        OPTForCausalLM,
+        RobertaConfig,
+        RobertaForMaskedLM,
     )
 
     return {
@@ -45,7 +53,25 @@ def _models():
         "bert": lambda: BertForMaskedLM(BertConfig(
             hidden_size=64, num_hidden_layers=3, num_attention_heads=4, intermediate_size=128,
             vocab_size=100, hidden_dropout_prob=0, attention_probs_dropout_prob=0)),
+        "roberta": lambda: RobertaForMaskedLM(RobertaConfig(
+            hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+            vocab_size=100, max_position_embeddings=40, hidden_dropout_prob=0,
+            attention_probs_dropout_prob=0, pad_token_id=1)),
+        "gpt_neo": lambda: GPTNeoForCausalLM(GPTNeoConfig(
+            hidden_size=64, num_layers=2, num_heads=4, attention_types=[[["global"], 2]],
+            vocab_size=100, max_position_embeddings=40, embed_dropout=0, resid_dropout=0,
+            attention_dropout=0, bos_token_id=0, eos_token_id=0)),
+        "opt": lambda: OPTForCausalLM(OPTConfig(
+            hidden_size=64, num_hidden_layers=2, num_attention_heads=4, ffn_dim=128,
+            vocab_size=100, max_position_embeddings=40, word_embed_proj_dim=64, dropout=0,
+            attention_dropout=0, bos_token_id=0, eos_token_id=0, pad_token_id=1)),
+        "mistral": lambda: MistralForCausalLM(MistralConfig(
+            hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, vocab_size=100, bos_token_id=0, eos_token_id=0,
+            pad_token_id=0)),
     }
+
+FAMILIES = ["llama", "gpt2", "bert", "roberta", "gpt_neo", "opt", "mistral"]
 
 
 def _pair(name):
@@ -60,7 +86,7 @@ def _batch(name):
     g = torch.Generator().manual_seed(1)
     x = torch.randint(0, 100, (2, 16), generator=g)
     y = x.clone()
-    if name == "bert":
+    if name in ("bert", "roberta"):
         y[torch.rand(2, 16, generator=g) > 0.3] = -100
     return x, y
 
@@ -82,7 +108,7 @@ def _assert_same(ref, model, name, atol=2e-6):
     assert list(model.state_dict()) == list(ref.state_dict())
 
 
-@pytest.mark.parametrize("name", ["llama", "gpt2", "bert"])
+@pytest.mark.parametrize("name", FAMILIES)
 def test_gpu_schedule_matches_original(name):
     """Every GPU knob at once (SDPA, compiled blocks, SAC on all layers, fused loss)."""
     ref, model = _pair(name)
@@ -94,7 +120,7 @@ def test_gpu_schedule_matches_original(name):
     _assert_same(ref, model, name)
 
 
-@pytest.mark.parametrize("name", ["llama", "gpt2", "bert"])
+@pytest.mark.parametrize("name", FAMILIES)
 def test_fused_loss_alone_and_without_labels(name):
     ref, model = _pair(name)
     model_schedule.apply(model, fused_loss=True)
