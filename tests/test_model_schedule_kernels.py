@@ -42,12 +42,31 @@ def bert():
     return transformers.BertForMaskedLM(cfg)
 
 
+def gpt_neo():
+    cfg = transformers.GPTNeoConfig(vocab_size=VOCAB, hidden_size=32, num_layers=2, num_heads=4,
+                                    attention_types=[[["global"], 2]], max_position_embeddings=32,
+                                    embed_dropout=0.0, resid_dropout=0.0, attention_dropout=0.0,
+                                    bos_token_id=0, eos_token_id=0)
+    return transformers.GPTNeoForCausalLM(cfg)
+
+
+def roberta():
+    cfg = transformers.RobertaConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2,
+                                     num_attention_heads=4, intermediate_size=64,
+                                     hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+                                     max_position_embeddings=40, pad_token_id=1)
+    return transformers.RobertaForMaskedLM(cfg)
+
+
 # (model factory, family, replacements: per layer x layers + outside the layers, new classes)
 CASES = {
     "gpt2": (gpt2, "gpt2", 2 * 3 + 1, {FusedLayerNorm, FusedGELU}),   # ln_1, ln_2, act; ln_f
     "llama": (llama, "llama", 2 * 3 + 1, {FusedRMSNorm, FusedLlamaMLP}),  # 2 norms, mlp; norm
     # embeddings LN; per layer attention LN, act, output LN; MLM head transform act + LN
     "bert": (bert, "bert", 1 + 2 * 3 + 2, {FusedLayerNorm, FusedGELU}),
+    "gpt_neo": (gpt_neo, "gpt_neo", 2 * 3 + 1, {FusedLayerNorm, FusedGELU}),  # as GPT-2
+    # embeddings LN; per layer attention LN, act, output LN; the LM head's LN (its GELU is F.gelu)
+    "roberta": (roberta, "roberta", 1 + 2 * 3 + 1, {FusedLayerNorm, FusedGELU}),
 }
 
 
