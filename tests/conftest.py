@@ -26,6 +26,18 @@ def dist4():
     return _pool(4)
 
 
+@pytest.fixture
+def one_thread():
+    """One intra-op thread for tests that train in this process (the 2-core CI machine also runs
+    the gloo pool's ranks)."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 def pytest_sessionfinish(session, exitstatus):
     for p in _POOLS.values():
         p.close()

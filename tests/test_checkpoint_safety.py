@@ -36,12 +36,7 @@ TINY = ["--hidden-size", "64", "--num-layers", "2", "--num-heads", "4", "--seq-l
 STEPS = ["--steps", "6"]
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def train(out: Path, *flags: str) -> dict:

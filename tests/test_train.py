@@ -22,12 +22,7 @@ TINY = ["--hidden-size", "64", "--num-layers", "2", "--num-heads", "4", "--seq-l
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def train(out: Path, *flags: str) -> dict:

@@ -28,12 +28,7 @@ TINY = ["--hidden-size", "32", "--num-layers", "2", "--num-heads", "2", "--seq-l
         "--batch-size", "4", "--no-progress", "--no-plot", "--eval-batches", "1"]
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
