@@ -5,6 +5,10 @@
     torchrun --nproc-per-node 8 examples/train_3d.py --dp 2 --pp 2 --tp 2 --data-parallel fsdp
     python examples/train_3d.py --dp 1 --pp 1 --tp 1                          # one process
 
+`--check` also trains, on every rank, a one-process copy of the same model (the same per-path
+seeds, so the same initial weights) on the same batches, and fails unless the parallel run's
+losses match it: the baseline is plain PyTorch, not Slapo.
+
 Multi-node: the same script under torchrun's rendezvous on every node, e.g. 2 nodes x 4 GPUs:
 
     torchrun --nnodes 2 --nproc-per-node 4 --rdzv-backend c10d \
@@ -49,6 +53,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--batch", type=int, default=8, help="global batch (samples)")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--check", action="store_true",
+                    help="compare the losses with a one-process PyTorch run (exit 1 if not equal)")
     return ap.parse_args()
 
 
@@ -99,11 +105,43 @@ def main() -> None:
         f"device={device}")
 
     t0 = time.perf_counter()
+    losses = []
     for step, batch in enumerate(synthetic_batches(args, device)):
-        loss = model.train_step(batch)
-        log(f"step {step:3d}  loss {loss:.4f}")
+        losses.append(model.train_step(batch))
+        log(f"step {step:3d}  loss {losses[-1]:.4f}")
     log(f"{args.steps} steps in {time.perf_counter() - t0:.1f} s")
+    ok = check(args, device, losses) if args.check else True
     dist.destroy_process_group()
+    if not ok:
+        raise SystemExit(1)
+
+
+def reference_losses(args, device) -> list[float]:
+    """The same model, weights and batches in one process with plain PyTorch: AdamW, clipping."""
+    from slapo.init import materialize
+
+    with slapo.init_empty_weights():
+        ref = LlamaForCausalLM(model_config(args))
+    materialize(ref, device, seed=0)     # build's per-path seeds: the parallel run's weights
+    opt = torch.optim.AdamW(ref.parameters(), lr=args.lr)
+    out = []
+    for batch in synthetic_batches(args, device):
+        opt.zero_grad()
+        loss = ref(**batch).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+        opt.step()
+        out.append(loss.item())
+    return out
+
+
+def check(args, device, losses: list[float]) -> bool:
+    ref = reference_losses(args, device)
+    worst = max(abs(a - b) / abs(b) for a, b in zip(losses, ref))
+    ok = worst < 1e-4
+    log(f"one-process PyTorch losses: {' '.join(f'{x:.4f}' for x in ref)}")
+    log(f"check: largest relative loss difference {worst:.2e} -> {'OK' if ok else 'MISMATCH'}")
+    return ok
 
 
 if __name__ == "__main__":
