@@ -135,7 +135,10 @@ def _parser() -> argparse.ArgumentParser:
 
 def load_toml(path: str) -> dict[str, Any]:
     """Options from a TOML file: keys at top level or in tables, `-` or `_`, type-checked."""
-    import tomllib
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10: the same parser as the `tomli` package
+        import tomli as tomllib
 
     from .train.loop import config_fields
 

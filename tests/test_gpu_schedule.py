@@ -332,3 +332,20 @@ def test_fused_loss_runs_on_fake_tensors():
         out = model(input_ids=x, labels=y)
         out.loss.backward()
     assert out.loss.shape == ()
+
+
+def test_checkpointing_turns_the_kv_cache_off_without_a_warning():
+    """Issue 12: `--ckpt-ratio` on LLaMA printed a warning to pass use_cache=False, which no
+    flag could do; the schedule is for training, so `apply` turns the cache off itself."""
+    import warnings
+
+    from slapo.primitives import checkpoint as ckpt_primitive
+
+    ckpt_primitive._WARNED.clear()  # the warning is once per class and process
+    _, model = _pair("llama")
+    model_schedule.apply(model, ckpt_ratio=1.0)
+    assert model.config.use_cache is False
+    x, y = _batch("llama")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model(input_ids=x, labels=y).loss.backward()

@@ -152,8 +152,9 @@ def apply(model_or_sch: nn.Module | Schedule, *, tp: int | None = None, ckpt_rat
         _install_cores(sch, family)
         for layer in layers:
             _common.fork_sharded_rng(layer, family.tp_rng, family.tp_rng_core)
-    _common.checkpoint_layers(layers, ckpt_ratio,
-                              policy=None if ckpt_policy == "full" else ckpt_policy)
+    if _common.checkpoint_layers(layers, ckpt_ratio,
+                                 policy=None if ckpt_policy == "full" else ckpt_policy):
+        _training_without_cache(sch)  # recomputation would append to a KV cache twice
     if fused_loss:
         from .fused_loss import fuse_loss
 
@@ -258,11 +259,17 @@ def _compile_layers(sch: Schedule, layers: list[Schedule], backend) -> None:
     """Regional compilation: every layer with the same options, so identical layers share one
     graph. HF layers read `layer_idx` only to fill a KV cache; without a cache they are
     identical to dynamo, so training turns the cache off (as HF's gradient checkpointing does)."""
+    _training_without_cache(sch)
+    for layer in layers:
+        layer.compile(backend=backend)
+
+
+def _training_without_cache(sch: Schedule) -> None:
+    """`config.use_cache = False`: checkpointed and compiled layers train without a KV cache (a
+    schedule is for training; pass `use_cache=True` to a call to get one back for generation)."""
     cfg = getattr(sch.mod, "config", None)
     if cfg is not None and getattr(cfg, "use_cache", False):
         cfg.use_cache = False
-    for layer in layers:
-        layer.compile(backend=backend)
 
 
 def _set_attention(sch: Schedule, attention: str) -> None:
