@@ -259,10 +259,11 @@ class TrainModule(nn.Module):
         self.optimizer.zero_grad(set_to_none=True)
         self.precision.begin_step()
         k = cfg.grad_accum
-        loss = torch.zeros((), dtype=torch.float64)
+        loss = None  # stays on the loss's device: no host sync before the optimizer step
         for i, part in enumerate(split_batch(batch, k) if k > 1 else [batch]):
             part_loss = self.runner.forward_backward(part, 1.0 / k, sync_grads=i == k - 1)
-            loss = loss + part_loss.detach().double().cpu() / k
+            part_loss = part_loss.detach().double() / k
+            loss = part_loss if loss is None else loss + part_loss
         self.runner.finish_grads()
         self.precision.unscale_(self.optimizer)
         if cfg.grad_clip is not None:

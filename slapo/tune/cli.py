@@ -504,18 +504,27 @@ def run_tune(args: argparse.Namespace) -> int:
                 f"(GEMM {predict.device.peak_flops / 1e9:.0f} GFLOP/s, "
                 f"copy {predict.device.mem_bandwidth / 1e9:.1f} GB/s)")
     evaluate = TrialEvaluator(settings, args.trial_timeout)
+    meta = {"model": args.model, "settings": settings.to_json(),
+            "calibration": predict.device.to_json()}
+    return _search(args, console, space, evaluate, predict, db, settings.mem_cap_bytes, meta)
+
+
+def _search(args, console, space, evaluate, predict, db, mem_cap, meta: dict) -> int:
+    """Run the search (with progress), write the outputs, and return the exit status: the same
+    for the CPU and the GPU space."""
+    from rich.console import Console
+
     done = len(_space_records(space.configs(), db))
     with _Progress(console, len(space), done, args.progress) as progress:
-        report = tune(space, evaluate, predict, db, args.algorithm,
-                      mem_cap=settings.mem_cap_bytes, max_trials=args.max_trials,
-                      kappa=args.kappa, on_trial=progress, confirm=args.confirm,
-                      repeats=args.confirm_repeats)
-    meta = {"model": args.model, "settings": settings.to_json(), "db": str(db.path),
-            "calibration": predict.device.to_json(), "argv": sys.argv}
-    paths = write_outputs(report, out, args.top, meta,
+        report = tune(space, evaluate, predict, db, args.algorithm, mem_cap=mem_cap,
+                      max_trials=args.max_trials, kappa=args.kappa, on_trial=progress,
+                      confirm=args.confirm, repeats=args.confirm_repeats)
+    paths = write_outputs(report, Path(args.out), args.top,
+                          {**meta, "db": str(db.path), "argv": sys.argv},
                           Console(width=None if sys.stdout.isatty() else 160))
     console.log(f"{report.new_trials} new trials (+{report.extra.get('confirm_runs', 0)} "
-                f"confirmation runs), {len(report.records)}/{report.space_size} measured; stopped: {report.stopped_because}; wrote {', '.join(map(str, paths.values()))}")
+                f"confirmation runs), {len(report.records)}/{report.space_size} measured; "
+                f"stopped: {report.stopped_because}; wrote {', '.join(map(str, paths.values()))}")
     if report.interrupted:
         return 130 if "interrupted" in report.stopped_because else 0
     return 0 if report.best is not None else 1
@@ -533,19 +542,10 @@ def _run_gpu(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"slapo tune: error: {e}", file=sys.stderr)
         return 2
-    out = Path(args.out)
-    db = Database(args.db or out / "tune.db")
+    db = Database(args.db or Path(args.out) / "tune.db")
     console.log(f"space: {n} configs of {', '.join(space.names())}; db: {db.path}")
-    cap = meta["settings"]["mem_cap_bytes"]
-    with _Progress(console, n, len(_space_records(space.configs(), db)), args.progress) as prog:
-        report = tune(space, evaluate, predict, db, args.algorithm, mem_cap=cap,
-                      max_trials=args.max_trials, kappa=args.kappa, on_trial=prog,
-                      confirm=args.confirm, repeats=args.confirm_repeats)
-    write_outputs(report, out, args.top, {**meta, "db": str(db.path), "argv": sys.argv},
-                  Console(width=None if sys.stdout.isatty() else 160))
-    if report.interrupted:
-        return 130 if "interrupted" in report.stopped_because else 0
-    return 0 if report.best is not None else 1
+    return _search(args, console, space, evaluate, predict, db,
+                   meta["settings"]["mem_cap_bytes"], meta)
 
 
 def main(argv: list[str] | None = None) -> int:
