@@ -130,6 +130,8 @@ def test_fused_loss_alone_and_without_labels(name):
         torch.testing.assert_close(model(input_ids=x).logits, ref(input_ids=x).logits)
     out = model(input_ids=x, labels=x)
     assert out.logits is None and out.loss is not None
+    with torch.no_grad():  # the head class's own output type, as without the fused loss
+        assert type(out) is type(ref(input_ids=x, labels=x))
 
 
 def test_fused_loss_positional_and_num_items():

@@ -56,19 +56,23 @@ class LossPlan:
     head: str
     transform: Callable[[nn.Module, torch.Tensor], torch.Tensor]
     causal: bool
+    output: str = "CausalLMOutputWithPast"  # the head class's own type (transformers.modeling_outputs)
 
 
 # HF head class name -> plan. A table, so a new head is one line.
 PLANS: dict[str, LossPlan] = {
-    "GPT2LMHeadModel": LossPlan("transformer", "lm_head", _identity, True),
+    "GPT2LMHeadModel": LossPlan("transformer", "lm_head", _identity, True,
+                                "CausalLMOutputWithCrossAttentions"),
     "GPTNeoForCausalLM": LossPlan("transformer", "lm_head", _identity, True),
     "LlamaForCausalLM": LossPlan("model", "lm_head", _identity, True),
     "MistralForCausalLM": LossPlan("model", "lm_head", _identity, True),
     "Qwen2ForCausalLM": LossPlan("model", "lm_head", _identity, True),
     "Qwen3ForCausalLM": LossPlan("model", "lm_head", _identity, True),
     "OPTForCausalLM": LossPlan("model", "lm_head", _identity, True),
-    "BertForMaskedLM": LossPlan("bert", "cls.predictions.decoder", _bert_transform, False),
-    "RobertaForMaskedLM": LossPlan("roberta", "lm_head.decoder", _roberta_transform, False),
+    "BertForMaskedLM": LossPlan("bert", "cls.predictions.decoder", _bert_transform, False,
+                                "MaskedLMOutput"),
+    "RobertaForMaskedLM": LossPlan("roberta", "lm_head.decoder", _roberta_transform, False,
+                                   "MaskedLMOutput"),
 }
 
 _DROP = ("labels", "logits_to_keep", "num_items_in_batch", "shift_labels", "return_dict")
@@ -120,7 +124,7 @@ class FusedLossKernel(module_patch.Kernel):
 
         loss = fused_linear_cross_entropy(hidden, head.weight, labels, head.bias,
                                           num_items=num_items)
-        return _output(root, out, loss)
+        return _output(plan, out, loss)
 
 
 def _is_fake(t: torch.Tensor) -> bool:
@@ -129,18 +133,14 @@ def _is_fake(t: torch.Tensor) -> bool:
     return is_fake(t)
 
 
-def _output(root: nn.Module, base_out, loss: torch.Tensor):
-    """The head class's own output type, with the loss and no logits."""
-    from transformers import modeling_outputs as mo
+def _output(plan: LossPlan, base_out, loss: torch.Tensor):
+    """The head class's own output type (`plan.output`), with the loss and no logits."""
+    from transformers import modeling_outputs
 
-    fields = {k: getattr(base_out, k, None) for k in ("past_key_values", "hidden_states",
-                                                       "attentions", "cross_attentions")}
-    if type(root).__name__.endswith("MaskedLM"):
-        return mo.MaskedLMOutput(loss=loss, logits=None, hidden_states=fields["hidden_states"],
-                                 attentions=fields["attentions"])
-    cls = mo.CausalLMOutputWithCrossAttentions if "GPT2" in type(root).__name__ else \
-        mo.CausalLMOutputWithPast
-    keep = {k: v for k, v in fields.items() if k in cls.__dataclass_fields__}
+    cls = getattr(modeling_outputs, plan.output)
+    keep = {k: getattr(base_out, k, None) for k in ("past_key_values", "hidden_states",
+                                                     "attentions", "cross_attentions")
+            if k in cls.__dataclass_fields__}
     return cls(loss=loss, logits=None, **keep)
 
 
