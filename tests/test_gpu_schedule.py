@@ -351,3 +351,14 @@ def test_checkpointing_turns_the_kv_cache_off_without_a_warning():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         model(input_ids=x, labels=y).loss.backward()
+
+
+def test_train_knobs_are_apply_parameters():
+    """`slapo train`'s schedule flags pass straight to `model_schedule.apply`: a knob renamed or
+    removed there must not leave a flag that fails only when someone uses it."""
+    import inspect
+
+    from slapo.train.loop import KNOBS
+
+    params = inspect.signature(model_schedule.apply).parameters
+    assert set(KNOBS) <= set(params), set(KNOBS) - set(params)
