@@ -20,6 +20,10 @@ GPU_KNOBS = dict(attention="sdpa", compile_blocks="aot_eager", ckpt_ratio=1.0,
                  ckpt_policy="selective")
 
 
+def _bert_loss(outputs, batch):
+    return outputs.last_hidden_state.pow(2).mean()
+
+
 def job_tp_gpu_schedule(family: str, sequence_parallel: bool):
     """TP (or TP + SP) x compiled blocks x SAC x fused loss == one process."""
     import models
@@ -30,12 +34,17 @@ def job_tp_gpu_schedule(family: str, sequence_parallel: bool):
     model = getattr(models, family)(seed=0)
     ref = copy.deepcopy(model)
     mesh = slapo.init_mesh(tp=2)
-    sch = model_schedule.apply(model, mesh=mesh, fused_loss=True, vocab_parallel=False,
+    lm = family != "bert"  # tests' BERT is a BertModel: no head, no fused loss, own loss_fn
+    sch = model_schedule.apply(model, mesh=mesh, fused_loss=lm, vocab_parallel=False,
                                sequence_parallel=sequence_parallel, **GPU_KNOBS)
-    trained, _ = slapo.build(sch, optimizer=torch.optim.AdamW, optimizer_kwargs={"lr": 1e-3})
+    loss_fn = None if lm else _bert_loss
+    trained, _ = slapo.build(sch, optimizer=torch.optim.AdamW, optimizer_kwargs={"lr": 1e-3},
+                             loss_fn=loss_fn)
     batches = make_batches()
+    if not lm:
+        batches = [{"input_ids": b["input_ids"]} for b in batches]
     losses = [trained.train_step(b) for b in batches]
-    expected = reference_losses(ref, batches)
+    expected = reference_losses(ref, batches, loss_fn=loss_fn)
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), rtol=1e-5, atol=0)
     return losses
 
@@ -89,7 +98,7 @@ def test_data_parallel_with_gpu_schedule_matches_single_process(dist2, data_para
     assert losses[0] == losses[1]
 
 
-@pytest.mark.parametrize("family", ["gpt2", "llama"])
+@pytest.mark.parametrize("family", ["gpt2", "llama", "bert"])
 @pytest.mark.parametrize("sp", [False, True])
 def test_tp_with_gpu_schedule_matches_single_process(dist2, family, sp):
     losses = dist2.run(job_tp_gpu_schedule, family, sp)
