@@ -121,11 +121,26 @@ class Schedule:
         return self._root.mesh
 
     @property
+    def tp_size(self) -> int:
+        """Ranks of the tensor-parallel group this schedule shards over (`shard` splits each
+        tensor into this many slices). Not the job's world size: under a ("dp", "pp", "tp")
+        mesh it is the "tp" dimension's size."""
+        return self._root.world_size
+
+    @property
+    def tp_rank(self) -> int:
+        """This process's rank in the tensor-parallel group (the slice `shard` keeps)."""
+        return self._root.rank
+
+    @property
     def world_size(self) -> int:
+        """The 2023 name of `tp_size` (kept for 2023 schedules: it always meant the schedule's
+        group, which is the tensor-parallel group)."""
         return self._root.world_size
 
     @property
     def rank(self) -> int:
+        """The 2023 name of `tp_rank`."""
         return self._root.rank
 
     @property
@@ -229,7 +244,7 @@ class Schedule:
 
     def __repr__(self) -> str:
         return (f"Schedule(path={self.path!r}, mod={type(self.mod).__name__}, "
-                f"world_size={self.world_size})\n{self.tree()}")
+                f"tp_size={self.tp_size})\n{self.tree()}")
 
     def __str__(self) -> str:
         return self.tree()

@@ -99,7 +99,7 @@ def vocab_parallel(sch: Schedule, head_input_grad: bool = True) -> bool:
     `head_input_grad=False` leaves the head's input-gradient reduction to the caller (sequence
     parallelism gathers the head's input with a reduce-scatter backward instead).
     """
-    model, ws = sch.mod, sch.world_size
+    model, ws = sch.mod, sch.tp_size
     get_in = getattr(model, "get_input_embeddings", None)
     emb = get_in() if callable(get_in) else None
     if emb is None or not isinstance(emb, nn.Embedding) or emb.num_embeddings % ws:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch.nn as nn
 
@@ -23,7 +24,11 @@ class Family:
     - `model_types`: HF `config.model_type` values it covers;
     - `layer_lists`: suffixes of the ModuleLists holding the transformer layers, in execution
       order (T5: encoder then decoder);
-    - `shard_layer(layer, ws)`: tensor-parallel plan for one layer;
+    - `tp_plan`: the tensor-parallel (and sequence-parallel) plan of one layer as data: an
+      object with `apply(layer: Schedule, tp: int, sequence_parallel: bool) -> None` (see
+      `model_schedule.plan`); the cost model shards blocks with the same plan;
+    - `shard_layer(layer, ws)`: the older form of the plan, as code (used when `tp_plan` is
+      None);
     - `mlp_paths`: paths (relative to a layer) of the MLP blocks, for `fuse`;
     - `sequence_plan`: where hidden states are split/gathered along the sequence, which norms and
       dropouts see sequence shards (None: `sequence_parallel=True` is rejected). A family with a
@@ -41,13 +46,23 @@ class Family:
     name: str
     model_types: tuple[str, ...]
     layer_lists: tuple[str, ...]
-    shard_layer: Callable[[Schedule, int], None]
+    shard_layer: Callable[[Schedule, int], None] | None = None
     mlp_paths: tuple[str, ...] = ()
     sequence_plan: _sp.SequencePlan | None = None
     notes: str = ""
     extra: dict = field(default_factory=dict)
     tp_rng: tuple[str, ...] = ()
     tp_rng_core: tuple[str, ...] = ()
+    tp_plan: Any = None
+
+    def shard(self, layer: Schedule, tp: int, sequence_parallel: bool = False) -> None:
+        """Shard one layer `tp` ways with this family's plan (its table, else its code)."""
+        if self.tp_plan is not None:
+            self.tp_plan.apply(layer, tp, sequence_parallel=sequence_parallel)
+        elif sequence_parallel:
+            self.shard_layer(layer, tp, sequence_parallel=True)
+        else:
+            self.shard_layer(layer, tp)
 
 
 _FAMILIES: dict[str, Family] = {}
@@ -107,7 +122,7 @@ def apply(model_or_sch: nn.Module | Schedule, *, tp: int | None = None, ckpt_rat
     sch = model_or_sch if isinstance(model_or_sch, Schedule) else \
         create_schedule(model_or_sch, group=group, mesh=mesh)
     family = detect(sch.mod)
-    ws = sch.world_size
+    ws = sch.tp_size
     tp = ws if tp is None else tp
     # every check first: a rejected call leaves the model and the schedule's history untouched
     _validate(sch, family, tp, ws, attention, pp_stages, sequence_parallel)
@@ -119,10 +134,7 @@ def apply(model_or_sch: nn.Module | Schedule, *, tp: int | None = None, ckpt_rat
     sp = sequence_parallel and tp > 1  # one rank: nothing to split, SP is the identity
     if tp > 1:
         for layer in layers_of(sch, family):
-            if sp:
-                family.shard_layer(layer, tp, sequence_parallel=True)
-            else:
-                family.shard_layer(layer, tp)
+            family.shard(layer, tp, sequence_parallel=sp)
         if sp:
             _sp.split_and_gather(sch, family, vocab_parallel)
         elif vocab_parallel:

@@ -66,7 +66,7 @@ def apply_schedule(model: nn.Module, schedule_key: str, **sch_config: Any) -> Sc
         _checkpoint_uniform(layers_of(sch, family), ratio)
     if cfg.get("pipeline_cuts"):
         _cut(sch, family, cfg["pipeline_cuts"])
-    if cfg.get("bcast_input") and sch.world_size > 1:
+    if cfg.get("bcast_input") and sch.tp_size > 1:
         sch.mod.register_forward_pre_hook(_broadcast_hook(sch.group), with_kwargs=True)
     return sch
 

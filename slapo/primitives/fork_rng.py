@@ -44,4 +44,4 @@ class ForkRNGPrimitive(Primitive):
 
     @classmethod
     def apply(cls, sch):
-        module_patch.add_wrapper(sch.mod, ForkRNGWrapper(2718 + sch.rank))
+        module_patch.add_wrapper(sch.mod, ForkRNGWrapper(2718 + sch.tp_rank))

@@ -45,7 +45,7 @@ class ShardPrimitive(Primitive):
             raise SchedulingError(sch.path, f"blocks must be a positive int, got {blocks!r}.",
                                   "pass blocks=1 (default) or the number of fused blocks.")
         rule = sharding.rule_for(sch.mod)
-        ws = sch.world_size
+        ws = sch.tp_size
         for name in names:
             _, t = direct_tensor(sch, name)
             if sharding.shard_spec(t) is not None:
@@ -79,9 +79,9 @@ class ShardPrimitive(Primitive):
         for name in names:
             kind, t = direct_tensor(sch, name)
             ax = axis % t.dim()
-            spec = sharding.ShardSpec(tuple(t.shape), ax, sch.world_size, sch.rank, blocks,
+            spec = sharding.ShardSpec(tuple(t.shape), ax, sch.tp_size, sch.tp_rank, blocks,
                                       sch.group)
-            local = sharding.local_slice(t.detach(), ax, sch.world_size, sch.rank, blocks)
+            local = sharding.local_slice(t.detach(), ax, sch.tp_size, sch.tp_rank, blocks)
             local = local.clone() if local.device.type != "meta" else local.contiguous()
             new = nn.Parameter(local, requires_grad=t.requires_grad) if kind == "parameter" \
                 else local

@@ -80,9 +80,9 @@ def mesh_info(sch: Schedule, mesh) -> MeshInfo:
     """The mesh to run on (`mesh`, else the schedule's), checked against the schedule's TP group."""
     mesh = mesh if mesh is not None else sch.mesh
     info = MeshInfo.of(mesh, sch.group)
-    if mesh is not None and sch.world_size != info.tp:
+    if mesh is not None and sch.tp_size != info.tp:
         raise SchedulingError(
-            sch.path, f"the schedule's tensor-parallel group has {sch.world_size} rank(s), but "
+            sch.path, f"the schedule's tensor-parallel group has {sch.tp_size} rank(s), but "
             f"the mesh's tp dimension has {info.tp}.",
             "create the schedule with slapo.create_schedule(model, mesh=mesh).")
     return info
