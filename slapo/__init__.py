@@ -10,7 +10,7 @@ from .distributed.rng import get_rng_tracker
 from .errors import SchedulingError, SlapoError, TraceError, VerificationError
 from .init import init_empty_weights
 from .primitives import Primitive, list_primitives, register_primitive
-from .runtime import TrainModule, build, init_mesh
+from .runtime import ParallelDims, TrainModule, build, init_mesh
 from .schedule import Schedule, create_schedule
 from .verify import Verify
 
@@ -32,6 +32,7 @@ __all__ = [
     "consolidate",
     "init_empty_weights",
     "init_mesh",
+    "ParallelDims",
     "Schedule",
     "SchedulingError",
     "SlapoError",

@@ -5,6 +5,7 @@
 * `saved_bytes(fn, *args)`: bytes one call leaves saved for backward (for tests).
 * `LiveTensorBytes`: a dispatch mode counting live tensor bytes and their peak (works on CPU).
 * `memory_timeline(model, inputs, ...)`: torch.profiler's categorised timeline (CPU and CUDA).
+* `meter`: the peak-memory meter of a run (`reset_peak`, `peak_bytes`), the one every app reports.
 """
 
 from .breakdown import MemoryBreakdown, default_loss, memory_breakdown

@@ -6,7 +6,7 @@
 """
 
 from .build import build
-from .mesh import init_mesh
+from .mesh import ParallelDims, init_mesh
 from .train_step import TrainModule
 
-__all__ = ["TrainModule", "build", "init_mesh"]
+__all__ = ["ParallelDims", "TrainModule", "build", "init_mesh"]
