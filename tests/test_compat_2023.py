@@ -19,7 +19,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import slapo
-from slapo.compat.notice import Slapo2023Notice, reset_notices
+from slapo.notices import Slapo2023Notice, reset_notices
 from slapo.pattern import call_module
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -224,7 +224,7 @@ def test_find_call_module_and_patterns():
 
 
 def test_fuse_compiler_spellings_map_to_torch_compile():
-    from slapo.compat.spellings import fuse_args
+    from slapo.primitives._spellings import fuse_args
 
     reset_notices()
     with pytest.warns(Slapo2023Notice, match="TorchScript"):

@@ -7,20 +7,22 @@ backend). This package maps each 2023 name onto the modern primitive that does t
 no second implementation. Where a 2023 name hid a bug (see docs/migrating.md), the adapter gives
 the correct behaviour and says so in its docstring.
 
-Modules: `notice` (one-time notices), `env` (setup/cleanup/execute), `logger` (get_logger with
-`ranks=`), `tune` (Space/Database with the 2023 methods), `build` (consolidate_model,
-init_target_engine, trace), `spellings` (2023 keyword spellings of trace/fuse), `primitives`
-(replace_all). `slapo.pattern`, `slapo.random`, `slapo.utils` and `slapo.op.compat2023` are the
+Modules: `env` (setup/cleanup/execute), `logger` (get_logger with `ranks=`), `tune`
+(Space/Database with the 2023 methods), `build` (consolidate_model, init_target_engine, trace),
+`primitives` (replace_all). Two pieces live below this layer because the core uses them (the
+compat layer sits on top and nothing under it imports it): the one-time notices in
+`slapo.notices`, and the 2023 keyword spellings of trace/fuse in `slapo.primitives._spellings`
+(the primitives accept them). `slapo.pattern`, `slapo.random`, `slapo.utils` and `slapo.op.compat2023` are the
 2023 module paths, kept where a 2023 import expects them.
 """
 
 from __future__ import annotations
 
+from ..notices import Slapo2023Notice, notice_once
 from . import primitives as _primitives  # noqa: F401  (registers replace_all)
 from .build import consolidate_model, generate_pipeline_partition, init_target_engine, trace
 from .env import cleanup, execute, setup
 from .logger import get_logger
-from .notice import Slapo2023Notice, notice_once
 from .tune import Database, Space, Symbol
 
 

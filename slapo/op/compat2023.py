@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..compat.notice import notice_once
+from ..notices import notice_once
 from .attention import SDPAttention
 from .attention_core import causal_mask
 from .fused import _MaybeCompiled, bias_gelu

@@ -43,7 +43,7 @@ class FusePrimitive(Primitive):
 
     @classmethod
     def run(cls, sch, *args, **kwargs):
-        from ..compat.spellings import fuse_args  # "TorchScript"/"TorchInductor" (2023)
+        from ._spellings import fuse_args  # "TorchScript"/"TorchInductor" (2023)
 
         args, kwargs = fuse_args(args, kwargs)
         return super().run(sch, *args, **kwargs)

@@ -90,7 +90,7 @@ class TracePrimitive(Primitive):
 
     @classmethod
     def run(cls, sch, *args, **kwargs):
-        from ..compat.spellings import trace_kwargs  # Slapo 2023 spellings, docs/migrating.md
+        from ._spellings import trace_kwargs  # Slapo 2023 spellings, docs/migrating.md
 
         return super().run(sch, *args, **trace_kwargs(sch, kwargs))
 

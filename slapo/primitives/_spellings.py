@@ -1,4 +1,4 @@
-"""2023 keyword spellings of `sch.trace(...)` and `sch.fuse(...)`, rewritten to today's.
+"""2023 keyword spellings (Slapo 2023's API, docs/migrating.md) of `sch.trace(...)` and `sch.fuse(...)`, rewritten to today's.
 
 The primitives call these from their `run`, so a 2023 schedule's calls reach the modern
 primitive with its own validation. What maps to what (docs/migrating.md has the table):
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch.nn as nn
 
-from .notice import notice_once
+from ..notices import notice_once
 
 _TRACERS_2023 = {"pytorch": "fx", "huggingface": "fx"}
 _COMPILERS_2023 = {"TorchInductor": "inductor", "TorchScript": "inductor"}
