@@ -217,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         if cfg.progressive:
-            from .train.progressive import run_progressive
+            from .train.demo import run_progressive
 
             run_progressive(cfg)
         else:

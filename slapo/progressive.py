@@ -21,6 +21,20 @@ bytes at the demo batch — and timed there:
 * tokens/s at that batch is the fastest of a few AdamW steps (after one warm-up step on GPU,
   where a new batch shape recompiles compiled regions).
 
+**One step loop.** Every variant trains through `slapo.build(sch, ...)`'s
+`TrainModule.train_step` (AdamW; `mixed_precision="bf16"` on GPU is build's autocast, fp32
+master weights), timed by `slapo.runtime.train_step.time_steps`: the step `slapo train` runs.
+Peak memory per row is `slapo.profile.meter`'s (`peak_bytes`, JSON only).
+
+**Parallel dimensions.** `run(..., mesh=)` takes the job's ("dp", "pp", "tp") mesh
+(`slapo.runtime.init_mesh`). Every schedule is made on the mesh's "tp" group, and only the TP
+step shards, over that group (`tp=` its size; no TP step when it is 1). Data-parallel replicas
+(dp > 1) run the same thing, each on the whole demo batch: a row describes one model replica
+(the job trains dp times its tokens/s), and DDP's gradient all-reduce, the same for every step,
+is left out of the comparison. Pipelines (pp > 1) are refused. Without a mesh the schedules use
+the default process group (one process: no TP step). Each row records the degree its weights
+were actually sharded (`shard_ways`, from the shard specs) and the parameters one rank holds.
+
 Under torch.distributed every rank takes the same decisions (the measured bytes are all-reduced
 with MAX), since a TP forward is a collective.
 
@@ -31,7 +45,6 @@ from __future__ import annotations
 
 import copy
 import inspect
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 
@@ -40,9 +53,12 @@ import torch.nn as nn
 
 from . import model_schedule
 from .distributed import group as _g
-from .errors import SlapoError
-from .profile import saved_bytes
-from .schedule import create_schedule
+from .errors import SchedulingError, SlapoError, VerificationError
+from .profile import meter, saved_bytes
+from .runtime.build import build
+from .runtime.train_step import TrainModule, time_steps
+from .schedule import Schedule, create_schedule
+from .sharding import shard_spec
 from .verify import Verify
 
 OVER = 2**62  # the "bytes" of a forward that ran out of device memory: fits no budget
@@ -78,11 +94,15 @@ class StepResult:
     budget_capped: bool = False       # the search stopped at its cap: more may fit
     budget_tokens_per_s: float = 0.0
     budget_speedup: float = 0.0       # vs the baseline's tokens/s at its own budget batch
+    shard_ways: int = 1               # largest degree any weight is sharded (shard specs)
+    parameters: int = 0               # parameter elements this rank holds
+    peak_bytes: int = 0               # slapo.profile.meter peak over the demo-batch steps
 
 
-def default_steps(world_size: int, fuse_available: bool, tempo: bool = True,
+def default_steps(tp: int, fuse_available: bool, tempo: bool = True,
                   fuse_compiler: str = "inductor") -> list[Step]:
-    """The CPU progression (fp32): what a schedule can change on a CPU."""
+    """The CPU progression (fp32): what a schedule can change on a CPU. `tp`: the degree of the
+    mesh's "tp" dimension (a TP step only when > 1)."""
     knobs: dict = {}
     steps = [Step("baseline (HF eager)", {})]
 
@@ -96,12 +116,12 @@ def default_steps(world_size: int, fuse_available: bool, tempo: bool = True,
     if tempo:
         add("+ Tempo layers", tempo=True)
     add("+ checkpointing", ckpt_ratio=1.0)
-    if world_size > 1:
-        add(f"+ tensor parallel x{world_size}", tp=world_size)
+    if tp > 1:
+        add(f"+ tensor parallel x{tp}", tp=tp)
     return steps
 
 
-def gpu_steps(world_size: int) -> list[Step]:
+def gpu_steps(tp: int) -> list[Step]:
     """The GPU progression, run under bf16 autocast against HF's default (SDPA) attention.
 
     Why this baseline: on a GPU nobody trains with HF eager attention, so beating it would prove
@@ -119,8 +139,8 @@ def gpu_steps(world_size: int) -> list[Step]:
     add("+ compiled blocks", attention="sdpa", compile_blocks=True)
     add("+ fused linear+CE loss", fused_loss=True)
     add("+ selective checkpointing", ckpt_ratio=1.0, ckpt_policy="selective")
-    if world_size > 1:  # the fused loss needs an unsharded LM head
-        add(f"+ tensor parallel x{world_size}", tp=world_size, vocab_parallel=False)
+    if tp > 1:  # the fused loss needs an unsharded LM head
+        add(f"+ tensor parallel x{tp}", tp=tp, vocab_parallel=False)
     return steps
 
 
@@ -128,49 +148,22 @@ def _loss(out) -> torch.Tensor:
     return out.loss
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+def _trainable(sch: Schedule, lr: float, mixed_precision: str | None) -> TrainModule:
+    """The step `slapo train` runs: `slapo.build` with AdamW and build's mixed precision."""
+    model, _ = build(sch, optimizer=torch.optim.AdamW, optimizer_kwargs={"lr": lr},
+                     mixed_precision=mixed_precision)
+    return model
 
 
-def _autocast(device: torch.device, dtype: torch.dtype | None):
-    return torch.autocast(device.type, dtype=dtype, enabled=dtype is not None)
-
-
-def _train(model: nn.Module, batches: list[dict], warmup: int, lr: float,
-           autocast_dtype: torch.dtype | None = None) -> tuple[float, list]:
-    """Seconds per step and the losses of a few AdamW steps; with `autocast_dtype` (e.g. bf16
-    on GPU) the step runs under torch.autocast (fp32 master weights).
+def _train(model: TrainModule, batches: list[dict], warmup: int) -> tuple[float, list]:
+    """Seconds per step and the losses of `train_step` on each batch (ranks aligned by a
+    barrier around each step, so a TP step's time is its slowest rank's).
 
     The time is the *fastest* step after warm-up: other jobs on a shared machine only ever add
     time to a step, so the minimum is the least disturbed estimate of what the step costs (a
     median still moves with how long a neighbour's burst lasted)."""
-    device = next(model.parameters()).device
-    opt = torch.optim.AdamW(model.parameters(), lr=lr)
-    times, losses = [], []
-    model.train()
-    for i, batch in enumerate(batches):
-        _g_barrier()
-        _sync(device)
-        t0 = time.perf_counter()
-        opt.zero_grad(set_to_none=True)
-        with _autocast(device, autocast_dtype):
-            loss = _loss(model(**batch))
-        loss.backward()
-        opt.step()
-        _sync(device)
-        _g_barrier()
-        losses.append(loss.item())
-        if i >= warmup:
-            times.append(time.perf_counter() - t0)
-    return min(times) if times else float("nan"), losses
-
-
-def _g_barrier() -> None:
-    if _g.is_initialized():
-        import torch.distributed as dist
-
-        dist.barrier()
+    timed = time_steps(model, batches, barrier=True)
+    return timed.fastest(warmup), timed.losses
 
 
 def _agree_max(value: int, device: torch.device) -> int:
@@ -184,18 +177,33 @@ def _agree_max(value: int, device: torch.device) -> int:
     return int(t.item())
 
 
-def _measure_bytes(model: nn.Module, batch: dict, autocast_dtype: torch.dtype | None) -> int:
-    """Saved-for-backward bytes of one forward, under the same autocast as training, agreed
-    over ranks. Under autocast the cached low-precision weight copies count too: they are held
-    for backward like any activation."""
-    device = next(model.parameters()).device
+def _device(model: nn.Module) -> torch.device:
+    return next(model.parameters()).device
+
+
+def _measure_bytes(model: TrainModule, batch: dict) -> int:
+    """Saved-for-backward bytes of one forward, under the step's own autocast
+    (`model.precision`), agreed over ranks. Under autocast the cached low-precision weight
+    copies count too: they are held for backward like any activation."""
+    device = _device(model)
     try:
-        with _autocast(device, autocast_dtype):
-            n = saved_bytes(model, **batch)
+        with model.precision.autocast():
+            n = saved_bytes(model.model, **batch)
     except torch.cuda.OutOfMemoryError:  # a batch past the budget may not fit the device at all
         torch.cuda.empty_cache()
         n = OVER
     return _agree_max(n, device)
+
+
+def _held(model: nn.Module) -> tuple[int, int]:
+    """(largest shard degree of any weight, parameter elements on this rank): what a row
+    reports so that a reader (and a test) sees how the step's weights were split."""
+    ways, numel = 1, 0
+    for p in model.parameters():
+        spec = shard_spec(p)
+        ways = max(ways, spec.world_size if spec is not None else 1)
+        numel += p.numel()
+    return ways, numel
 
 
 # ---- the activation-budget search -------------------------------------------------------------
@@ -291,17 +299,16 @@ class _Budget:
     warmup: int
     source: _BatchSource
     tokens_per_sample: float
-    lr: float
-    autocast_dtype: torch.dtype | None
 
 
-def _at_budget(model: nn.Module, res: StepResult, bud: _Budget) -> None:
+def _at_budget(model: TrainModule, res: StepResult, bud: _Budget) -> None:
     """Fill `res.budget_*`: the largest measured fit, and tokens/s there (reused at the demo
-    batch, where the step was already timed)."""
+    batch, where the step was already timed). The same TrainModule (its optimizer state too)
+    trains on: timing does not depend on the weights' values."""
     res.budget_bytes = bud.bytes
     cands = batch_candidates(res.batch, bud.max_factor)
     found = largest_fitting(
-        cands, lambda b: _measure_bytes(model, bud.source.get(b, 1)[0], bud.autocast_dtype),
+        cands, lambda b: _measure_bytes(model, bud.source.get(b, 1)[0]),
         bud.bytes, (res.batch, res.saved_bytes))
     if found is None:
         res.note = (res.note + "; " if res.note else "") + "batch 1 exceeds the budget"
@@ -312,7 +319,7 @@ def _at_budget(model: nn.Module, res: StepResult, bud: _Budget) -> None:
         res.budget_tokens_per_s = res.tokens_per_s
         return
     batches = bud.source.get(res.budget_batch, bud.warmup + bud.timed_steps)
-    sec, _ = _train(model, batches, bud.warmup, bud.lr, bud.autocast_dtype)
+    sec, _ = _train(model, batches, bud.warmup)
     res.budget_tokens_per_s = bud.tokens_per_sample * res.budget_batch / sec
 
 
@@ -336,17 +343,21 @@ def _baseline(make_model: Callable[[], nn.Module], device, attention: str) -> nn
     return model
 
 
-def _schedule(model: nn.Module, knobs: dict, example: dict, res: StepResult) -> str | None:
-    """Apply the knobs under `Verify`; returns an error note, or None when verified."""
+def _schedule(model: nn.Module, knobs: dict, example: dict, res: StepResult,
+              group) -> tuple[Schedule | None, str | None]:
+    """Apply the knobs under `Verify` on the TP `group`; returns (the schedule, an error note or
+    None when verified). The schedule is None when the knobs could not be applied."""
+    sch = create_schedule(model, group=group)
     try:
-        sch = create_schedule(model)
         with Verify(sch, example_kwargs=example, loss_fn=_loss):
-            if knobs:  # tp=1 unless the step says otherwise: apply's default is the world size
+            if knobs:  # tp=1 unless the step says otherwise: apply's default is the group size
                 model_schedule.apply(sch, **{"tp": 1, **knobs})
         res.verified = True
-        return None
-    except SlapoError as e:  # a failed verification or an unavailable knob
-        return f"{type(e).__name__}: {e}"[:200]
+        return sch, None
+    except VerificationError as e:  # applied, but not equivalent: measured, reported as NO
+        return sch, f"{type(e).__name__}: {e}"[:200]
+    except SlapoError as e:  # an unavailable knob
+        return None, f"{type(e).__name__}: {e}"[:200]
 
 
 def _ratios(results: list[StepResult]) -> None:
@@ -369,22 +380,79 @@ def _describe(res: StepResult) -> str:
     return s
 
 
+_PRECISION = {torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+def _tp_group(mesh):
+    """The group TP steps shard over: the mesh's "tp" dimension (the default group without a
+    mesh). Refuses a pipeline mesh before anything is built: the demo runs whole models."""
+    if mesh is None:
+        return _g.default_group()
+    names = mesh.mesh_dim_names or ()
+    if "tp" not in names:
+        raise SchedulingError("", f"progressive.run needs a mesh with a 'tp' dimension, got "
+                              f"{names}.", "create it with slapo.init_mesh(dp=..., tp=...).")
+    if "pp" in names and mesh.size(names.index("pp")) > 1:
+        raise SchedulingError("", "progressive.run compares whole-model schedules; the mesh "
+                              f"has pp={mesh.size(names.index('pp'))}.",
+                              "use a mesh with pp=1 (drop --pp-stages).")
+    return mesh.get_group("tp")
+
+
+def _precision(mixed_precision: str | None, autocast_dtype: torch.dtype | None) -> str | None:
+    """build's `mixed_precision`; `autocast_dtype` is the older spelling of the same choice."""
+    if autocast_dtype is None:
+        return mixed_precision
+    if mixed_precision is not None or autocast_dtype not in _PRECISION:
+        raise SlapoError(f"pass one of mixed_precision ('bf16'/'fp16') or autocast_dtype "
+                         f"(torch.bfloat16/float16), got {mixed_precision!r} and "
+                         f"{autocast_dtype!r}")
+    return _PRECISION[autocast_dtype]
+
+
+def _knobs_for(step: Step, previous: dict, accepted: set[str] | None,
+               unavailable: set[str]) -> tuple[dict, set[str], set[str]]:
+    """(the knobs to apply, the knobs new in this step, those the installed apply lacks)."""
+    new = {k for k in step.knobs if k not in previous}
+    missing = {k for k in new if accepted is not None and k not in accepted}
+    knobs = {k: v for k, v in step.knobs.items() if k not in unavailable | missing}
+    return knobs, new, missing
+
+
+def _measure_step(trained: TrainModule, res: StepResult, batches: list[dict], warmup: int,
+                  tokens: int, budget: _Budget | None) -> None:
+    """Bytes at the demo batch, the timed steps (with the meter's peak), the budget search."""
+    res.shard_ways, res.parameters = _held(trained)
+    res.saved_bytes = _measure_bytes(trained, batches[0])
+    device = _device(trained)
+    meter.reset_peak(device)
+    sec, res.losses = _train(trained, batches, warmup)
+    res.peak_bytes = meter.peak_bytes(device)
+    res.tokens_per_s = tokens / sec
+    if budget is not None:
+        budget.bytes = budget.bytes or res.saved_bytes  # the baseline's, at the demo batch
+        _at_budget(trained, res, budget)
+
+
 def run(make_model: Callable[[], nn.Module], batches: Iterator[dict] | list[dict], *,
         steps: list[Step] | None = None, train_steps: int = 6, warmup: int = 2,
         lr: float = 1e-3, device: torch.device | str | None = None,
-        autocast_dtype: torch.dtype | None = None, baseline_attention: str = "eager",
-        budget_max_factor: int = 0, budget_steps: int = 2,
-        make_batch: Callable[[int], dict] | None = None,
+        mixed_precision: str | None = None, autocast_dtype: torch.dtype | None = None,
+        baseline_attention: str = "eager", budget_max_factor: int = 0, budget_steps: int = 2,
+        make_batch: Callable[[int], dict] | None = None, mesh=None,
         log: Callable[[str], None] = print) -> list[StepResult]:
     """Run every step on a fresh copy of the same model and return one result per step.
 
     `make_model()` must build the same weights on every call and every rank (seed it).
     `batches` yields dicts of keyword inputs with labels (HF models return `.loss`).
-    `device`: where to run (default: the model's). Verification always runs in fp32; timing
-    and byte counts run under `autocast_dtype` when given (bf16 on GPU).
+    `device`: where to run (default: the model's). Verification always runs in fp32; training
+    and byte counts run in `mixed_precision` ("bf16"/"fp16": `slapo.build`'s autocast with fp32
+    master weights; `autocast_dtype=torch.bfloat16` is the older spelling).
     `baseline_attention`: the HF attention of the baseline ("eager"; "sdpa" on GPU).
-    A step runs on one device (`tp=1`) unless its knobs set `tp`: `apply`'s own default (the
-    world size) would shard every step under torchrun and credit TP's savings to the others.
+    `mesh`: the job's ("dp", "pp", "tp") DeviceMesh (module docstring): schedules live on its
+    "tp" group, the default steps add a TP step of that degree, dp replicas each run the whole
+    batch. A step runs unsharded (`tp=1`) unless its knobs set `tp`: `apply`'s own default (the
+    group size) would shard every step and credit TP's savings to the others.
     Budget search (module docstring): `budget_max_factor` caps the batch at that many times the
     demo batch (0, the default: no search, so benchmarks calling `run` keep their run time; the
     demo passes 16); `budget_steps` timed steps at the found batch (+ one warm-up on GPU);
@@ -393,6 +461,8 @@ def run(make_model: Callable[[], nn.Module], batches: Iterator[dict] | list[dict
     if budget_max_factor < 0 or budget_steps < 1:
         raise SlapoError(f"budget_max_factor must be >= 0 (got {budget_max_factor}) and "
                          f"budget_steps >= 1 (got {budget_steps})")
+    precision = _precision(mixed_precision, autocast_dtype)
+    group = _tp_group(mesh)
     batches = list(batches)
     if device is not None:
         batches = [{k: v.to(device) if isinstance(v, torch.Tensor) else v
@@ -401,7 +471,7 @@ def run(make_model: Callable[[], nn.Module], batches: Iterator[dict] | list[dict
         raise SlapoError(f"need {train_steps} batches, got {len(batches)}")
     from .primitives import get_primitive
 
-    steps = steps or default_steps(_g.world_size(), get_primitive("fuse") is not None)
+    steps = steps or default_steps(_g.world_size(group), get_primitive("fuse") is not None)
     example = batches[0]
     batch_size = example["input_ids"].shape[0]
     tokens = example["input_ids"].numel()
@@ -412,40 +482,29 @@ def run(make_model: Callable[[], nn.Module], batches: Iterator[dict] | list[dict
         # a new batch recompiles compiled regions on GPU: one untimed step there; on CPU the
         # first step only grows the allocator, which the fastest-of-steps timing already skips
         warm = 1 if example["input_ids"].device.type == "cuda" else 0
-        budget = _Budget(0, budget_max_factor, budget_steps, warm, source, tokens / batch_size,
-                         lr, autocast_dtype)
+        budget = _Budget(0, budget_max_factor, budget_steps, warm, source, tokens / batch_size)
     accepted = _accepted_knobs()
     results: list[StepResult] = []
     unavailable: set[str] = set()  # knobs this model cannot take: dropped from later steps
     previous: dict = {}
     for step in steps:
-        new_knobs = {k for k in step.knobs if k not in previous}
+        knobs, new_knobs, missing = _knobs_for(step, previous, accepted, unavailable)
         previous = step.knobs
-        missing = {k for k in new_knobs if accepted is not None and k not in accepted}
-        knobs = {k: v for k, v in step.knobs.items() if k not in unavailable | missing}
         res = StepResult(step.name, knobs, note=step.note, batch=batch_size)
+        results.append(res)
         if missing:
             unavailable |= missing
             res.note = f"model_schedule.apply here does not take {', '.join(sorted(missing))}"
             log(f"[{step.name}] skipped: {res.note}")
-            results.append(res)
             continue
-        model = copy.deepcopy(base_model)
-        err = _schedule(model, knobs, example, res)
-        if err is not None:
-            res.note = err
-            if "VerificationError" not in err:
-                unavailable |= new_knobs
-                log(f"[{step.name}] skipped: {err}")
-                results.append(res)
-                continue
-        res.saved_bytes = _measure_bytes(model, example, autocast_dtype)
-        sec, res.losses = _train(model, batches[:train_steps], warmup, lr, autocast_dtype)
-        res.tokens_per_s = tokens / sec
-        if budget is not None:
-            budget.bytes = budget.bytes or res.saved_bytes  # the baseline's, at the demo batch
-            _at_budget(model, res, budget)
-        results.append(res)
+        sch, err = _schedule(copy.deepcopy(base_model), knobs, example, res, group)
+        res.note = err or res.note
+        if sch is None:
+            unavailable |= new_knobs
+            log(f"[{step.name}] skipped: {err}")
+            continue
+        _measure_step(_trainable(sch, lr, precision), res, batches[:train_steps], warmup,
+                      tokens, budget)
         log(_describe(res))
     _ratios(results)
     return results

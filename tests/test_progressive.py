@@ -8,6 +8,9 @@ import pytest
 
 from slapo.cli import main
 
+DEMO_ARGS = ["train", "--progressive", "--steps", "3", "--num-layers", "2", "--hidden-size", "64",
+             "--seq-len", "32", "--batch-size", "4", "--fuse-compiler", "aot_eager"]
+
 
 def _rows(out):
     return json.loads((out / "progressive.json").read_text())
@@ -17,15 +20,15 @@ def _rows(out):
 def single_rows(tmp_path_factory):
     """The demo in one process (tiny GPT-2), run once for the tests that read its rows."""
     out = tmp_path_factory.mktemp("progressive")
-    status = main(["train", "--progressive", "--steps", "3", "--num-layers", "2",
-                   "--hidden-size", "64", "--seq-len", "32", "--batch-size", "4",
-                   "--fuse-compiler", "aot_eager", "--out", str(out)])
+    status = main([*DEMO_ARGS, "--out", str(out)])
     assert status == 0
     return _rows(out)
 
 
 def test_progressive_single_process(single_rows):
     rows = single_rows
+    assert all(r["shard_ways"] == 1 and r["parameters"] > 0 and r["peak_bytes"] > 0
+               for r in rows)
     names = [r["name"] for r in rows]
     assert names[0] == "baseline (HF eager)"
     assert {"+ SDPA attention", "+ fused bias+GELU", "+ Tempo layers",
@@ -48,25 +51,32 @@ def test_progressive_single_process(single_rows):
     assert ck["budget_saved_bytes"] > ck["saved_bytes"]  # really measured at the larger batch
 
 
-def job_progressive_tp(out: str):
+def job_progressive_tp(out: str, budget_max_factor: int = 4):
+    """`slapo train --progressive --tp 2` on every rank of the pool; this rank's rows back."""
     import torch.distributed as dist
 
-    from slapo.train import progressive as demo
+    from slapo.train import demo
 
-    demo.BUDGET_MAX_FACTOR = 4  # this worker only: the search itself is checked single-process
-    rows = main(["train", "--progressive", "--steps", "3", "--num-layers", "2",
-                 "--hidden-size", "64", "--seq-len", "32", "--batch-size", "4",
-                 "--fuse-compiler", "aot_eager", "--out", out])
-    return rows, dist.get_rank()
+    # this worker only: the search itself is checked single-process
+    demo.BUDGET_MAX_FACTOR = budget_max_factor
+    seen = []
+    real = demo.progressive.run
+    demo.progressive.run = lambda *a, **k: seen.append(real(*a, **k)) or seen[-1]
+    try:
+        status = main([*DEMO_ARGS, "--tp", "2", "--out", out])
+    finally:
+        demo.progressive.run = real
+    return status, dist.get_rank(), demo.progressive.to_json(seen[0])
 
 
 @pytest.mark.dist
 @pytest.mark.compile
 def test_progressive_two_ranks_adds_tensor_parallel(dist2, tmp_path, single_rows):
     res = dist2.run(job_progressive_tp, str(tmp_path))
-    assert [r[0] for r in res] == [0, 0]
+    assert [r[:2] for r in res] == [(0, 0), (0, 1)]
     rows = _rows(tmp_path)
     assert rows[-1]["name"] == "+ tensor parallel x2"
+    assert [r["shard_ways"] for r in rows] == [1] * (len(rows) - 1) + [2]
     assert all(r["verified"] for r in rows), rows
     # only the TP step shards: every earlier step saves per rank what it saves in one process
     # (apply's default tp is the world size; the progression pins tp=1 until the TP step)
@@ -75,6 +85,28 @@ def test_progressive_two_ranks_adds_tensor_parallel(dist2, tmp_path, single_rows
     tp = rows[-1]
     assert tp["budget_batch"] == 16 and tp["budget_capped"], tp
     assert 0 < tp["budget_saved_bytes"] <= tp["budget_bytes"] == rows[0]["saved_bytes"]
+
+
+@pytest.mark.dist
+@pytest.mark.compile
+def test_progressive_tp2_on_four_ranks_shards_two_ways(dist4, tmp_path, single_rows):
+    """--tp 2 on 4 ranks: a (dp=2, tp=2) mesh. The TP step shards over the mesh's tp dimension
+    only (2 ways, not the job's 4), every replica runs the whole progression and verifies, and
+    the replicas agree (same batch, same weights, same losses)."""
+    res = dist4.run(job_progressive_tp, str(tmp_path), 0, timeout=400)
+    assert [r[:2] for r in res] == [(0, 0), (0, 1), (0, 2), (0, 3)]
+    per_rank = [r[2] for r in res]
+    for rows in per_rank:
+        assert rows[-1]["name"] == "+ tensor parallel x2", [r["name"] for r in rows]
+        assert [r["shard_ways"] for r in rows] == [1] * (len(rows) - 1) + [2]
+        assert all(r["verified"] for r in rows), rows
+        assert rows[-1]["parameters"] < 0.8 * rows[0]["parameters"]  # each rank holds shards
+        # the steps before TP run unsharded on every replica, on the whole demo batch
+        assert [r["saved_bytes"] for r in rows[:-1]] == [r["saved_bytes"] for r in single_rows]
+    tp_row = [rows[-1] for rows in per_rank]
+    assert len({r["parameters"] for r in tp_row}) == 1
+    assert all(r["losses"] == tp_row[0]["losses"] for r in tp_row)  # replicas agree
+    assert _rows(tmp_path) == per_rank[0]  # rank 0 wrote its rows
 
 
 def test_unavailable_knob_is_skipped_and_dropped_from_later_steps():
@@ -210,14 +242,16 @@ def test_knob_the_installed_apply_does_not_take_is_skipped_with_a_note():
 def test_gpu_plan_uses_the_gpu_schedule_in_bf16():
     import torch
 
-    from slapo.train.progressive import _plan
+    from slapo.train.demo import _plan
 
     plan = _plan(1, torch.device("cuda", 0), "inductor")
-    assert plan["autocast_dtype"] is torch.bfloat16 and plan["baseline_attention"] == "sdpa"
+    assert plan["mixed_precision"] == "bf16" and plan["baseline_attention"] == "sdpa"
     last = plan["steps"][-1].knobs
     assert last == {"attention": "sdpa", "compile_blocks": True,
                     "fused_loss": True, "ckpt_ratio": 1.0, "ckpt_policy": "selective"}
     tp = _plan(2, torch.device("cuda", 0), "inductor")["steps"][-1].knobs
     assert tp["tp"] == 2 and tp["vocab_parallel"] is False
     cpu = _plan(1, torch.device("cpu"), "inductor")
-    assert "autocast_dtype" not in cpu and cpu["steps"][0].name == "baseline (HF eager)"
+    assert "mixed_precision" not in cpu and cpu["steps"][0].name == "baseline (HF eager)"
+    assert not any("tp" in s.knobs for s in cpu["steps"])  # tp degree 1: no TP step
+    assert _plan(2, torch.device("cpu"), "inductor")["steps"][-1].knobs["tp"] == 2

@@ -12,10 +12,14 @@ Only the *runner* differs: `LocalRunner` runs the module (plain, DDP or FSDP2) o
 the step's `Precision` (`slapo.runtime.precision`): forward and loss under its `autocast()`,
 backward on its `loss_for_backward(loss)`; the step's unscale and optimizer step are the
 TrainModule's, so precision is decided in one place.
+
+`time_steps(model, batches)` times that same step for the apps that measure it (tune trials,
+`slapo train --progressive`), so what is tuned and demonstrated is what `slapo train` runs.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterable
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -270,3 +274,56 @@ class TrainModule(nn.Module):
             clip_grad_norm(self._norm_weights, cfg.grad_clip, cfg.info)
         self.precision.step(self.optimizer)
         return reduce_loss(loss, cfg.info)
+
+
+# ------------------------------------------------------------------------------------------------
+# timing: the one place a caller measures `train_step` (tune trials, the progressive demo)
+# ------------------------------------------------------------------------------------------------
+
+@dataclass
+class StepTimes:
+    """Wall seconds and loss of each `train_step` that `time_steps` ran, in order."""
+
+    seconds: list[float]
+    losses: list[float]
+
+    def fastest(self, skip: int = 0) -> float:
+        """The least disturbed estimate of a step's cost: on a shared machine other jobs only
+        ever add time, so the minimum after `skip` warm-up steps (NaN when none is left)."""
+        rest = self.seconds[skip:]
+        return min(rest) if rest else float("nan")
+
+
+def _synchronize(model: nn.Module) -> None:
+    """Wait for the accelerator, so the clock covers the work the step queued."""
+    for p in model.parameters():
+        if p.device.type == "cuda":
+            torch.cuda.synchronize(p.device)
+        return
+
+
+def _barrier(enabled: bool) -> None:
+    if enabled and dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+def time_steps(model: TrainModule, batches: Iterable[Batch], *,
+               barrier: bool = False) -> StepTimes:
+    """Run `model.train_step(batch)` for each batch; return each step's seconds and loss.
+
+    Why a helper: tune trials and `slapo train --progressive` time exactly the step `slapo
+    train` runs, and time it the same way: the device is synchronised before each clock read
+    (queued kernels count). `barrier=True` aligns the ranks before and after each step, so
+    every rank reports the slowest rank's time (a tensor-parallel step is a collective; a rank
+    that started late would otherwise look slow)."""
+    seconds, losses = [], []
+    for batch in batches:
+        _barrier(barrier)
+        _synchronize(model)
+        t0 = time.perf_counter()
+        loss = model.train_step(batch)
+        _synchronize(model)
+        _barrier(barrier)
+        seconds.append(time.perf_counter() - t0)
+        losses.append(loss)
+    return StepTimes(seconds, losses)

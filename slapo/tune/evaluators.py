@@ -1,11 +1,13 @@
-"""Measured trials of a model schedule: build, ``model_schedule.apply``, train a few steps.
+"""Measured trials of a model schedule: the step `slapo train` runs, timed in a fresh process.
 
 A trial is :func:`train_trial` run by :class:`~slapo.tune.runner.CallableEvaluator` in a fresh
-process, so a crash, a hang or running out of memory costs one trial, not the search. It reports
-``throughput`` (tokens/s, median over the measured steps after warm-up) and
-``peak_memory_bytes``: the process's peak resident set (``VmHWM``) since the trial started.
-``/proc/self/clear_refs`` resets that peak when the trial begins, so the memory of the parent
-or of earlier trials in the forkserver does not leak into the number.
+process, so a crash, a hang or running out of memory costs one trial, not the search. The trial
+trains through ``slapo.build(...).train_step`` with slapo train's model, optimizer and gradient
+clipping (what is tuned is what ``slapo train`` runs; ``tests/test_tune_trial_step.py`` checks
+that both give the same losses), and reports ``throughput`` (tokens/s, median over the measured
+steps after warm-up) and ``peak_memory_bytes``: :mod:`slapo.profile.meter`'s peak since the trial
+started (on CPU the process's ``VmHWM``, restarted when the trial begins, so the memory of the
+parent or of earlier trials in the forkserver does not leak into the number).
 
 On CPU the memory cap is enforced twice:
 
@@ -19,20 +21,26 @@ On CPU the memory cap is enforced twice:
 from __future__ import annotations
 
 import functools
+import os
 import resource
 import statistics
 import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from ..profile import meter
+from ..profile.meter import rss_bytes  # noqa: F401 - re-exported for tune.predictors
 from .runner import CallableEvaluator, TrialResult, _check_peak
 from .space import Config
-from .spaces import schedule_knobs
+from .spaces import build_knobs, schedule_knobs
 
 _GUARD_SLACK = 1 << 30
 # Imported once by the forkserver, so a trial does not spend seconds importing model code.
-_PRELOAD = [__name__, "slapo.model_schedule", "slapo.train.models",
+_PRELOAD = [__name__, "slapo.model_schedule", "slapo.train", "slapo.train.models",
             "transformers.models.gpt2.modeling_gpt2"]
+# slapo train's AdamW betas (`slapo.train.loop.make_trainable`); lr, weight decay and gradient
+# clipping are `TrainConfig`'s defaults. A trial times the optimizer slapo train steps with.
+TRAIN_BETAS = (0.9, 0.95)
 
 
 @dataclass(frozen=True)
@@ -58,116 +66,118 @@ class TrialSettings:
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
 
+    def train_config(self) -> Any:
+        """The `slapo train` configuration this trial stands for (model size, seed, optimizer
+        hyperparameters): the one source of the trial's model and step settings."""
+        from ..train import TrainConfig
 
-def reset_peak_rss() -> bool:
-    """Make VmHWM restart from the current RSS (Linux ≥ 4.0); False where that is unsupported."""
+        return TrainConfig(model=self.model, hidden_size=self.hidden_size,
+                           num_layers=self.num_layers, num_heads=self.num_heads,
+                           seq_len=self.seq_len, seed=self.seed)
+
+
+def _address_space_bytes() -> int | None:
+    """Virtual size of this process (/proc/self/statm, in pages); None where /proc is missing."""
     try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
-
-
-def _status_kib(field: str) -> int | None:
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1])
-    except OSError:
-        pass
-    return None
-
-
-def peak_rss_bytes() -> int:
-    """Peak resident set of this process (VmHWM; ru_maxrss where /proc is missing)."""
-    kib = _status_kib("VmHWM")
-    if kib is None:
-        kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return kib * 1024
-
-
-def rss_bytes() -> int:
-    """Current resident set of this process (0 where /proc is missing)."""
-    return (_status_kib("VmRSS") or 0) * 1024
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def _guard_address_space(mem_cap_bytes: int | None) -> None:
     """Hard stop for a runaway trial, relative to what is already mapped (see module doc)."""
-    vm = _status_kib("VmSize")
+    vm = _address_space_bytes()
     if mem_cap_bytes and vm is not None:
-        limit = vm * 1024 + int(mem_cap_bytes) + _GUARD_SLACK
+        limit = vm + int(mem_cap_bytes) + _GUARD_SLACK
         resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
 
 
-def build_scheduled_model(settings: TrialSettings, config: Config) -> Any:
-    """A seeded model of ``settings`` with the config's schedule knobs applied (train mode)."""
+def build_scheduled(settings: TrialSettings, config: Config) -> Any:
+    """A seeded model of ``settings`` (slapo train's model for that size) with the config's
+    schedule knobs applied; returns the schedule (the model is ``.mod``, in train mode)."""
     import torch
 
     from .. import model_schedule
-    from ..train.models import ModelSize, build_model
+    from ..train.models import build_model
 
     torch.manual_seed(settings.seed)
-    size = ModelSize(hidden=settings.hidden_size, layers=settings.num_layers,
-                     heads=settings.num_heads, max_positions=max(settings.seq_len, 16))
-    model, spec = build_model(settings.model, size)
+    model, spec = build_model(settings.model, settings.train_config().size())
     if spec.task != "causal":
         raise ValueError(f"tuning trains causal LMs on random tokens; {settings.model!r} is "
                          f"{spec.task}.")
     if hasattr(model, "set_attn_implementation"):  # "eager" means HF eager; "sdpa" is Slapo's core
         model.set_attn_implementation("eager")
-    model_schedule.apply(model, tp=1, fuse_compiler=settings.fuse_compiler, **schedule_knobs(config))
-    return model.train()
+    model.config.use_cache = False  # training: no KV cache (a checkpointed layer has none)
+    sch = model_schedule.apply(model, tp=1, fuse_compiler=settings.fuse_compiler,
+                               **schedule_knobs(config))
+    model.train()
+    return sch
 
 
-def _train_steps(model: Any, batch: dict, n: int) -> tuple[list[float], float]:
-    """Seconds of each of ``n`` AdamW steps and the last loss."""
+def build_scheduled_model(settings: TrialSettings, config: Config) -> Any:
+    """The model of :func:`build_scheduled` (for the cost model, which measures it)."""
+    return build_scheduled(settings, config).mod
+
+
+def trainable(sch: Any, settings: TrialSettings, config: Config) -> Any:
+    """``slapo.build`` the schedule as ``slapo train`` does for one process: AdamW with its
+    lr, weight decay and betas, its gradient clipping, the config's mixed precision."""
     import torch
 
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    times, loss = [], float("nan")
-    for _ in range(n):
-        t0 = time.perf_counter()
-        opt.zero_grad(set_to_none=True)
-        out = model(**batch, use_cache=False)  # a checkpointed layer has no KV cache
-        out.loss.backward()
-        opt.step()
-        loss = float(out.loss.detach())
-        times.append(time.perf_counter() - t0)
-    return times, loss
+    from .. import build
+
+    cfg = settings.train_config()
+    model, _ = build(sch, optimizer=torch.optim.AdamW, seed=settings.seed,
+                     optimizer_kwargs={"lr": cfg.lr, "weight_decay": cfg.weight_decay,
+                                       "betas": TRAIN_BETAS},
+                     grad_clip=cfg.grad_clip, **build_knobs(config))
+    return model
 
 
-def train_trial(settings: TrialSettings, config: Config) -> dict[str, Any]:
-    """One measured trial: tokens/s and peak RSS of a few training steps on random tokens.
+def trial_batch(settings: TrialSettings, batch_size: int, vocab_size: int) -> dict:
+    """Random tokens (seeded): step time and memory do not depend on the token values, and a
+    trial must not read the corpus from every process."""
+    import torch
 
-    Random tokens are enough: step time and memory do not depend on the token values, and the
-    trial must not read the corpus from every process.
+    gen = torch.Generator().manual_seed(settings.seed + 1)
+    ids = torch.randint(0, vocab_size, (batch_size, settings.seq_len), generator=gen)
+    return {"input_ids": ids, "labels": ids}
+
+
+def train_trial(settings: TrialSettings, config: Config,
+                batches: list[dict] | None = None) -> dict[str, Any]:
+    """One measured trial: tokens/s and peak memory of a few ``train_step`` calls.
+
+    ``batches``: the global batches of the steps, cycled (default: one batch of random tokens,
+    :func:`trial_batch`); tests pass slapo train's own to compare the losses.
     """
     import torch
 
-    reset_peak_rss()
+    from ..runtime.train_step import time_steps
+
+    meter.reset_peak("cpu")
     _guard_address_space(settings.mem_cap_bytes)
     torch.set_num_threads(settings.threads)
     t0 = time.perf_counter()
-    model = build_scheduled_model(settings, config)
+    model = trainable(build_scheduled(settings, config), settings, config)
     bs, seq = int(config["batch_size"]), settings.seq_len
-    gen = torch.Generator().manual_seed(settings.seed + 1)
-    ids = torch.randint(0, model.config.vocab_size, (bs, seq), generator=gen)
+    batches = batches or [trial_batch(settings, bs, model.config.vocab_size)]
     build_s = time.perf_counter() - t0
-    times, loss = _train_steps(model, {"input_ids": ids, "labels": ids},
-                               settings.warmup + settings.steps)
-    measured = times[settings.warmup:] or times
-    step = statistics.median(measured)
+    n = settings.warmup + settings.steps
+    timed = time_steps(model, [batches[i % len(batches)] for i in range(n)])
+    step = statistics.median(timed.seconds[settings.warmup:] or timed.seconds)
+    loss = timed.losses[-1]
     if not loss == loss:  # NaN: a schedule that breaks training is not a fast schedule
         raise FloatingPointError(f"loss is NaN for config {config!r}")
     return {
         "throughput": bs * seq / step,
         "step_time_s": step,
-        "step_times_s": times,
-        "peak_memory_bytes": peak_rss_bytes(),
+        "step_times_s": timed.seconds,
+        "peak_memory_bytes": meter.peak_bytes("cpu"),
         "build_s": build_s,
         "loss": loss,
+        "losses": timed.losses,
     }
 
 
@@ -232,40 +242,34 @@ def gpu_train_trial(settings: GPUTrialSettings, config: Config, spec: Any = None
     """Build the HF model on the device, ``model_schedule.apply(**knobs)``, ``slapo.build``
     with AdamW (fused on CUDA) and the config's ``mixed_precision``, then time
     ``train_step``: the same path as ``benchmarks/gpu_train.py``'s slapo variants. Peak memory
-    is ``torch.cuda.max_memory_allocated`` (peak RSS on CPU). ``spec`` overrides the model
-    (tests pass a tiny one)."""
+    is :mod:`slapo.profile.meter`'s (``torch.cuda.max_memory_allocated``; peak RSS on CPU).
+    ``spec`` overrides the model (tests pass a tiny one)."""
     import torch
     import transformers
 
     from .. import build, model_schedule
-    from .spaces import GPU_MODELS, build_knobs
+    from ..runtime.train_step import time_steps
+    from .spaces import GPU_MODELS
 
     spec = spec or GPU_MODELS[settings.model]
     dev = torch.device(settings.device)
-    cuda = dev.type == "cuda"
-    if cuda:
-        torch.cuda.reset_peak_memory_stats(dev)
+    meter.reset_peak(dev)
     torch.manual_seed(settings.seed)
     cfg = getattr(transformers, spec.config_class)(**spec.kwargs)
     with dev:
         model = getattr(transformers, spec.model_class)(cfg).train()
     sch = model_schedule.apply(model, **schedule_knobs(config))
     trained, _ = build(sch, optimizer=torch.optim.AdamW,
-                       optimizer_kwargs=dict(lr=1e-4, fused=cuda), **build_knobs(config))
+                       optimizer_kwargs=dict(lr=1e-4, fused=dev.type == "cuda"),
+                       **build_knobs(config))
     batch = _gpu_batch(cfg, int(config["batch_size"]), spec.seq, dev, settings.seed)
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
-    times, loss = [], float("nan")
-    for _ in range(settings.warmup + settings.steps):
-        t0 = time.perf_counter()
-        loss = trained.train_step(batch)
-        sync()
-        times.append(time.perf_counter() - t0)
+    timed = time_steps(trained, [batch] * (settings.warmup + settings.steps))
+    loss = timed.losses[-1]
     if not loss == loss:
         raise FloatingPointError(f"loss is NaN for config {config!r}")
-    step = statistics.median(times[settings.warmup:] or times)
-    peak = torch.cuda.max_memory_allocated(dev) if cuda else peak_rss_bytes()
+    step = statistics.median(timed.seconds[settings.warmup:] or timed.seconds)
     return {"throughput": int(config["batch_size"]) * spec.seq / step, "step_time_s": step,
-            "peak_memory_bytes": peak, "loss": loss}
+            "peak_memory_bytes": meter.peak_bytes(dev), "loss": loss}
 
 
 def _gpu_batch(cfg: Any, batch: int, seq: int, dev: Any, seed: int) -> dict:

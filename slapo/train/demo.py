@@ -1,11 +1,11 @@
-"""`slapo train --progressive`: the README demo.
+"""`slapo train --progressive`: the README demo (the CLI front of the library `slapo.progressive`).
 
 Builds the chosen model (same seed on every rank), draws real batches from the shipped corpus,
 and runs `slapo.progressive.run`, every step verified against the baseline (outputs, all
 gradients, one optimizer step) and measured in this run:
 
 * on CPU (fp32): baseline HF eager, + SDPA attention, + fused MLP activation, + Tempo layers,
-  + checkpointing, and + tensor parallelism when launched with several processes;
+  + checkpointing, and + tensor parallelism when launched with `--tp N` (N > 1);
 * on CUDA (bf16 autocast, fp32 master weights): baseline HF SDPA, + compiled blocks, + GPU
   kernels, + fused linear+CE loss, + selective checkpointing (+ TP): `progressive.gpu_steps`.
 
@@ -13,6 +13,11 @@ Each step is measured twice: at the demo batch (tokens/s, saved-for-backward byt
 largest batch (powers of two, up to 16x) whose *measured* saved bytes fit the baseline's at the
 demo batch, with tokens/s there. That shows the trade a memory step makes: slower at equal batch,
 but a larger batch fits the same activation memory.
+
+Parallel dimensions come from `train.loop.setup`'s mesh (`--tp`; the rest of the processes are
+data-parallel replicas): the TP step shards over the mesh's "tp" dimension only, `--tp` ways,
+and each dp replica runs the same progression on the whole demo batch (rows are per model
+replica; see `slapo.progressive`). `--pp-stages` > 1 is refused: the demo runs whole models.
 """
 
 from __future__ import annotations
@@ -35,20 +40,34 @@ CPU_NOTE = ("CPU VM, shared cores: absolute tokens/s swing between runs, so comp
             "was measured to fit.")
 
 
-def _plan(world: int, device: torch.device, fuse_compiler: str) -> dict[str, Any]:
-    """Steps and measurement settings for the device: the GPU schedule in bf16 on CUDA."""
+def _plan(tp: int, device: torch.device, fuse_compiler: str) -> dict[str, Any]:
+    """Steps and measurement settings for the device (`tp`: the mesh's tp degree): the GPU
+    schedule in bf16 (build's mixed precision) on CUDA."""
     if device.type == "cuda":
-        return dict(steps=progressive.gpu_steps(world), autocast_dtype=torch.bfloat16,
+        return dict(steps=progressive.gpu_steps(tp), mixed_precision="bf16",
                     baseline_attention="sdpa")
     from ..primitives import get_primitive
 
-    return dict(steps=progressive.default_steps(world, get_primitive("fuse") is not None,
+    return dict(steps=progressive.default_steps(tp, get_primitive("fuse") is not None,
                                                 fuse_compiler=fuse_compiler))
 
 
+def tp_degree(mesh: Any) -> int:
+    """The size of the mesh's "tp" dimension (1 without a mesh: one process)."""
+    return 1 if mesh is None else mesh.size(mesh.mesh_dim_names.index("tp"))
+
+
+def _check(cfg: Any) -> None:
+    if (cfg.pp_stages or 1) > 1:
+        raise ValueError(f"--progressive compares whole-model schedules; drop --pp-stages "
+                         f"{cfg.pp_stages} (use --tp for a tensor-parallel step)")
+
+
 def run_progressive(cfg: Any, log=print) -> list[dict]:
+    """Run the demo as configured; print the table on rank 0; return the rows (every rank)."""
     from .loop import setup, teardown
 
+    _check(cfg)
     env = setup(cfg)
     try:
         spec = get_model_spec(cfg.model)
@@ -62,17 +81,18 @@ def run_progressive(cfg: Any, log=print) -> list[dict]:
             return build_model(cfg.model, cfg.size())[0]
 
         say = log if env.is_main else (lambda *_: None)
-        plan = _plan(env.world, env.device, cfg.fuse_compiler or "inductor")
-        precision = "bf16 autocast" if plan.get("autocast_dtype") else "fp32"
+        tp = tp_degree(env.mesh)
+        plan = _plan(tp, env.device, cfg.fuse_compiler or "inductor")
+        precision = "bf16 autocast" if plan.get("mixed_precision") else "fp32"
         say(f"Progressive optimization of {cfg.model} ({cfg.hidden_size} hidden, "
             f"{cfg.num_layers} layers) on the shipped corpus: batch {cfg.batch_size} x "
-            f"{cfg.seq_len} tokens, {steps} AdamW steps per variant, {env.world} process(es), "
-            f"{env.device.type} {precision}")
+            f"{cfg.seq_len} tokens, {steps} AdamW steps per variant, {env.world} process(es) "
+            f"(tp={tp}, {env.world // tp} replica(s)), {env.device.type} {precision}")
         results = progressive.run(make, batches, train_steps=steps, warmup=min(2, steps - 1),
                                   lr=cfg.lr, device=env.device, log=say,
                                   budget_max_factor=BUDGET_MAX_FACTOR,
                                   budget_steps=BUDGET_TIMED_STEPS,
-                                  make_batch=fresh.next_batch, **plan)
+                                  make_batch=fresh.next_batch, mesh=env.mesh, **plan)
         rows = progressive.to_json(results)
         if env.is_main:
             _report(results, rows, cfg, env, say)
