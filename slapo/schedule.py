@@ -5,7 +5,7 @@ schedule paths, `state_dict` keys and error messages all speak the same language
 hold their module: `sch.mod` is looked up from the parent each time, so a node stays valid after
 its module (or an ancestor) is replaced.
 
-Primitives are registered classes (see `slapo.primitives`) reachable as methods of every node:
+Primitives are classes (see `slapo.primitives`) reachable as methods of every node:
 `sch["encoder.layer.0"].checkpoint()`. Each successful call is recorded in the node's history,
 so `print(sch)` shows what was done, with the arguments, without running the model.
 """
@@ -23,6 +23,7 @@ import torch.nn as nn
 
 from .distributed import group as _g
 from .errors import SchedulingError
+from .primitives.methods import PrimitiveMethods
 
 
 class ScheduleKeyError(SchedulingError, KeyError):
@@ -71,8 +72,12 @@ class _Root:
         self.meta: dict[str, Any] = {}
 
 
-class Schedule:
-    """A node of the schedule tree. Create the tree with `slapo.create_schedule(model)`."""
+class Schedule(PrimitiveMethods):
+    """A node of the schedule tree. Create the tree with `slapo.create_schedule(model)`.
+
+    The built-in primitives are its methods (`PrimitiveMethods`, typed, one per primitive
+    class); primitives a user registers (`slapo.register_primitive`, the 2023 extension point)
+    are looked up by `__getattr__`."""
 
     def __init__(self, root: _Root, name: str, path: str, parent: Schedule | None):
         self._root = root

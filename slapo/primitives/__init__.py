@@ -1,15 +1,29 @@
-"""Schedule primitives: one file per primitive, each a registered `Primitive` class.
-
-Importing this package imports every module in it, which registers the primitives.
+"""Schedule primitives: one file per primitive, each a `Primitive` class (validate, apply,
+record), imported here explicitly. `BUILTIN` lists them in the order `list_primitives()`
+shows; `methods.PrimitiveMethods` (generated from them) gives every `Schedule` node one typed
+method per primitive, so `sch.shard` has a `def` an editor and `help()` find.
 """
 
-import importlib
-import pkgutil
-
+from .annotate import AnnotatePrimitive
 from .base import Primitive, get_primitive, list_primitives, register_primitive
+from .checkpoint import CheckpointPrimitive
+from .compile import CompilePrimitive
+from .cut_pipeline_stage import CutPipelineStagePrimitive
+from .decompose import DecomposePrimitive
+from .find import FindPrimitive
+from .fork_rng import ForkRNGPrimitive
+from .fuse import FusePrimitive
+from .reduce_param_grads import ReduceParamGradsPrimitive
+from .replace import ReplacePrimitive
+from .set_attr import SetAttrPrimitive
+from .shard import ShardPrimitive
+from .sync import SyncPrimitive
+from .trace import TracePrimitive
 
-for _m in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
-    if _m.name != "base" and not _m.name.startswith("_"):
-        importlib.import_module(f"{__name__}.{_m.name}")
+BUILTIN: tuple[type[Primitive], ...] = (
+    AnnotatePrimitive, CheckpointPrimitive, CompilePrimitive, CutPipelineStagePrimitive,
+    DecomposePrimitive, FindPrimitive, ForkRNGPrimitive, FusePrimitive,
+    ReduceParamGradsPrimitive, ReplacePrimitive, SetAttrPrimitive, ShardPrimitive,
+    SyncPrimitive, TracePrimitive)
 
-__all__ = ["Primitive", "get_primitive", "list_primitives", "register_primitive"]
+__all__ = ["BUILTIN", "Primitive", "get_primitive", "list_primitives", "register_primitive"]

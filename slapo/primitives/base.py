@@ -7,14 +7,9 @@ history, so a failed primitive leaves the model and the schedule exactly as they
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 _REGISTRY: dict[str, type[Primitive]] = {}
-
-# Subgraph variants of module primitives (`replace(..., target_ops=)`, `checkpoint(subgraph)`),
-# registered by the compute-primitives layer (fuse.py), keyed by primitive name.
-GRAPH_HANDLERS: dict[str, Callable] = {}
 
 
 class Primitive:

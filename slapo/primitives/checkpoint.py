@@ -13,7 +13,7 @@ from .. import module_patch
 from ..distributed.rng import get_rng_tracker
 from ..errors import SchedulingError
 from ._util import refuse_in_export_capture
-from .base import GRAPH_HANDLERS, Primitive, register_primitive
+from .base import Primitive, register_primitive
 
 
 class CheckpointWrapper(module_patch.ForwardWrapper):
@@ -166,10 +166,6 @@ class CheckpointPrimitive(Primitive):
         if subgraph is not None:
             refuse_in_export_capture(sch, "subgraph checkpoint", "trace with tracer='fx', or "
                                      "checkpoint the whole module.")
-            if "checkpoint" not in GRAPH_HANDLERS:
-                raise SchedulingError(sch.path, "subgraph checkpointing needs the compute "
-                                      "primitives, which are not available.",
-                                      "checkpoint the whole module instead.")
             return
         for nm, f in (("order_args_fn", order_args_fn), ("condition", condition)):
             if f is not None and not callable(f):
@@ -182,5 +178,7 @@ class CheckpointPrimitive(Primitive):
     @classmethod
     def apply(cls, sch, subgraph=None, order_args_fn=None, condition=None, policy=None):
         if subgraph is not None:
-            return GRAPH_HANDLERS["checkpoint"](sch, subgraph)
+            from .fuse import checkpoint_subgraph  # the graph variant lives with the graph ones
+
+            return checkpoint_subgraph(sch, subgraph)
         module_patch.add_wrapper(sch.mod, CheckpointWrapper(order_args_fn, condition, policy))

@@ -18,7 +18,7 @@ from ..errors import SchedulingError
 from ..graph.subgraph import as_subgraph, check_movable, extract, fresh_name, install, rebuild_tree
 from . import checkpoint as _ckpt
 from ._util import refuse_in_export_capture
-from .base import GRAPH_HANDLERS, Primitive, register_primitive
+from .base import Primitive, register_primitive
 
 
 def available_backends() -> list[str]:
@@ -76,7 +76,7 @@ class FusePrimitive(Primitive):
         return sch[attr]
 
 
-def _replace_subgraph(sch, new_mod_or_fn, target_ops, name=None, **kwargs):
+def replace_subgraph(sch, new_mod_or_fn, target_ops, name=None, **kwargs):
     sub = as_subgraph(sch, target_ops, "replace")
     check_movable(sch, sub, "replace")
     inputs = sub.inputs
@@ -127,7 +127,7 @@ class CheckpointedRegion(nn.Module):
         return self._wrapper(self, self.region, args, {})
 
 
-def _checkpoint_subgraph(sch, subgraph, name="checkpointed"):
+def checkpoint_subgraph(sch, subgraph, name="checkpointed"):
     sub = as_subgraph(sch, subgraph, "checkpoint")
     check_movable(sch, sub, "checkpoint")
     gm = sch.mod
@@ -137,6 +137,3 @@ def _checkpoint_subgraph(sch, subgraph, name="checkpointed"):
     rebuild_tree(sch)
     return sch[attr]
 
-
-GRAPH_HANDLERS["replace"] = _replace_subgraph
-GRAPH_HANDLERS["checkpoint"] = _checkpoint_subgraph

@@ -9,7 +9,7 @@ import torch.nn as nn
 
 from ..errors import SchedulingError
 from ._util import refuse_in_export_capture
-from .base import GRAPH_HANDLERS, Primitive, register_primitive
+from .base import Primitive, register_primitive
 
 
 class FunctionModule(nn.Module):
@@ -75,10 +75,6 @@ class ReplacePrimitive(Primitive):
         if target_ops is not None:
             refuse_in_export_capture(sch, "subgraph replace", "trace with tracer='fx' to "
                                      "rewrite the graph.")
-            if "replace" not in GRAPH_HANDLERS:
-                raise SchedulingError(sch.path, "subgraph replacement (target_ops=) needs the "
-                                      "compute primitives, which are not available.",
-                                      "replace the whole module instead.")
             return
         if kwargs:
             raise SchedulingError(sch.path, f"unexpected arguments {sorted(kwargs)} for a "
@@ -99,7 +95,9 @@ class ReplacePrimitive(Primitive):
     @classmethod
     def apply(cls, sch, new_mod_or_fn=None, target_ops=None, **kwargs):
         if target_ops is not None:
-            return GRAPH_HANDLERS["replace"](sch, new_mod_or_fn, target_ops, **kwargs)
+            from .fuse import replace_subgraph  # the graph variant lives with the graph primitives
+
+            return replace_subgraph(sch, new_mod_or_fn, target_ops, **kwargs)
         new = new_mod_or_fn
         if not isinstance(new, nn.Module):
             new = FunctionModule(new)

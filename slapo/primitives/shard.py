@@ -13,8 +13,8 @@ from .base import Primitive, register_primitive
 
 @register_primitive
 class ShardPrimitive(Primitive):
-    """Split parameter(s)/buffer(s) `name_or_names` into `world_size` equal slices along `axis`
-    and keep this rank's slice.
+    """Split parameter(s)/buffer(s) `name_or_names` into `tp_size` equal slices (the
+    tensor-parallel group's size) along `axis` and keep this rank's slice.
 
     - `blocks=k` treats the axis as k equal blocks sharded separately (fused q|k|v weights such as
       GPT-2's `c_attn`: `shard("weight", axis=1, blocks=3)`).
