@@ -13,9 +13,9 @@ from transformers import BertConfig, GPT2Config
 from transformers.models.bert.modeling_bert import BertLayer
 from transformers.models.gpt2.modeling_gpt2 import GPT2Block
 
+from slapo.model_schedule.plan import shard_block
 from slapo.tune.capture import measure_saved_bytes
 from slapo.tune.cost import block_cost, saved_activation_bytes
-from slapo.tune.tp import shard_for_tp
 
 
 def build(kind: str, hidden: int, impl: str, p: float) -> torch.nn.Module:
@@ -42,7 +42,7 @@ def main() -> None:
         t0 = time.perf_counter()
         block_cost(block, ex, tp=True)
         t_fit += time.perf_counter() - t0
-        shards = {tp: shard_for_tp(block, tp) for tp in (1, 2)}
+        shards = {tp: shard_block(block, tp) for tp in (1, 2)}
         local = 0.0
         for b, s, tp, ck in itertools.product((1, 2, 4, 8), (16, 64, 128, 256), (1, 2), (False, True)):
             x = torch.randn(b, s, hidden, requires_grad=True)

@@ -16,9 +16,9 @@ from transformers.models.bert.modeling_bert import BertLayer  # noqa: E402
 from transformers.models.gpt2.modeling_gpt2 import GPT2Block  # noqa: E402
 
 from slapo.errors import SchedulingError  # noqa: E402
+from slapo.model_schedule.plan import shard_block  # noqa: E402
 from slapo.tune.capture import measure_saved_bytes  # noqa: E402
 from slapo.tune.cost import BATCH, CKPT, SEQ, TP, block_cost, saved_activation_bytes  # noqa: E402
-from slapo.tune.tp import shard_for_tp  # noqa: E402
 
 
 def gpt2_block(hidden, impl, dropout):
@@ -50,7 +50,7 @@ def test_saved_bytes_match_eager_over_grid(make, hidden, impl, dropout):
     torch.manual_seed(0)
     block = make(hidden, impl, dropout)
     example = (torch.randn(2, 16, hidden, requires_grad=True),)
-    shards = {tp: shard_for_tp(block, tp) for tp in (1, 2)}
+    shards = {tp: shard_block(block, tp) for tp in (1, 2)}  # the runtime's plan, one rank
     worst = 0.0
     for batch, seq, tp, ckpt in itertools.product((1, 2, 4), (16, 48, 128), (1, 2), (False, True)):
         x = torch.randn(batch, seq, hidden, requires_grad=True)
@@ -93,7 +93,7 @@ def test_params_and_flops_scale_with_tp():
     cost = block_cost(block, (torch.randn(2, 16, 64, requires_grad=True),), tp=True, backward=True)
     n_params = sum(p.numel() for p in block.parameters())
     assert cost.value("param_bytes", 2, 16, 1) == n_params * 4
-    shard = shard_for_tp(block, 2)
+    shard = shard_block(block, 2)
     assert cost.value("param_bytes", 2, 16, 2) == sum(p.numel() for p in shard.parameters()) * 4
     # forward matmul FLOPs: 2*b*s*(3h*h + h*h + 8h*h) + attention 4*b*s^2*h
     b, s, h = 3, 32, 64
@@ -110,14 +110,14 @@ def test_tp_shard_computes_megatron_partial_sums(make):
     h = torch.randn(2, 8, 64)
     if make is gpt2_block:
         full = block.attn(h)[0]
-        parts = [shard_for_tp(block, 2, rank=r).attn(h)[0] for r in range(2)]
+        parts = [shard_block(block, 2, rank=r).attn(h)[0] for r in range(2)]
         bias = block.attn.c_proj.bias
         mlp = block.mlp(h)
-        mlp_parts = [shard_for_tp(block, 2, rank=r).mlp(h) for r in range(2)]
+        mlp_parts = [shard_block(block, 2, rank=r).mlp(h) for r in range(2)]
         torch.testing.assert_close(sum(mlp_parts) - block.mlp.c_proj.bias, mlp, atol=1e-5, rtol=1e-5)
     else:
         full = block.attention.self(h)[0]
-        parts = [shard_for_tp(block, 2, rank=r).attention.self(h)[0] for r in range(2)]
+        parts = [shard_block(block, 2, rank=r).attention.self(h)[0] for r in range(2)]
         full, parts, bias = full, [torch.cat(parts, -1)], 0.0
     # row-parallel outputs are partial sums (bias added once after the all-reduce)
     torch.testing.assert_close(sum(parts) - (len(parts) - 1) * bias, full, atol=1e-5, rtol=1e-5)
@@ -126,9 +126,9 @@ def test_tp_shard_computes_megatron_partial_sums(make):
 def test_bad_inputs_raise_clear_errors():
     block = gpt2_block(64, "eager", 0.0)
     with pytest.raises(SchedulingError, match="no tensor-parallel plan"):
-        shard_for_tp(torch.nn.Linear(4, 4), 2)
+        shard_block(torch.nn.Linear(4, 4), 2)
     with pytest.raises(SchedulingError, match="not divisible"):
-        shard_for_tp(block, 3)
+        shard_block(block, 3)
     with pytest.raises(ValueError, match="tp must be a positive integer"):
         saved_activation_bytes(block, (torch.randn(2, 16, 64),), tp=0)
     with pytest.raises(SchedulingError, match=r"\(batch, seq"):
@@ -165,3 +165,54 @@ def test_inputs_fn_for_blocks_with_masks():
     x = inputs(3, 32)
     measured = measure_saved_bytes(block, x)
     assert pred == measured > 0
+
+
+# ---- the cost model runs the runtime's plan: LLaMA (GQA, SwiGLU, no biases) at tp=2 ----------
+
+def _llama_inputs(model):
+    """inputs_fn(batch, seq) of one LLaMA decoder layer: hidden states and the rotary tables."""
+    def inputs(b, s):
+        g = torch.Generator().manual_seed(b * 1000 + s)
+        hidden = torch.randn(b, s, model.config.hidden_size, generator=g, requires_grad=True)
+        pos = torch.arange(s).unsqueeze(0)
+        return {"hidden_states": hidden,
+                "position_embeddings": model.model.rotary_emb(hidden, position_ids=pos)}
+
+    return inputs
+
+
+LLAMA_SIZES = ((2, 16), (3, 32))
+
+
+def job_llama_runtime_layer():
+    """One rank of `model_schedule.apply(llama, tp=2)`: its first layer's saved bytes and
+    parameter bytes per size (the ground truth the cost model must predict)."""
+    import models
+
+    import slapo
+    from slapo import model_schedule
+
+    model = models.llama(seed=0, layers=1)
+    sch = slapo.create_schedule(model)
+    model_schedule.apply(sch, tp=2)
+    layer, inputs = model.model.layers[0], _llama_inputs(model)
+    return {"saved": [measure_saved_bytes(layer, inputs(b, s)) for b, s in LLAMA_SIZES],
+            "params": sum(p.numel() * p.element_size() for p in layer.parameters())}
+
+
+@pytest.mark.dist
+def test_llama_tp2_cost_matches_the_runtime_sharded_layer(dist2):
+    import models
+
+    runtime = dist2.run(job_llama_runtime_layer)
+    assert runtime[0] == runtime[1]  # both ranks hold the same shapes
+    model = models.llama(seed=0, layers=1)
+    block, inputs = model.model.layers[0], _llama_inputs(model)
+    cost = block_cost(block, inputs_fn=inputs, seq=16, tp=True)  # symbolic in batch, seq, tp
+    predicted = [cost.saved_bytes(b, s, tp=2) for b, s in LLAMA_SIZES]
+    assert predicted == runtime[0]["saved"]
+    assert saved_activation_bytes(block, inputs, batch=2, seq=16, tp=2) == predicted[0]
+    unsharded = [cost.saved_bytes(b, s, tp=1) for b, s in LLAMA_SIZES]
+    assert unsharded[0] == measure_saved_bytes(block, inputs(2, 16))
+    assert all(p < u for p, u in zip(predicted, unsharded))  # the plan did shard something
+    assert cost.value("param_bytes", 2, 16, 2) == runtime[0]["params"]

@@ -11,6 +11,12 @@
 
 The bodies use `torch.distributed._functional_collectives`, which torch.compile can trace. With a
 world of one rank every op is the identity (but still a distinct autograd node where it matters).
+
+On a `group.VirtualGroup` (the cost model's one rank of a tensor-parallel group, in one process)
+no data moves and no autograd node is added: all-reduces are the identity, an all-gather repeats
+this rank's piece `size` times and a reduce-scatter/scatter keeps this rank's chunk. Shapes, and
+so the activations autograd saves and the FLOPs that follow, are one real rank's; values are not
+the model's (the cost model counts, it does not compute).
 """
 
 from __future__ import annotations
@@ -112,16 +118,25 @@ def _norm_dim(x: torch.Tensor, dim: int) -> int:
     return dim % x.dim()
 
 
+def _virtual_gather(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+    """The gathered shape without the other ranks: this rank's piece, `size` times."""
+    return torch.cat([x] * group.size, dim=dim)
+
+
+def _virtual_chunk(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+    return x.chunk(group.size, dim=dim)[group.rank].contiguous()
+
+
 def reduce_backward(x: torch.Tensor, group=None) -> torch.Tensor:
     """Identity forward, all-reduce of the gradient backward (Megatron's f)."""
-    if _ws(group) == 1:
+    if _ws(group) == 1 or _g.is_virtual(group):
         return x
     return _ReduceBackward.apply(x, group)
 
 
 def reduce_forward(x: torch.Tensor, group=None) -> torch.Tensor:
     """All-reduce (sum) forward, identity backward (Megatron's g)."""
-    if _ws(group) == 1:
+    if _ws(group) == 1 or _g.is_virtual(group):
         return x
     return _ReduceForward.apply(x, group)
 
@@ -136,6 +151,8 @@ def all_gather(x: torch.Tensor, dim: int, group=None, partial_grad: bool = False
     """
     if _ws(group) == 1:
         return x
+    if _g.is_virtual(group):
+        return _virtual_gather(x, dim, group)
     return _AllGather.apply(x, _norm_dim(x, dim), group, partial_grad)
 
 
@@ -143,6 +160,8 @@ def reduce_scatter(x: torch.Tensor, dim: int, group=None) -> torch.Tensor:
     """Reduce-scatter (sum) along `dim`; backward all-gathers."""
     if _ws(group) == 1:
         return x
+    if _g.is_virtual(group):
+        return _virtual_chunk(x, dim, group)
     return _ReduceScatter.apply(x, _norm_dim(x, dim), group)
 
 
@@ -150,4 +169,6 @@ def scatter(x: torch.Tensor, dim: int, group=None) -> torch.Tensor:
     """Keep this rank's chunk along `dim`; backward all-gathers."""
     if _ws(group) == 1:
         return x
+    if _g.is_virtual(group):
+        return _virtual_chunk(x, dim, group)
     return _Scatter.apply(x, _norm_dim(x, dim), group)

@@ -1,8 +1,7 @@
-"""Building blocks shared by the per-architecture schedules.
-
-Each helper applies one parallel pattern with the core primitives, so a family file reads as a
-list of roles: "these projections are column parallel, this one row parallel, the block's input
-gradient is all-reduced".
+"""Helpers shared by `apply` and the per-architecture schedules: finding a family's modules,
+the vocabulary-parallel embedding and head, layer checkpointing, the tensor-parallel
+divisibility check and the per-rank dropout streams. A layer's own tensor-parallel plan is data
+(`plan.TPPlan`, one table per family file); its styles (column, row, ...) live in `plan.py`.
 """
 
 from __future__ import annotations
@@ -38,58 +37,6 @@ def require_path(sch: Schedule, suffix: str, family: str) -> str:
     return path
 
 
-def column(node: Schedule, blocks: int = 1) -> None:
-    """Column parallel: shard output features (weight rows, bias)."""
-    axis = 1 if _is_conv1d(node.mod) else 0
-    node.shard("weight", axis=axis, blocks=blocks)
-    if getattr(node.mod, "bias", None) is not None:
-        node.shard("bias", axis=0, blocks=blocks)
-
-
-def row(node: Schedule, sequence_parallel: bool = False, token_axis: int = SEQ_DIM) -> None:
-    """Row parallel: shard input features; all-reduce the partial output (bias added once), or
-    under sequence parallelism reduce-scatter it along the tokens (bias added once, to this
-    rank's tokens, its gradient summed over the group). `token_axis=0` for a layer that sees
-    flattened [tokens, hidden] activations (OPT's MLP)."""
-    node.shard("weight", axis=0 if _is_conv1d(node.mod) else 1)
-    if sequence_parallel:
-        node.sync(mode="fwd_post", sync_op_or_fn="reduce_scatter", axis=token_axis)
-    else:
-        node.sync(mode="fwd_post", sync_op_or_fn="all_reduce")
-
-
-def reduce_input_grad(node: Schedule) -> None:
-    """The block's input feeds column-parallel layers: all-reduce its gradient (Megatron f)."""
-    node.sync(mode="bwd_post", sync_op_or_fn="all_reduce")
-
-
-def enter_region(node: Schedule, sequence_parallel: bool = False,
-                 token_axis: int = SEQ_DIM) -> None:
-    """`node`'s input enters a column-parallel region. Plain TP: the input is replicated and each
-    rank's input gradient partial, so all-reduce it (Megatron f). Sequence parallel: the input is
-    sharded along the sequence, so all-gather it (backward reduce-scatter: Megatron's g-bar).
-    A token-wise region (an MLP) may gather flattened [tokens, hidden] inputs on `token_axis=0`:
-    the tokens come back rank-major, and the matching reduce-scatter returns each rank's own."""
-    if sequence_parallel:
-        node.sync(mode="fwd_pre", sync_op_or_fn="all_gather", axis=token_axis)
-    else:
-        reduce_input_grad(node)
-
-
-def divide_attr(node: Schedule, name: str, ws: int) -> None:
-    value = getattr(node.mod, name)
-    if value % ws:
-        raise SchedulingError(node.path, f"{name}={value} is not divisible by the "
-                              f"tensor-parallel degree {ws}.", "choose a tp that divides it.")
-    node.set_attr(name, value // ws)
-
-
-def _is_conv1d(mod: nn.Module) -> bool:
-    from ..sharding import _is_hf_conv1d
-
-    return _is_hf_conv1d(mod)
-
-
 def vocab_parallel(sch: Schedule, head_input_grad: bool = True) -> bool:
     """Shard the input embedding (and the LM head, tied or not) over the vocabulary.
 
@@ -121,8 +68,8 @@ def vocab_parallel(sch: Schedule, head_input_grad: bool = True) -> bool:
             head_node.shard("weight", axis=0)
         if head.bias is not None and getattr(head.bias, "_slapo_shard", None) is None:
             head_node.shard("bias", axis=0)
-        if head_input_grad:
-            reduce_input_grad(head_node)
+        if head_input_grad:  # its input feeds the vocabulary-sharded head (Megatron f)
+            head_node.sync(mode="bwd_post", sync_op_or_fn="all_reduce")
         head_node.sync(mode="fwd_post", sync_op_or_fn="all_gather", axis=-1)
     return True
 

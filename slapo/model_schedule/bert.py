@@ -2,26 +2,26 @@
 
 from __future__ import annotations
 
-from ._common import column, enter_region, row
 from ._registry import Family, register_family
+from .plan import Column, EnterRegion, Row, TPPlan
 from .sequence_parallel import SequencePlan
 
-
-def shard_layer(layer, ws: int, sequence_parallel: bool = False) -> None:
-    sp = sequence_parallel
-    attn = layer["attention.self"]
-    for name in ("query", "key", "value"):
-        column(attn[name])
-    enter_region(attn, sp)  # SP: BertAttention keeps the sharded input for its residual
-    row(layer["attention.output.dense"], sp)
-    column(layer["intermediate.dense"])
-    enter_region(layer["intermediate.dense"], sp)
-    row(layer["output.dense"], sp)
-
+TP_PLAN = TPPlan((
+    ("attention.self.query", Column()),
+    ("attention.self.key", Column()),
+    ("attention.self.value", Column()),
+    # SP: gather the self-attention's input (BertAttention keeps the sharded input for its
+    # residual, after `attention.output`)
+    ("attention.self", EnterRegion()),
+    ("attention.output.dense", Row()),
+    ("intermediate.dense", Column()),
+    ("intermediate.dense", EnterRegion()),
+    ("output.dense", Row()),
+))
 
 FAMILY = register_family(Family(
     name="bert", model_types=("bert",), layer_lists=("encoder.layer",),
-    shard_layer=shard_layer, mlp_paths=("intermediate",),
+    tp_plan=TP_PLAN, mlp_paths=("intermediate",),
     # BertSelfAttention draws only the probability dropout; `attention.output.dropout` and
     # `output.dropout` act after the row-parallel all-reduce (replicated)
     tp_rng=("attention.self",),

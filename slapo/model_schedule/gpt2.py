@@ -2,27 +2,25 @@
 
 from __future__ import annotations
 
-from ._common import column, divide_attr, enter_region, row
 from ._registry import Family, register_family
+from .plan import Column, DivideAttr, EnterRegion, Row, TPPlan
 from .sequence_parallel import SequencePlan
 
-
-def shard_layer(layer, ws: int, sequence_parallel: bool = False) -> None:
-    sp = sequence_parallel
-    attn = layer["attn"]
-    column(attn["c_attn"], blocks=3)
+TP_PLAN = TPPlan((
+    ("attn.c_attn", Column(blocks=3)),
     # GPT2Attention reshapes q/k/v by its *input's* shape, so under SP the attention module's
     # input is gathered (not c_attn's): q/k/v, the mask and the output all see the full sequence.
-    enter_region(attn if sp else attn["c_attn"], sp)
-    divide_attr(attn, "split_size", ws)
-    row(attn["c_proj"], sp)
-    column(layer["mlp.c_fc"])
-    enter_region(layer["mlp.c_fc"], sp)
-    row(layer["mlp.c_proj"], sp)
-
+    ("attn.c_attn", EnterRegion(only="plain")),
+    ("attn", EnterRegion(only="sp")),
+    ("attn", DivideAttr("split_size")),  # it splits c_attn's output by this; heads use -1
+    ("attn.c_proj", Row()),
+    ("mlp.c_fc", Column()),
+    ("mlp.c_fc", EnterRegion()),
+    ("mlp.c_proj", Row()),
+))
 
 FAMILY = register_family(Family(
-    name="gpt2", model_types=("gpt2",), layer_lists=("h",), shard_layer=shard_layer,
+    name="gpt2", model_types=("gpt2",), layer_lists=("h",), tp_plan=TP_PLAN,
     mlp_paths=("mlp",),
     # the attention core (heads sharded) draws per-rank masks; `attn.resid_dropout`, in the same
     # module but after the row-parallel all-reduce, must not: fork the core alone

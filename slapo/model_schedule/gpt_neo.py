@@ -2,28 +2,26 @@
 
 from __future__ import annotations
 
-from ._common import column, divide_attr, enter_region, row
 from ._registry import Family, register_family
+from .plan import Column, DivideAttr, EnterRegion, Row, TPPlan
 from .sequence_parallel import SequencePlan
 
-
-def shard_layer(layer, ws: int, sequence_parallel: bool = False) -> None:
-    sp = sequence_parallel
-    attn = layer["attn.attention"]
-    for name in ("q_proj", "k_proj", "v_proj"):
-        column(attn[name])
+TP_PLAN = TPPlan((
+    ("attn.attention.q_proj", Column()),
+    ("attn.attention.k_proj", Column()),
+    ("attn.attention.v_proj", Column()),
     # SP: the whole attention module sees the gathered sequence (its causal / local-window mask
     # is built from the query and key lengths)
-    enter_region(attn, sp)
-    divide_attr(attn, "num_heads", ws)
-    row(attn["out_proj"], sp)
-    column(layer["mlp.c_fc"])
-    enter_region(layer["mlp.c_fc"], sp)
-    row(layer["mlp.c_proj"], sp)
-
+    ("attn.attention", EnterRegion()),
+    ("attn.attention", DivideAttr("num_heads")),
+    ("attn.attention.out_proj", Row()),
+    ("mlp.c_fc", Column()),
+    ("mlp.c_fc", EnterRegion()),
+    ("mlp.c_proj", Row()),
+))
 
 FAMILY = register_family(Family(
-    name="gpt_neo", model_types=("gpt_neo",), layer_lists=("h",), shard_layer=shard_layer,
+    name="gpt_neo", model_types=("gpt_neo",), layer_lists=("h",), tp_plan=TP_PLAN,
     mlp_paths=("mlp",),
     # GPTNeoSelfAttention applies its probability dropout as the `attn_dropout` module (its
     # `resid_dropout`, after the row-parallel all-reduce, stays in the default stream)

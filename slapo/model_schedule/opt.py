@@ -4,24 +4,24 @@ from __future__ import annotations
 
 from ..errors import SchedulingError
 from ..schedule import Schedule
-from ._common import column, divide_attr, enter_region, find_path, row
+from ._common import find_path
 from ._registry import Family, register_family
+from .plan import Column, DivideAttr, EnterRegion, Row, TPPlan
 from .sequence_parallel import SequencePlan
 
-
-def shard_layer(layer, ws: int, sequence_parallel: bool = False) -> None:
-    sp = sequence_parallel
-    attn = layer["self_attn"]
-    for name in ("q_proj", "k_proj", "v_proj"):
-        column(attn[name])
-    enter_region(attn, sp)  # SP: the attention module sees the gathered sequence (and mask)
-    divide_attr(attn, "num_heads", ws)
-    row(attn["out_proj"], sp)
-    column(layer["fc1"])
+TP_PLAN = TPPlan((
+    ("self_attn.q_proj", Column()),
+    ("self_attn.k_proj", Column()),
+    ("self_attn.v_proj", Column()),
+    ("self_attn", EnterRegion()),  # SP: the attention module sees the gathered sequence (and mask)
+    ("self_attn", DivideAttr("num_heads")),
+    ("self_attn.out_proj", Row()),
+    ("fc1", Column()),
     # OPTDecoderLayer flattens the MLP's input to [B*S, H]: the MLP is token-wise, so gather and
     # reduce-scatter along those flattened tokens (axis 0) instead of the sequence axis
-    enter_region(layer["fc1"], sp, token_axis=0)
-    row(layer["fc2"], sp, token_axis=0)
+    ("fc1", EnterRegion(token_axis=0)),
+    ("fc2", Row(token_axis=0)),
+))
 
 
 def check_sequence_parallel(sch: Schedule) -> None:
@@ -41,7 +41,7 @@ def check_sequence_parallel(sch: Schedule) -> None:
 
 
 FAMILY = register_family(Family(
-    name="opt", model_types=("opt",), layer_lists=("decoder.layers",), shard_layer=shard_layer,
+    name="opt", model_types=("opt",), layer_lists=("decoder.layers",), tp_plan=TP_PLAN,
     tp_rng=("self_attn",),  # the residual dropouts are functional calls of the layer itself
     # split entering the first layer (learned positions and the causal mask are full-sequence),
     # gather after the decoder's final norm. The residual-path dropouts are functional calls in

@@ -13,6 +13,6 @@ from ._registry import Family, register_family
 
 FAMILY = register_family(Family(
     name="roberta", model_types=("roberta", "xlm-roberta", "camembert"),
-    layer_lists=("encoder.layer",), shard_layer=bert.shard_layer, mlp_paths=("intermediate",),
+    layer_lists=("encoder.layer",), tp_plan=bert.TP_PLAN, mlp_paths=("intermediate",),
     tp_rng=bert.FAMILY.tp_rng,
     sequence_plan=bert.FAMILY.sequence_plan))

@@ -5,9 +5,10 @@ forward under FakeTensorMode) at a small grid of (batch, seq) sizes; every cost 
 degree ≤ 2 in batch and in seq (activations are b·s·h and b·heads·s² terms), so the exact rational
 polynomial through a 3×3 grid (batch 2-4) is solved for and then *verified* at three more sizes — a cost that
 is not such a polynomial (padding, size-dependent kernels) raises instead of extrapolating.
-Tensor parallelism is captured the same way on per-rank shards (:mod:`slapo.tune.tp`) at tp=1
-and tp=2, giving ``R + S/tp`` (replicated + sharded parts), verified at tp=4 when the block
-divides. The result lambdifies to numpy, so millions of configs evaluate in milliseconds.
+Tensor parallelism is captured the same way on one rank's shard of the block at tp=2
+(:func:`slapo.model_schedule.plan.shard_block`: the family's own runtime plan, applied on a
+virtual group), giving ``R + S/tp`` (replicated + sharded parts) with the unsharded tp=1 capture,
+verified at tp=4 when the block divides. The result lambdifies to numpy, so millions of configs evaluate in milliseconds.
 
 Also re-exported here for one import point: model-state/pipeline memory (:mod:`.memory`) and the
 roofline / alpha-beta time model (:mod:`.timing`).
@@ -25,6 +26,7 @@ import sympy
 import torch
 
 from ..errors import SchedulingError, TraceError
+from ..model_schedule.plan import TPPlan, shard_block
 from .capture import CaptureStats, Inputs, InputsFn, _batch_seq, capture, resize_inputs
 from .memory import (  # noqa: F401 - re-exported
     ModelStates,
@@ -41,7 +43,6 @@ from .timing import (  # noqa: F401 - re-exported
     fit_alpha_beta,
     roofline_time,
 )
-from .tp import shard_for_tp
 
 BATCH, SEQ, TP, CKPT = sympy.symbols("batch seq tp ckpt", positive=True, integer=True)
 # Fit at batch 2..4: at batch 1 some reshapes of transposed views are free views instead of
@@ -127,12 +128,13 @@ _CACHE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 def block_cost(module: torch.nn.Module, example_inputs: Inputs | None = None,
                inputs_fn: InputsFn | None = None, seq: int | None = None, tp: bool = False,
                backward: bool = False, dtype: torch.dtype | None = None,
-               plan: dict[str, str] | None = None, attrs: list[str] | None = None) -> BlockCost:
+               plan: TPPlan | None = None) -> BlockCost:
     """Build (and cache) the symbolic cost of ``module``.
 
     ``example_inputs`` (dim 0 batch, dim 1 seq) or ``inputs_fn(batch, seq)`` + ``seq`` give the
-    inputs; ``tp=True`` also fits the tp dependence (``plan``/``attrs`` as in
-    :func:`~slapo.tune.tp.shard_for_tp`); ``backward=True`` also captures backward FLOPs/bytes
+    inputs; ``tp=True`` also fits the tp dependence on one rank's shard of the block
+    (:func:`~slapo.model_schedule.plan.shard_block`: the block's family plan, or ``plan``);
+    ``backward=True`` also captures backward FLOPs/bytes
     for the time model; ``dtype`` casts parameters and inputs (e.g. ``torch.bfloat16``).
     """
     if inputs_fn is None:
@@ -144,7 +146,7 @@ def block_cost(module: torch.nn.Module, example_inputs: Inputs | None = None,
         if seq is None:
             raise ValueError("inputs_fn needs seq= (the base sequence length to capture at).")
         s0 = seq
-    key = (tp, backward, dtype, s0, tuple(sorted((plan or {}).items())), tuple(attrs or ()),
+    key = (tp, backward, dtype, s0, plan,
            inputs_fn if example_inputs is None else repr([(t.shape, t.dtype) for t in _tensors(example_inputs)]))
     per_mod = _CACHE.setdefault(module, {})
     if key in per_mod:
@@ -159,18 +161,17 @@ def block_cost(module: torch.nn.Module, example_inputs: Inputs | None = None,
 
     exprs = fit_all(module)
     if tp:
-        e2 = fit_all(shard_for_tp(module, 2, plan=plan, attrs=attrs))
-        combined = {}
-        for f, e1 in exprs.items():
-            sharded = 2 * (e1 - e2[f])  # e(tp) = R + S/tp  =>  S = 2(e1 - e2), R = e1 - S
-            combined[f] = sympy.expand(e1 - sharded + sharded / TP)
+        def one(mod: torch.nn.Module) -> CaptureStats:
+            return capture(mod, inputs_fn, 2, 2 * s0, dtype=dtype, backward=backward)
+
+        combined = _tp_exprs(module, exprs, fit_all, one, plan, s0)
         try:
-            m4 = shard_for_tp(module, 4, plan=plan, attrs=attrs)
+            m4 = shard_block(module, 4, plan=plan)
         except SchedulingError:  # a block that cannot split 4 ways is checked at tp 1 and 2 only
             m4 = None
         tp_verified = 2
         if m4 is not None:
-            c4 = capture(m4, inputs_fn, 2, 2 * s0, dtype=dtype, backward=backward)
+            c4 = one(m4)
             bad = [(f, e.subs({BATCH: 2, SEQ: 2 * s0, TP: 4}), getattr(c4, f))
                    for f, e in combined.items() if e.subs({BATCH: 2, SEQ: 2 * s0, TP: 4}) != getattr(c4, f)]
             if bad:
@@ -187,6 +188,30 @@ def block_cost(module: torch.nn.Module, example_inputs: Inputs | None = None,
     return cost
 
 
+def _tp_exprs(module: torch.nn.Module, e1: dict[str, sympy.Expr], fit_all, one,
+              plan: TPPlan | None, s0: int) -> dict[str, sympy.Expr]:
+    """Each field as ``R + S/tp`` from the tp=1 fit ``e1`` and a fit of one rank's tp=2 shard.
+
+    Why the extra base: the plan's row-parallel layers add their bias after the reduction, as
+    an op of its own, so a sharded block moves a few more bytes than the unsharded one
+    whatever tp is (a term that is neither replicated nor divided). When the plan applied on a
+    group of one differs from the unsharded block (probed at one size), the ``R + S/tp`` form
+    is fitted against that base and tp=1 keeps the unsharded block's exact value (a
+    ``Piecewise`` in ``TP``, which ``lambdify`` turns into ``numpy.select``)."""
+    probe = one(shard_block(module, 1, plan=plan, plan_at_tp1=True))
+    at = {BATCH: 2, SEQ: 2 * s0}
+    same = all(e.subs(at) == getattr(probe, f) for f, e in e1.items())
+    base = e1 if same else fit_all(shard_block(module, 1, plan=plan, plan_at_tp1=True))
+    e2 = fit_all(shard_block(module, 2, plan=plan))
+    out = {}
+    for f, b in base.items():
+        sharded = 2 * (b - e2[f])  # e(tp) = R + S/tp  =>  S = 2(e1 - e2), R = e1 - S
+        general = sympy.expand(b - sharded + sharded / TP)
+        out[f] = general if sympy.expand(b - e1[f]) == 0 else \
+            sympy.Piecewise((e1[f], sympy.Eq(TP, 1)), (general, True))
+    return out
+
+
 def _tensors(x: Any) -> list[torch.Tensor]:
     from torch.utils._pytree import tree_flatten
 
@@ -196,14 +221,14 @@ def _tensors(x: Any) -> list[torch.Tensor]:
 def saved_activation_bytes(module: torch.nn.Module, example_inputs: Inputs | InputsFn, *,
                            batch: int | None = None, seq: int | None = None, checkpoint: bool = False,
                            tp: int = 1, include_inputs: bool = False,
-                           dtype: torch.dtype | None = None, plan: dict[str, str] | None = None,
-                           attrs: list[str] | None = None) -> int:
+                           dtype: torch.dtype | None = None, plan: TPPlan | None = None) -> int:
     """Bytes saved for backward by one forward of ``module`` (per tp rank), predicted symbolically.
 
     Parameters are never counted; the module's own inputs only with ``include_inputs``. With
     ``checkpoint=True`` the module keeps only its inputs (so 0 unless ``include_inputs``).
-    ``batch``/``seq`` default to the example's sizes; ``tp`` > 1 means the per-rank shard of a
-    Megatron column/row split (see :mod:`slapo.tune.tp`). ``example_inputs`` may also be an
+    ``batch``/``seq`` default to the example's sizes; ``tp`` > 1 means one rank's shard of the
+    block as the runtime splits it (the family's plan, or ``plan``; see
+    :func:`slapo.model_schedule.plan.shard_block`). ``example_inputs`` may also be an
     ``inputs_fn(batch, seq)``, in which case ``seq`` is required.
     """
     if tp < 1 or int(tp) != tp:
@@ -212,18 +237,18 @@ def saved_activation_bytes(module: torch.nn.Module, example_inputs: Inputs | Inp
         if batch is None or seq is None:
             raise ValueError("with an inputs_fn, pass batch= and seq=.")
         cost = block_cost(module, inputs_fn=example_inputs, seq=seq, tp=tp != 1, dtype=dtype,
-                          plan=plan, attrs=attrs)
+                          plan=plan)
     else:
         b0, s0 = _batch_seq(example_inputs)
         batch, seq = batch or b0, seq or s0
-        cost = block_cost(module, example_inputs, tp=tp != 1, dtype=dtype, plan=plan, attrs=attrs)
+        cost = block_cost(module, example_inputs, tp=tp != 1, dtype=dtype, plan=plan)
         if batch == 1 or tp > max(cost.tp_verified, 2):
             # outside the range where the symbolic form was verified: capture this size directly
-            key = ("direct", batch, seq, tp, dtype, tuple(sorted((plan or {}).items())),
+            key = ("direct", batch, seq, tp, dtype, plan,
                    repr([(t.shape, t.dtype) for t in _tensors(example_inputs)]))
             per_mod = _CACHE.setdefault(module, {})
             if key not in per_mod:
-                mod = shard_for_tp(module, tp, plan=plan, attrs=attrs) if tp != 1 else module
+                mod = shard_block(module, tp, plan=plan) if tp != 1 else module
                 per_mod[key] = capture(mod, resize_inputs(example_inputs), batch, seq, dtype=dtype)
             st = per_mod[key]
             if checkpoint:
