@@ -23,7 +23,7 @@ from .runtime import stages as _stages
 
 def cuts_of(sch) -> list[str]:
     """The recorded stage boundaries, in model order."""
-    return list(sch._root.meta.get("pipeline_cuts", []))
+    return list(sch.pipeline_cuts)
 
 
 ENCODER_PREFIXES = ("", "bert.", "roberta.")

@@ -69,7 +69,7 @@ class _Root:
         self.mesh = mesh
         self.world_size = _g.world_size(group)
         self.rank = _g.rank(group)
-        self.meta: dict[str, Any] = {}
+        self.pipeline_cuts: list[str] = []  # `cut_pipeline_stage` paths, in model order
 
 
 class Schedule(PrimitiveMethods):
@@ -124,6 +124,12 @@ class Schedule(PrimitiveMethods):
     @property
     def mesh(self):
         return self._root.mesh
+
+    @property
+    def pipeline_cuts(self) -> tuple[str, ...]:
+        """Paths of the modules after which a pipeline stage ends (`cut_pipeline_stage`), in
+        model order; the pipeline runtime builds its stages from them."""
+        return tuple(self._root.pipeline_cuts)
 
     @property
     def tp_size(self) -> int:

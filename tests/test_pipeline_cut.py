@@ -30,7 +30,7 @@ def test_two_cuts_give_three_stages_equal_to_the_model(family):
     layers = LAYERS[family]
     sch[f"{layers}.2"].cut_pipeline_stage()   # recorded out of order on purpose
     sch[f"{layers}.0"].cut_pipeline_stage()
-    assert sch._root.meta["pipeline_cuts"] == [f"{layers}.0", f"{layers}.2"]
+    assert sch.pipeline_cuts == (f"{layers}.0", f"{layers}.2")
     stages = pipeline.partition(sch)
     assert len(stages) == 3
     # stages share the model's modules (no copies) under the original names
@@ -73,11 +73,11 @@ def test_invalid_cuts_raise_and_leave_the_schedule_usable():
     sch["transformer.h.0"].trace(example_inputs=ex["transformer.h.0"])
     with pytest.raises(slapo.SchedulingError, match="residual branch"):
         sch["transformer.h.0.attn"].cut_pipeline_stage()
-    assert "pipeline_cuts" not in sch._root.meta
+    assert sch.pipeline_cuts == ()
     sch["transformer.h.0"].cut_pipeline_stage()
     with pytest.raises(slapo.SchedulingError, match="already"):
         sch["transformer.h.0"].cut_pipeline_stage()
-    assert sch._root.meta["pipeline_cuts"] == ["transformer.h.0"]
+    assert sch.pipeline_cuts == ("transformer.h.0",)
     stages = pipeline.partition(sch)
     torch.testing.assert_close(pipeline.run_stages(stages, ids),
                                model(ids, use_cache=False).logits, rtol=1e-5, atol=1e-6)

@@ -56,7 +56,7 @@ def test_trace_hf_block_keeps_names_and_numerics(family, flatten):
     assert list(model.state_dict()) == keys
     assert all(p is params[n] for n, p in model.named_parameters())  # same tensors, same names
     assert sch[path].metadata["trace"]["tracer"] == "fx"
-    assert sch._root.meta["traced"][path] == "fx"
+    assert sch[path].metadata["trace"]["tracer"] == "fx"
     assert "trace(" in str(sch)
 
     out, grads = _fwd_bwd(model, ids, kw)

@@ -74,7 +74,7 @@ def test_auto_falls_back_to_export_and_records_why():
     meta = sch["0"].metadata["trace"]
     assert meta["tracer"] == "export" and meta["requested"] == "auto"
     assert "tracer 'fx'" in meta["fx_error"] and "dict" in meta["fx_error"]
-    assert sch._root.meta["traced"]["0"] == "export"
+    assert sch["0"].metadata["trace"]["tracer"] == "export"
     assert isinstance(gm, fx.GraphModule) and model[0] is gm
     assert list(model.state_dict()) == keys
     assert all(p is params[n] for n, p in model.named_parameters())

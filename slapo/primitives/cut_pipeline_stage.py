@@ -26,7 +26,7 @@ def _crossing_values(gm: fx.GraphModule, target: str) -> tuple[list[str], bool]:
 @register_primitive
 class CutPipelineStagePrimitive(Primitive):
     """End a pipeline stage after this module. The cut is recorded, in model order, in
-    `sch._root.meta["pipeline_cuts"]`; `slapo.pipeline.partition` (and the pipeline runtime)
+    `sch.pipeline_cuts`; `slapo.pipeline.partition` (and the pipeline runtime)
     build the stage modules from it.
 
     The module must be a layer of a sequential container (nn.ModuleList / nn.Sequential), where
@@ -43,7 +43,7 @@ class CutPipelineStagePrimitive(Primitive):
             raise SchedulingError(sch.path, "the root module cannot be cut: a stage ends after a "
                                   "submodule.", "cut one of its layers, e.g. "
                                   "sch['transformer.h.5'].cut_pipeline_stage().")
-        cuts = sch._root.meta.get("pipeline_cuts", [])
+        cuts = sch.pipeline_cuts
         if sch.path in cuts:
             raise SchedulingError(sch.path, "this module is already a stage boundary.",
                                   "remove the second cut.")
@@ -73,6 +73,6 @@ class CutPipelineStagePrimitive(Primitive):
     @classmethod
     def apply(cls, sch):
         order = {path: i for i, (path, _) in enumerate(sch.root.named_schedules())}
-        cuts = [*sch._root.meta.get("pipeline_cuts", []), sch.path]
-        sch._root.meta["pipeline_cuts"] = sorted(cuts, key=lambda p: order.get(p, len(order)))
+        cuts = [*sch.pipeline_cuts, sch.path]
+        sch._root.pipeline_cuts = sorted(cuts, key=lambda p: order.get(p, len(order)))
         sch.metadata["pipeline_cut"] = True

@@ -86,7 +86,7 @@ class PrimitiveMethods:
 
     def cut_pipeline_stage(self) -> Any:
         """End a pipeline stage after this module. The cut is recorded, in model order, in
-        `sch._root.meta["pipeline_cuts"]`; `slapo.pipeline.partition` (and the pipeline runtime)
+        `sch.pipeline_cuts`; `slapo.pipeline.partition` (and the pipeline runtime)
         build the stage modules from it.
 
         (`slapo.primitives.cut_pipeline_stage.CutPipelineStagePrimitive`)"""

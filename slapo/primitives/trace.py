@@ -148,7 +148,6 @@ class TracePrimitive(Primitive):
         sch.metadata["trace"] = {"tracer": used, "requested": tracer, "flatten": flatten,
                                  "example_inputs": example_inputs is not None,
                                  "fx_error": fx_error}
-        sch._root.meta.setdefault("traced", {})[sch.path] = used
         return gm
 
 

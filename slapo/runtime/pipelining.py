@@ -126,7 +126,7 @@ def plan_pipeline(name: str, info: MeshInfo, num_microbatches: int | None,
 
 def pipeline_cuts(sch) -> list[str]:
     """The ordered stage boundaries recorded by `cut_pipeline_stage`."""
-    return list(sch._root.meta.get("pipeline_cuts", []))
+    return list(sch.pipeline_cuts)
 
 
 def check_cuts(sch, plan: PipelinePlan) -> list[str]:
