@@ -25,7 +25,7 @@ attributes we divide (`DivideAttr`), and explicit autograd collectives cost noth
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
@@ -218,6 +218,11 @@ class ReduceParamGrads(Style):
 
     names: tuple[str, ...] | None = None
 
+    def __post_init__(self):  # a tuple keeps the style hashable (plans are cache keys)
+        if self.names is not None:
+            names = (self.names,) if isinstance(self.names, str) else tuple(self.names)
+            object.__setattr__(self, "names", names)
+
     def effects(self, node, tp, sp):
         return [("grads",)]
 
@@ -279,7 +284,6 @@ class TPPlan:
     `ReduceInputGrad`)."""
 
     entries: tuple[tuple[str, Style], ...]
-    notes: str = field(default="", compare=False)
 
     def __post_init__(self):
         rows = tuple(tuple(e) for e in self.entries)
