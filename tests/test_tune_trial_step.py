@@ -18,6 +18,7 @@ SIZE = dict(hidden_size=32, num_layers=2, num_heads=2, seq_len=16)
 @pytest.mark.parametrize("knobs, precision", [
     ({"attention": "sdpa", "ckpt_ratio": 0.5, "tempo": True}, "fp32"),
     ({"attention": "sdpa"}, "bf16"),
+    ({"ckpt_ratio": 1.0}, "fp32"),  # every layer checkpointed, no attention knob
 ])
 def test_tune_trial_and_slapo_train_take_the_same_steps(one_thread, knobs, precision):
     """slapo train (constant LR) and a trial given slapo train's own batches: same losses."""

@@ -106,11 +106,11 @@ def build_scheduled(settings: TrialSettings, config: Config) -> Any:
     if spec.task != "causal":
         raise ValueError(f"tuning trains causal LMs on random tokens; {settings.model!r} is "
                          f"{spec.task}.")
-    if hasattr(model, "set_attn_implementation"):  # "eager" means HF eager; "sdpa" is Slapo's core
-        model.set_attn_implementation("eager")
+    knobs = schedule_knobs(config)
+    if knobs.get("attention") == "eager" and hasattr(model, "set_attn_implementation"):
+        model.set_attn_implementation("eager")  # "eager" is HF eager, as in slapo train
     model.config.use_cache = False  # training: no KV cache (a checkpointed layer has none)
-    sch = model_schedule.apply(model, tp=1, fuse_compiler=settings.fuse_compiler,
-                               **schedule_knobs(config))
+    sch = model_schedule.apply(model, tp=1, fuse_compiler=settings.fuse_compiler, **knobs)
     model.train()
     return sch
 
@@ -125,7 +125,7 @@ def trainable(sch: Any, settings: TrialSettings, config: Config) -> Any:
     lr, weight decay and betas, its gradient clipping, the config's mixed precision."""
     import torch
 
-    from .. import build
+    from ..runtime.build import build
 
     cfg = settings.train_config()
     model, _ = build(sch, optimizer=torch.optim.AdamW, seed=settings.seed,
@@ -247,7 +247,8 @@ def gpu_train_trial(settings: GPUTrialSettings, config: Config, spec: Any = None
     import torch
     import transformers
 
-    from .. import build, model_schedule
+    from .. import model_schedule
+    from ..runtime.build import build
     from ..runtime.train_step import time_steps
     from .spaces import GPU_MODELS
 
