@@ -20,6 +20,8 @@ from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # configs only: never reach the Hub
 
+# Help of the run's own options. The schedule knobs' help, kinds and choices come from
+# `slapo.model_schedule.knobs.ScheduleKnobs` (via TrainConfig's field metadata): no second list.
 HELP = {
     "model": "architecture (small config): gpt2, llama, opt, gpt_neo, bert, roberta, albert, "
              "t5; or a local HF model directory (config.json + optional model.safetensors: "
@@ -64,20 +66,6 @@ HELP = {
     "eval_batches": "val-loss batches at the end (0: skip)",
     "progress": "show the progress bar",
     "plot": "write metrics.png",
-    "tp": "schedule knob: tensor-parallel degree",
-    "ckpt_ratio": "schedule knob: fraction of layers with activation checkpointing",
-    "attention": "schedule knob: attention kernel (eager, sdpa, flash)",
-    "fuse": "schedule knob: fuse elementwise ops",
-    "fuse_compiler": "schedule knob: torch.compile backend for --fuse (inductor, aot_eager, ...)",
-    "tempo": "schedule knob: memory-saving Tempo layers",
-    "pp_stages": "schedule knob: pipeline stages",
-    "ckpt_policy": "schedule knob: full (recompute whole layers) or selective (keep matmul and "
-                   "attention outputs, recompute the rest) for the --ckpt-ratio layers",
-    "compile_blocks": "schedule knob: torch.compile every transformer layer (one graph shared "
-                      "by identical layers)",
-    "fused_loss": "schedule knob: LM head + cross-entropy in chunks, no logits (turns "
-                  "vocabulary parallelism off under --tp)",
-    "kernels": "schedule knob: Slapo's fused GPU kernels (RMSNorm, LayerNorm, SwiGLU, GELU)",
     "precision": "fp32, or bf16 / fp16 mixed precision: autocast forward and loss on fp32 master "
                  "weights and optimizer state (fp16 adds a gradient scaler)",
     "device": "auto (CUDA when available), cpu or cuda",
@@ -96,11 +84,6 @@ def _base_type(annotation: str) -> str:
 
 
 def _parser() -> argparse.ArgumentParser:
-    from .train.loop import CKPT_POLICIES, DEVICES, PP_SCHEDULES, PRECISIONS, TrainConfig
-
-    choices = {"precision": PRECISIONS, "device": DEVICES, "ckpt_policy": CKPT_POLICIES,
-               "pp_schedule": PP_SCHEDULES}
-
     parser = argparse.ArgumentParser(prog="slapo", description="Slapo: schedule, verify and "
                                      "train PyTorch models.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
@@ -112,12 +95,30 @@ def _parser() -> argparse.ArgumentParser:
                            "schedule knobs. Bad paths stop with exit status 2.",
                            argument_default=argparse.SUPPRESS)
     train.add_argument("--config", metavar="FILE.toml", help="options as TOML (flags override)")
+    _add_train_options(train)
+    from .tune.cli import add_tune_parser  # `slapo tune` (slapo/tune/cli.py)
+
+    add_tune_parser(sub)
+    return parser
+
+
+def _add_train_options(train: argparse.ArgumentParser) -> None:
+    """One flag per TrainConfig field: `--name-with-dashes`, typed by the field; a schedule
+    knob's help and choices are the schema's (`model_schedule.knobs`)."""
+    from .train.config import DEVICES, PP_SCHEDULES, PRECISIONS, TrainConfig
+
+    choices = {"precision": PRECISIONS, "device": DEVICES, "pp_schedule": PP_SCHEDULES}
     for f in fields(TrainConfig):
         flag = "--" + f.name.replace("_", "-")
         kind = _base_type(f.type)
-        text = HELP.get(f.name, "")
+        knob = f.metadata.get("knob", False)
+        text = ("schedule knob: " + f.metadata["help"]) if knob else HELP.get(f.name, "")
+        if knob and f.metadata.get("choices"):
+            choices[f.name] = f.metadata["choices"]
         if f.default is not None:
             text += f" (default: {f.default})"
+        elif knob:
+            text += f" (not given: apply's default, {_knob_default(f.name)})"
         if f.name == "resume":
             train.add_argument(flag, nargs="?", const="latest", metavar="CKPT_DIR", help=text)
         elif kind == "bool":
@@ -127,10 +128,12 @@ def _parser() -> argparse.ArgumentParser:
         else:
             train.add_argument(flag, type={"int": int, "float": float, "str": str}[kind],
                                metavar=f.name.upper(), help=text)
-    from .tune.cli import add_tune_parser  # `slapo tune` (slapo/tune/cli.py)
 
-    add_tune_parser(sub)
-    return parser
+
+def _knob_default(name: str) -> Any:
+    from .model_schedule.knobs import spec
+
+    return spec(name)["default"]
 
 
 def load_toml(path: str) -> dict[str, Any]:
@@ -140,7 +143,7 @@ def load_toml(path: str) -> dict[str, Any]:
     except ModuleNotFoundError:  # Python 3.10: the same parser as the `tomli` package
         import tomli as tomllib
 
-    from .train.loop import config_fields
+    from .train.config import config_fields
 
     try:
         with open(path, "rb") as fh:
@@ -183,7 +186,7 @@ def _check_type(name: str, value: Any, annotation: str, path: str) -> Any:
 
 def parse_train_args(argv: list[str]) -> Any:
     """TrainConfig from defaults < TOML (--config) < flags. Raises SystemExit(2) on bad flags."""
-    from .train.loop import TrainConfig
+    from .train.config import TrainConfig
 
     parser = _parser()
     args = vars(parser.parse_args(["train", *argv]))

@@ -28,7 +28,7 @@ import pytest
 import torch
 
 from slapo.cli import main
-from slapo.train import checkpoint as ckpt
+from slapo.train import run_state as ckpt
 
 TINY = ["--hidden-size", "64", "--num-layers", "2", "--num-heads", "4", "--seq-len", "32",
         "--batch-size", "4", "--dropout", "0.1", "--no-progress", "--no-plot",
@@ -322,6 +322,8 @@ def test_dist_timeout_reaches_init_process_group(monkeypatch):
 
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")  # a complete torchrun environment:
+    monkeypatch.setenv("MASTER_PORT", "29500")      # init_mesh joins it with the timeout
     monkeypatch.setattr(loop.dist, "is_initialized", lambda: False)
     monkeypatch.setattr(loop.dist, "init_process_group", fake_init)
     with pytest.raises(Captured) as e:

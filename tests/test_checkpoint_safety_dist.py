@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from slapo.train import checkpoint as ckpt
+from slapo.train import run_state as ckpt
 
 TINY = dict(hidden_size=64, num_layers=2, num_heads=4, seq_len=32, batch_size=8, steps=6,
             progress=False, plot=False, eval_batches=0, dropout=0.1)

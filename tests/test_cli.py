@@ -45,15 +45,28 @@ def test_flags_without_config_and_resume_forms():
     assert parse_train_args([]).resume is None
 
 
+def test_parallel_knob_flags_reach_the_schedule_knobs():
+    """--sequence-parallel and --vocab-parallel/--no-vocab-parallel are `slapo train` flags."""
+    cfg = parse_train_args(["--tp", "2", "--sequence-parallel", "--no-vocab-parallel"])
+    assert cfg.knobs() == {"tp": 2, "sequence_parallel": True, "vocab_parallel": False}
+    cfg = parse_train_args(["--tp", "2", "--fused-loss"])  # fused loss needs a whole LM head
+    assert cfg.knobs() == {"tp": 2, "fused_loss": True, "vocab_parallel": False}
+    with pytest.raises(ValueError, match="--fused-loss: .*vocab_parallel=False"):
+        parse_train_args(["--tp", "2", "--fused-loss", "--vocab-parallel"]).schedule_knobs()
+
+
 @pytest.mark.parametrize("argv, needle", [
     (["train", "--steps", "abc"], "--steps"),
     (["train", "--bogus"], "unrecognized arguments: --bogus"),
     (["train", "--model", "resnet"], "gpt2, llama"),
     (["train", "--steps", "0"], "--steps must be >= 1"),
-    (["train", "--attention", "fast"], "eager, sdpa or flash"),
+    (["train", "--attention", "fast"], "invalid choice: 'fast'"),
     (["train", "--resume"], "--resume needs --out"),
     (["train", "--save-every", "5"], "--save-every needs --out"),
-    (["train", "--ckpt-ratio", "2"], "--ckpt-ratio must be in [0, 1]"),
+    (["train", "--ckpt-ratio", "2"], "--ckpt-ratio: ckpt_ratio must be a number in [0, 1]"),
+    (["train", "--tp", "0"], "--tp: tp must be a positive int"),
+    (["train", "--fuse", "--compile-blocks"], "pass fuse=False with compile_blocks=True"),
+    (["train", "--fused-loss", "--pp-stages", "2"], "--fused-loss: fused_loss is not available"),
     (["fly"], "invalid choice: 'fly'"),
 ])
 def test_bad_flags_exit_2_with_message(argv, needle, capsys):

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from slapo.cli import main
-from slapo.train import checkpoint as ckpt
+from slapo.train import run_state as ckpt
 
 TINY = ["--hidden-size", "64", "--num-layers", "2", "--num-heads", "4", "--seq-len", "64",
         "--batch-size", "8", "--no-progress"]

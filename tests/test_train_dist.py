@@ -108,3 +108,44 @@ def test_pp_schedule_matches_one_process(dist2, name):
     cut = 4 if name == "Interleaved1F1B" else 2
     assert ranks[0]["schedule"] == f"applied: pp_stages={cut}"
     assert ranks[0]["losses"] == pytest.approx(_single(opts), rel=1e-5)
+
+
+def job_schedule_facts(options: dict) -> dict:
+    """Losses plus what the schedule did to the model on this rank (process group is up)."""
+    from slapo.train import TrainConfig
+    from slapo.train.assemble import build
+    from slapo.train.loop import train
+    from slapo.train.setup import setup, teardown
+
+    torch.set_num_threads(1)
+    cfg = TrainConfig(**options)
+    cfg.check()
+    env = setup(cfg)
+    try:
+        model = build(cfg, env, log=lambda *a: None).model
+        wte = model.transformer.wte.weight.shape
+        hooks = sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in model.modules())
+    finally:
+        teardown(env)
+    m = train(TrainConfig(**options))
+    return {"losses": m["losses"], "schedule": m["schedule"], "wte": tuple(wte),
+            "hooks": hooks, "dims": m["parallel_dims"]}
+
+
+@pytest.mark.dist
+def test_sequence_and_vocab_parallel_flags_shard_on_two_ranks(dist2):
+    """`--tp 2 --sequence-parallel` and `--no-vocab-parallel` reach `apply` from `slapo train`:
+    SP adds the sequence split/gather hooks and trains to the same losses as TP alone; without
+    vocabulary parallelism the embedding stays whole (it is split over the vocabulary with it)."""
+    _need_model_schedule()
+    opts = {**TINY, "dropout": 0.0, "steps": 3, "tp": 2}
+    tp = dist2.run(job_schedule_facts, opts)[0]
+    sp = dist2.run(job_schedule_facts, {**opts, "sequence_parallel": True})[0]
+    whole = dist2.run(job_schedule_facts, {**opts, "vocab_parallel": False})[0]
+    assert tp["dims"] == "dp=1 x pp=1 x tp=2"
+    assert sp["schedule"] == "applied: tp=2, sequence_parallel=True"
+    assert sp["hooks"] > tp["hooks"]  # the sequence split / gather around the layers
+    assert sp["losses"] == pytest.approx(tp["losses"], rel=1e-4, abs=1e-5)
+    assert whole["schedule"] == "applied: tp=2, vocab_parallel=False"
+    assert whole["wte"][0] == 2 * tp["wte"][0]  # vocab-parallel: each rank holds half the rows
+    assert whole["losses"] == pytest.approx(tp["losses"], rel=1e-4, abs=1e-5)

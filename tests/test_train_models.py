@@ -47,23 +47,18 @@ def test_knobs_are_passed_to_model_schedule_apply(monkeypatch):
     assert m["schedule"] == "applied: ckpt_ratio=0.5, attention=sdpa, fuse=False"
 
 
-def test_knob_not_implemented_trains_unscheduled(monkeypatch, capsys):
+def test_knob_not_implemented_stops_the_run_with_its_message(monkeypatch, capsys):
+    """No silent fallback: a knob `apply` cannot do stops the run (exit 1), never an
+    unscheduled or unsharded run that looks like the asked-for one."""
     import slapo.model_schedule as ms
+    from slapo.cli import main
 
     def apply(model, **knobs):
-        model.transformer.h[0].mlp = None  # a partial apply must not leak into training
         raise NotImplementedError("tempo is not implemented for gpt2")
 
     monkeypatch.setattr(ms, "apply", apply, raising=False)
-    m = train(TrainConfig(**TINY, tempo=True))
-    assert m["schedule"].startswith("not applied: tempo is not implemented for gpt2")
-    assert "training unscheduled" in capsys.readouterr().out
-    assert len(m["losses"]) == 2
-
-
-def test_missing_model_schedule_apply_trains_unscheduled(monkeypatch):
-    import slapo.model_schedule as ms
-
-    monkeypatch.delattr(ms, "apply", raising=False)
-    m = train(TrainConfig(**TINY, tp=1))
-    assert m["schedule"].startswith("not applied: slapo.model_schedule.apply is not available")
+    with pytest.raises(ValueError, match="tempo is not implemented for gpt2"):
+        train(TrainConfig(**TINY, tempo=True))
+    assert main(["train", "--tempo", "--steps", "1", "--no-progress", "--hidden-size", "32",
+                 "--num-layers", "2", "--num-heads", "2", "--seq-len", "32"]) == 1
+    assert "tempo is not implemented for gpt2" in capsys.readouterr().err

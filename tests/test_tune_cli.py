@@ -45,6 +45,9 @@ def test_cli_runs_a_space_and_writes_table_json_png(tmp_path, calibration, capsy
     assert all(t["predicted"]["throughput"] > 0 and t["predicted"]["memory"] > 0
                for t in res["trials"])
     assert res["settings"]["fuse_compiler"] == "aot_eager"
+    # the best config as the `slapo train` command (the same flags: one knob schema)
+    assert res["train_command"].startswith("slapo train --model gpt2 --hidden-size 32 ")
+    assert f"--batch-size {res['best']['config']['batch_size']}" in res["train_command"]
     table = (out / "top.txt").read_text()
     assert "tokens/s" in table and "pred mem" in table
     assert "tokens/s" in capsys.readouterr().out  # the table is printed too
@@ -172,6 +175,7 @@ def test_outputs_without_matplotlib(tmp_path, monkeypatch):
     from rich.console import Console
 
     from slapo.tune import cli as tune_cli
+    from slapo.tune import report as tune_report
 
     space = Space()
     space.create_symbol("x", [1, 2])
@@ -180,7 +184,7 @@ def test_outputs_without_matplotlib(tmp_path, monkeypatch):
     def no_matplotlib(*args, **kwargs):
         raise ImportError("No module named 'matplotlib'")
 
-    monkeypatch.setattr(tune_cli, "plot_search", no_matplotlib)
+    monkeypatch.setattr(tune_report, "plot_search", no_matplotlib)
     out = io.StringIO()
     paths = tune_cli.write_outputs(report, tmp_path, console=Console(file=out))
     assert "plot" not in paths and not (tmp_path / "search.png").exists()

@@ -5,8 +5,9 @@
 `apply` detects the architecture from the model (`config.model_type`) and applies, in this
 order, each concern its knobs ask for:
 
-1. `attention`: "eager" (leave it), "sdpa" or "flash": swap the attention core of every HF
-   attention module for Slapo's SDPA core (flash-attn on GPU for "flash");
+1. `attention`: not given (the model's own), "eager" (HF's eager attention, forced), "sdpa" or
+   "flash": swap the attention core of every HF attention module for Slapo's SDPA core
+   (flash-attn on GPU for "flash");
 2. `tp`: Megatron tensor parallelism over the schedule's group (column/row parallel projections,
    vocabulary-parallel embedding and LM head when the vocabulary divides);
 3. `fuse`: trace each MLP and compile its bias+activation or gated activation (`fuse_compiler`,
@@ -20,7 +21,9 @@ order, each concern its knobs ask for:
    reduce-scatter out of the TP regions, norm gradients summed over the group (see
    docs/model_schedule.md).
 
-Every knob is a plain value, so the tuner can search over them. Supported families live one per
+Every knob is a plain value, so the tuner can search over them. `knobs.ScheduleKnobs` declares
+each one once (help text, domain, tuning candidates) and validates them; `slapo train`'s flags and
+TOML keys and `slapo tune`'s spaces derive from it. Supported families live one per
 file; `supported()` lists them. To add one, write `slapo/model_schedule/<family>.py` with a
 `Family` (see `_registry.py`) and register it.
 """
@@ -30,5 +33,7 @@ from __future__ import annotations
 from . import albert, bert, gpt2, gpt_neo, llama, opt, roberta, t5  # noqa: F401  (register)
 from ._registry import Family, apply, detect, register_family, supported
 from .compat import apply_schedule  # noqa: F401  (Slapo 2023 spelling, compat.py)
+from .knobs import KnobError, ScheduleKnobs
 
-__all__ = ["Family", "apply", "detect", "register_family", "supported"]
+__all__ = ["Family", "KnobError", "ScheduleKnobs", "apply", "detect", "register_family",
+           "supported"]

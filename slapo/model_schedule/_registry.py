@@ -13,8 +13,7 @@ from ..errors import SchedulingError
 from ..schedule import Schedule, create_schedule
 from . import _common
 from . import sequence_parallel as _sp
-
-ATTENTION = ("eager", "sdpa", "flash")
+from .knobs import ATTENTION, CKPT_POLICIES, ScheduleKnobs  # noqa: F401  (old names)
 
 
 @dataclass
@@ -100,12 +99,17 @@ def layers_of(sch: Schedule, family: Family) -> list[Schedule]:
 
 
 def apply(model_or_sch: nn.Module | Schedule, *, tp: int | None = None, ckpt_ratio: float = 0.0,
-          attention: str = "eager", fuse: bool = False, fuse_compiler: str = "inductor",
+          attention: str | None = None, fuse: bool = False, fuse_compiler: str = "inductor",
           tempo: bool = False, pp_stages: int = 1,
           sequence_parallel: bool = False, vocab_parallel: bool = True, group=None,
           mesh=None, ckpt_policy: str = "full", compile_blocks: bool | str = False,
           fused_loss: bool = False, kernels: bool = False) -> Schedule:
     """Schedule a Hugging Face model of a supported family (see the package docstring).
+
+    Every knob is a field of `model_schedule.knobs.ScheduleKnobs`, which documents it once
+    (`help(ScheduleKnobs)`) and validates the values; `group` / `mesh` say where the schedule's
+    tensor-parallel group comes from. `attention=None` keeps the model's own attention;
+    "eager" forces HF's eager attention (one meaning in train, tune and the progressive demo).
 
     GPU knobs (composable with the rest):
     - `ckpt_policy`: "full" (recompute the whole checkpointed layer) or "selective" (keep
@@ -123,13 +127,16 @@ def apply(model_or_sch: nn.Module | Schedule, *, tp: int | None = None, ckpt_rat
         create_schedule(model_or_sch, group=group, mesh=mesh)
     family = detect(sch.mod)
     ws = sch.tp_size
-    tp = ws if tp is None else tp
     # every check first: a rejected call leaves the model and the schedule's history untouched
-    _validate(sch, family, tp, ws, attention, pp_stages, sequence_parallel)
-    _validate_gpu_knobs(sch, ckpt_policy, compile_blocks, fused_loss, pp_stages,
-                        vocab_parallel and tp > 1, fuse)
-    _validate_plan(sch, family, tp, attention, ckpt_ratio, fuse, kernels, pp_stages)
-    if attention != "eager":
+    ScheduleKnobs(tp=tp, ckpt_ratio=ckpt_ratio, ckpt_policy=ckpt_policy, attention=attention,
+                  fuse=fuse, fuse_compiler=fuse_compiler, tempo=tempo, pp_stages=pp_stages,
+                  sequence_parallel=sequence_parallel, vocab_parallel=vocab_parallel,
+                  compile_blocks=compile_blocks, fused_loss=fused_loss,
+                  kernels=kernels).validate(sch.path)
+    tp = ws if tp is None else tp
+    _validate(sch, family, tp, ws, sequence_parallel, pp_stages, vocab_parallel, fused_loss)
+    _validate_plan(sch, family, tp, attention, fuse, kernels, pp_stages)
+    if attention is not None:
         _set_attention(sch, attention)
     sp = sequence_parallel and tp > 1  # one rank: nothing to split, SP is the identity
     if tp > 1:
@@ -155,7 +162,7 @@ def apply(model_or_sch: nn.Module | Schedule, *, tp: int | None = None, ckpt_rat
                           "docs/tempo.md). Selective checkpointing trades memory for less time "
                           "there.", stacklevel=2)
 
-        apply_tempo(sch, attention=attention == "eager")  # an explicit core wins;
+        apply_tempo(sch, attention=attention in (None, "eager"))  # an explicit core wins;
         # fused activations are already inside compiled regions, so Tempo takes the rest
     layers = layers_of(sch, family)
     if sp:  # after fuse/tempo, which may replace the norms and dropouts
@@ -186,13 +193,9 @@ def _install_cores(sch: Schedule, family: Family) -> None:
                 _common.install_hf_core(layer[rel])
 
 
-def _validate_plan(sch, family, tp, attention, ckpt_ratio, fuse, kernels, pp_stages) -> None:
-    """The checks that used to run between mutations (after attention and TP were applied)."""
+def _validate_plan(sch, family, tp, attention, fuse, kernels, pp_stages) -> None:
+    """The checks that need the model (its layers, heads, plans), before any mutation."""
     layers = layers_of(sch, family)  # a missing layer list fails here, before anything changes
-    if isinstance(ckpt_ratio, bool) or not isinstance(ckpt_ratio, (int, float)) or \
-            not 0.0 <= ckpt_ratio <= 1.0:
-        raise SchedulingError(sch.path, f"ckpt_ratio must be a number in [0, 1], got "
-                              f"{ckpt_ratio!r}.", "pass e.g. ckpt_ratio=0.5.")
     if tp > 1:
         _common.check_tp_heads(sch, tp)
     if attention == "flash":
@@ -201,6 +204,8 @@ def _validate_plan(sch, family, tp, attention, ckpt_ratio, fuse, kernels, pp_sta
         if not flash_attn_available():
             raise SchedulingError(sch.path, "attention='flash' needs the flash-attn package and "
                                   "a CUDA GPU.", "use attention='sdpa' (PyTorch's fused kernels).")
+    if attention == "eager":
+        _check_eager_settable(sch)
     if fuse:
         _check_fusable(sch, family)
     if kernels:
@@ -222,43 +227,18 @@ def _check_pipeline(sch: Schedule, layers: list[Schedule], stages: int) -> None:
                               "use fewer pipeline stages.")
 
 
-def _validate(sch, family, tp, ws, attention, pp_stages, sequence_parallel) -> None:
+def _validate(sch, family, tp, ws, sequence_parallel, pp_stages, vocab_parallel,
+              fused_loss) -> None:
+    """The checks that need the schedule's group and the family (values: `ScheduleKnobs`)."""
     if tp not in (1, ws):
         raise SchedulingError(sch.path, f"tp={tp} but the schedule's tensor-parallel group has "
                               f"{ws} rank(s).", "create the schedule on a group (or mesh 'tp' "
                               "dimension) of that size, or pass tp=None.")
-    if attention not in ATTENTION:
-        raise SchedulingError(sch.path, f"unknown attention {attention!r}.",
-                              f"use one of {', '.join(ATTENTION)}.")
-    if not isinstance(pp_stages, int) or pp_stages < 1:
-        raise SchedulingError(sch.path, f"pp_stages must be a positive int, got {pp_stages!r}.",
-                              "pass pp_stages=1 for no pipeline.")
     if sequence_parallel:
         _sp.check_supported(sch, family, pp_stages,
                             [f.name for f in _FAMILIES.values() if f.sequence_plan is not None])
-
-
-CKPT_POLICIES = ("full", "selective")
-
-
-def _validate_gpu_knobs(sch, ckpt_policy, compile_blocks, fused_loss, pp_stages,
-                        vocab_sharded, fuse) -> None:
-    if ckpt_policy not in CKPT_POLICIES:
-        raise SchedulingError(sch.path, f"unknown ckpt_policy {ckpt_policy!r}.",
-                              f"use one of {', '.join(CKPT_POLICIES)}.")
-    if not (isinstance(compile_blocks, (bool, str)) or callable(compile_blocks)):
-        raise SchedulingError(sch.path, f"compile_blocks must be a bool or a backend name, got "
-                              f"{compile_blocks!r}.", "pass compile_blocks=True.")
-    if compile_blocks and fuse:
-        raise SchedulingError(sch.path, "fuse=True compiles regions inside the blocks that "
-                              "compile_blocks=True compiles whole (inductor fuses the same ops).",
-                              "pass fuse=False with compile_blocks=True.")
     if fused_loss:
-        if pp_stages > 1:
-            raise SchedulingError(sch.path, "fused_loss is not available with pipeline stages "
-                                  "(the last stage computes the loss with loss_fn).",
-                                  "pass fused_loss=False, or pp_stages=1.")
-        if vocab_sharded:
+        if vocab_parallel and tp > 1:  # tp=None resolved to the group: checked again here
             raise SchedulingError(sch.path, "fused_loss needs an unsharded LM head, and "
                                   "vocab_parallel=True shards it under tp > 1.",
                                   "pass vocab_parallel=False with fused_loss=True.")
@@ -285,15 +265,41 @@ def _training_without_cache(sch: Schedule) -> None:
 
 
 def _set_attention(sch: Schedule, attention: str) -> None:
-    from ..op import SDPAttention, flash_attn_available, is_hf_attention, use_attention_core
+    """"eager": HF's eager attention (the model's config says so, every attention module reads
+    it); "sdpa" / "flash": Slapo's attention core in every HF attention module."""
+    if attention == "eager":
+        _force_hf_eager(sch.mod)
+        return
+    from ..op import SDPAttention, is_hf_attention, use_attention_core
 
-    if attention == "flash" and not flash_attn_available():
-        raise SchedulingError(sch.path, "attention='flash' needs the flash-attn package and a "
-                              "CUDA GPU.", "use attention='sdpa' (PyTorch's fused kernels).")
     for _, node in list(sch.named_schedules()):
         if node.parent is not None and is_hf_attention(node.mod):
             node.replace(use_attention_core(node.mod, SDPAttention(use_flash=attention ==
                                                                    "flash"), node.path))
+
+
+def _force_hf_eager(model: nn.Module) -> None:
+    """`set_attn_implementation("eager")` where HF has it (sub-configs too), else the config
+    attribute HF reads (older transformers, or models that cannot switch dynamically)."""
+    if hasattr(model, "set_attn_implementation"):
+        model.set_attn_implementation("eager")
+    cfg = getattr(model, "config", None)
+    if cfg is not None and getattr(cfg, "_attn_implementation", "eager") != "eager":
+        cfg._attn_implementation = "eager"
+
+
+def _check_eager_settable(sch: Schedule) -> None:
+    """attention="eager" means eager everywhere; attention modules that already run Slapo
+    cores keep their own config copy (`op.use_attention_core`), which the model-level switch
+    does not reach: rejected before any mutation rather than half applied."""
+    from ..op.hf_attention import SLAPO_ATTN
+
+    for name, mod in sch.mod.named_modules():
+        if getattr(getattr(mod, "config", None), "_attn_implementation", None) == SLAPO_ATTN:
+            raise SchedulingError(sch.path, f"attention='eager' on a model whose attention "
+                                  f"modules already run Slapo attention cores ({name}).",
+                                  "schedule a fresh model, or leave attention unset to keep "
+                                  "the installed cores.")
 
 
 def _check_fusable(sch: Schedule, family: Family) -> None:

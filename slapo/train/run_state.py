@@ -1,4 +1,6 @@
-"""Sharded training checkpoints: safe to load, crash-safe to write, verified before use.
+"""Run checkpoints of `slapo train` (DCP): safe to load, crash-safe to write, verified before use.
+
+(Activation checkpointing is another thing: `slapo.primitives.checkpoint`.)
 
 Layout of one checkpoint, `OUT/checkpoints/step_000010/`:
 - DCP files (`torch.distributed.checkpoint`): `.metadata` and `__{rank}_{i}.distcp`, the model

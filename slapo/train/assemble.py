@@ -1,0 +1,152 @@
+"""Assemble a `slapo train` run: data, model, schedule knobs, pretrained weights, optimizer and
+the one training step (`slapo.build(...).train_step`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from ..data import Data, InputError, TokenLoader, make_data
+from . import pretrained
+from .models import build_model, get_model_spec
+from .setup import Env, data_parallel, seed_training_rng
+
+__all__ = ["Run", "build", "make_trainable", "schedule"]
+
+
+@dataclass
+class Run:
+    """Everything the loop carries from step to step."""
+
+    cfg: Any                    # TrainConfig
+    env: Env
+    model: nn.Module            # the (scheduled) HF model: state-dict keys are the HF keys
+    optimizer: torch.optim.Optimizer
+    step_fn: Any                # batch -> float loss: the runtime's TrainModule.train_step
+    data: TokenLoader           # the train loader (its state is saved in checkpoints)
+    task: str
+    schedule_note: str
+    dataset: Data | None = None  # tokenizer, val tokens, where the data came from
+    step: int = 0
+    losses: list[float] = field(default_factory=list)
+    step_times: list[float] = field(default_factory=list)
+    resumed_from: int | None = None
+    resume_skipped: list[dict[str, str]] = field(default_factory=list)  # damaged checkpoints
+
+    @property
+    def precision(self):
+        """The step's `slapo.runtime.precision.Precision` (autocast context, fp16 scaler)."""
+        from slapo.runtime.precision import Precision
+
+        owner = getattr(self.step_fn, "__self__", None)
+        return getattr(owner, "precision", None) or Precision()
+
+
+def build(cfg: Any, env: Env, log=print) -> Run:
+    """Data (tokenizer, split, packing), the model (registry config, or a local HF directory
+    / config file; same init on every rank), schedule knobs, pretrained weights (each rank
+    reads its shards), optimizer."""
+    source = pretrained.model_source(cfg.model) if pretrained.is_model_path(cfg.model) else None
+    task = source.task() if source is not None else get_model_spec(cfg.model).task
+    tokenizer = cfg.tokenizer
+    if tokenizer is None and source is not None and source.has_tokenizer():
+        tokenizer = str(source.directory)  # the model's own tokenizer
+    data = make_data(task, cfg.seq_len, cfg.seed, data=cfg.data, text_field=cfg.text_field,
+                     tokenizer=tokenizer, val_fraction=cfg.val_fraction)
+    torch.manual_seed(cfg.seed)
+    model = _new_model(cfg, source, data)
+    model, sch, note = schedule(model, cfg, env)
+    if source is not None:
+        _load_pretrained(sch.mod, source, cfg, env, log)
+    model.to(env.device).train()
+    optimizer, step_fn = make_trainable(sch, cfg, env)
+    seed_training_rng(cfg.seed, env)
+    return Run(cfg, env, model, optimizer, step_fn, data.train, task, note, dataset=data)
+
+
+def _new_model(cfg: Any, source, data: Data) -> nn.Module:
+    """The registry model at `cfg`'s size, or the source's architecture on the meta device."""
+    if source is None:
+        return build_model(cfg.model, cfg.size(data.tokenizer))[0]
+    _check_fits(cfg, source, data)
+    return source.build_empty(dropout=cfg.dropout)
+
+
+def _check_fits(cfg: Any, source, data: Data) -> None:
+    """The tokenizer's ids and the block length must fit the model's config."""
+    config = source.config()
+    vocab = getattr(config, "vocab_size", None)
+    if isinstance(vocab, int) and data.tokenizer.vocab_size > vocab:
+        raise InputError(str(source.path), f"the model's vocabulary has {vocab} entries, the "
+                         f"tokenizer ({data.tokenizer.name}) {data.tokenizer.vocab_size}.",
+                         "pass --tokenizer with the model's own tokenizer.")
+    limit = pretrained.max_positions(config)
+    need = cfg.seq_len + (cfg.seq_len // 2 if data.task == "seq2seq" else 0)
+    if limit is not None and cfg.seq_len > limit:
+        raise InputError(str(source.path), f"the model takes at most {limit} positions, "
+                         f"--seq-len is {cfg.seq_len} ({need} tokens per sample).",
+                         f"pass --seq-len {limit} or less.")
+
+
+def _load_pretrained(model: nn.Module, source, cfg: Any, env: Env, log) -> None:
+    """Fill the (scheduled, maybe sharded) meta model from the source's safetensors; a source
+    without weights gets the model's own init (seeded per module, identical on every rank)."""
+    from ..init import has_meta_tensors, materialize
+
+    counts = pretrained.load_weights(model, source)
+    if counts:
+        log(f"loaded {counts['loaded']} tensors from {source.path}"
+            + (f" ({counts['unused_keys']} checkpoint tensors unused)"
+               if counts["unused_keys"] else ""))
+    elif source.directory is not None:
+        log(f"{source.path} holds no weights (no model.safetensors): training from a fresh init")
+    if has_meta_tensors(model):
+        materialize(model, env.device, seed=cfg.seed)
+
+
+def schedule(model: nn.Module, cfg: Any, env: Env) -> tuple[nn.Module, Any, str]:
+    """Apply the given schedule knobs with `slapo.model_schedule.apply` on the run's mesh.
+
+    No knobs: the model as built. Any error of `apply` stops the run: a bad value or an
+    unsupported model with its SchedulingError, a knob not implemented for this model with a
+    ValueError carrying apply's message (never a silent unsharded or unscheduled run).
+    """
+    import slapo
+    from slapo import model_schedule
+
+    knobs = cfg.knobs()
+    if not knobs:
+        return model, slapo.create_schedule(model, mesh=env.mesh), \
+            "none (no schedule knobs given: the HF model as built)"
+    shown = ", ".join(f"{k}={v}" for k, v in knobs.items())
+    extra = {"mesh": env.mesh} if env.mesh is not None else {}
+    try:
+        sch = model_schedule.apply(model, **knobs, **extra)
+    except NotImplementedError as e:
+        raise ValueError(f"the schedule ({shown}) cannot be applied: {e}") from e
+    return sch.mod, sch, f"applied: {shown}"
+
+
+def make_trainable(sch: Any, cfg: Any, env: Env) -> tuple[torch.optim.Optimizer, Any]:
+    """`slapo.build` the schedule with AdamW on the mesh; return (optimizer, step fn).
+
+    The step is the runtime's `train_step(batch) -> float`: the same call for one process,
+    data parallelism (DDP over the mesh's dp ranks, or FSDP2 with `--dp-shard`, each rank
+    taking its slice of the global batch), tensor parallelism (already in the schedule) and
+    pipelines (`--pp-stages`, `--pp-schedule`, default 1F1B), `--grad-accum` slices per step,
+    with gradient clipping over the whole mesh, in `--precision` (bf16/fp16: autocast on fp32
+    master weights; fp16 with a gradient scaler).
+    """
+    import slapo
+
+    pipeline = cfg.pipeline_schedule()
+    trainable, optimizer = slapo.build(
+        sch, optimizer=torch.optim.AdamW, seed=cfg.seed, mesh=env.mesh,
+        optimizer_kwargs={"lr": cfg.lr, "weight_decay": cfg.weight_decay, "betas": (0.9, 0.95)},
+        grad_clip=cfg.grad_clip, data_parallel=data_parallel(cfg, env),
+        pipeline=pipeline, virtual_stages=cfg.stages_per_rank() if pipeline else None,
+        grad_accum=cfg.grad_accum, mixed_precision=cfg.mixed_precision())
+    return optimizer, trainable.train_step

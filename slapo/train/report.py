@@ -1,0 +1,147 @@
+"""What a `slapo train` run reports: the progress bar, the val loss, metrics.json and the plot.
+
+Peak memory is `slapo.profile.meter`'s (the one meter `slapo train`, tune trials and the
+progressive demo share), so the numbers of the three are the same measurement.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..profile import meter
+
+__all__ = ["metrics", "plot", "progress_bar", "log_step", "throughput", "tokens_per_step",
+           "trained_parameters", "val_loss", "warn", "write_metrics"]
+
+
+def trained_parameters(run: Any) -> int:
+    """Parameters this rank trains (its TP shards, its pipeline stages, its FSDP2 shards: a
+    DTensor counts its local part), counted once."""
+    params = {id(p): p for g in run.optimizer.param_groups for p in g["params"]}
+    return sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in params.values())
+
+
+def tokens_per_step(cfg: Any) -> int:
+    return cfg.batch_size * cfg.seq_len
+
+
+def throughput(run: Any) -> float:
+    """Tokens/s over this process's steps, skipping the first (warm-up) when there are more."""
+    times = run.step_times[1:] if len(run.step_times) > 1 else run.step_times
+    return tokens_per_step(run.cfg) * len(times) / sum(times) if times else 0.0
+
+
+def warn(run: Any, message: str) -> None:
+    """A warning on stderr, once (rank 0)."""
+    if run.env.is_main:
+        print(f"warning: {message}", file=sys.stderr, flush=True)
+
+
+def progress_bar(run: Any):
+    from tqdm import tqdm
+
+    return tqdm(total=run.cfg.steps, initial=run.step, desc=f"train {run.cfg.model}",
+                disable=not (run.env.is_main and run.cfg.progress), file=sys.stderr,
+                dynamic_ncols=True, leave=True)
+
+
+def log_step(run: Any, bar) -> None:
+    tok_s = tokens_per_step(run.cfg) / run.step_times[-1]
+    mem = meter.peak_bytes(run.env.device) / 2**20
+    skipped = run.precision.skipped_steps
+    bar.set_postfix_str(f"loss {run.losses[-1]:.4f}  {tok_s:,.0f} tok/s  peak {mem:,.0f} MiB"
+                        + (f"  skipped {skipped}" if skipped else ""), refresh=False)
+    bar.update(1)
+
+
+@torch.no_grad()
+def val_loss(run: Any) -> float | None:
+    """Mean loss on the first `eval_batches` val batches (fixed, independent of the step)."""
+    if run.cfg.eval_batches == 0 or (run.cfg.pp_stages or 1) > 1 or run.dataset is None:
+        return None  # with a pipeline no rank holds the whole model
+    val = run.dataset.val_loader()
+    if val is None:
+        warn(run, f"no val loss: the val split ({len(run.dataset.val_tokens)} tokens) is too "
+             f"small for blocks of {run.cfg.seq_len}; raise --val-fraction")
+        return None
+    was_training = run.model.training
+    run.model.eval()
+    total = 0.0
+    try:
+        for _ in range(run.cfg.eval_batches):
+            batch = {k: v.to(run.env.device)
+                     for k, v in val.next_batch(run.cfg.batch_size).items()}
+            with run.precision.autocast():  # evaluate as trained
+                total += float(run.model(**batch).loss)
+    finally:
+        run.model.train(was_training)
+    return total / run.cfg.eval_batches
+
+
+def metrics(run: Any, val: float | None, peak: int) -> dict[str, Any]:
+    """Everything metrics.json holds about the run."""
+    return {
+        "losses": run.losses,
+        "val_loss": val,
+        "tokens_per_s": throughput(run),
+        "tokens_per_step": tokens_per_step(run.cfg),
+        "step_times_s": run.step_times,
+        "peak_memory_bytes": peak,
+        "peak_memory_kind": meter.peak_kind(run.env.device),
+        "parameters_on_rank0": trained_parameters(run),
+        "steps": run.step,
+        "resumed_from": run.resumed_from,
+        "resume_skipped": run.resume_skipped,
+        "schedule": run.schedule_note,
+        "task": run.task,
+        "data": run.dataset.source if run.dataset is not None else None,
+        "tokenizer": run.dataset.tokenizer.name if run.dataset is not None else None,
+        "train_tokens": len(run.data.tokens),
+        "precision": run.precision.name,
+        "skipped_steps": run.precision.skipped_steps,
+        "world_size": run.env.world,
+        "parallel_dims": str(run.env.dims),
+        "device": str(run.env.device),
+        "torch": torch.__version__,
+        "config": asdict(run.cfg),
+    }
+
+
+def write_metrics(out: Path, data: dict[str, Any]) -> Path:
+    """metrics.json, written atomically (a reader never sees half a file)."""
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "metrics.json"
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(data, indent=1))
+    tmp.replace(path)
+    return path
+
+
+def plot(out: Path, data: dict[str, Any]) -> Path | None:
+    """metrics.png: loss and tokens/s per step (matplotlib, imported only here)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    losses = data["losses"]
+    times = data["step_times_s"]
+    first = len(losses) - len(times) + 1  # step number of times[0] (after a resume)
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.5))
+    ax1.plot(range(1, len(losses) + 1), losses)
+    ax1.set(xlabel="step", ylabel="loss", title=f"{data['config']['model']}: training loss")
+    ax2.plot(range(first, first + len(times)), [data["tokens_per_step"] / t for t in times])
+    ax2.set(xlabel="step", ylabel="tokens/s", title="throughput")
+    fig.tight_layout()
+    path = out / "metrics.png"
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+    return path

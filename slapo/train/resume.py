@@ -1,0 +1,88 @@
+"""Saving a run and resuming it exactly: which checkpoint, is it the same run, load everything.
+
+The checkpoint format itself (DCP files, marker, checksums, safe loaders) is `run_state`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from . import run_state as ckpt
+from .config import RUN_IDENTITY, TrainConfig, flag
+from .report import warn
+
+__all__ = ["check_identity", "pick_checkpoint", "resume", "save"]
+
+
+def save(run: Any) -> Path:
+    """Collective. Checkpoint everything the next step depends on into `out/checkpoints/`."""
+    path = ckpt.checkpoint_dir(Path(run.cfg.out), run.step)
+    trainer = {"step": run.step, "losses": run.losses, "step_times": run.step_times,
+               "data": run.data.state_dict(), "config": asdict(run.cfg),
+               "precision": run.precision.state_dict()}  # fp16: the loss scale
+    ckpt.save(path, run.model, run.optimizer, trainer, run.env.rank, keep_last=run.cfg.keep_last)
+    return path
+
+
+def pick_checkpoint(run: Any) -> Path | None:
+    """Collective. The checkpoint to resume from, verified (marker, sizes, sha256).
+
+    `--resume` (latest): the newest intact checkpoint in --out; newer damaged ones are skipped
+    with a warning naming each and why (and recorded in metrics.json as `resume_skipped`).
+    None only with --resume-or-start and no checkpoint at all. `--resume DIR`: that checkpoint,
+    or an error saying what is wrong with it.
+    """
+    cfg, env = run.cfg, run.env
+    target = cfg.resume_target()
+    if target != "latest":
+        reason = ckpt.verify_all(Path(target), env.rank, env.world)
+        if reason is not None:
+            raise ckpt.CheckpointError(target, f"cannot resume: {reason}. `--resume` with no "
+                                       "directory picks the newest intact checkpoint in --out.")
+        return Path(target)
+    path, skipped = ckpt.find_resumable(Path(cfg.out), env.rank, env.world)
+    for bad, why in skipped:
+        warn(run, f"skipping checkpoint {bad}: {why}")
+        run.resume_skipped.append({"checkpoint": str(bad), "reason": why})
+    if path is None and skipped:
+        raise ckpt.CheckpointError(Path(cfg.out) / ckpt.CHECKPOINTS, "no intact checkpoint to "
+                                   "resume from (every one is listed above with its fault); "
+                                   "start a fresh run in another --out, or repair one")
+    if path is not None and skipped:
+        warn(run, f"resuming from {path.name}, the newest intact checkpoint")
+    return path
+
+
+def check_identity(cfg: Any, path: Path, saved: dict[str, Any]) -> None:
+    """The options that define the run must match the checkpoint's; checked before any tensor
+    is read, so a different model or size gets this message, not a loader error."""
+    defaults = TrainConfig()  # a key a checkpoint predates had its default value
+    diff = {k: (saved.get(k, getattr(defaults, k)), getattr(cfg, k)) for k in RUN_IDENTITY
+            if saved.get(k, getattr(defaults, k)) != getattr(cfg, k)}
+    if diff:
+        shown = ", ".join(f"--{flag(k)} {new} (checkpoint: {old})" for k, (old, new) in
+                          diff.items())
+        raise ValueError(f"cannot resume from {path}: it is a different run: {shown}.")
+
+
+def resume(run: Any, log=print) -> None:
+    """Resume from cfg.resume ("latest" in cfg.out, or a directory): verify, check identity,
+    then load weights, optimizer, RNG streams, sampler and history."""
+    path = pick_checkpoint(run)
+    if path is None:
+        log(f"--resume-or-start: no checkpoint in {run.cfg.out}/checkpoints; starting from "
+            "step 0")
+        return
+    trainer = ckpt.read_trainer(path)
+    check_identity(run.cfg, path, trainer["config"])
+    ckpt.check_world(path, run.env.world)
+    ckpt.load(path, run.model, run.optimizer, run.env.rank)
+    run.step = trainer["step"]
+    run.losses = list(trainer["losses"])
+    run.data.load_state_dict(trainer["data"])
+    if "precision" in trainer:
+        run.precision.load_state_dict(trainer["precision"])
+    run.resumed_from = run.step
+    log(f"resumed from {path} at step {run.step}")

@@ -1,0 +1,127 @@
+"""Where a `slapo train` run executes: its parallel degrees, mesh, device and random streams.
+
+The degrees come from `ParallelDims.for_world` and the mesh from `init_mesh`, the one place that
+checks degrees and builds process groups (`slapo.runtime.mesh`); nothing here builds a group by
+hand. A single process (no torchrun, no process group) gets no mesh and no process group, as
+the CPU tests expect; under torchrun every rank gets the ("dp", "pp", "tp") mesh.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..runtime.mesh import ParallelDims, init_mesh
+
+__all__ = ["Env", "data_parallel", "local_device", "seed_training_rng", "setup", "teardown"]
+
+
+@dataclass
+class Env:
+    """The run's place in the job: rank, world, device, mesh (None for one process), degrees."""
+
+    rank: int = 0
+    world: int = 1
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    mesh: Any = None          # DeviceMesh ("dp", "pp", "tp") under torchrun, else None
+    dims: ParallelDims = field(default_factory=ParallelDims)
+    owns_process_group: bool = False
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel ranks (`dims.dp`)."""
+        return self.dims.dp
+
+
+def _job_world() -> int:
+    """torchrun's WORLD_SIZE, else an existing process group's size, else 1."""
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return int(os.environ["WORLD_SIZE"])
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def _check_batch(cfg: Any, dims: ParallelDims) -> None:
+    """The global batch must split evenly into dp ranks x accumulation x micro-batches."""
+    parts = dims.dp * cfg.grad_accum * cfg.microbatches()
+    if cfg.batch_size % parts:
+        raise ValueError(f"--batch-size {cfg.batch_size} is not divisible into {dims.dp} "
+                         f"data-parallel ranks x {cfg.grad_accum} accumulation steps x "
+                         f"{cfg.microbatches()} micro-batches = {parts}; use a multiple of it.")
+
+
+def setup(cfg: Any) -> Env:
+    """One process, or join torchrun's job through `init_mesh` (gloo on CPU, NCCL on CUDA;
+    collectives time out after --dist-timeout seconds, so a dead rank fails its peers instead of
+    hanging them). A bad --tp / --pp-stages for the job's size is a SchedulingError naming the
+    torchrun command to launch."""
+    world = _job_world()
+    dims = ParallelDims.for_world(world, tp=cfg.tp or 1, pp=cfg.pp_stages or 1)
+    _check_batch(cfg, dims)
+    env = Env(world=world, dims=dims)
+    if world == 1 and not dist.is_initialized():
+        env.device = local_device(cfg.device)
+        return env
+    owns = not dist.is_initialized()
+    env.mesh = init_mesh(dims=dims, device=cfg.device, timeout_s=cfg.dist_timeout)
+    env.rank, env.owns_process_group = dist.get_rank(), owns
+    env.device = local_device(cfg.device)
+    return env
+
+
+def _use_cuda(device: str = "auto") -> bool:
+    """--device: "cuda" (checked to exist by TrainConfig.check), "cpu", or "auto": CUDA if
+    available, or, when a process group already exists, what its backend runs on (NCCL: CUDA)."""
+    if device != "auto":
+        return device == "cuda"
+    if dist.is_initialized():
+        return "nccl" in str(dist.get_backend())
+    return torch.cuda.is_available()
+
+
+def local_device(device: str = "auto") -> torch.device:
+    """This rank's torch device for `--device`."""
+    if _use_cuda(device):
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def teardown(env: Env) -> None:
+    """Destroy the process group if this run created it (a caller's group stays)."""
+    if env.owns_process_group and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def data_parallel(cfg: Any, env: Env) -> str | None:
+    """"fsdp" (--dp-shard) or "ddp" over more than one data-parallel rank, else None.
+
+    A pipeline with several data-parallel ranks is refused here, before anything is built:
+    `slapo.build` refuses DDP under a pipeline, and `--dp-shard` with one does not resume."""
+    if env.dp == 1:
+        return None
+    if (cfg.pp_stages or 1) > 1:
+        raise ValueError(f"--pp-stages {cfg.pp_stages} on {env.world} processes leaves "
+                         f"{env.dp} data-parallel ranks, which slapo train cannot combine with "
+                         "a pipeline yet (DDP cannot hold a stage; pipelined FSDP2 does not "
+                         "resume); run pp_stages x tp processes, or drop --pp-stages")
+    return "fsdp" if cfg.dp_shard else "ddp"
+
+
+def seed_training_rng(seed: int, env: Env) -> None:
+    """Training randomness (dropout): Megatron's streams, distinct per dp/pp rank and per tp
+    rank inside tensor-parallel regions, so replicas do not draw identical masks."""
+    import slapo
+
+    if env.mesh is None:
+        slapo.set_random_seed(seed + 1)
+        return
+    slapo.set_random_seed(seed + 1, tp_rank=env.mesh.get_local_rank("tp"),
+                          dp_rank=env.mesh.get_local_rank("dp"),
+                          pp_rank=env.mesh.get_local_rank("pp"))
