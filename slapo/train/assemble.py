@@ -39,7 +39,7 @@ class Run:
     @property
     def precision(self):
         """The step's `slapo.runtime.precision.Precision` (autocast context, fp16 scaler)."""
-        from slapo.runtime.precision import Precision
+        from ..runtime.precision import Precision
 
         owner = getattr(self.step_fn, "__self__", None)
         return getattr(owner, "precision", None) or Precision()
@@ -114,12 +114,12 @@ def schedule(model: nn.Module, cfg: Any, env: Env) -> tuple[nn.Module, Any, str]
     unsupported model with its SchedulingError, a knob not implemented for this model with a
     ValueError carrying apply's message (never a silent unsharded or unscheduled run).
     """
-    import slapo
-    from slapo import model_schedule
+    from .. import model_schedule
+    from ..schedule import create_schedule
 
     knobs = cfg.knobs()
     if not knobs:
-        return model, slapo.create_schedule(model, mesh=env.mesh), \
+        return model, create_schedule(model, mesh=env.mesh), \
             "none (no schedule knobs given: the HF model as built)"
     shown = ", ".join(f"{k}={v}" for k, v in knobs.items())
     extra = {"mesh": env.mesh} if env.mesh is not None else {}
@@ -140,10 +140,10 @@ def make_trainable(sch: Any, cfg: Any, env: Env) -> tuple[torch.optim.Optimizer,
     with gradient clipping over the whole mesh, in `--precision` (bf16/fp16: autocast on fp32
     master weights; fp16 with a gradient scaler).
     """
-    import slapo
+    from ..runtime.build import build as build_trainable
 
     pipeline = cfg.pipeline_schedule()
-    trainable, optimizer = slapo.build(
+    trainable, optimizer = build_trainable(
         sch, optimizer=torch.optim.AdamW, seed=cfg.seed, mesh=env.mesh,
         optimizer_kwargs={"lr": cfg.lr, "weight_decay": cfg.weight_decay, "betas": (0.9, 0.95)},
         grad_clip=cfg.grad_clip, data_parallel=data_parallel(cfg, env),

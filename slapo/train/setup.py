@@ -117,11 +117,11 @@ def data_parallel(cfg: Any, env: Env) -> str | None:
 def seed_training_rng(seed: int, env: Env) -> None:
     """Training randomness (dropout): Megatron's streams, distinct per dp/pp rank and per tp
     rank inside tensor-parallel regions, so replicas do not draw identical masks."""
-    import slapo
+    from ..distributed.rng import set_random_seed
 
     if env.mesh is None:
-        slapo.set_random_seed(seed + 1)
+        set_random_seed(seed + 1)
         return
-    slapo.set_random_seed(seed + 1, tp_rank=env.mesh.get_local_rank("tp"),
+    set_random_seed(seed + 1, tp_rank=env.mesh.get_local_rank("tp"),
                           dp_rank=env.mesh.get_local_rank("dp"),
                           pp_rank=env.mesh.get_local_rank("pp"))
