@@ -255,3 +255,24 @@ def test_gpu_plan_uses_the_gpu_schedule_in_bf16():
     assert "mixed_precision" not in cpu and cpu["steps"][0].name == "baseline (HF eager)"
     assert not any("tp" in s.knobs for s in cpu["steps"])  # tp degree 1: no TP step
     assert _plan(2, torch.device("cpu"), "inductor")["steps"][-1].knobs["tp"] == 2
+
+
+def test_progressive_refuses_a_pipeline_before_building(capsys):
+    """--pp-stages with --progressive stops with the reason before any process group or model."""
+    assert main([*DEMO_ARGS, "--pp-stages", "2"]) == 1
+    assert "drop --pp-stages 2" in capsys.readouterr().err
+
+
+def test_two_precision_spellings_at_once_are_refused():
+    """`autocast_dtype` is the older spelling of `mixed_precision`: both together is ambiguous
+    and refused before the baseline is built."""
+    import torch
+
+    from slapo import progressive
+    from slapo.errors import SlapoError
+
+    built = []
+    with pytest.raises(SlapoError, match="one of mixed_precision"):
+        progressive.run(lambda: built.append(1), [], mixed_precision="fp16",
+                        autocast_dtype=torch.bfloat16, log=lambda s: None)
+    assert not built
