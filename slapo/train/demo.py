@@ -23,6 +23,7 @@ replica; see `slapo.progressive`). `--pp-stages` > 1 is refused: the demo runs w
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -63,7 +64,7 @@ def _check(cfg: Any) -> None:
                          f"{cfg.pp_stages} (use --tp for a tensor-parallel step)")
 
 
-def run_progressive(cfg: Any, log=print) -> list[dict]:
+def run_progressive(cfg: Any, log: Callable[..., None] = print) -> list[dict]:
     """Run the demo as configured; print the table on rank 0; return the rows (every rank)."""
     from .loop import setup, teardown
 
