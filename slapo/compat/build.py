@@ -63,6 +63,6 @@ def generate_pipeline_partition(sch: Schedule, num_stages: int | None = None) ->
 
     2023 split one traced GraphModule into `submod_i` children; today a stage is a module that
     shares the model's layers (slapo.pipeline.partition), so this returns the list of stages."""
-    from ..pipeline import partition
+    from ..runtime.partition import partition
 
     return partition(sch, num_stages)

@@ -27,7 +27,8 @@ from ..init import has_meta_tensors, materialize
 from ..schedule import Schedule
 from .data_parallel import apply_data_parallel, check_data_parallel
 from .mesh import MeshInfo
-from .pipelining import (
+from .partition import check_stage_coverage, partition
+from .pipeline_runner import (
     PipelineRunner,
     TiedWeights,
     check_cuts,
@@ -37,7 +38,6 @@ from .pipelining import (
     plan_pipeline,
 )
 from .precision import Precision, check_autocast, check_mixed_precision, module_device_type
-from .stages import check_stage_coverage
 from .train_step import LocalRunner, LossFn, NormWeights, StepConfig, TrainModule
 
 TARGETS = (None, "deepspeed")
@@ -203,14 +203,6 @@ def _unique_params(modules: list[nn.Module]) -> list[nn.Parameter]:
     return out
 
 
-def partition(sch: Schedule, num_stages: int) -> list[nn.Module]:
-    """All stage modules (sharing the scheduled model's modules) from the schedule's cuts:
-    `slapo.pipeline.partition` (decoder LMs through `slapo.runtime.stages`, BERT encoders)."""
-    from ..pipeline import partition as stage_partition
-
-    return stage_partition(sch, num_stages)
-
-
 # ------------------------------------------------------------------------------------------------
 # build
 # ------------------------------------------------------------------------------------------------
@@ -348,7 +340,7 @@ def _place_stage_weights(sch: Schedule, stages: list[nn.Module], device, info: M
                          init_weights, seed: int) -> None:
     """Materialise only what this rank's stages use, exactly as the whole model would be (same
     seeds per original path, tied weights from their first owner); see `owners_union`."""
-    from .stages import owners_union
+    from .partition import owners_union
 
     if any(has_meta_tensors(s) for s in stages):
         materialize(owners_union(sch.mod, stages), device or _default_device(info),

@@ -8,7 +8,7 @@ The step is the same sequence whatever `build` composed:
     float on every rank
 
 Only the *runner* differs: `LocalRunner` runs the module (plain, DDP or FSDP2) on the slice;
-`slapo.runtime.pipelining.PipelineRunner` runs a torch.distributed.pipelining schedule. Both get
+`slapo.runtime.pipeline_runner.PipelineRunner` runs a torch.distributed.pipelining schedule. Both get
 the step's `Precision` (`slapo.runtime.precision`): forward and loss under its `autocast()`,
 backward on its `loss_for_backward(loss)`; the step's unscale and optimizer step are the
 TrainModule's, so precision is decided in one place.

@@ -53,8 +53,8 @@ def layout_of(model: nn.Module) -> DecoderLayout:
         return layout
     raise SchedulingError("", f"pipeline stages are built for HF decoder LMs laid out like "
                           f"GPT-2 (transformer.h) or LLaMA (model.layers); {type(model).__name__} "
-                          "is neither.", "use a GPT-2/LLaMA-style model, or a partition function "
-                          "from slapo.pipeline when it supports this model.")
+                          "is neither.", "use a GPT-2/LLaMA-style model (or a BERT-like encoder: "
+                          "slapo.runtime.partition covers both).")
 
 
 def layer_bounds(cuts: list[str], layout: DecoderLayout, n_layers: int) -> list[tuple[int, int]]:
@@ -77,7 +77,7 @@ def layer_bounds(cuts: list[str], layout: DecoderLayout, n_layers: int) -> list[
     return list(zip(bounds, bounds[1:], strict=False))
 
 
-def _graft(container: nn.Module, root: nn.Module, path: str) -> None:
+def graft(container: nn.Module, root: nn.Module, path: str) -> None:
     """Register `root.get_submodule(path)` in `container` under the same dotted path."""
     parent = container
     parts = path.split(".")
@@ -105,7 +105,7 @@ class HFDecoderStage(nn.Module):
         self.config = root.config
         self.input_names = ("input_ids",) if first else ()
         for path in self.paths():
-            _graft(self, root, path)
+            graft(self, root, path)
 
     def paths(self) -> list[str]:
         lay = self.layout
@@ -169,84 +169,3 @@ class HFDecoderStage(nn.Module):
                                   "be computed.", "add labels to the batch or pass loss_fn=.")
         root = self._root[0]
         return root.loss_function(outputs.logits, labels, vocab_size=self.config.vocab_size)
-
-
-def partition(sch, num_stages: int) -> list[nn.Module]:
-    """All `num_stages` stage modules of the scheduled model, from its recorded cuts."""
-    from .pipelining import pipeline_cuts
-
-    root = sch.mod
-    layout = layout_of(root)
-    cuts = pipeline_cuts(sch)
-    if len(cuts) + 1 != num_stages:
-        raise SchedulingError(sch.path, f"{len(cuts)} cut(s) give {len(cuts) + 1} stages, not "
-                              f"{num_stages}.", f"cut {num_stages - 1} layer(s).")
-    n_layers = len(root.get_submodule(layout.layers))
-    bounds = layer_bounds(cuts, layout, n_layers)
-    return [HFDecoderStage(root, layout, lo, hi, s == 0, s == num_stages - 1)
-            for s, (lo, hi) in enumerate(bounds)]
-
-
-class _Parts(nn.Module):
-    """A container of original modules under their original names (see `owners_union`)."""
-
-    def __init__(self, root: nn.Module, paths: list[str]):
-        super().__init__()
-        self._root = (root,)
-        if hasattr(root, "config") and hasattr(root, "_init_weights"):
-            self.config = root.config  # lets delayed init find the model's own `_init_weights`
-        for path in paths:
-            _graft(self, root, path)
-
-    def _init_weights(self, module: nn.Module) -> None:
-        self._root[0]._init_weights(module)
-
-
-def owners_union(root: nn.Module, stages: list[nn.Module]) -> nn.Module:
-    """The modules of `root` that directly own a tensor the `stages` use, in `root`'s order and
-    under their original names.
-
-    Materialising this instead of each stage reproduces exactly what materialising the whole
-    model does for those tensors: the same modules are initialised under the same per-path
-    seeds, and a weight tied across stages (GPT-2's embedding and LM head) is initialised at
-    its first owner (the embedding), as in the full model, even on a rank that only holds the
-    head, and once when two local stages share it.
-    """
-    used = {id(t) for s in stages for t in [*s.parameters(), *s.buffers()]}
-    paths = []
-    for path, mod in root.named_modules():
-        owned = [t for t in [*mod._parameters.values(), *mod._buffers.values()] if t is not None]
-        if path and any(id(t) in used for t in owned):
-            paths.append(path)
-    return _Parts(root, paths)
-
-
-def check_stage_coverage(root: nn.Module, stages: list[nn.Module]) -> None:
-    """Every parameter name of `root` belongs to exactly one stage, checked before anything is
-    materialised or moved (every rank builds all stages, so every rank raises the same error).
-
-    A parameter in no stage would never be trained (nothing logged, the loss silently off);
-    one in two stages would be updated twice. Tied weights follow their owners: a tensor shared
-    under two names (GPT-2's `transformer.wte.weight` and `lm_head.weight`, BERT's word
-    embedding and `cls.predictions.decoder.weight`) is held by the stage of each name, and
-    `find_tied` sums its gradients over those stages' ranks."""
-    count: dict[str, int] = {}
-    for stage in stages:
-        for name, _ in stage.named_parameters(remove_duplicate=False):
-            count[name] = count.get(name, 0) + 1
-    names = [n for n, _ in root.named_parameters(remove_duplicate=False)]
-    orphans = [n for n in names if count.get(n, 0) == 0]
-    doubled = sorted(n for n, c in count.items() if c > 1)
-    if orphans:
-        shown = ", ".join(orphans[:12]) + (f" (+{len(orphans) - 12} more)" if len(orphans) > 12
-                                           else "")
-        raise SchedulingError("", f"{len(orphans)} parameter(s) of {type(root).__name__} belong "
-                              f"to no pipeline stage and would never be trained: {shown}.",
-                              "use a model class whose head the pipeline stages cover (decoder "
-                              "LMs, BertModel/RobertaModel, *ForMaskedLM), or pipeline the base "
-                              "model and apply the head in loss_fn only if it has no "
-                              "parameters.")
-    if doubled:
-        raise SchedulingError("", f"parameter(s) {', '.join(doubled[:12])} are held by more "
-                              "than one pipeline stage.", "cut the model so each module is in "
-                              "one stage.")

@@ -1,0 +1,149 @@
+"""Partition a scheduled model into pipeline stage modules at its `cut_pipeline_stage` cuts.
+
+Approach (torchtitan's, not Slapo 2023's whole-model trace + split_module): a stage is a small
+module that *shares* the original submodules (no copies) for its layers, and for HF models adds
+what the ends need: the first stage the embeddings, later stages take hidden states, the last
+the final norm and head. Sharing means every primitive applied to a layer (shard/sync hooks,
+checkpoint, traced/fused graphs) comes along and parameter names stay those of the full model.
+Decoder LMs (GPT-2, LLaMA, ...) get `stages_decoder.HFDecoderStage`; encoders (BERT, RoBERTa:
+the base model, or `*ForMaskedLM` with its head on the last stage) `stages_encoder.BertStage`.
+Other head classes (sequence classification, pre-training) are not partitioned: `build` refuses
+them, naming the parameters no stage holds (`check_stage_coverage`), instead of training
+without them. `slapo.pipeline` is the public (and 2023) name of this module's functions.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from ..errors import SchedulingError
+from .stages_decoder import DecoderLayout, HFDecoderStage, graft, layer_bounds, layout_of
+from .stages_encoder import BertStage, encoder_prefix
+
+
+def cuts_of(sch) -> list[str]:
+    """The recorded stage boundaries, in model order."""
+    return list(sch.pipeline_cuts)
+
+
+def partition(sch_or_model, num_stages: int | None = None) -> list[nn.Module]:
+    """Stage modules (sharing the model's submodules) whose sequential composition is the
+    model's forward: stage 0 takes `input_ids`, stage i>0 the previous stage's output."""
+    sch = sch_or_model if hasattr(sch_or_model, "_root") else None
+    if sch is None:
+        raise SchedulingError("", "partition needs the schedule (the cuts live there).",
+                              "pass slapo.create_schedule(model) after cut_pipeline_stage().")
+    cuts = cuts_of(sch)
+    n = len(cuts) + 1 if num_stages is None else num_stages
+    if not cuts:
+        raise SchedulingError(sch.path, "the schedule has no pipeline cuts.",
+                              "call sch['<layers>.<i>'].cut_pipeline_stage() first.")
+    model = sch.mod
+    prefix = encoder_prefix(model)
+    if prefix is None:
+        return _decoder_stages(sch, n)
+    layout = DecoderLayout("bert", prefix + "encoder.layer", (), ())
+    if len(cuts) + 1 != n:
+        raise SchedulingError(sch.path, f"{len(cuts)} cut(s) give {len(cuts) + 1} stages, not "
+                              f"{n}.", f"cut {n - 1} layer(s).")
+    n_layers = len(model.get_submodule(layout.layers))
+    bounds = layer_bounds(cuts, layout, n_layers)
+    return [BertStage(model, prefix, lo, hi, s == 0, s == n - 1)
+            for s, (lo, hi) in enumerate(bounds)]
+
+
+def build_stage(sch, stage_idx: int) -> nn.Module:
+    """Only stage `stage_idx` (what one pipeline rank runs)."""
+    stages = partition(sch)
+    if not 0 <= stage_idx < len(stages):
+        raise SchedulingError(sch.path, f"stage {stage_idx} does not exist ({len(stages)} "
+                              "stages).", f"use 0..{len(stages) - 1}.")
+    return stages[stage_idx]
+
+
+def run_stages(stages: list[nn.Module], input_ids: torch.Tensor):
+    """Run the stages one after the other (the reference a pipeline schedule must reproduce)."""
+    x = input_ids
+    for stage in stages:
+        x = stage(x)
+    return x
+
+
+def _decoder_stages(sch, num_stages: int) -> list[nn.Module]:
+    """All `num_stages` stage modules of a decoder LM, from the schedule's cuts."""
+    root = sch.mod
+    layout = layout_of(root)
+    cuts = list(sch.pipeline_cuts)
+    if len(cuts) + 1 != num_stages:
+        raise SchedulingError(sch.path, f"{len(cuts)} cut(s) give {len(cuts) + 1} stages, not "
+                              f"{num_stages}.", f"cut {num_stages - 1} layer(s).")
+    n_layers = len(root.get_submodule(layout.layers))
+    bounds = layer_bounds(cuts, layout, n_layers)
+    return [HFDecoderStage(root, layout, lo, hi, s == 0, s == num_stages - 1)
+            for s, (lo, hi) in enumerate(bounds)]
+
+
+class _Parts(nn.Module):
+    """A container of original modules under their original names (see `owners_union`)."""
+
+    def __init__(self, root: nn.Module, paths: list[str]):
+        super().__init__()
+        self._root = (root,)
+        if hasattr(root, "config") and hasattr(root, "_init_weights"):
+            self.config = root.config  # lets delayed init find the model's own `_init_weights`
+        for path in paths:
+            graft(self, root, path)
+
+    def _init_weights(self, module: nn.Module) -> None:
+        self._root[0]._init_weights(module)
+
+
+def owners_union(root: nn.Module, stages: list[nn.Module]) -> nn.Module:
+    """The modules of `root` that directly own a tensor the `stages` use, in `root`'s order and
+    under their original names.
+
+    Materialising this instead of each stage reproduces exactly what materialising the whole
+    model does for those tensors: the same modules are initialised under the same per-path
+    seeds, and a weight tied across stages (GPT-2's embedding and LM head) is initialised at
+    its first owner (the embedding), as in the full model, even on a rank that only holds the
+    head, and once when two local stages share it.
+    """
+    used = {id(t) for s in stages for t in [*s.parameters(), *s.buffers()]}
+    paths = []
+    for path, mod in root.named_modules():
+        owned = [t for t in [*mod._parameters.values(), *mod._buffers.values()] if t is not None]
+        if path and any(id(t) in used for t in owned):
+            paths.append(path)
+    return _Parts(root, paths)
+
+
+def check_stage_coverage(root: nn.Module, stages: list[nn.Module]) -> None:
+    """Every parameter name of `root` belongs to exactly one stage, checked before anything is
+    materialised or moved (every rank builds all stages, so every rank raises the same error).
+
+    A parameter in no stage would never be trained (nothing logged, the loss silently off);
+    one in two stages would be updated twice. Tied weights follow their owners: a tensor shared
+    under two names (GPT-2's `transformer.wte.weight` and `lm_head.weight`, BERT's word
+    embedding and `cls.predictions.decoder.weight`) is held by the stage of each name, and
+    `find_tied` sums its gradients over those stages' ranks."""
+    count: dict[str, int] = {}
+    for stage in stages:
+        for name, _ in stage.named_parameters(remove_duplicate=False):
+            count[name] = count.get(name, 0) + 1
+    names = [n for n, _ in root.named_parameters(remove_duplicate=False)]
+    orphans = [n for n in names if count.get(n, 0) == 0]
+    doubled = sorted(n for n, c in count.items() if c > 1)
+    if orphans:
+        shown = ", ".join(orphans[:12]) + (f" (+{len(orphans) - 12} more)" if len(orphans) > 12
+                                           else "")
+        raise SchedulingError("", f"{len(orphans)} parameter(s) of {type(root).__name__} belong "
+                              f"to no pipeline stage and would never be trained: {shown}.",
+                              "use a model class whose head the pipeline stages cover (decoder "
+                              "LMs, BertModel/RobertaModel, *ForMaskedLM), or pipeline the base "
+                              "model and apply the head in loss_fn only if it has no "
+                              "parameters.")
+    if doubled:
+        raise SchedulingError("", f"parameter(s) {', '.join(doubled[:12])} are held by more "
+                              "than one pipeline stage.", "cut the model so each module is in "
+                              "one stage.")

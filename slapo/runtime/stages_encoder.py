@@ -1,0 +1,101 @@
+"""Pipeline stage modules for Hugging Face BERT-like encoders (BERT, RoBERTa; the base model or
+`*ForMaskedLM` with its head on the last stage), built from the cuts. Same approach as the
+decoder stages (`stages_decoder`): a stage shares the scheduled model's modules under their
+original names."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from ..errors import SchedulingError
+from .stages_decoder import graft
+
+ENCODER_PREFIXES = ("", "bert.", "roberta.")
+# the masked-LM head module of each supported head class (BertForMaskedLM: `cls`,
+# RobertaForMaskedLM: `lm_head`); other head classes are refused at build, naming the
+# parameters no stage would hold (`slapo.runtime.partition.check_stage_coverage`)
+MLM_HEADS = ("cls", "lm_head")
+
+
+def encoder_prefix(model: nn.Module) -> str | None:
+    for prefix in ENCODER_PREFIXES:
+        try:
+            model.get_submodule(prefix + "encoder.layer")
+            model.get_submodule(prefix + "embeddings")
+            return prefix
+        except AttributeError:
+            continue
+    return None
+
+
+def mlm_head(model: nn.Module) -> str | None:
+    """The path of the masked-LM head of a `*ForMaskedLM` encoder, else None."""
+    if not type(model).__name__.endswith("ForMaskedLM"):
+        return None
+    return next((h for h in MLM_HEADS if isinstance(getattr(model, h, None), nn.Module)), None)
+
+
+class BertStage(nn.Module):
+    """Layers [lo, hi) of an HF BERT-like encoder (BERT, RoBERTa); the first stage embeds
+    `input_ids`. The last stage also runs what follows the encoder: a `*ForMaskedLM` model's
+    head (returns the logits; `outputs.loss` is the model's own masked-LM cross-entropy), else
+    the pooler if any (returns `(last_hidden_state, pooler_output)`)."""
+
+    def __init__(self, root: nn.Module, prefix: str, lo: int, hi: int, first: bool, last: bool):
+        super().__init__()
+        self.prefix, self.lo, self.hi, self.first, self.last = prefix, lo, hi, first, last
+        self.config = root.config
+        self._root = (root,)  # a tuple: not registered, so its parameters stay out of the stage
+        self.head = mlm_head(root) if last else None
+        self.input_names = ("input_ids",) if first else ()
+        paths = ([prefix + "embeddings"] if first else [])
+        paths += [f"{prefix}encoder.layer.{i}" for i in range(lo, hi)]
+        encoder = root.get_submodule(prefix.rstrip(".")) if prefix else root
+        if last and self.head is None and getattr(encoder, "pooler", None) is not None:
+            paths.append(prefix + "pooler")
+        if self.head is not None:
+            paths.append(self.head)
+        for p in paths:
+            graft(self, root, p)
+
+    def _init_weights(self, module: nn.Module) -> None:  # delayed init uses the model's own
+        self._root[0]._init_weights(module)
+
+    def forward(self, x: torch.Tensor):
+        h = self.get_submodule(self.prefix + "embeddings")(input_ids=x) if self.first else x
+        for i in range(self.lo, self.hi):
+            out = self.get_submodule(f"{self.prefix}encoder.layer.{i}")(h)
+            h = out[0] if isinstance(out, tuple) else out
+        if not self.last:
+            return h
+        if self.head is not None:
+            return self.get_submodule(self.head)(h)
+        try:
+            pooler = self.get_submodule(self.prefix + "pooler")
+        except AttributeError:
+            return h
+        return h, pooler(h)
+
+    # ---- what the pipeline runtime asks the last stage ----------------------------------------
+    def pipeline_outputs(self, output):
+        if self.head is None:
+            return output
+        from transformers.modeling_outputs import MaskedLMOutput
+
+        return MaskedLMOutput(logits=output)
+
+    def default_loss(self, outputs, batch) -> torch.Tensor:
+        """The `*ForMaskedLM` model's own loss: cross-entropy over `batch['labels']` (-100
+        ignored), as HF computes it."""
+        if self.head is None:
+            raise SchedulingError("", f"{type(self._root[0]).__name__} has no loss of its own "
+                                  "(no masked-LM head).", "pass build(..., loss_fn=fn) with "
+                                  "fn(outputs, batch) -> scalar.")
+        labels = batch.get("labels") if isinstance(batch, dict) else None
+        if labels is None:
+            raise SchedulingError("", "the batch has no `labels`, so the model's own loss cannot "
+                                  "be computed.", "add labels to the batch or pass loss_fn=.")
+        logits = outputs.logits
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                                                 labels.reshape(-1).to(logits.device))

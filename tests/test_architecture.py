@@ -1,0 +1,142 @@
+"""The shape of the package (docs/architecture.md), checked: imports go one way, down the
+layers; no package imports the top-level `slapo` namespace from inside; the built-in primitives
+are real, typed `Schedule` methods generated from their classes."""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import inspect
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1] / "slapo"
+
+# Bottom to top; a module may import its own layer and the layers below (docs/architecture.md).
+LAYERS: list[tuple[str, ...]] = [
+    ("errors", "notices", "distributed", "module_patch", "sharding", "init"),
+    ("graph", "op", "primitives", "schedule"),
+    ("runtime", "pipeline", "verify", "profile", "consolidate"),
+    ("model_schedule",),
+    ("data", "progressive", "train", "tune"),
+    ("compat", "pattern", "random", "utils", "cli"),
+]
+LAYER_OF = {name: i for i, names in enumerate(LAYERS) for name in names}
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for path in ROOT.rglob("*.py"):
+        parts = list(path.relative_to(ROOT.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        out[".".join(parts)] = path
+    return out
+
+
+MODULES = _modules()
+
+
+def _imports(name: str, path: Path) -> list[tuple[str, int]]:
+    """(imported slapo module, line) for every import in the file, at any depth (an import
+    inside a function is a dependency too)."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            for alias in node.names:
+                sub = f"{target}.{alias.name}"
+                found.append((sub if sub in MODULES else target, node.lineno))
+        elif isinstance(node, ast.Import):
+            found += [(alias.name, node.lineno) for alias in node.names]
+    return [(t, line) for t, line in found if t == "slapo" or t.startswith("slapo.")]
+
+
+def _package(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else ""
+
+
+def _edges() -> dict[tuple[str, str], list[str]]:
+    edges = defaultdict(list)
+    for name, path in MODULES.items():
+        for target, line in _imports(name, path):
+            a, b = _package(name), _package(target)
+            if a != b:
+                edges[(a, b)].append(f"{path.relative_to(ROOT.parent)}:{line}")
+    return edges
+
+
+def test_every_package_has_a_layer():
+    packages = {_package(m) for m in MODULES} - {""}
+    assert packages <= set(LAYER_OF), f"add to LAYERS: {sorted(packages - set(LAYER_OF))}"
+
+
+def test_nothing_inside_imports_the_top_level_namespace():
+    """`import slapo` from inside the package hides which room a dependency lives in and makes
+    every room depend on all of them (slapo/__init__ imports everything)."""
+    bad = [f"{src} imports `slapo`" for (a, b), srcs in _edges().items() if b == ""
+           for src in srcs if a]
+    assert not bad, "\n".join(bad)
+
+
+def test_imports_go_down_the_layers():
+    bad = []
+    for (a, b), srcs in sorted(_edges().items()):
+        if a and b and LAYER_OF[b] > LAYER_OF[a]:
+            bad += [f"{src}: {a} (layer {LAYER_OF[a]}) imports {b} (layer {LAYER_OF[b]})"
+                    for src in srcs]
+    assert not bad, "\n".join(bad)
+
+
+def test_no_import_cycles_between_packages():
+    graph = defaultdict(set)
+    for a, b in _edges():
+        if a and b:
+            graph[a].add(b)
+    # schedule (the tree) and primitives (its methods) are one room split over two names:
+    # the tree's methods run the primitive classes; primitives never import the tree
+    cycles = []
+
+    def visit(node, stack):
+        for nxt in sorted(graph[node]):
+            if nxt in stack:
+                cycles.append(stack[stack.index(nxt):] + [nxt])
+            elif len(stack) < 8:
+                visit(nxt, stack + [nxt])
+
+    for start in sorted(graph):
+        visit(start, [start])
+    assert not cycles, "\n".join(" -> ".join(c) for c in cycles[:10])
+
+
+def test_primitive_methods_are_generated_from_the_primitives():
+    spec = importlib.util.spec_from_file_location(
+        "gen_primitive_methods", ROOT.parent / "scripts" / "gen_primitive_methods.py")
+    gen = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gen)
+    assert (ROOT / "primitives" / "methods.py").read_text() == gen.render(), \
+        "slapo/primitives/methods.py is stale: run `python scripts/gen_primitive_methods.py`"
+
+
+@pytest.mark.parametrize("name", [c.name for c in __import__("slapo.primitives",
+                                                             fromlist=["BUILTIN"]).BUILTIN])
+def test_every_builtin_primitive_is_a_typed_schedule_method(name):
+    from slapo.primitives import get_primitive
+    from slapo.schedule import Schedule
+
+    method = inspect.getattr_static(Schedule, name)
+    assert inspect.isfunction(method), f"Schedule.{name} is not a def"
+    prim = get_primitive(name)
+    want = list(inspect.signature(prim.apply).parameters)[1:]
+    got = [p for p in inspect.signature(method).parameters if p != "self"]
+    assert got[:len(want)] == want
+    assert method.__doc__ and inspect.getdoc(prim).split("\n\n")[0].splitlines()[0] in \
+        method.__doc__
