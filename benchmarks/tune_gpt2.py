@@ -32,9 +32,9 @@ from rich.table import Table
 from slapo.tune.cli import TuneReport, tune, write_outputs
 from slapo.tune.database import Database
 from slapo.tune.evaluators import TrialEvaluator, TrialSettings
+from slapo.tune.model_spaces import SpaceArgs, make_space
 from slapo.tune.predictors import GPT2CostModel
 from slapo.tune.space import Config, config_key
-from slapo.tune.spaces import SpaceArgs, make_space
 
 
 def run_search(algorithm: str, out: Path, space: Any, evaluate: Any, predict: Any,

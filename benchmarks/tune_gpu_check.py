@@ -113,8 +113,8 @@ def table(results: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from slapo.tune.model_spaces import GPU_MODELS
     from slapo.tune.predictors import GPUCostModel
-    from slapo.tune.spaces import GPU_MODELS
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--results", default=str(HERE / "results" / "gpu_train_h100.jsonl"))

@@ -6,8 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from slapo.tune.predictors import GPUCostModel, simulate_step
-from slapo.tune.spaces import (
+from slapo.tune.model_spaces import (
     GPU_MODELS,
     GPUModelSpec,
     GPUSpaceArgs,
@@ -15,6 +14,7 @@ from slapo.tune.spaces import (
     gpu_space,
     schedule_knobs,
 )
+from slapo.tune.predictors import GPUCostModel, simulate_step
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY_LLAMA = GPUModelSpec("tiny-llama", "LlamaConfig", "LlamaForCausalLM", dict(

@@ -25,15 +25,24 @@ Every knob is a plain value, so the tuner can search over them. `knobs.ScheduleK
 each one once (help text, domain, tuning candidates) and validates them; `slapo train`'s flags and
 TOML keys and `slapo tune`'s spaces derive from it. Supported families live one per
 file; `supported()` lists them. To add one, write `slapo/model_schedule/<family>.py` with a
-`Family` (see `_registry.py`) and register it.
+`Family` (see `_registry.py`) whose `tp_plan` is a `TPPlan` table, and register it
+(`register_family`; the built-in ones are listed in `BUILTIN_FAMILIES` below).
 """
 
 from __future__ import annotations
 
-from . import albert, bert, gpt2, gpt_neo, llama, opt, roberta, t5  # noqa: F401  (register)
+from . import albert, bert, gpt2, gpt_neo, llama, opt, roberta, t5
 from ._registry import Family, apply, detect, register_family, supported
 from .compat import apply_schedule  # noqa: F401  (Slapo 2023 spelling, compat.py)
 from .knobs import KnobError, ScheduleKnobs
+from .plan import TPPlan, shard_block
 
-__all__ = ["Family", "KnobError", "ScheduleKnobs", "apply", "detect", "register_family",
-           "supported"]
+# The built-in families, registered here in one visible list (a family file only declares its
+# `FAMILY`); users add theirs with `register_family`.
+BUILTIN_FAMILIES = (gpt2.FAMILY, gpt_neo.FAMILY, llama.FAMILY, bert.FAMILY, roberta.FAMILY,
+                    opt.FAMILY, t5.FAMILY, albert.FAMILY)
+for _family in BUILTIN_FAMILIES:
+    register_family(_family)
+
+__all__ = ["BUILTIN_FAMILIES", "Family", "KnobError", "ScheduleKnobs", "TPPlan", "apply",
+           "detect", "register_family", "shard_block", "supported"]

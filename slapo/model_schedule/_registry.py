@@ -135,7 +135,8 @@ def apply(model_or_sch: nn.Module | Schedule, *, tp: int | None = None, ckpt_rat
                   kernels=kernels).validate(sch.path)
     tp = ws if tp is None else tp
     _validate(sch, family, tp, ws, sequence_parallel, pp_stages, vocab_parallel, fused_loss)
-    _validate_plan(sch, family, tp, attention, fuse, kernels, pp_stages)
+    _validate_plan(sch, family, tp, attention, fuse, kernels, pp_stages,
+                   sequence_parallel and tp > 1)
     if attention is not None:
         _set_attention(sch, attention)
     sp = sequence_parallel and tp > 1  # one rank: nothing to split, SP is the identity
@@ -193,11 +194,14 @@ def _install_cores(sch: Schedule, family: Family) -> None:
                 _common.install_hf_core(layer[rel])
 
 
-def _validate_plan(sch, family, tp, attention, fuse, kernels, pp_stages) -> None:
+def _validate_plan(sch, family, tp, attention, fuse, kernels, pp_stages, sp) -> None:
     """The checks that need the model (its layers, heads, plans), before any mutation."""
     layers = layers_of(sch, family)  # a missing layer list fails here, before anything changes
     if tp > 1:
         _common.check_tp_heads(sch, tp)
+        if family.tp_plan is not None:  # every row of every layer, before the first shard
+            for layer in layers:
+                family.tp_plan.resolve(layer, tp, sequence_parallel=sp)
     if attention == "flash":
         from ..op import flash_attn_available
 

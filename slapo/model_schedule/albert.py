@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ._registry import Family, register_family
+from ._registry import Family
 from .plan import Column, ReduceInputGrad, Row, TPPlan
 
 # AlbertAttention adds its input back (residual + LayerNorm inside the module), so its input
@@ -16,8 +16,8 @@ TP_PLAN = TPPlan((
     ("ffn_output", Row()),
 ))
 
-FAMILY = register_family(Family(
+FAMILY = Family(
     name="albert", model_types=("albert",), layer_lists=("albert_layer_groups.0.albert_layers",),
     tp_plan=TP_PLAN,
     tp_rng_core=("attention",),  # AlbertAttention also holds the replicated output_dropout
-    notes="layers share weights: ckpt_ratio > 0 checkpoints the shared layer (all of them)."))
+    notes="layers share weights: ckpt_ratio > 0 checkpoints the shared layer (all of them).")

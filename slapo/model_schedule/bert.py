@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ._registry import Family, register_family
+from ._registry import Family
 from .plan import Column, EnterRegion, Row, TPPlan
 from .sequence_parallel import SequencePlan
 
@@ -19,7 +19,7 @@ TP_PLAN = TPPlan((
     ("output.dense", Row()),
 ))
 
-FAMILY = register_family(Family(
+FAMILY = Family(
     name="bert", model_types=("bert",), layer_lists=("encoder.layer",),
     tp_plan=TP_PLAN, mlp_paths=("intermediate",),
     # BertSelfAttention draws only the probability dropout; `attention.output.dropout` and
@@ -31,4 +31,4 @@ FAMILY = register_family(Family(
     sequence_plan=SequencePlan(split="encoder.layer.0", gather="encoder",
                                norms=("attention.output.LayerNorm", "output.LayerNorm"),
                                dropouts=("attention.output.dropout", "output.dropout"),
-                               gather_feeds_head=False)))
+                               gather_feeds_head=False))

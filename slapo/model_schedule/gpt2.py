@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ._registry import Family, register_family
+from ._registry import Family
 from .plan import Column, DivideAttr, EnterRegion, Row, TPPlan
 from .sequence_parallel import SequencePlan
 
@@ -19,7 +19,7 @@ TP_PLAN = TPPlan((
     ("mlp.c_proj", Row()),
 ))
 
-FAMILY = register_family(Family(
+FAMILY = Family(
     name="gpt2", model_types=("gpt2",), layer_lists=("h",), tp_plan=TP_PLAN,
     mlp_paths=("mlp",),
     # the attention core (heads sharded) draws per-rank masks; `attn.resid_dropout`, in the same
@@ -30,4 +30,4 @@ FAMILY = register_family(Family(
     sequence_plan=SequencePlan(split="transformer.drop", gather="transformer.ln_f",
                                norms=("ln_1", "ln_2", "/transformer.ln_f"),
                                dropouts=("/transformer.drop", "attn.resid_dropout",
-                                         "mlp.dropout"))))
+                                         "mlp.dropout")))

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ._registry import Family, register_family
+from ._registry import Family
 from .plan import Column, DivideAttr, EnterRegion, Row, TPPlan
 from .sequence_parallel import SequencePlan
 
@@ -20,7 +20,7 @@ TP_PLAN = TPPlan((
     ("mlp.c_proj", Row()),
 ))
 
-FAMILY = register_family(Family(
+FAMILY = Family(
     name="gpt_neo", model_types=("gpt_neo",), layer_lists=("h",), tp_plan=TP_PLAN,
     mlp_paths=("mlp",),
     # GPTNeoSelfAttention applies its probability dropout as the `attn_dropout` module (its
@@ -31,4 +31,4 @@ FAMILY = register_family(Family(
     sequence_plan=SequencePlan(split="transformer.drop", gather="transformer.ln_f",
                                norms=("ln_1", "ln_2", "/transformer.ln_f"),
                                dropouts=("/transformer.drop", "attn.attention.resid_dropout",
-                                         "mlp.dropout"))))
+                                         "mlp.dropout")))

@@ -6,7 +6,7 @@ attention the number of KV heads must also divide by tp.
 
 from __future__ import annotations
 
-from ._registry import Family, register_family
+from ._registry import Family
 from .plan import Column, EnterRegion, ReduceParamGrads, Row, TPPlan
 from .sequence_parallel import SequencePlan
 
@@ -25,7 +25,7 @@ TP_PLAN = TPPlan((
     ("mlp.down_proj", Row()),
 ))
 
-FAMILY = register_family(Family(
+FAMILY = Family(
     name="llama", model_types=("llama", "mistral", "qwen2", "qwen3"), layer_lists=("layers",),
     tp_plan=TP_PLAN, mlp_paths=("mlp",),
     tp_rng=("self_attn",),  # its only random op is the core's probability dropout
@@ -33,4 +33,4 @@ FAMILY = register_family(Family(
     # mask are computed on the full sequence before it) and gathered after the final norm.
     sequence_plan=SequencePlan(split="layers.0", gather="norm",
                                norms=("input_layernorm", "post_attention_layernorm",
-                                      "/norm"))))
+                                      "/norm")))

@@ -5,7 +5,7 @@ from __future__ import annotations
 from ..errors import SchedulingError
 from ..schedule import Schedule
 from ._common import find_path
-from ._registry import Family, register_family
+from ._registry import Family
 from .plan import Column, DivideAttr, EnterRegion, Row, TPPlan
 from .sequence_parallel import SequencePlan
 
@@ -40,7 +40,7 @@ def check_sequence_parallel(sch: Schedule) -> None:
                               "use sequence_parallel=False for this variant.")
 
 
-FAMILY = register_family(Family(
+FAMILY = Family(
     name="opt", model_types=("opt",), layer_lists=("decoder.layers",), tp_plan=TP_PLAN,
     tp_rng=("self_attn",),  # the residual dropouts are functional calls of the layer itself
     # split entering the first layer (learned positions and the causal mask are full-sequence),
@@ -50,4 +50,4 @@ FAMILY = register_family(Family(
     sequence_plan=SequencePlan(split="decoder.layers.0", gather="decoder.final_layer_norm",
                                norms=("self_attn_layer_norm", "final_layer_norm",
                                       "/decoder.final_layer_norm"),
-                               dropouts=(".",), validate=check_sequence_parallel)))
+                               dropouts=(".",), validate=check_sequence_parallel))

@@ -9,10 +9,10 @@ vocabulary-parallel `decoder`, so the gathered encoder output does not feed the 
 from __future__ import annotations
 
 from . import bert
-from ._registry import Family, register_family
+from ._registry import Family
 
-FAMILY = register_family(Family(
+FAMILY = Family(
     name="roberta", model_types=("roberta", "xlm-roberta", "camembert"),
     layer_lists=("encoder.layer",), tp_plan=bert.TP_PLAN, mlp_paths=("intermediate",),
     tp_rng=bert.FAMILY.tp_rng,
-    sequence_plan=bert.FAMILY.sequence_plan))
+    sequence_plan=bert.FAMILY.sequence_plan)

@@ -8,7 +8,7 @@ parallelism shards those along the sequence (dim 1), so each rank stores [B, S/t
                   (S/tp)   (backward:                          (bias added once,       (S/tp)
                             reduce-scatter)                     after the scatter)
 
-- the family's `shard_layer(..., sequence_parallel=True)` puts the all-gather on each region's
+- the family's `TPPlan` applied with `sequence_parallel=True` puts the all-gather on each region's
   input and a reduce-scatter (instead of an all-reduce) on each row-parallel output;
 - `split_and_gather` splits the hidden states along the sequence *after* every position-dependent
   part (GPT-2's `wpe`, LLaMA's rotary tables and the causal mask are computed on the full

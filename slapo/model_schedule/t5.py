@@ -10,7 +10,7 @@ and v1.1's gated `wi_0`/`wi_1`.
 
 from __future__ import annotations
 
-from ._registry import Family, register_family
+from ._registry import Family
 from .plan import Column, DivideAttr, ReduceInputGrad, Row, ShardParam, Style, TPPlan
 
 
@@ -43,11 +43,11 @@ TP_PLAN = TPPlan((*SELF_ATTENTION, *CROSS_ATTENTION,
                   *_rows("layer.1.DenseReluDense", FEED_FORWARD),     # encoder
                   *_rows("layer.2.DenseReluDense", FEED_FORWARD)))    # decoder
 
-FAMILY = register_family(Family(
+FAMILY = Family(
     name="t5", model_types=("t5", "mt5"), layer_lists=("encoder.block", "decoder.block"),
     tp_plan=TP_PLAN,
     # attention (only its probability dropout is random) and the FF dropout between the
     # column-parallel `wi` and the row-parallel `wo` (feature-sharded) draw per-rank masks
     tp_rng=("layer.0.SelfAttention", "layer.1.EncDecAttention", "layer.1.DenseReluDense.dropout",
             "layer.2.DenseReluDense.dropout"),
-    mlp_paths=("layer.1.DenseReluDense", "layer.2.DenseReluDense")))
+    mlp_paths=("layer.1.DenseReluDense", "layer.2.DenseReluDense"))

@@ -145,7 +145,7 @@ def make_trainable(sch: Any, cfg: Any, env: Env) -> tuple[torch.optim.Optimizer,
     pipeline = cfg.pipeline_schedule()
     trainable, optimizer = build_trainable(
         sch, optimizer=torch.optim.AdamW, seed=cfg.seed, mesh=env.mesh,
-        optimizer_kwargs={"lr": cfg.lr, "weight_decay": cfg.weight_decay, "betas": (0.9, 0.95)},
+        optimizer_kwargs=cfg.optimizer_kwargs(),
         grad_clip=cfg.grad_clip, data_parallel=data_parallel(cfg, env),
         pipeline=pipeline, virtual_stages=cfg.stages_per_rank() if pipeline else None,
         grad_accum=cfg.grad_accum, mixed_precision=cfg.mixed_precision())

@@ -39,7 +39,8 @@ MULTI_STAGE = ("Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZero
 # Options that must match a checkpoint for resuming to continue the same run.
 RUN_IDENTITY = ("model", "batch_size", "seq_len", "seed", "hidden_size", "num_layers",
                 "num_heads", "dropout", "tp", "pp_stages", "data", "text_field", "tokenizer",
-                "val_fraction")
+                "val_fraction", "sequence_parallel", "vocab_parallel")  # the last two: how the
+# tensors are laid out on the ranks, so a resume with another value is another run
 
 
 def flag(name: str) -> str:
@@ -206,6 +207,10 @@ class RunOptions:
     def microbatches(self) -> int:
         """torch's default: one micro-batch per stage."""
         return (self.pp_stages or 1) * self.stages_per_rank() if self.pipeline_schedule() else 1
+
+    def optimizer_kwargs(self) -> dict[str, Any]:
+        """AdamW's arguments: the one definition `slapo train` and tune trials step with."""
+        return {"lr": self.lr, "weight_decay": self.weight_decay, "betas": (0.9, 0.95)}
 
     def mixed_precision(self) -> str | None:
         """The `slapo.build(mixed_precision=...)` value: None for fp32."""

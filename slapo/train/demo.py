@@ -66,7 +66,7 @@ def _check(cfg: Any) -> None:
 
 def run_progressive(cfg: Any, log: Callable[..., None] = print) -> list[dict]:
     """Run the demo as configured; print the table on rank 0; return the rows (every rank)."""
-    from .loop import setup, teardown
+    from .setup import setup, teardown
 
     _check(cfg)
     env = setup(cfg)

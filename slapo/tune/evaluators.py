@@ -29,18 +29,14 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from ..profile import meter
-from ..profile.meter import rss_bytes  # noqa: F401 - re-exported for tune.predictors
+from .model_spaces import build_knobs, schedule_knobs
 from .runner import CallableEvaluator, TrialResult, _check_peak
 from .space import Config
-from .spaces import build_knobs, schedule_knobs
 
 _GUARD_SLACK = 1 << 30
 # Imported once by the forkserver, so a trial does not spend seconds importing model code.
 _PRELOAD = [__name__, "slapo.model_schedule", "slapo.train", "slapo.train.models",
             "transformers.models.gpt2.modeling_gpt2"]
-# slapo train's AdamW betas (`slapo.train.loop.make_trainable`); lr, weight decay and gradient
-# clipping are `TrainConfig`'s defaults. A trial times the optimizer slapo train steps with.
-TRAIN_BETAS = (0.9, 0.95)
 
 
 @dataclass(frozen=True)
@@ -129,8 +125,7 @@ def trainable(sch: Any, settings: TrialSettings, config: Config) -> Any:
 
     cfg = settings.train_config()
     model, _ = build(sch, optimizer=torch.optim.AdamW, seed=settings.seed,
-                     optimizer_kwargs={"lr": cfg.lr, "weight_decay": cfg.weight_decay,
-                                       "betas": TRAIN_BETAS},
+                     optimizer_kwargs=cfg.optimizer_kwargs(),
                      grad_clip=cfg.grad_clip, **build_knobs(config))
     return model
 
@@ -225,7 +220,7 @@ def parse_bytes(text: str | int | float | None) -> int | None:
 
 @dataclass(frozen=True)
 class GPUTrialSettings:
-    """A GPU-space trial: the model (a ``spaces.GPU_MODELS`` entry), device and step counts."""
+    """A GPU-space trial: the model (a ``model_spaces.GPU_MODELS`` entry), device and step counts."""
 
     model: str = "llama-1b"
     device: str = "cuda"
@@ -250,7 +245,7 @@ def gpu_train_trial(settings: GPUTrialSettings, config: Config, spec: Any = None
     from .. import model_schedule
     from ..runtime.build import build
     from ..runtime.train_step import time_steps
-    from .spaces import GPU_MODELS
+    from .model_spaces import GPU_MODELS
 
     spec = spec or GPU_MODELS[settings.model]
     dev = torch.device(settings.device)

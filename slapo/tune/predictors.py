@@ -31,10 +31,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..profile.meter import rss_bytes
 from .capture import _MM_FLOPS, _CostCounter, _SavedRecorder
-from .evaluators import TrialSettings, build_scheduled_model, rss_bytes
+from .evaluators import TrialSettings, build_scheduled_model
+from .model_spaces import schedule_knobs
 from .space import Config
-from .spaces import schedule_knobs
 from .timing import DeviceConstants, calibrate, roofline_time
 
 _ADAM_TRAFFIC = 32  # bytes per parameter: read p, g, m, v and write p, m, v (fp32), plus temps
