@@ -439,3 +439,19 @@ def test_virtual_group_collectives_move_no_data_but_keep_shapes():
     torch.testing.assert_close(C.scatter(x, 1, g), torch.tensor([[2.0, 3.0]]))
     with pytest.raises(ValueError, match="rank must be in"):
         VirtualGroup(2, rank=2)
+
+
+def test_apply_checks_every_layer_before_the_first_shard():
+    """A layer the plan does not fit (here the last one lacks its MLP projection) is refused
+    before layer 0 (or the attention swap) changed: apply resolves every layer first."""
+    import models
+
+    model = models.gpt2(seed=0)
+    last = model.transformer.h[-1].mlp
+    del last.c_proj
+    sch = slapo.create_schedule(model, group=VirtualGroup(2, 0))
+    before = _snapshot(model)
+    with pytest.raises(slapo.SchedulingError, match=r"'mlp\.c_proj'"):
+        model_schedule.apply(sch, tp=2, attention="sdpa")
+    assert _snapshot(model) == before
+    assert not [h for _, node in sch.named_schedules() for h in node.history]
