@@ -33,7 +33,7 @@ from slapo.tune.cli import TuneReport, tune, write_outputs
 from slapo.tune.database import Database
 from slapo.tune.evaluators import TrialEvaluator, TrialSettings
 from slapo.tune.model_spaces import SpaceArgs, make_space
-from slapo.tune.predictors import GPT2CostModel
+from slapo.tune.predict_cpu import GPT2CostModel
 from slapo.tune.space import Config, config_key
 
 

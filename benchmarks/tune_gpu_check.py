@@ -4,7 +4,7 @@
                                         [--out runs/tune_gpu_check.json] [--models llama-1b]
 
 For every `status: ok` row of the benchmark's results it predicts peak memory and step time of
-that (model, knobs, batch, seq) with `slapo.tune.predictors.GPUCostModel` (a fake-tensor step:
+that (model, knobs, batch, seq) with `slapo.tune.predict_gpu.GPUCostModel` (a fake-tensor step:
 nothing is materialised) and prints predicted vs measured. Step time needs one constant per
 model family (`efficiency`): it is calibrated on that family's *calibration row* (the last
 `slapo_gpu` row without a memory cap) and every other row is validation. Memory has no fitted
@@ -114,7 +114,7 @@ def table(results: list[dict]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     from slapo.tune.model_spaces import GPU_MODELS
-    from slapo.tune.predictors import GPUCostModel
+    from slapo.tune.predict_gpu import GPUCostModel
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--results", default=str(HERE / "results" / "gpu_train_h100.jsonl"))

@@ -8,7 +8,7 @@ import torch
 
 from slapo.tune.evaluators import TrialEvaluator, TrialSettings, parse_bytes, train_trial
 from slapo.tune.model_spaces import SpaceArgs, make_space, schedule_knobs
-from slapo.tune.predictors import GPT2CostModel
+from slapo.tune.predict_cpu import GPT2CostModel
 from slapo.tune.timing import DeviceConstants
 
 TINY = TrialSettings(hidden_size=32, num_layers=2, num_heads=2, seq_len=16, steps=2, warmup=1)

@@ -14,7 +14,7 @@ from slapo.tune.model_spaces import (
     gpu_space,
     schedule_knobs,
 )
-from slapo.tune.predictors import GPUCostModel, simulate_step
+from slapo.tune.predict_gpu import GPUCostModel, simulate_step
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY_LLAMA = GPUModelSpec("tiny-llama", "LlamaConfig", "LlamaForCausalLM", dict(
@@ -106,7 +106,7 @@ def test_simulation_matches_a_real_cpu_step_in_fp32():
     import transformers
 
     from slapo import model_schedule
-    from slapo.tune.predictors import _ADAMW_STATE
+    from slapo.tune.predict_gpu import _ADAMW_STATE
 
     warnings.simplefilter("ignore")
     cfg = {"batch_size": 2, "mixed_precision": "fp32", "attention": "sdpa"}

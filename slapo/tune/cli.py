@@ -211,7 +211,7 @@ def _gpu_setup(args: argparse.Namespace) -> tuple[Space, Any, Any, dict]:
 
     from .evaluators import GPUTrialEvaluator, GPUTrialSettings
     from .model_spaces import GPU_MODELS, GPUSpaceArgs, gpu_space
-    from .predictors import GPUCostModel
+    from .predict_gpu import GPUCostModel
 
     name = args.model or "llama-1b"
     if name not in GPU_MODELS:
@@ -244,7 +244,7 @@ def run_tune(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from .evaluators import TrialEvaluator
-    from .predictors import GPT2CostModel
+    from .predict_cpu import GPT2CostModel
 
     console = Console(stderr=True)
     try:
