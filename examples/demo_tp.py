@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import time
-from datetime import timedelta
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -45,8 +44,8 @@ def tensor_parallel(sch: slapo.Schedule) -> None:
 
 
 def main() -> None:
-    if "RANK" in os.environ:
-        dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    # the job's mesh (one process, or every torchrun rank as tensor-parallel): slapo.init_mesh
+    mesh = slapo.init_mesh(dp=1, tp=int(os.environ.get("WORLD_SIZE", "1")), device="cpu")
     torch.manual_seed(0)  # every rank builds the same model
     config = BertConfig(hidden_size=256, num_hidden_layers=2, num_attention_heads=4,
                         intermediate_size=1024, vocab_size=1024, hidden_dropout_prob=0.0,
@@ -55,8 +54,8 @@ def main() -> None:
     n_params = sum(p.numel() for p in model.parameters())
     input_ids = torch.randint(0, config.vocab_size, (4, 128), generator=torch.Generator()
                               .manual_seed(1))
-    sch = slapo.create_schedule(model)
-    log(f"BertModel: {n_params / 1e6:.2f} M parameters, world size {sch.world_size}")
+    sch = slapo.create_schedule(model, mesh=mesh)
+    log(f"BertModel: {n_params / 1e6:.2f} M parameters, tensor-parallel size {sch.tp_size}")
 
     def loss_fn(out):
         return out.last_hidden_state.pow(2).mean()
