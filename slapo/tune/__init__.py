@@ -2,7 +2,7 @@
 MILP pipeline planner (after Slapo's tuner and Mist's analyzer).
 
 Submodules are imported lazily so that a spawned trial process (which imports
-``slapo.tune.runner``) does not pay for torch, scipy or sympy.
+`slapo.tune.runner`) does not pay for torch, scipy or sympy.
 """
 
 from __future__ import annotations

@@ -1,12 +1,12 @@
 """Capture what one forward (and backward) of a module costs, without running it for real.
 
-The module runs once under ``FakeTensorMode`` (shapes and dtypes only, no memory, no compute),
-with ``saved_tensors_hooks`` recording every tensor autograd keeps for backward and dispatch
+The module runs once under `FakeTensorMode` (shapes and dtypes only, no memory, no compute),
+with `saved_tensors_hooks` recording every tensor autograd keeps for backward and dispatch
 modes counting matmul FLOPs and the bytes the other ops move. Because it is the *real* eager
 module running (HF attention, dropout, SDPA kernel choice and all), the saved set is exactly what
 eager autograd would keep, which a hand-written formula or an AOT re-partition is not.
 
-:func:`measure_saved_bytes` is the same accounting on a real eager forward; it is the ground
+`measure_saved_bytes` is the same accounting on a real eager forward; it is the ground
 truth the cost model is tested against.
 """
 
@@ -104,7 +104,7 @@ class CaptureStats:
 
 
 class _SavedRecorder:
-    """``saved_tensors_hooks`` pair that remembers every saved storage once (dedup by storage)."""
+    """`saved_tensors_hooks` pair that remembers every saved storage once (dedup by storage)."""
 
     def __init__(self) -> None:
         self.storages: dict[int, int] = {}
@@ -130,8 +130,8 @@ class _SavedRecorder:
 def resize_inputs(example: Inputs) -> InputsFn:
     """Default input factory: every tensor's dim 0 is batch and (if it has one) dim 1 is seq.
 
-    Values are zeros: only shapes, dtypes and ``requires_grad`` matter for the accounting. Pass
-    your own ``inputs_fn(batch, seq)`` when the module takes masks or other shaped inputs.
+    Values are zeros: only shapes, dtypes and `requires_grad` matter for the accounting. Pass
+    your own `inputs_fn(batch, seq)` when the module takes masks or other shaped inputs.
     """
     _batch_seq(example)  # validate early
 
@@ -173,10 +173,10 @@ def _float_outputs(out: Any) -> list[torch.Tensor]:
 
 def capture(module: torch.nn.Module, inputs_fn: InputsFn, batch: int, seq: int,
             dtype: torch.dtype | None = None, backward: bool = False) -> CaptureStats:
-    """Run ``module`` once under FakeTensorMode at (batch, seq) and account for its costs.
+    """Run `module` once under FakeTensorMode at (batch, seq) and account for its costs.
 
     Works for modules on the meta device too (only shapes are used), so a 7B-parameter block can
-    be captured on a laptop. ``dtype`` casts floating parameters and inputs (e.g. bf16 plans).
+    be captured on a laptop. `dtype` casts floating parameters and inputs (e.g. bf16 plans).
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -238,9 +238,9 @@ def measure_saved_bytes(module: torch.nn.Module, inputs: Inputs, checkpoint: boo
     """Bytes a *real* eager forward saves for backward (ground truth for the cost model).
 
     Saved tensors are de-duplicated by storage; parameters and buffers are never counted; the
-    module's own inputs only with ``include_inputs``. ``checkpoint=True`` wraps the call in
-    ``torch.utils.checkpoint`` with ``use_reentrant=True``, which stores the inputs through
-    ``save_for_backward`` where the hooks can see them (the non-reentrant variant keeps them in a
+    module's own inputs only with `include_inputs`. `checkpoint=True` wraps the call in
+    `torch.utils.checkpoint` with `use_reentrant=True`, which stores the inputs through
+    `save_for_backward` where the hooks can see them (the non-reentrant variant keeps them in a
     closure, invisible to any hook, but holds exactly the same bytes).
     """
     from torch.utils.checkpoint import checkpoint as ckpt

@@ -1,19 +1,19 @@
-"""``slapo tune``: search a model schedule's knobs with measured trials and the cost model.
+"""`slapo tune`: search a model schedule's knobs with measured trials and the cost model.
 
     slapo tune --model gpt2 --algorithm guided --out runs/tune-gpt2
     slapo tune --model gpt2 --algorithm exhaustive --db runs/tune-gpt2/tune.db --memory-cap 3G
     slapo tune --model gpt2 --knob sequence_parallel=false,true --knob kernels=false,true
 
-Every trial is committed to the SQLite database (``--db``, default ``OUT/tune.db``) as soon as
-it ends, so a run that was interrupted (Ctrl-C, ``--max-trials``, a killed job) continues where
-it stopped when started again with the same ``--db``. The run writes to ``--out``:
-``results.json`` (settings, every trial with its prediction, the top configurations),
-``top.txt`` (the table that is also printed) and ``search.png`` (predicted vs measured per trial,
+Every trial is committed to the SQLite database (`--db`, default `OUT/tune.db`) as soon as
+it ends, so a run that was interrupted (Ctrl-C, `--max-trials`, a killed job) continues where
+it stopped when started again with the same `--db`. The run writes to `--out`:
+`results.json` (settings, every trial with its prediction, the top configurations),
+`top.txt` (the table that is also printed) and `search.png` (predicted vs measured per trial,
 and the measured throughput in trial order).
 
-This module is the command line only: the search driver is ``slapo.tune.driver`` (``tune``,
-``TuneReport``), the outputs ``slapo.tune.report``; both are re-exported here. The knob options'
-defaults and ``--knob``'s names and values come from ``model_schedule.knobs.ScheduleKnobs``.
+This module is the command line only: the search driver is `slapo.tune.driver` (`tune`,
+`TuneReport`), the outputs `slapo.tune.report`; both are re-exported here. The knob options'
+defaults and `--knob`'s names and values come from `model_schedule.knobs.ScheduleKnobs`.
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ def _csv(kind: Callable[[str], Any]) -> Callable[[str], tuple]:
 
 
 def _knob_values(name: str) -> Callable[[str], tuple]:
-    """Candidates of schedule knob ``name`` ("V1,V2"), parsed and checked by the schema."""
+    """Candidates of schedule knob `name` ("V1,V2"), parsed and checked by the schema."""
     def parse(text: str) -> tuple:
         try:
             return parse_knob_option(f"{name}={text}")[1]
@@ -80,7 +80,7 @@ _ONOFF = {"both": (False, True), "on": (True,), "off": (False,)}
 
 
 def add_tune_parser(subparsers: Any) -> argparse.ArgumentParser:
-    """Add the ``tune`` subcommand to a ``slapo`` subparsers object."""
+    """Add the `tune` subcommand to a `slapo` subparsers object."""
     p = subparsers.add_parser(
         "tune", help="search schedule knobs with measured trials and the cost model",
         description="Search a model's schedule knobs (batch size x attention x checkpoint ratio "
@@ -206,7 +206,7 @@ class _Progress:
 
 
 def _gpu_setup(args: argparse.Namespace) -> tuple[Space, Any, Any, dict]:
-    """The GPU space, its cost model and its evaluator (``--space gpu``)."""
+    """The GPU space, its cost model and its evaluator (`--space gpu`)."""
     from dataclasses import replace
 
     from .evaluators import GPUTrialEvaluator, GPUTrialSettings
@@ -237,7 +237,7 @@ def _gpu_setup(args: argparse.Namespace) -> tuple[Space, Any, Any, dict]:
 
 
 def run_tune(args: argparse.Namespace) -> int:
-    """``slapo tune``: returns the exit status (0 ok, 1 nothing measured, 2 bad options, 130 ^C)."""
+    """`slapo tune`: returns the exit status (0 ok, 1 nothing measured, 2 bad options, 130 ^C)."""
     if args.space == "gpu":
         return _run_gpu(args)
     args.model = args.model or "gpt2"
@@ -293,7 +293,7 @@ def _search(args, console, space, evaluate, predict, db, mem_cap, meta: dict) ->
 
 
 def _run_gpu(args: argparse.Namespace) -> int:
-    """``slapo tune --space gpu``: the same pipeline over the GPU space."""
+    """`slapo tune --space gpu`: the same pipeline over the GPU space."""
     from rich.console import Console
 
     console = Console(stderr=True)
@@ -311,7 +311,7 @@ def _run_gpu(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m slapo.tune.cli ...`` (the same as ``slapo tune ...``)."""
+    """`python -m slapo.tune.cli ...` (the same as `slapo tune ...`)."""
     parser = argparse.ArgumentParser(prog="slapo")
     sub = parser.add_subparsers(dest="command", required=True)
     add_tune_parser(sub)

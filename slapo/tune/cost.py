@@ -1,17 +1,17 @@
 """Symbolic cost model of one block: sympy expressions in batch, seq and tp.
 
-How the expressions are obtained: the block is captured (:mod:`slapo.tune.capture`, a real eager
+How the expressions are obtained: the block is captured (`slapo.tune.capture`, a real eager
 forward under FakeTensorMode) at a small grid of (batch, seq) sizes; every cost is a polynomial of
 degree ≤ 2 in batch and in seq (activations are b·s·h and b·heads·s² terms), so the exact rational
 polynomial through a 3×3 grid (batch 2-4) is solved for and then *verified* at three more sizes — a cost that
 is not such a polynomial (padding, size-dependent kernels) raises instead of extrapolating.
 Tensor parallelism is captured the same way on one rank's shard of the block at tp=2
-(:func:`slapo.model_schedule.plan.shard_block`: the family's own runtime plan, applied on a
-virtual group), giving ``R + S/tp`` (replicated + sharded parts) with the unsharded tp=1 capture,
+(`slapo.model_schedule.plan.shard_block`: the family's own runtime plan, applied on a
+virtual group), giving `R + S/tp` (replicated + sharded parts) with the unsharded tp=1 capture,
 verified at tp=4 when the block divides. The result lambdifies to numpy, so millions of configs evaluate in milliseconds.
 
-Also re-exported here for one import point: model-state/pipeline memory (:mod:`.memory`) and the
-roofline / alpha-beta time model (:mod:`.timing`).
+Also re-exported here for one import point: model-state/pipeline memory (`.memory`) and the
+roofline / alpha-beta time model (`.timing`).
 """
 
 from __future__ import annotations
@@ -74,10 +74,10 @@ def _fit_poly(samples: dict[tuple[int, int], int], s0: int, what: str, where: st
 
 @dataclass
 class BlockCost:
-    """Symbolic costs of one block (per tp rank). Symbols: ``BATCH``, ``SEQ``, ``TP``, ``CKPT``.
+    """Symbolic costs of one block (per tp rank). Symbols: `BATCH`, `SEQ`, `TP`, `CKPT`.
 
-    ``exprs`` has one entry per :class:`CaptureStats` field (bytes and FLOPs of one forward /
-    backward of one micro-batch); :meth:`saved` combines them for a checkpoint choice. Exact
+    `exprs` has one entry per `CaptureStats` field (bytes and FLOPs of one forward /
+    backward of one micro-batch); `saved` combines them for a checkpoint choice. Exact
     for batch ≥ 2; at batch 1 a few reshapes become views and the saved set can differ slightly.
     """
 
@@ -88,9 +88,9 @@ class BlockCost:
     _fns: dict[str, Callable] = field(default_factory=dict, repr=False)
 
     def saved(self, include_inputs: bool = False) -> sympy.Expr:
-        """Saved-for-backward bytes; ``CKPT`` ∈ {0, 1} selects checkpointing.
+        """Saved-for-backward bytes; `CKPT` ∈ {0, 1} selects checkpointing.
 
-        A checkpointed block saves only its inputs; so with ``include_inputs=False`` it saves 0.
+        A checkpointed block saves only its inputs; so with `include_inputs=False` it saves 0.
         Without checkpointing it saves its activations (+ the inputs autograd saved, if asked).
         """
         e = self.exprs
@@ -99,7 +99,7 @@ class BlockCost:
         return sympy.expand(CKPT * on + (1 - CKPT) * off)
 
     def lambdify(self, name: str, expr: sympy.Expr | None = None) -> Callable[..., Any]:
-        """numpy function ``f(batch, seq, tp, ckpt)`` of a field (or of ``expr``)."""
+        """numpy function `f(batch, seq, tp, ckpt)` of a field (or of `expr`)."""
         if expr is None and name in self._fns:
             return self._fns[name]
         fn = sympy.lambdify((BATCH, SEQ, TP, CKPT), expr if expr is not None else self.exprs[name], "numpy")
@@ -129,13 +129,13 @@ def block_cost(module: torch.nn.Module, example_inputs: Inputs | None = None,
                inputs_fn: InputsFn | None = None, seq: int | None = None, tp: bool = False,
                backward: bool = False, dtype: torch.dtype | None = None,
                plan: TPPlan | None = None) -> BlockCost:
-    """Build (and cache) the symbolic cost of ``module``.
+    """Build (and cache) the symbolic cost of `module`.
 
-    ``example_inputs`` (dim 0 batch, dim 1 seq) or ``inputs_fn(batch, seq)`` + ``seq`` give the
-    inputs; ``tp=True`` also fits the tp dependence on one rank's shard of the block
-    (:func:`~slapo.model_schedule.plan.shard_block`: the block's family plan, or ``plan``);
-    ``backward=True`` also captures backward FLOPs/bytes
-    for the time model; ``dtype`` casts parameters and inputs (e.g. ``torch.bfloat16``).
+    `example_inputs` (dim 0 batch, dim 1 seq) or `inputs_fn(batch, seq)` + `seq` give the
+    inputs; `tp=True` also fits the tp dependence on one rank's shard of the block
+    (`shard_block`: the block's family plan, or `plan`);
+    `backward=True` also captures backward FLOPs/bytes
+    for the time model; `dtype` casts parameters and inputs (e.g. `torch.bfloat16`).
     """
     if inputs_fn is None:
         if example_inputs is None:
@@ -190,14 +190,14 @@ def block_cost(module: torch.nn.Module, example_inputs: Inputs | None = None,
 
 def _tp_exprs(module: torch.nn.Module, e1: dict[str, sympy.Expr], fit_all, one,
               plan: TPPlan | None, s0: int) -> dict[str, sympy.Expr]:
-    """Each field as ``R + S/tp`` from the tp=1 fit ``e1`` and a fit of one rank's tp=2 shard.
+    """Each field as `R + S/tp` from the tp=1 fit `e1` and a fit of one rank's tp=2 shard.
 
     Why the extra base: the plan's row-parallel layers add their bias after the reduction, as
     an op of its own, so a sharded block moves a few more bytes than the unsharded one
     whatever tp is (a term that is neither replicated nor divided). When the plan applied on a
-    group of one differs from the unsharded block (probed at one size), the ``R + S/tp`` form
+    group of one differs from the unsharded block (probed at one size), the `R + S/tp` form
     is fitted against that base and tp=1 keeps the unsharded block's exact value (a
-    ``Piecewise`` in ``TP``, which ``lambdify`` turns into ``numpy.select``)."""
+    `Piecewise` in `TP`, which `lambdify` turns into `numpy.select`)."""
     probe = one(shard_block(module, 1, plan=plan, plan_at_tp1=True))
     at = {BATCH: 2, SEQ: 2 * s0}
     same = all(e.subs(at) == getattr(probe, f) for f, e in e1.items())
@@ -222,14 +222,14 @@ def saved_activation_bytes(module: torch.nn.Module, example_inputs: Inputs | Inp
                            batch: int | None = None, seq: int | None = None, checkpoint: bool = False,
                            tp: int = 1, include_inputs: bool = False,
                            dtype: torch.dtype | None = None, plan: TPPlan | None = None) -> int:
-    """Bytes saved for backward by one forward of ``module`` (per tp rank), predicted symbolically.
+    """Bytes saved for backward by one forward of `module` (per tp rank), predicted symbolically.
 
-    Parameters are never counted; the module's own inputs only with ``include_inputs``. With
-    ``checkpoint=True`` the module keeps only its inputs (so 0 unless ``include_inputs``).
-    ``batch``/``seq`` default to the example's sizes; ``tp`` > 1 means one rank's shard of the
-    block as the runtime splits it (the family's plan, or ``plan``; see
-    :func:`slapo.model_schedule.plan.shard_block`). ``example_inputs`` may also be an
-    ``inputs_fn(batch, seq)``, in which case ``seq`` is required.
+    Parameters are never counted; the module's own inputs only with `include_inputs`. With
+    `checkpoint=True` the module keeps only its inputs (so 0 unless `include_inputs`).
+    `batch`/`seq` default to the example's sizes; `tp` > 1 means one rank's shard of the
+    block as the runtime splits it (the family's plan, or `plan`; see
+    `slapo.model_schedule.plan.shard_block`). `example_inputs` may also be an
+    `inputs_fn(batch, seq)`, in which case `seq` is required.
     """
     if tp < 1 or int(tp) != tp:
         raise ValueError(f"tp must be a positive integer, got {tp!r}.")

@@ -36,7 +36,7 @@ class Record:
 
 
 class Database:
-    """Trial records keyed by config. ``path=":memory:"`` keeps them in memory only."""
+    """Trial records keyed by config. `path=":memory:"` keeps them in memory only."""
 
     def __init__(self, path: str | Path = ":memory:"):
         self.path = str(path)
@@ -94,7 +94,7 @@ class Database:
         return self._conn.execute("SELECT COUNT(*) FROM trials").fetchone()[0]
 
     def best(self, objective: str, maximize: bool = True) -> Record | None:
-        """Best successful record by ``metrics[objective]``."""
+        """Best successful record by `metrics[objective]`."""
         ok = [r for r in self.records() if r.ok and objective in r.metrics]
         if not ok:
             return None

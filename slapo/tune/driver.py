@@ -1,9 +1,9 @@
-"""The search driver of ``slapo tune``: run one search over a space with a trial budget,
+"""The search driver of `slapo tune`: run one search over a space with a trial budget,
 Ctrl-C and resume from the database, confirm the finalists, and report what happened.
 
-:func:`tune` is the same pipeline for any space, ``evaluate`` and ``predict`` (the tests use it
-with trial functions that crash or blow the memory cap); ``slapo.tune.cli`` wires it to the
-command line and ``slapo.tune.report`` writes its outputs.
+`tune` is the same pipeline for any space, `evaluate` and `predict` (the tests use it
+with trial functions that crash or blow the memory cap); `slapo.tune.cli` wires it to the
+command line and `slapo.tune.report` writes its outputs.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ OBJECTIVE = "throughput"
 
 
 class TrialBudgetExhausted(BaseException):
-    """Raised by the budget wrapper after ``--max-trials`` new trials.
+    """Raised by the budget wrapper after `--max-trials` new trials.
 
     A BaseException, like KeyboardInterrupt, so the searches' in-process evaluator does not
     record it as a failed trial: it stops the search the way Ctrl-C does, and the run resumes
@@ -36,7 +36,7 @@ class TrialBudgetExhausted(BaseException):
 
 @dataclass
 class TuneReport:
-    """What :func:`tune` did; ``to_json`` is what lands in ``results.json``."""
+    """What `tune` did; `to_json` is what lands in `results.json`."""
 
     algorithm: str
     space_size: int
@@ -95,7 +95,7 @@ def status_counts(records: list[Record]) -> dict[str, int]:
 
 
 def _budget(evaluate: Callable[[Config], Any], max_trials: int | None) -> Callable[[Config], Any]:
-    """``evaluate`` that stops the search (like Ctrl-C) once ``max_trials`` new trials ran."""
+    """`evaluate` that stops the search (like Ctrl-C) once `max_trials` new trials ran."""
     if max_trials is None:
         return evaluate
     count = 0
@@ -121,12 +121,12 @@ def tune(space: Space, evaluate: Callable[[Config], Any], predict: Callable[[Con
          max_trials: int | None = None, kappa: float = 2.0,
          on_trial: Callable[[Record], None] | None = None, confirm: int = 0,
          repeats: int = 2) -> TuneReport:
-    """Run one search over ``space``; Ctrl-C and ``max_trials`` end it early but cleanly.
+    """Run one search over `space`; Ctrl-C and `max_trials` end it early but cleanly.
 
-    ``predict`` is required for ``guided``; for the other algorithms it only annotates the
-    report (predicted vs measured). Every trial lands in ``db`` before the next one starts.
-    ``confirm`` > 0 re-measures the best ``confirm`` configs ``repeats`` more times after the
-    search and ranks them by the median (see :func:`confirm_best`).
+    `predict` is required for `guided`; for the other algorithms it only annotates the
+    report (predicted vs measured). Every trial lands in `db` before the next one starts.
+    `confirm` > 0 re-measures the best `confirm` configs `repeats` more times after the
+    search and ranks them by the median (see `confirm_best`).
     """
     from . import search
 
@@ -167,15 +167,15 @@ def tune(space: Space, evaluate: Callable[[Config], Any], predict: Callable[[Con
 
 def confirm_best(records: list[Record], evaluate: Callable[[Config], Any], db: Database,
                  top: int, repeats: int) -> int:
-    """Re-measure the ``top`` best configs ``repeats`` more times; their objective becomes the
+    """Re-measure the `top` best configs `repeats` more times; their objective becomes the
     median. Returns the number of extra runs.
 
     Why: on a shared machine one timing is off by ~5%, and the best of many noisy
     measurements is biased towards a lucky one (the winner's curse). A simulation on the
     measured GPT-2 space with 5% noise found that guided search alone missed the optimum by
-    more than 5% in 1-28% of runs, depending on ``prior_sd``. With the top 3 confirmed twice it
+    more than 5% in 1-28% of runs, depending on `prior_sd`. With the top 3 confirmed twice it
     never did (0/200), and single-pass exhaustive search missed in 42/200. The first value and
-    every sample are kept (``<objective>_samples``). A config that already has its samples is
+    every sample are kept (`<objective>_samples`). A config that already has its samples is
     not measured again, so a resumed run does not repeat this.
     """
     ok = sorted((r for r in records if r.ok), key=lambda r: -float(r.metrics[OBJECTIVE]))[:top]

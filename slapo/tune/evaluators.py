@@ -1,21 +1,21 @@
 """Measured trials of a model schedule: the step `slapo train` runs, timed in a fresh process.
 
-A trial is :func:`train_trial` run by :class:`~slapo.tune.runner.CallableEvaluator` in a fresh
+A trial is `train_trial` run by `CallableEvaluator` in a fresh
 process, so a crash, a hang or running out of memory costs one trial, not the search. The trial
-trains through ``slapo.build(...).train_step`` with slapo train's model, optimizer and gradient
-clipping (what is tuned is what ``slapo train`` runs; ``tests/test_tune_trial_step.py`` checks
-that both give the same losses), and reports ``throughput`` (tokens/s, median over the measured
-steps after warm-up) and ``peak_memory_bytes``: :mod:`slapo.profile.meter`'s peak since the trial
-started (on CPU the process's ``VmHWM``, restarted when the trial begins, so the memory of the
+trains through `slapo.build(...).train_step` with slapo train's model, optimizer and gradient
+clipping (what is tuned is what `slapo train` runs; `tests/test_tune_trial_step.py` checks
+that both give the same losses), and reports `throughput` (tokens/s, median over the measured
+steps after warm-up) and `peak_memory_bytes`: `slapo.profile.meter`'s peak since the trial
+started (on CPU the process's `VmHWM`, restarted when the trial begins, so the memory of the
 parent or of earlier trials in the forkserver does not leak into the number).
 
 On CPU the memory cap is enforced twice:
 
-* post hoc, a reported peak above the cap marks the trial ``oom`` (exact, same metric);
-* a hard guard: ``RLIMIT_AS`` = the trial's address space at start + cap + 1 GiB slack. It stops
+* post hoc, a reported peak above the cap marks the trial `oom` (exact, same metric);
+* a hard guard: `RLIMIT_AS` = the trial's address space at start + cap + 1 GiB slack. It stops
   a runaway trial before it takes the machine down. It is relative because the address space
   of a process that imported torch is already several GB of mappings it never touches, so an
-  absolute ``RLIMIT_AS`` = cap would kill every trial.
+  absolute `RLIMIT_AS` = cap would kill every trial.
 """
 
 from __future__ import annotations
@@ -90,8 +90,8 @@ def _guard_address_space(mem_cap_bytes: int | None) -> None:
 
 
 def build_scheduled(settings: TrialSettings, config: Config) -> Any:
-    """A seeded model of ``settings`` (slapo train's model for that size) with the config's
-    schedule knobs applied; returns the schedule (the model is ``.mod``, in train mode)."""
+    """A seeded model of `settings` (slapo train's model for that size) with the config's
+    schedule knobs applied; returns the schedule (the model is `.mod`, in train mode)."""
     import torch
 
     from .. import model_schedule
@@ -112,12 +112,12 @@ def build_scheduled(settings: TrialSettings, config: Config) -> Any:
 
 
 def build_scheduled_model(settings: TrialSettings, config: Config) -> Any:
-    """The model of :func:`build_scheduled` (for the cost model, which measures it)."""
+    """The model of `build_scheduled` (for the cost model, which measures it)."""
     return build_scheduled(settings, config).mod
 
 
 def trainable(sch: Any, settings: TrialSettings, config: Config) -> Any:
-    """``slapo.build`` the schedule as ``slapo train`` does for one process: AdamW with its
+    """`slapo.build` the schedule as `slapo train` does for one process: AdamW with its
     lr, weight decay and betas, its gradient clipping, the config's mixed precision."""
     import torch
 
@@ -142,10 +142,10 @@ def trial_batch(settings: TrialSettings, batch_size: int, vocab_size: int) -> di
 
 def train_trial(settings: TrialSettings, config: Config,
                 batches: list[dict] | None = None) -> dict[str, Any]:
-    """One measured trial: tokens/s and peak memory of a few ``train_step`` calls.
+    """One measured trial: tokens/s and peak memory of a few `train_step` calls.
 
-    ``batches``: the global batches of the steps, cycled (default: one batch of random tokens,
-    :func:`trial_batch`); tests pass slapo train's own to compare the losses.
+    `batches`: the global batches of the steps, cycled (default: one batch of random tokens,
+    `trial_batch`); tests pass slapo train's own to compare the losses.
     """
     import torch
 
@@ -177,9 +177,9 @@ def train_trial(settings: TrialSettings, config: Config,
 
 
 class TrialEvaluator:
-    """``evaluate(config)`` for the searches: :func:`train_trial` in its own process.
+    """`evaluate(config)` for the searches: `train_trial` in its own process.
 
-    ``CallableEvaluator`` gets no ``mem_cap_bytes`` (that would be an absolute ``RLIMIT_AS``,
+    `CallableEvaluator` gets no `mem_cap_bytes` (that would be an absolute `RLIMIT_AS`,
     see the module doc); the cap is checked here against the reported peak and guarded in the
     trial itself.
     """
@@ -196,7 +196,7 @@ class TrialEvaluator:
 
 
 def parse_bytes(text: str | int | float | None) -> int | None:
-    """``"3G"``, ``"512M"``, ``"1.5GiB"``, ``"2e9"`` → bytes (binary units); None/""/0 → None."""
+    """`"3G"`, `"512M"`, `"1.5GiB"`, `"2e9"` → bytes (binary units); None/""/0 → None."""
     if text is None or text == "" or text == 0:
         return None
     if isinstance(text, (int, float)):
@@ -220,7 +220,7 @@ def parse_bytes(text: str | int | float | None) -> int | None:
 
 @dataclass(frozen=True)
 class GPUTrialSettings:
-    """A GPU-space trial: the model (a ``model_spaces.GPU_MODELS`` entry), device and step counts."""
+    """A GPU-space trial: the model (a `model_spaces.GPU_MODELS` entry), device and step counts."""
 
     model: str = "llama-1b"
     device: str = "cuda"
@@ -234,11 +234,11 @@ class GPUTrialSettings:
 
 
 def gpu_train_trial(settings: GPUTrialSettings, config: Config, spec: Any = None) -> dict:
-    """Build the HF model on the device, ``model_schedule.apply(**knobs)``, ``slapo.build``
-    with AdamW (fused on CUDA) and the config's ``mixed_precision``, then time
-    ``train_step``: the same path as ``benchmarks/gpu_train.py``'s slapo variants. Peak memory
-    is :mod:`slapo.profile.meter`'s (``torch.cuda.max_memory_allocated``; peak RSS on CPU).
-    ``spec`` overrides the model (tests pass a tiny one)."""
+    """Build the HF model on the device, `model_schedule.apply(**knobs)`, `slapo.build`
+    with AdamW (fused on CUDA) and the config's `mixed_precision`, then time
+    `train_step`: the same path as `benchmarks/gpu_train.py`'s slapo variants. Peak memory
+    is `slapo.profile.meter`'s (`torch.cuda.max_memory_allocated`; peak RSS on CPU).
+    `spec` overrides the model (tests pass a tiny one)."""
     import torch
     import transformers
 
@@ -281,7 +281,7 @@ def _gpu_batch(cfg: Any, batch: int, seq: int, dev: Any, seed: int) -> dict:
 
 
 class GPUTrialEvaluator:
-    """``evaluate(config)``: :func:`gpu_train_trial` in a fresh process (a CUDA OOM or a crash
+    """`evaluate(config)`: `gpu_train_trial` in a fresh process (a CUDA OOM or a crash
     costs one trial; no allocator or compiled-graph state leaks into the next)."""
 
     def __init__(self, settings: GPUTrialSettings, timeout_s: float):

@@ -2,7 +2,7 @@
 
 Kept separate from the traced activation model because these terms do not depend on the block's
 code, only on parameter counts and the parallel layout — the same accounting as Mist's
-``full_weights / full_grads / full_opts`` divided by the ZeRO sharding degree.
+`full_weights / full_grads / full_opts` divided by the ZeRO sharding degree.
 """
 
 from __future__ import annotations
@@ -32,12 +32,12 @@ def model_state_bytes(num_params: Any, *, tp: Any = 1, dp: Any = 1, zero: Any = 
                       param_bytes: int = 2, grad_bytes: int | None = None,
                       optimizer: str = "adam", master_weights: bool | None = None,
                       replicated_params: Any = 0) -> ModelStates:
-    """Model-state bytes per GPU under TP and DP with ZeRO stage ``zero`` (FSDP = ZeRO-3).
+    """Model-state bytes per GPU under TP and DP with ZeRO stage `zero` (FSDP = ZeRO-3).
 
-    ``num_params`` is the parameter count of what this GPU's pipeline stage holds (before TP);
-    ``replicated_params`` of them (LayerNorm weights, row-parallel biases) are not split by TP.
-    Mixed precision (``param_bytes`` < 4) keeps an fp32 master copy by default. ZeRO-1 shards
-    the optimizer state (incl. master weights) over ``dp``, ZeRO-2 also the gradients, ZeRO-3
+    `num_params` is the parameter count of what this GPU's pipeline stage holds (before TP);
+    `replicated_params` of them (LayerNorm weights, row-parallel biases) are not split by TP.
+    Mixed precision (`param_bytes` < 4) keeps an fp32 master copy by default. ZeRO-1 shards
+    the optimizer state (incl. master weights) over `dp`, ZeRO-2 also the gradients, ZeRO-3
     also the weights. Works elementwise on numpy arrays.
     """
     opt = optimizer.lower()
@@ -59,7 +59,7 @@ def model_state_bytes(num_params: Any, *, tp: Any = 1, dp: Any = 1, zero: Any = 
 
 
 def pipeline_inflight(stage: Any, pp: Any, num_microbatches: Any) -> Any:
-    """Micro-batches whose activations stage ``stage`` (0-based) holds at its 1F1B peak.
+    """Micro-batches whose activations stage `stage` (0-based) holds at its 1F1B peak.
 
     Under 1F1B stage i runs pp - i forwards before its first backward, so it keeps
     min(pp - i, num_microbatches) micro-batches of saved activations.
@@ -75,11 +75,11 @@ def stage_peak_bytes(*, states: Any, layers: Any, ckpt_layers: Any, saved_per_la
                      extra_activation: Any = 0, transient: Any = 0) -> Any:
     """Peak memory of one pipeline stage under 1F1B.
 
-    Per micro-batch a non-checkpointed layer keeps ``saved_per_layer`` (its saved tensors
-    *including* its input) and a checkpointed one only ``input_per_layer``. The stage holds
-    :func:`pipeline_inflight` micro-batches, plus — when any layer is checkpointed — one layer's
-    full saved set re-materialised during its backward, plus ``transient`` (the largest
-    temporary of one op, e.g. the attention-score softmax) and ``extra_activation`` per
+    Per micro-batch a non-checkpointed layer keeps `saved_per_layer` (its saved tensors
+    *including* its input) and a checkpointed one only `input_per_layer`. The stage holds
+    `pipeline_inflight` micro-batches, plus — when any layer is checkpointed — one layer's
+    full saved set re-materialised during its backward, plus `transient` (the largest
+    temporary of one op, e.g. the attention-score softmax) and `extra_activation` per
     micro-batch (embedding / head of the first / last stage).
     """
     layers, ckpt = np.asarray(layers), np.asarray(ckpt_layers)

@@ -1,12 +1,12 @@
-"""Ready search spaces for the model schedules, written as Slapo's ``update_space(args, space)``.
+"""Ready search spaces for the model schedules, written as Slapo's `update_space(args, space)`.
 
 Every knob name, default candidate list and baseline comes from the schedule-knob schema
-(:class:`slapo.model_schedule.knobs.ScheduleKnobs`): a space declares the batch size (and
-``slapo.build``'s ``mixed_precision``) plus fields of the schema, so a config from the space is
-what a trial passes to ``model_schedule.apply`` (see :func:`schedule_knobs`). Candidate lists come
-from ``args`` so the CLI and the tests can shrink a space without writing a new function;
-:class:`SpaceArgs` holds the defaults (the schema's tuning candidates), and ``args.extra`` adds
-any other knob of the schema as a symbol (``slapo tune --knob NAME=V1,V2``).
+(`slapo.model_schedule.knobs.ScheduleKnobs`): a space declares the batch size (and
+`slapo.build`'s `mixed_precision`) plus fields of the schema, so a config from the space is
+what a trial passes to `model_schedule.apply` (see `schedule_knobs`). Candidate lists come
+from `args` so the CLI and the tests can shrink a space without writing a new function;
+`SpaceArgs` holds the defaults (the schema's tuning candidates), and `args.extra` adds
+any other knob of the schema as a symbol (`slapo tune --knob NAME=V1,V2`).
 """
 
 from __future__ import annotations
@@ -28,13 +28,13 @@ BUILD_KNOBS = ("mixed_precision",)
 
 
 def apply_knobs() -> dict[str, Any]:
-    """{name: default} of the schedule knobs (``model_schedule.apply``'s keywords), from the
+    """{name: default} of the schedule knobs (`model_schedule.apply`'s keywords), from the
     schema: the one declaration every space's knob names come from."""
     return {f.name: f.default for f in _schema.knob_fields()}
 
 
 def build_knobs(config: Config) -> dict[str, Any]:
-    """The ``slapo.build`` keyword arguments of a config ("fp32" is build's None)."""
+    """The `slapo.build` keyword arguments of a config ("fp32" is build's None)."""
     prec = config.get("mixed_precision", "fp32")
     return {"mixed_precision": None if prec in (None, "fp32") else prec}
 
@@ -46,7 +46,7 @@ def _tune(name: str) -> Callable[[], tuple]:
 @dataclass
 class SpaceArgs:
     """Candidate values of each knob (defaults: the schema's tuning candidates). The defaults
-    give 3 x 2 x 3 x 2 x 2 = 72 configs. ``extra``: (knob, candidates) pairs of other schema
+    give 3 x 2 x 3 x 2 x 2 = 72 configs. `extra`: (knob, candidates) pairs of other schema
     knobs to search too."""
 
     batch_sizes: tuple[int, ...] = (2, 4, 8)
@@ -92,8 +92,8 @@ SPACES: dict[str, Callable[[Any, Space], Space]] = {"gpt2": update_space_gpt2}
 
 @dataclass(frozen=True)
 class GPUModelSpec:
-    """An HF model as ``benchmarks/gpu_train.py`` builds it: config and model class names of
-    ``transformers``, config keywords, and the benchmark's batch and sequence length."""
+    """An HF model as `benchmarks/gpu_train.py` builds it: config and model class names of
+    `transformers`, config keywords, and the benchmark's batch and sequence length."""
 
     name: str
     config_class: str
@@ -124,7 +124,7 @@ GPU_MODELS = {
 
 @dataclass
 class GPUSpaceArgs:
-    """Candidates of the GPU space. ``fits(config)`` (e.g. the cost model's predicted memory
+    """Candidates of the GPU space. `fits(config)` (e.g. the cost model's predicted memory
     under the cap) prunes batch sizes before anything runs; None keeps every batch."""
 
     model_class: str = "LlamaForCausalLM"
@@ -156,9 +156,9 @@ def _has_kernels(model_type: str) -> bool:
 
 def update_space_gpu(args: GPUSpaceArgs, space: Space) -> Space:
     """One GPU: precision x compiled layers x fused loss x kernels x checkpointing x attention x
-    batch. Names are ``model_schedule.apply``'s (and build's ``mixed_precision``).
+    batch. Names are `model_schedule.apply`'s (and build's `mixed_precision`).
 
-    ``ckpt_policy`` exists only when some layer is checkpointed; ``fused_loss`` and ``kernels``
+    `ckpt_policy` exists only when some layer is checkpointed; `fused_loss` and `kernels`
     only where the family has a plan (otherwise apply would refuse the config).
     """
     space.create_symbol("mixed_precision", list(args.mixed_precision))
@@ -180,7 +180,7 @@ def update_space_gpu(args: GPUSpaceArgs, space: Space) -> Space:
 
 
 def gpu_space(spec: GPUModelSpec, args: GPUSpaceArgs | None = None) -> Space:
-    """The GPU space of one model (:data:`GPU_MODELS`), its family's plans filled in."""
+    """The GPU space of one model (`GPU_MODELS`), its family's plans filled in."""
     from dataclasses import replace
 
     args = args or GPUSpaceArgs()
@@ -195,7 +195,7 @@ def _num_layers(spec: GPUModelSpec) -> int:
 
 
 def make_space(model: str, args: SpaceArgs | None = None) -> Space:
-    """The ready space of ``model`` (a key of :data:`SPACES`)."""
+    """The ready space of `model` (a key of `SPACES`)."""
     if model not in SPACES:
         raise ValueError(f"no tuning space for model {model!r}; spaces exist for: "
                          f"{', '.join(sorted(SPACES))}. Fix: write an update_space(args, space) "
@@ -210,7 +210,7 @@ def cpu_space_knobs() -> tuple[str, ...]:
 
 
 def schedule_knobs(config: Config) -> dict[str, Any]:
-    """The ``model_schedule.apply`` keyword arguments of a config: the CPU space's knobs (at
+    """The `model_schedule.apply` keyword arguments of a config: the CPU space's knobs (at
     their tuning baseline when absent: e.g. attention "eager", the trials' HF eager model) and
     every other schema knob the config names."""
     known = set(_schema.names())
@@ -222,7 +222,7 @@ def schedule_knobs(config: Config) -> dict[str, Any]:
 
 
 def parse_knob_option(text: str) -> tuple[str, tuple]:
-    """``NAME=V1,V2`` (``slapo tune --knob``) as (knob, candidates), values parsed and checked
+    """`NAME=V1,V2` (`slapo tune --knob`) as (knob, candidates), values parsed and checked
     by the schema; raises ValueError naming the knob and what it accepts."""
     name, sep, values = text.partition("=")
     name = name.strip().replace("-", "_")

@@ -3,14 +3,14 @@
 Decisions: how many (contiguous) layers each pipeline stage gets and how many of them are
 activation-checkpointed. A stage's time and peak memory depend on its index (under 1F1B stage i
 holds min(S - i, G) micro-batches, so early stages need more checkpointing), its layer count and
-its checkpointed-layer count, through a user-given ``stage_cost(i, layers, ckpt) -> (time, mem)``.
+its checkpointed-layer count, through a user-given `stage_cost(i, layers, ckpt) -> (time, mem)`.
 
 1. For each (stage, layers) the checkpoint counts that fit the stage's memory cap are reduced to
    their Pareto front in (time, memory): no option kept is both slower and bigger than another.
 2. A MILP picks exactly one option per stage so that the layer counts sum to L, minimising the
-   1F1B step time ``(G - 1) * max_i T_i + sum_i T_i`` (steady state + fill/drain, as in Mist) or
-   the simpler ``(G + S - 1) * max_i T_i``; ``max`` is linearised with ``Tmax >= T_i``. Solved by
-   HiGHS through ``scipy.optimize.milp``.
+   1F1B step time `(G - 1) * max_i T_i + sum_i T_i` (steady state + fill/drain, as in Mist) or
+   the simpler `(G + S - 1) * max_i T_i`; `max` is linearised with `Tmax >= T_i`. Solved by
+   HiGHS through `scipy.optimize.milp`.
 """
 
 from __future__ import annotations
@@ -79,8 +79,8 @@ def stage_options(stage_cost: StageCost, num_layers: int, num_stages: int,
                   max_options: int | None = None) -> dict[tuple[int, int], list[StageOption]]:
     """Pareto options per (stage, layer count), memory-feasible only.
 
-    ``layer_range`` limits a stage's layer count (Mist uses round(L/S) ± 2 to shrink the MILP);
-    ``max_options`` keeps at most that many evenly spaced front points (always the fastest).
+    `layer_range` limits a stage's layer count (Mist uses round(L/S) ± 2 to shrink the MILP);
+    `max_options` keeps at most that many evenly spaced front points (always the fastest).
     """
     caps = _caps(mem_cap, num_stages)
     lo, hi = layer_range or (1, num_layers - num_stages + 1)

@@ -1,9 +1,9 @@
-"""``predict(config)`` for the CPU space's guided search (GPT-2 on a CPU): step time and peak
+"""`predict(config)` for the CPU space's guided search (GPT-2 on a CPU): step time and peak
 memory from the cost model (the GPU space's predictor is `predict_gpu.GPUCostModel`).
 
 What each term comes from:
 
-* **Per-layer FLOPs, bytes moved and saved activations**: :func:`slapo.tune.cost.block_cost`
+* **Per-layer FLOPs, bytes moved and saved activations**: `slapo.tune.cost.block_cost`
   on one scheduled layer per attention core (FakeTensor capture, sympy in batch and seq).
 * **Fuse and Tempo**: neither can be captured under FakeTensorMode (compiled regions, Tempo's
   data-dependent lookups). So each scheduled layer variant (attention x fuse x Tempo) is
@@ -12,8 +12,8 @@ What each term comes from:
   A variant's bytes moved and saved bytes are the symbolic plain-layer values times the
   variant's measured ratio to the plain layer; its op count is its own (Tempo's chunked
   backward issues ~15x the ops of the plain layer, and more with batch).
-* **Time**: :func:`~slapo.tune.timing.roofline_time` with a GEMM peak and a copy bandwidth
-  measured by :func:`~slapo.tune.timing.calibrate` at the trials' thread count, plus ops x a
+* **Time**: `roofline_time` with a GEMM peak and a copy bandwidth
+  measured by `calibrate` at the trials' thread count, plus ops x a
   per-op overhead. The overhead is calibrated here: the plain layer at batch 1, seq 8 (no
   real work) is timed and its roofline time subtracted. On a CPU the overhead is what makes
   a larger batch faster per token. Checkpointed layers run their forward twice. The LM head
@@ -56,7 +56,7 @@ class LayerCost:
 
 
 class GPT2CostModel:
-    """Predicts ``throughput`` (tokens/s), ``step_time_s`` and ``memory`` (peak RSS bytes).
+    """Predicts `throughput` (tokens/s), `step_time_s` and `memory` (peak RSS bytes).
 
     Builds one one-layer model per knob combination that changes the layer's costs (attention,
     fuse, tempo), so its set-up takes a few seconds; every prediction after that is arithmetic.
@@ -186,7 +186,7 @@ class GPT2CostModel:
 
 @dataclass
 class LayerProfile:
-    """Measured costs of one layer variant: each field is ``a + b * batch``."""
+    """Measured costs of one layer variant: each field is `a + b * batch`."""
 
     coef: dict[str, tuple[float, float]]
 
@@ -221,9 +221,9 @@ class _OpCounter(_CostCounter):
 
 
 def _profile_layer(block: Any, batch: int, seq: int, hidden: int) -> Any:
-    """One real forward + backward of ``block``: ops, bytes moved and saved bytes.
+    """One real forward + backward of `block`: ops, bytes moved and saved bytes.
 
-    Returns a dict for :meth:`LayerProfile.fit` with ``ops``/``bytes``/``flops`` totals for the
+    Returns a dict for `LayerProfile.fit` with `ops`/`bytes`/`flops` totals for the
     overhead calibration. Runs once untimed first so a compiled region is
     compiled before it is counted.
     """

@@ -1,4 +1,4 @@
-"""``predict(config)`` for the GPU space: peak memory and step time of a scheduled HF model,
+"""`predict(config)` for the GPU space: peak memory and step time of a scheduled HF model,
 from one fake training step (`GPUCostModel`, `simulate_step`; the CPU space's predictor is
 `predict_cpu.GPT2CostModel`)."""
 
@@ -33,26 +33,26 @@ class StepCost:
 
 
 class GPUCostModel:
-    """``predict(config)`` for the GPU space: peak memory and step time of a training step.
+    """`predict(config)` for the GPU space: peak memory and step time of a training step.
 
-    **Memory** is simulated, not estimated: the real model (built under ``FakeTensorMode``: no
+    **Memory** is simulated, not estimated: the real model (built under `FakeTensorMode`: no
     weights are allocated, a 1.1B model costs nothing) gets the config's schedule
-    (``model_schedule.apply``) and runs one forward under the config's autocast and one backward,
-    while torch's ``MemTracker`` follows every tensor's lifetime. Eager, SAC, full checkpointing,
+    (`model_schedule.apply`) and runs one forward under the config's autocast and one backward,
+    while torch's `MemTracker` follows every tensor's lifetime. Eager, SAC, full checkpointing,
     fused loss, kernels and autocast's cached bf16 weights are therefore what the product runs.
-    A compiled layer (``compile_blocks``) cannot run under fake tensors, so it is emulated: its
+    A compiled layer (`compile_blocks`) cannot run under fake tensors, so it is emulated: its
     forward graph is recorded once, the tensors inductor's partitioner would keep are found by
-    the same min cut it solves (:func:`~slapo.tune.capture.saved_ops`), and every layer then
+    the same min cut it solves (`saved_ops`), and every layer then
     runs as a selective checkpoint that keeps exactly those (so it also recomputes the rest in
     backward, as the compiled backward does). AdamW's state is added analytically
-    (:meth:`StepCost.memory`).
+    (`StepCost.memory`).
 
     **Time** is a roofline per op class over the same step: matmul/attention FLOPs (forward,
-    recomputation, backward) at ``device.peak_flops``, the bytes every other op moves at
-    ``device.mem_bandwidth`` (inside a compiled layer or a fused kernel an elementwise chain
+    recomputation, backward) at `device.peak_flops`, the bytes every other op moves at
+    `device.mem_bandwidth` (inside a compiled layer or a fused kernel an elementwise chain
     reads its inputs and writes its outputs once), and the fused AdamW step; times
-    ``1 / efficiency``. ``efficiency`` is the one constant fitted to a measurement
-    (:meth:`calibrate`, on one configuration per model family).
+    `1 / efficiency`. `efficiency` is the one constant fitted to a measurement
+    (`calibrate`, on one configuration per model family).
     """
 
     def __init__(self, spec: Any, device: DeviceConstants | None = None,
@@ -75,7 +75,7 @@ class GPUCostModel:
         return float(roofline_time(cost.mm_flops, cost.mem_bytes, self.device)) + opt
 
     def calibrate(self, config: Config, step_time_s: float, schedule: bool = True) -> float:
-        """Set ``efficiency`` so that ``config`` is predicted at the measured step time."""
+        """Set `efficiency` so that `config` is predicted at the measured step time."""
         self.efficiency = self.roofline_s(self.step_cost(config, schedule)) / step_time_s
         return self.efficiency
 
@@ -137,9 +137,9 @@ def _autocast(config: Config, cache: bool) -> Any:
 
 
 def simulate_step(spec: Any, config: Config, schedule: bool = True) -> StepCost:
-    """One fake forward + backward of ``spec`` under ``config`` (see :class:`GPUCostModel`).
+    """One fake forward + backward of `spec` under `config` (see `GPUCostModel`).
 
-    ``schedule=False`` runs the HF model as loaded (the benchmark's HF baselines).
+    `schedule=False` runs the HF model as loaded (the benchmark's HF baselines).
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.mem_tracker import MemTracker
@@ -194,7 +194,7 @@ def _schedule(model: Any, knobs: dict, compiled: bool, config: Config,
 def _compiled_plan(model: Any, layer: Any, config: Config, data: dict) -> dict[str, float]:
     """What a compiled layer keeps (inductor's min cut; under SAC, the matmul outputs its
     backward needs), its forward's matmul FLOPs and fused/eager bytes, from one recorded
-    forward of ``layer`` (the first; every layer runs the same graph)."""
+    forward of `layer` (the first; every layer runs the same graph)."""
     import torch
     from torch.utils.flop_counter import flop_registry
 
@@ -239,7 +239,7 @@ def _compiled_plan(model: Any, layer: Any, config: Config, data: dict) -> dict[s
 class _RegionCounter(_CostCounter):
     """FLOPs and bytes of a step. Bytes moved inside a compiled layer (its forward, and in
     backward every autograd node its forward created, recomputation included) are counted
-    apart: :meth:`fused_bytes` scales them by the fused/eager ratio of the layer's forward."""
+    apart: `fused_bytes` scales them by the fused/eager ratio of the layer's forward."""
 
     def __init__(self, regions: list, ratio: float = 1.0) -> None:
         super().__init__()

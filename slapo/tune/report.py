@@ -1,6 +1,6 @@
-"""The outputs of ``slapo tune``: ``results.json``, ``top.txt`` (the printed table) and
-``search.png`` (predicted vs measured per trial, and the measured throughput in trial order), and
-the ``slapo train`` command of the best configuration."""
+"""The outputs of `slapo tune`: `results.json`, `top.txt` (the printed table) and
+`search.png` (predicted vs measured per trial, and the measured throughput in trial order), and
+the `slapo train` command of the best configuration."""
 
 from __future__ import annotations
 
@@ -105,9 +105,9 @@ def _flag(name: str, value: Any) -> list[str]:
 
 
 def train_command(config: Config, options: dict[str, Any] | None = None) -> str:
-    """The `slapo train` command that trains with ``config``: its schedule knobs under their
+    """The `slapo train` command that trains with `config`: its schedule knobs under their
     schema names (the same flags, one meaning), its batch size and precision, and the run
-    ``options`` the trials used (model, sizes, sequence length, fuse compiler)."""
+    `options` the trials used (model, sizes, sequence length, fuse compiler)."""
     knob_names = set(_schema.names())
     words = ["slapo", "train"]
     for name, value in (options or {}).items():
@@ -123,9 +123,9 @@ def train_command(config: Config, options: dict[str, Any] | None = None) -> str:
 
 def write_outputs(report: TuneReport, out: str | Path, top: int = 10,
                   meta: dict[str, Any] | None = None, console: Any = None) -> dict[str, Path]:
-    """results.json, top.txt and search.png under ``out``; prints the table and the `slapo
-    train` command of the best config (``meta["train_options"]``: the trials' run options)
-    to ``console``."""
+    """results.json, top.txt and search.png under `out`; prints the table and the `slapo
+    train` command of the best config (`meta["train_options"]`: the trials' run options)
+    to `console`."""
     from rich.console import Console
 
     out = Path(out)

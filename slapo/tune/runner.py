@@ -2,7 +2,7 @@
 
 A trial that crashes, hangs, segfaults or runs out of memory must not take the tuner down with it,
 and must not leave a poisoned CUDA context or allocator behind for the next trial. So each trial
-runs in a fresh process (``multiprocessing`` spawn for a Python callable, ``subprocess`` for a
+runs in a fresh process (`multiprocessing` spawn for a Python callable, `subprocess` for a
 command line) and the parent only reads back a small metrics dict.
 
 Trials fork from a forkserver that has imported this module once (and with it slapo and torch),
@@ -33,7 +33,7 @@ _OOM_MARKERS = ("out of memory", "memoryerror", "outofmemoryerror", "cannot allo
 
 @dataclass
 class TrialResult:
-    """What one trial produced. ``status`` is one of ok / failed / oom / timeout."""
+    """What one trial produced. `status` is one of ok / failed / oom / timeout."""
 
     status: str
     metrics: dict[str, Any] = field(default_factory=dict)
@@ -56,7 +56,7 @@ def _check_peak(result: TrialResult, peak_key: str, mem_cap_bytes: int | None) -
     """A trial that reports a peak above the cap counts as OOM even if it survived.
 
     On CPU RLIMIT_AS is coarse (it caps virtual memory, not the device), so a trial may instead
-    report its own measured peak, e.g. ``torch.cuda.max_memory_allocated()``.
+    report its own measured peak, e.g. `torch.cuda.max_memory_allocated()`.
     """
     peak = result.metrics.get(peak_key)
     if result.status == "ok" and mem_cap_bytes and peak is not None and peak > mem_cap_bytes:
@@ -86,14 +86,14 @@ def _child(fn: Callable[[Config], dict], config: Config, mem_cap: int | None, co
 
 
 class CallableEvaluator:
-    """Run ``fn(config) -> metrics`` in a fresh process per trial (forkserver or spawn).
+    """Run `fn(config) -> metrics` in a fresh process per trial (forkserver or spawn).
 
-    ``fn`` must be importable by the child (a module-level function). The trial's clock starts
-    when the child has booted (``startup_timeout_s`` bounds the boot itself, which on a loaded
-    machine can take seconds); a trial running past ``timeout_s`` is killed with everything it
-    started. ``mem_cap_bytes`` is applied with RLIMIT_AS in the child (it caps the whole address
+    `fn` must be importable by the child (a module-level function). The trial's clock starts
+    when the child has booted (`startup_timeout_s` bounds the boot itself, which on a loaded
+    machine can take seconds); a trial running past `timeout_s` is killed with everything it
+    started. `mem_cap_bytes` is applied with RLIMIT_AS in the child (it caps the whole address
     space, which already includes a few GB of mappings once torch is imported), and a reported
-    ``metrics[peak_key]`` above it also marks the trial ``oom``. ``preload`` names more modules
+    `metrics[peak_key]` above it also marks the trial `oom`. `preload` names more modules
     for the forkserver to import once (e.g. the trial function's module with its model code),
     so each trial skips those imports too; it only has an effect before the server has started.
     """
@@ -178,7 +178,7 @@ class CallableEvaluator:
 
     @staticmethod
     def _kill(proc: Any) -> None:
-        """Kill the trial and everything it started (its own process group, see ``_child``)."""
+        """Kill the trial and everything it started (its own process group, see `_child`)."""
         try:
             os.killpg(proc.pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
@@ -187,11 +187,11 @@ class CallableEvaluator:
 
 
 class CommandEvaluator:
-    """Run a command line per trial; ``{name}`` placeholders are filled from the config.
+    """Run a command line per trial; `{name}` placeholders are filled from the config.
 
-    ``{metrics_file}`` is replaced by a temporary JSON path the command may write its metrics to;
-    otherwise the last stdout line starting with ``SLAPO_METRICS `` is parsed as JSON. Every
-    config value is also exported as ``SLAPO_TUNE_<NAME>`` (Slapo's original tuner passed knobs
+    `{metrics_file}` is replaced by a temporary JSON path the command may write its metrics to;
+    otherwise the last stdout line starting with `SLAPO_METRICS ` is parsed as JSON. Every
+    config value is also exported as `SLAPO_TUNE_<NAME>` (Slapo's original tuner passed knobs
     through the environment). The command runs in its own session so a timeout kills its whole
     process tree (e.g. torchrun and its ranks).
     """
@@ -267,9 +267,9 @@ class CommandEvaluator:
 
 
 class InProcessEvaluator:
-    """Call ``fn(config)`` in this process (for cheap, trusted objectives such as predictions).
+    """Call `fn(config)` in this process (for cheap, trusted objectives such as predictions).
 
-    Exceptions become failed trials; a MemoryError or an "out of memory" message becomes ``oom``.
+    Exceptions become failed trials; a MemoryError or an "out of memory" message becomes `oom`.
     """
 
     def __init__(self, fn: Callable[[Config], dict], mem_cap_bytes: int | None = None,

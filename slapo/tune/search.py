@@ -1,15 +1,15 @@
-"""Search algorithms over a :class:`~slapo.tune.space.Space`.
+"""Search algorithms over a `Space`.
 
 Plug points (kept deliberately small so model schedules and the CLI can be added later):
 
-* ``evaluate(config) -> metrics dict | TrialResult`` runs one trial. Use
-  :class:`~slapo.tune.runner.CallableEvaluator` / ``CommandEvaluator`` for isolation; a plain
+* `evaluate(config) -> metrics dict | TrialResult` runs one trial. Use
+  `CallableEvaluator` / `CommandEvaluator` for isolation; a plain
   function is called in-process and an exception becomes a failed trial.
-* ``predict(config) -> metrics dict`` is the cost model (e.g. built on :mod:`slapo.tune.cost`).
-  It must return the objective; it may also return ``memory`` (bytes), which the guided search
-  compares with ``mem_cap`` to prune configs that will not fit.
+* `predict(config) -> metrics dict` is the cost model (e.g. built on `slapo.tune.cost`).
+  It must return the objective; it may also return `memory` (bytes), which the guided search
+  compares with `mem_cap` to prune configs that will not fit.
 
-Every trial goes through the :class:`~slapo.tune.database.Database` first, so a re-run (after a
+Every trial goes through the `Database` first, so a re-run (after a
 crash or Ctrl-C) skips what was already measured.
 """
 
@@ -124,9 +124,9 @@ def coordinate_descent(space: Space, evaluate: Evaluate, db: Database | None = N
                        on_trial: Callable[[Record], None] | None = None) -> SearchResult:
     """Slapo-style tuning: sweep one knob at a time holding the others, move to the best, repeat.
 
-    Conditional symbols are repaired after each move with :meth:`Space.complete` (turning
-    ``checkpoint`` on brings ``ckpt_ratio`` in at its first candidate). Stops after a round that
-    does not improve, or after ``max_rounds``.
+    Conditional symbols are repaired after each move with `Space.complete` (turning
+    `checkpoint` on brings `ckpt_ratio` in at its first candidate). Stops after a round that
+    does not improve, or after `max_rounds`.
     """
     trials = _Trials(_wrap(evaluate), db, objective, maximize, on_trial)
     configs = space.configs()
@@ -159,7 +159,7 @@ class _Correction:
     Log-space so the correction is a per-knob *factor*: a cost model that misprices, say,
     recomputation gets that knob's factor fixed after a few trials. The ridge prior pulls
     unmeasured knob values to "no correction", and the posterior standard deviation
-    ``sd(x) = s·sqrt(xᵀ(XᵀX + λI)⁻¹x)`` is large for configs whose knob values were never
+    `sd(x) = s·sqrt(xᵀ(XᵀX + λI)⁻¹x)` is large for configs whose knob values were never
     measured, so the search stays optimistic about them (an upper confidence bound) instead of
     trusting a correction learnt elsewhere. Objectives must be positive (throughput, time);
     otherwise the correction is additive with the same features.
@@ -200,7 +200,7 @@ class _Correction:
         self.sd = max(self.prior_sd, float(np.sqrt(resid @ resid / dof)))
 
     def __call__(self, c: Config, pred: float, kappa: float = 0.0) -> float:
-        """Corrected prediction, shifted ``kappa`` standard deviations towards "better"."""
+        """Corrected prediction, shifted `kappa` standard deviations towards "better"."""
         x = self.features(c)
         z = float(x @ self.w) + kappa * self.sd * math.sqrt(float(x @ self.a_inv @ x))
         return pred * math.exp(z) if self.log else pred + z
@@ -214,17 +214,17 @@ def guided_search(space: Space, evaluate: Evaluate, predict: Predict, db: Databa
                   on_trial: Callable[[Record], None] | None = None) -> SearchResult:
     """Cost-model-guided search: predict everything, measure only the promising configs.
 
-    1. ``predict`` every config (cheap), drop those whose predicted ``memory`` exceeds
-       ``mem_cap``.
-    2. Repeatedly measure the ``batch`` configs with the best optimistic corrected prediction
-       (corrected by :class:`_Correction`, plus ``kappa`` posterior standard deviations, so knob
+    1. `predict` every config (cheap), drop those whose predicted `memory` exceeds
+       `mem_cap`.
+    2. Repeatedly measure the `batch` configs with the best optimistic corrected prediction
+       (corrected by `_Correction`, plus `kappa` posterior standard deviations, so knob
        values the measurements say nothing about still get tried), then refit the correction and
        the memory scale (an OOM at predicted memory m means configs predicted at ≥ m will not fit
-       either; a measured ``peak_memory_bytes`` above prediction scales all predictions up).
+       either; a measured `peak_memory_bytes` above prediction scales all predictions up).
     3. Stop when even the optimistic prediction of every remaining config cannot beat the
        measured best.
 
-    ``prior_sd`` is the expected relative error of the cost model (0.05 = 5%).
+    `prior_sd` is the expected relative error of the cost model (0.05 = 5%).
     """
     trials = _Trials(_wrap(evaluate), db, objective, maximize, on_trial)
     configs = space.configs()

@@ -1,7 +1,7 @@
 """Simulation mode: plan GPT training on a hypothetical cluster from device constants alone.
 
 For every (tp, pp, dp, micro-batch, ZeRO stage) the per-layer costs come from the traced block
-model (:func:`slapo.tune.cost.block_cost` on a meta-device ``GPT2Block``, bf16, SDPA without
+model (`slapo.tune.cost.block_cost` on a meta-device `GPT2Block`, bf16, SDPA without
 dropout, i.e. flash-style attention), pipeline partition and checkpoint counts come from the MILP
 planner, and the step time is::
 
@@ -10,7 +10,7 @@ planner, and the step time is::
 with T_i the per-micro-batch time of stage i (roofline compute of its layers, recompute of its
 checkpointed layers, TP all-reduces, pipeline p2p). Nothing overlaps (communication is serial
 with compute), which penalises ZeRO-3 and large DP degrees the most; see docs/tune.md for what
-else is ignored. Run ``python -m slapo.tune.simulate`` to print plans.
+else is ignored. Run `python -m slapo.tune.simulate` to print plans.
 """
 
 from __future__ import annotations
@@ -121,7 +121,7 @@ def _link(group_span: int, dev: DeviceConstants) -> AlphaBeta:
 
 @dataclass
 class _Layout:
-    """Costs of one (tp, pp, dp, micro-batch, ZeRO) layout; ``stage_cost`` feeds the planner."""
+    """Costs of one (tp, pp, dp, micro-batch, ZeRO) layout; `stage_cost` feeds the planner."""
 
     spec: GPTSpec
     dev: DeviceConstants
@@ -193,12 +193,12 @@ def simulate(spec: GPTSpec, gpus: int, global_batch: int, device: DeviceConstant
              pps: tuple[int, ...] = (1, 2, 4, 8), micro_batches: tuple[int, ...] = (1, 2, 4, 8),
              zeros: tuple[int, ...] = (0, 1, 2, 3), mem_fraction: float = 0.9,
              workspace_bytes: float = 2e9, top: int = 5) -> list[SimPlan]:
-    """Best ``top`` plans for ``spec`` on ``gpus`` devices (fastest first).
+    """Best `top` plans for `spec` on `gpus` devices (fastest first).
 
-    Layout: tp innermost (within a node), then dp, then pp; ``mem_fraction`` of device memory
-    minus ``workspace_bytes`` (allocator, kernels' workspaces, transient peaks) is the cap.
+    Layout: tp innermost (within a node), then dp, then pp; `mem_fraction` of device memory
+    minus `workspace_bytes` (allocator, kernels' workspaces, transient peaks) is the cap.
     Layouts are visited in order of a lower bound on their step time and skipped once the bound
-    exceeds the ``top``-th best plan found, so most MILPs are never built.
+    exceeds the `top`-th best plan found, so most MILPs are never built.
     """
     if gpus < 1 or global_batch < 1:
         raise ValueError(f"need gpus >= 1 and global_batch >= 1, got {gpus}, {global_batch}.")

@@ -3,10 +3,10 @@
 A space is a *program* that declares symbols in order. Later symbols may depend on the values
 chosen for earlier ones (their candidate list may be a function of the partial config, or they may
 exist only when a condition holds), which is what Slapo calls a "polyhedral" space: e.g.
-``ckpt_ratio`` exists only when ``checkpoint`` is on, and its candidates may depend on the batch
+`ckpt_ratio` exists only when `checkpoint` is on, and its candidates may depend on the batch
 size. Enumeration replays that program depth-first, so both the declarative API
-(``space.create_symbol(...)`` calls made once) and Slapo's imperative style (a user function
-``update_space(args, space)`` that branches on already-chosen values) are the same mechanism.
+(`space.create_symbol(...)` calls made once) and Slapo's imperative style (a user function
+`update_space(args, space)` that branches on already-chosen values) are the same mechanism.
 """
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ def config_key(config: Config) -> str:
 class Symbol:
     """One tunable knob: a name and its candidate values.
 
-    Mirrors Slapo's ``Symbol``: until it is fixed, comparisons return False, so schedule code can be
-    written against it before a value is chosen (``if ckpt == True: ...``).
+    Mirrors Slapo's `Symbol`: until it is fixed, comparisons return False, so schedule code can be
+    written against it before a value is chosen (`if ckpt == True: ...`).
     """
 
     def __init__(self, name: str, vals: Sequence[Any]):
@@ -54,14 +54,14 @@ class Symbol:
         self.is_fixed = False
 
     def fix_at(self, idx: int) -> Any:
-        """Fix the symbol to its ``idx``-th candidate and return the value."""
+        """Fix the symbol to its `idx`-th candidate and return the value."""
         if not 0 <= idx < len(self.vals):
             raise ValueError(f"symbol {self.name!r}: index {idx} out of range 0..{len(self.vals) - 1}.")
         self.value, self.is_fixed = self.vals[idx], True
         return self.value
 
     def fix(self, value: Any) -> Any:
-        """Fix the symbol to ``value``, which must be one of its candidates."""
+        """Fix the symbol to `value`, which must be one of its candidates."""
         want = json.dumps(value, sort_keys=True)
         for i, v in enumerate(self.vals):
             if json.dumps(v, sort_keys=True) == want:
@@ -169,9 +169,9 @@ class Space:
         space.add_constraint(lambda c: c["batch_size"] <= 16 or c["checkpoint"], "bs32 needs ckpt")
         configs = list(space)
 
-    Slapo's imperative style: ``Space.from_function(update_space, args)`` where
-    ``update_space(args, space)`` calls ``space.create_symbol`` (reading the returned, already-fixed
-    ``Symbol``'s value to branch) and returns the space.
+    Slapo's imperative style: `Space.from_function(update_space, args)` where
+    `update_space(args, space)` calls `space.create_symbol` (reading the returned, already-fixed
+    `Symbol`'s value to branch) and returns the space.
     """
 
     def __init__(self) -> None:
@@ -191,10 +191,10 @@ class Space:
         vals: Sequence[Any] | Callable[[Config], Sequence[Any]],
         condition: Callable[[Config], bool] | None = None,
     ) -> Symbol | None:
-        """Declare a knob. ``vals`` may be a function of the earlier symbols' values.
+        """Declare a knob. `vals` may be a function of the earlier symbols' values.
 
-        ``condition(partial_config)`` makes the symbol exist only when it returns True. During a
-        replay (enumeration, :meth:`apply`) the returned symbol is already fixed; it is None when
+        `condition(partial_config)` makes the symbol exist only when it returns True. During a
+        replay (enumeration, `apply`) the returned symbol is already fixed; it is None when
         the condition leaves the symbol out.
         """
         if self._chooser is None:
@@ -220,9 +220,9 @@ class Space:
         return sym
 
     def add_constraint(self, predicate: Callable[[Config], bool], name: str = "") -> None:
-        """Keep only configs for which ``predicate(config)`` is True.
+        """Keep only configs for which `predicate(config)` is True.
 
-        May also be called inside an ``update_space`` function; it then applies to the configs
+        May also be called inside an `update_space` function; it then applies to the configs
         of that pass only (the function runs once per config).
         """
         if not callable(predicate):
@@ -232,7 +232,7 @@ class Space:
 
     @classmethod
     def from_function(cls, update_space: Callable[..., Any], args: Any = None) -> Space:
-        """Wrap a Slapo-style ``update_space(args, space)`` schedule function as a space."""
+        """Wrap a Slapo-style `update_space(args, space)` schedule function as a space."""
         space = cls()
         space._program = lambda s: update_space(args, s)
         return space
@@ -253,9 +253,9 @@ class Space:
         return partial
 
     def violated(self, config: Config) -> str | None:
-        """Name of the first constraint that ``config`` violates, or None.
+        """Name of the first constraint that `config` violates, or None.
 
-        Constraints declared inside an ``update_space`` function are those of the latest replay.
+        Constraints declared inside an `update_space` function are those of the latest replay.
         """
         for name, pred in self._constraints + self._replay_constraints:
             if not pred(dict(config)):
@@ -291,7 +291,7 @@ class Space:
         return list(seen)
 
     def candidates(self, name: str) -> list[Any]:
-        """Union of the values ``name`` takes over all valid configs."""
+        """Union of the values `name` takes over all valid configs."""
         out: dict[str, Any] = {}
         for c in self:
             if name in c:
@@ -301,18 +301,18 @@ class Space:
         return list(out.values())
 
     def complete(self, prefer: Config) -> Config | None:
-        """The valid config closest to ``prefer``: its values where legal, first candidates else.
+        """The valid config closest to `prefer`: its values where legal, first candidates else.
 
-        Used by coordinate descent to repair a config after one knob moved (turning ``checkpoint``
-        on makes ``ckpt_ratio`` appear; turning it off drops it). None if constraints reject it.
+        Used by coordinate descent to repair a config after one knob moved (turning `checkpoint`
+        on makes `ckpt_ratio` appear; turning it off drops it). None if constraints reject it.
         """
         config = self._run(_PreferChooser(prefer, strict=False))
         return config if self.violated(config) is None else None
 
     def apply(self, config: Config) -> Space:
-        """Fix every symbol to ``config`` (validating it) and return the space.
+        """Fix every symbol to `config` (validating it) and return the space.
 
-        Afterwards ``space.symbols[name].value`` holds the chosen values, which is how a schedule
+        Afterwards `space.symbols[name].value` holds the chosen values, which is how a schedule
         function reads its knobs. Raises ValueError naming the bad or missing symbol.
         """
         chooser = _PreferChooser(config, strict=True)
@@ -329,7 +329,7 @@ class Space:
         return self
 
     def to_dict(self) -> Config:
-        """Current fixed values (after :meth:`apply`)."""
+        """Current fixed values (after `apply`)."""
         return {n: s.value for n, s in self.symbols.items() if s.is_fixed}
 
     def __repr__(self) -> str:

@@ -2,8 +2,8 @@
 
 Mist profiles every op on the target GPU; on a CPU-only CI we cannot, and for *ranking* configs a
 roofline (matmul FLOPs at peak, everything else at memory bandwidth) is enough. The constants are
-measured by :func:`calibrate` (one GEMM, one large copy) and cached per device, and collective
-costs come from a least-squares fit of ``t = alpha + beta * bytes * f(op, n)`` to a sweep.
+measured by `calibrate` (one GEMM, one large copy) and cached per device, and collective
+costs come from a least-squares fit of `t = alpha + beta * bytes * f(op, n)` to a sweep.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ _RING_FACTOR = {
 
 @dataclass
 class AlphaBeta:
-    """Latency ``alpha`` (s) and inverse bandwidth ``beta`` (s/byte) of one link class."""
+    """Latency `alpha` (s) and inverse bandwidth `beta` (s/byte) of one link class."""
 
     alpha: float
     beta: float
@@ -58,7 +58,7 @@ class DeviceConstants:
 
 
 def roofline_time(flops: Any, bytes_moved: Any, device: DeviceConstants) -> Any:
-    """Seconds for ``flops`` of matmul plus ``bytes_moved`` of memory-bound work.
+    """Seconds for `flops` of matmul plus `bytes_moved` of memory-bound work.
 
     Additive rather than max(): a transformer block alternates GEMMs and elementwise kernels that
     run one after the other, not overlapped.
@@ -74,13 +74,13 @@ def _factor(op: str, n: Any) -> Any:
 
 
 def collective_time(op: str, nbytes: Any, n: Any, ab: AlphaBeta) -> Any:
-    """Alpha-beta time of a ring collective over ``n`` ranks (0 when n == 1)."""
+    """Alpha-beta time of a ring collective over `n` ranks (0 when n == 1)."""
     n_arr = np.asarray(n)
     return np.where(n_arr > 1, ab.alpha + ab.beta * np.asarray(nbytes) * _factor(op, n_arr), 0.0)
 
 
 def fit_alpha_beta(samples: list[tuple[str, float, int, float]]) -> AlphaBeta:
-    """Least-squares (alpha, beta) ≥ 0 from ``(op, nbytes, n, seconds)`` samples.
+    """Least-squares (alpha, beta) ≥ 0 from `(op, nbytes, n, seconds)` samples.
 
     Rows are weighted by 1/seconds so that small (latency-bound) and large (bandwidth-bound)
     messages count equally: a plain fit would ignore alpha entirely.
@@ -103,7 +103,7 @@ def collective_sweep(sizes: list[int], ops: tuple[str, ...] = ("all_reduce",), g
                      iters: int = 5, warmup: int = 2) -> list[tuple[str, float, int, float]]:
     """Time collectives of the given payload sizes (bytes) on an initialised process group.
 
-    Returns samples for :func:`fit_alpha_beta`. Run it on every rank (it is collective); use
+    Returns samples for `fit_alpha_beta`. Run it on every rank (it is collective); use
     float32 payloads on the group's device.
     """
     import torch
@@ -162,11 +162,11 @@ def _device_name(device: Any) -> str:
 
 def calibrate(device: Any = None, dtype: Any = None, cache_path: str | os.PathLike | None = None,
               gemm_n: int | None = None, copy_mib: int | None = None, refresh: bool = False) -> DeviceConstants:
-    """Measure peak matmul FLOP/s and copy bandwidth on ``device``; cache them to JSON.
+    """Measure peak matmul FLOP/s and copy bandwidth on `device`; cache them to JSON.
 
     One square GEMM (best of a few runs) and one large device-to-device copy (read + write
     bytes). The cache key is the device name and dtype, so a cluster with mixed GPUs keeps one
-    entry per kind. Links are not measured here (see :func:`collective_sweep`).
+    entry per kind. Links are not measured here (see `collective_sweep`).
     """
     import torch
 
