@@ -31,37 +31,10 @@ Primitives a user registers with `slapo.register_primitive` are reached through
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Sequence  # noqa: F401 - in the postponed annotations
 from typing import Any
 
 {imports}
-
-
-def _run(sch: Any, cls: type[Primitive], **kwargs: Any) -> Any:
-    """Run `cls` on `sch` with the arguments the caller gave: those left at their default are
-    dropped, so the node's history reads as the call was written (`checkpoint()`, not
-    `checkpoint(subgraph=None, ...)`), and a primitive can tell "not given" from "given"."""
-    defaults = _defaults(cls)
-    given = {k: v for k, v in kwargs.items() if not _is_default(v, defaults.get(k, _NONE))}
-    return cls.run(sch, **given)
-
-
-_NONE = object()
-
-
-def _defaults(cls: type[Primitive]) -> dict[str, Any]:
-    sig = inspect.signature(cls.apply)
-    return {n: p.default for n, p in sig.parameters.items() if p.default is not p.empty}
-
-
-def _is_default(value: Any, default: Any) -> bool:
-    if value is default:
-        return True
-    try:
-        return type(value) is type(default) and bool(value == default)
-    except Exception:  # noqa: BLE001 - a value whose == is not a bool is not the default
-        return False
 
 
 class PrimitiveMethods:
@@ -99,7 +72,7 @@ def _signature(name: str, decl: list[str]) -> str:
 def render() -> str:
     from slapo.primitives import BUILTIN
 
-    imports, methods = ["from .base import Primitive"], []
+    imports, methods = [], []
     for cls in BUILTIN:
         module = cls.__module__.rsplit(".", 1)[-1]
         imports.append(f"from .{module} import {cls.__name__}")
@@ -110,7 +83,7 @@ def render() -> str:
         methods.append(
             f"\n{_signature(cls.name, decl)}\n"
             f'        """{doc}\n\n        (`slapo.primitives.{module}.{cls.__name__}`)"""\n'
-            f"        return _run(self, {cls.__name__}{args})\n")
+            f"        return {cls.__name__}.run_given(self{args})\n")
     return HEADER.replace("{imports}", "\n".join(sorted(imports))) + "".join(methods)
 
 

@@ -7,6 +7,8 @@ history, so a failed primitive leaves the model and the schedule exactly as they
 
 from __future__ import annotations
 
+import functools
+import inspect
 from typing import Any
 
 _REGISTRY: dict[str, type[Primitive]] = {}
@@ -32,6 +34,16 @@ class Primitive:
         if cls.record(sch, *args, **kwargs):
             sch._record(cls.name, args, kwargs)
         return out
+
+    @classmethod
+    def run_given(cls, sch, **kwargs) -> Any:
+        """`run` with the keyword arguments a typed `Schedule` method received, minus those left
+        at their default: the node's history reads as the call was written (`checkpoint()`,
+        not `checkpoint(subgraph=None, ...)`), and a primitive can tell "not given" from
+        "given" (`sync`'s `axis`)."""
+        defaults = _defaults(cls)
+        given = {k: v for k, v in kwargs.items() if not _is_default(v, defaults.get(k, _NONE))}
+        return cls.run(sch, **given)
 
     @classmethod
     def record(cls, sch, *args, **kwargs) -> bool:
@@ -60,3 +72,21 @@ def get_primitive(name: str) -> type[Primitive] | None:
 def list_primitives() -> list[str]:
     """Names of every registered primitive, in registration order."""
     return list(_REGISTRY)
+
+
+_NONE = object()
+
+
+@functools.cache
+def _defaults(cls: type[Primitive]) -> dict[str, Any]:
+    sig = inspect.signature(cls.apply)
+    return {n: p.default for n, p in sig.parameters.items() if p.default is not p.empty}
+
+
+def _is_default(value: Any, default: Any) -> bool:
+    if value is default:
+        return True
+    try:
+        return type(value) is type(default) and bool(value == default)
+    except Exception:  # noqa: BLE001 - a value whose == is not a bool is not the default
+        return False

@@ -9,12 +9,10 @@ Primitives a user registers with `slapo.register_primitive` are reached through
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Sequence  # noqa: F401 - in the postponed annotations
 from typing import Any
 
 from .annotate import AnnotatePrimitive
-from .base import Primitive
 from .checkpoint import CheckpointPrimitive
 from .compile import CompilePrimitive
 from .cut_pipeline_stage import CutPipelineStagePrimitive
@@ -30,32 +28,6 @@ from .sync import SyncPrimitive
 from .trace import TracePrimitive
 
 
-def _run(sch: Any, cls: type[Primitive], **kwargs: Any) -> Any:
-    """Run `cls` on `sch` with the arguments the caller gave: those left at their default are
-    dropped, so the node's history reads as the call was written (`checkpoint()`, not
-    `checkpoint(subgraph=None, ...)`), and a primitive can tell "not given" from "given"."""
-    defaults = _defaults(cls)
-    given = {k: v for k, v in kwargs.items() if not _is_default(v, defaults.get(k, _NONE))}
-    return cls.run(sch, **given)
-
-
-_NONE = object()
-
-
-def _defaults(cls: type[Primitive]) -> dict[str, Any]:
-    sig = inspect.signature(cls.apply)
-    return {n: p.default for n, p in sig.parameters.items() if p.default is not p.empty}
-
-
-def _is_default(value: Any, default: Any) -> bool:
-    if value is default:
-        return True
-    try:
-        return type(value) is type(default) and bool(value == default)
-    except Exception:  # noqa: BLE001 - a value whose == is not a bool is not the default
-        return False
-
-
 class PrimitiveMethods:
     """The built-in primitives as methods of every schedule node (`sch["h.0.attn"].shard(...)`)."""
 
@@ -64,13 +36,13 @@ class PrimitiveMethods:
         carried over when `shard` or `build` re-create the tensor (e.g. `replicated_param=True`).
 
         (`slapo.primitives.annotate.AnnotatePrimitive`)"""
-        return _run(self, AnnotatePrimitive, name=name, key=key, value=value)
+        return AnnotatePrimitive.run_given(self, name=name, key=key, value=value)
 
     def checkpoint(self, subgraph=None, order_args_fn=None, condition=None, policy=None) -> Any:
         """Activation checkpointing for this module (non-reentrant `torch.utils.checkpoint`).
 
         (`slapo.primitives.checkpoint.CheckpointPrimitive`)"""
-        return _run(self, CheckpointPrimitive, subgraph=subgraph, order_args_fn=order_args_fn, condition=condition, policy=policy)
+        return CheckpointPrimitive.run_given(self, subgraph=subgraph, order_args_fn=order_args_fn, condition=condition, policy=policy)
 
     def compile(
             self,
@@ -82,7 +54,7 @@ class PrimitiveMethods:
         """Compile this module's call with `torch.compile` (regional compilation; see module doc).
 
         (`slapo.primitives.compile.CompilePrimitive`)"""
-        return _run(self, CompilePrimitive, backend=backend, mode=mode, fullgraph=fullgraph, dynamic=dynamic)
+        return CompilePrimitive.run_given(self, backend=backend, mode=mode, fullgraph=fullgraph, dynamic=dynamic)
 
     def cut_pipeline_stage(self) -> Any:
         """End a pipeline stage after this module. The cut is recorded, in model order, in
@@ -90,7 +62,7 @@ class PrimitiveMethods:
         build the stage modules from it.
 
         (`slapo.primitives.cut_pipeline_stage.CutPipelineStagePrimitive`)"""
-        return _run(self, CutPipelineStagePrimitive)
+        return CutPipelineStagePrimitive.run_given(self)
 
     def decompose(self) -> Any:
         """Run this nn.Linear (or HF Conv1D) as `matmul` then `+ bias`, so the bias add becomes a
@@ -98,19 +70,19 @@ class PrimitiveMethods:
         names are unchanged; it composes with `shard`/`sync` in either order.
 
         (`slapo.primitives.decompose.DecomposePrimitive`)"""
-        return _run(self, DecomposePrimitive)
+        return DecomposePrimitive.run_given(self)
 
     def find(self, pattern, kind=None) -> Any:
         """Find ops in this traced module.
 
         (`slapo.primitives.find.FindPrimitive`)"""
-        return _run(self, FindPrimitive, pattern=pattern, kind=kind)
+        return FindPrimitive.run_given(self, pattern=pattern, kind=kind)
 
     def fork_rng(self) -> Any:
         """Draw random numbers (dropout) in this module from the tensor-parallel RNG stream.
 
         (`slapo.primitives.fork_rng.ForkRNGPrimitive`)"""
-        return _run(self, ForkRNGPrimitive)
+        return ForkRNGPrimitive.run_given(self)
 
     def fuse(self, subgraph, compiler='inductor', name='FusedOp', **compile_kwargs) -> Any:
         """Fuse a subgraph (from `find`) into one submodule `name`, compiled with
@@ -118,21 +90,21 @@ class PrimitiveMethods:
         when installed; "eager" or None: no compilation, just the GraphModule).
 
         (`slapo.primitives.fuse.FusePrimitive`)"""
-        return _run(self, FusePrimitive, subgraph=subgraph, compiler=compiler, name=name, **compile_kwargs)
+        return FusePrimitive.run_given(self, subgraph=subgraph, compiler=compiler, name=name, **compile_kwargs)
 
     def reduce_param_grads(self, names: str | Sequence[str] | None = None) -> Any:
         """Sum (all-reduce) over the tensor-parallel group the gradients of this module's replicated
         parameters, as contributed by this module's forward.
 
         (`slapo.primitives.reduce_param_grads.ReduceParamGradsPrimitive`)"""
-        return _run(self, ReduceParamGradsPrimitive, names=names)
+        return ReduceParamGradsPrimitive.run_given(self, names=names)
 
     def replace(self, new_mod_or_fn=None, target_ops=None, **kwargs) -> Any:
         """Replace this module by `new_mod_or_fn` (an nn.Module, or a function with the same
         signature as the module's forward), keeping its place and name in the parent.
 
         (`slapo.primitives.replace.ReplacePrimitive`)"""
-        return _run(self, ReplacePrimitive, new_mod_or_fn=new_mod_or_fn, target_ops=target_ops, **kwargs)
+        return ReplacePrimitive.run_given(self, new_mod_or_fn=new_mod_or_fn, target_ops=target_ops, **kwargs)
 
     def set_attr(self, name: str, value) -> Any:
         """Set a plain (non-tensor, non-module) attribute, e.g. GPT-2 attention's `split_size` after
@@ -140,20 +112,20 @@ class PrimitiveMethods:
         the model's execution is changed.
 
         (`slapo.primitives.set_attr.SetAttrPrimitive`)"""
-        return _run(self, SetAttrPrimitive, name=name, value=value)
+        return SetAttrPrimitive.run_given(self, name=name, value=value)
 
     def shard(self, name_or_names, axis: int, blocks: int = 1) -> Any:
         """Split parameter(s)/buffer(s) `name_or_names` into `tp_size` equal slices (the
         tensor-parallel group's size) along `axis` and keep this rank's slice.
 
         (`slapo.primitives.shard.ShardPrimitive`)"""
-        return _run(self, ShardPrimitive, name_or_names=name_or_names, axis=axis, blocks=blocks)
+        return ShardPrimitive.run_given(self, name_or_names=name_or_names, axis=axis, blocks=blocks)
 
     def sync(self, mode: str, sync_op_or_fn='all_reduce', **kwargs) -> Any:
         """Synchronise this module's input or output across the tensor-parallel group.
 
         (`slapo.primitives.sync.SyncPrimitive`)"""
-        return _run(self, SyncPrimitive, mode=mode, sync_op_or_fn=sync_op_or_fn, **kwargs)
+        return SyncPrimitive.run_given(self, mode=mode, sync_op_or_fn=sync_op_or_fn, **kwargs)
 
     def trace(
             self,
@@ -167,4 +139,4 @@ class PrimitiveMethods:
         """Replace this module by a `torch.fx.GraphModule` of its forward.
 
         (`slapo.primitives.trace.TracePrimitive`)"""
-        return _run(self, TracePrimitive, leaves=leaves, flatten=flatten, tracer=tracer, concrete_args=concrete_args, example_inputs=example_inputs, **kwargs)
+        return TracePrimitive.run_given(self, leaves=leaves, flatten=flatten, tracer=tracer, concrete_args=concrete_args, example_inputs=example_inputs, **kwargs)

@@ -43,12 +43,7 @@ def partition(sch_or_model, num_stages: int | None = None) -> list[nn.Module]:
     prefix = encoder_prefix(model)
     if prefix is None:
         return _decoder_stages(sch, n)
-    layout = DecoderLayout("bert", prefix + "encoder.layer", (), ())
-    if len(cuts) + 1 != n:
-        raise SchedulingError(sch.path, f"{len(cuts)} cut(s) give {len(cuts) + 1} stages, not "
-                              f"{n}.", f"cut {n - 1} layer(s).")
-    n_layers = len(model.get_submodule(layout.layers))
-    bounds = layer_bounds(cuts, layout, n_layers)
+    bounds = _bounds(sch, DecoderLayout("bert", prefix + "encoder.layer", (), ()), n)
     return [BertStage(model, prefix, lo, hi, s == 0, s == n - 1)
             for s, (lo, hi) in enumerate(bounds)]
 
@@ -74,14 +69,18 @@ def _decoder_stages(sch, num_stages: int) -> list[nn.Module]:
     """All `num_stages` stage modules of a decoder LM, from the schedule's cuts."""
     root = sch.mod
     layout = layout_of(root)
+    bounds = _bounds(sch, layout, num_stages)
+    return [HFDecoderStage(root, layout, lo, hi, s == 0, s == num_stages - 1)
+            for s, (lo, hi) in enumerate(bounds)]
+
+
+def _bounds(sch, layout: DecoderLayout, num_stages: int) -> list[tuple[int, int]]:
+    """The [lo, hi) layer range of each stage, from the cuts (which must make `num_stages`)."""
     cuts = list(sch.pipeline_cuts)
     if len(cuts) + 1 != num_stages:
         raise SchedulingError(sch.path, f"{len(cuts)} cut(s) give {len(cuts) + 1} stages, not "
                               f"{num_stages}.", f"cut {num_stages - 1} layer(s).")
-    n_layers = len(root.get_submodule(layout.layers))
-    bounds = layer_bounds(cuts, layout, n_layers)
-    return [HFDecoderStage(root, layout, lo, hi, s == 0, s == num_stages - 1)
-            for s, (lo, hi) in enumerate(bounds)]
+    return layer_bounds(cuts, layout, len(sch.mod.get_submodule(layout.layers)))
 
 
 class _Parts(nn.Module):
