@@ -221,11 +221,6 @@ def _validate_plan(sch, family, tp, attention, fuse, kernels, pp_stages, sp) -> 
 
 
 def _check_pipeline(sch: Schedule, layers: list[Schedule], stages: int) -> None:
-    from ..primitives import get_primitive
-
-    if get_primitive("cut_pipeline_stage") is None:
-        raise SchedulingError(sch.path, "pp_stages > 1 needs cut_pipeline_stage, which is not "
-                              "available.", "pass pp_stages=1.")
     if len(layers) < stages:
         raise SchedulingError(sch.path, f"{len(layers)} layers cannot make {stages} stages.",
                               "use fewer pipeline stages.")
@@ -308,11 +303,6 @@ def _check_eager_settable(sch: Schedule) -> None:
 
 def _check_fusable(sch: Schedule, family: Family) -> None:
     """Every MLP checked before the first is traced: a rejection mutates nothing."""
-    from ..primitives import get_primitive
-
-    if get_primitive("fuse") is None:
-        raise SchedulingError(sch.path, "fuse=True needs the compute primitives (trace/find/"
-                              "fuse), which are not available.", "pass fuse=False.")
     from .fusion import PLANS, unfusable
 
     if family.name not in PLANS or not family.mlp_paths:

@@ -150,9 +150,7 @@ def run(make_model: Callable[[], nn.Module], batches: Iterator[dict] | list[dict
                     for k, v in b.items()} for b in batches]
     if len(batches) < train_steps:
         raise SlapoError(f"need {train_steps} batches, got {len(batches)}")
-    from ..primitives import get_primitive
-
-    steps = steps or default_steps(_g.world_size(group), get_primitive("fuse") is not None)
+    steps = steps or default_steps(_g.world_size(group))
     example = batches[0]
     batch_size = example["input_ids"].shape[0]
     tokens = example["input_ids"].numel()

@@ -41,8 +41,7 @@ class StepResult:
     peak_bytes: int = 0               # slapo.profile.meter peak over the demo-batch steps
 
 
-def default_steps(tp: int, fuse_available: bool, tempo: bool = True,
-                  fuse_compiler: str = "inductor") -> list[Step]:
+def default_steps(tp: int, tempo: bool = True, fuse_compiler: str = "inductor") -> list[Step]:
     """The CPU progression (fp32): what a schedule can change on a CPU. `tp`: the degree of the
     mesh's "tp" dimension (a TP step only when > 1)."""
     knobs: dict = {}
@@ -53,8 +52,7 @@ def default_steps(tp: int, fuse_available: bool, tempo: bool = True,
         steps.append(Step(name, dict(knobs), note))
 
     add("+ SDPA attention", attention="sdpa")
-    if fuse_available:
-        add("+ fused bias+GELU", fuse=True, fuse_compiler=fuse_compiler)
+    add("+ fused bias+GELU", fuse=True, fuse_compiler=fuse_compiler)
     if tempo:
         add("+ Tempo layers", tempo=True)
     add("+ checkpointing", ckpt_ratio=1.0)

@@ -47,10 +47,7 @@ def _plan(tp: int, device: torch.device, fuse_compiler: str) -> dict[str, Any]:
     if device.type == "cuda":
         return dict(steps=progressive.gpu_steps(tp), mixed_precision="bf16",
                     baseline_attention="sdpa")
-    from ..primitives import get_primitive
-
-    return dict(steps=progressive.default_steps(tp, get_primitive("fuse") is not None,
-                                                fuse_compiler=fuse_compiler))
+    return dict(steps=progressive.default_steps(tp, fuse_compiler=fuse_compiler))
 
 
 def tp_degree(mesh: Any) -> int:
