@@ -1,0 +1,229 @@
+"""`slapo export RUN_DIR --out HF_DIR`: a `slapo train` checkpoint as a Hugging Face directory.
+
+    slapo export runs/gpt2-tp2 --out exported/gpt2      # newest intact checkpoint
+    model = AutoModelForCausalLM.from_pretrained("exported/gpt2")
+
+Why a separate step: a run's checkpoints are DCP directories written by every rank (tensor-
+parallel shards as DTensors, pipeline stages by the rank that owns them, FSDP2 shards), built for
+exact resume, not for sharing. Export reads one in a single process, with the same loaders that
+run no code from the files (`run_state`), into the unsharded model the run started from, and
+writes `save_pretrained` output: `config.json`, `model.safetensors`, the tokenizer, and
+`slapo_export.json` (which run, step and checkpoint it came from).
+
+Consolidation needs no process group: DCP's metadata holds every tensor's global shape, so each
+tensor is read at full size, whatever the tp / pp / dp-shard layout that wrote it. A shard of a
+fused parameter (GPT-2's `c_attn`, saved as `[..., blocks, rest, ...]`) is reshaped back.
+
+Checks, before anything is written: the checkpoint is verified (marker, sizes, sha256); every
+parameter of the model must come from the checkpoint (a missing one is an error, never a random
+init); after writing, the directory is loaded back with `AutoModel*.from_pretrained` and its
+logits on a probe batch must equal the consolidated model's (`check=False` skips this).
+The output directory is written as `OUT.tmp` and renamed, so a failed export leaves nothing that
+looks complete.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from ..data.sources import InputError
+from . import run_state as ckpt
+from .pretrained import TASK_CLASSES
+
+__all__ = ["ExportResult", "export_run", "load_checkpoint_model"]
+
+EXPORT_FILE = "slapo_export.json"
+
+
+@dataclass
+class ExportResult:
+    out: Path
+    checkpoint: Path
+    step: int
+    tensors: int
+    tokenizer: str | None      # where the tokenizer came from; None: byte-level ids
+    max_logit_diff: float | None  # reloaded vs consolidated model (None: check skipped)
+
+
+# ---- which checkpoint --------------------------------------------------------------------------
+def pick(run_dir: Path, step: int | None) -> Path:
+    """The newest intact checkpoint of `run_dir` (or the one of `step`), verified."""
+    run_dir = Path(run_dir)
+    if not (run_dir / ckpt.CHECKPOINTS).is_dir():
+        raise InputError(str(run_dir), "is not a `slapo train` run directory (no "
+                         f"{ckpt.CHECKPOINTS}/ inside).",
+                         "pass the --out directory of a run that saved checkpoints "
+                         "(--save-every N, or the final save).")
+    if step is not None:
+        path = ckpt.checkpoint_dir(run_dir, step)
+        reason = ckpt.verify(path) if path.is_dir() else "no such checkpoint"
+        if reason is not None:
+            steps = sorted(ckpt.step_of(p) for p in ckpt.candidates(run_dir))
+            have = ", ".join(map(str, steps)) or "none"
+            raise InputError(str(path), f"cannot export step {step}: {reason}.",
+                             f"pick one of the saved steps ({have}) or leave --step out.")
+        return path
+    path, skipped = ckpt.find_resumable(run_dir)
+    if path is None:
+        why = "; ".join(f"{p.name}: {r}" for p, r in skipped) or "none saved"
+        raise InputError(str(run_dir / ckpt.CHECKPOINTS), f"no intact checkpoint ({why}).",
+                         "export another run, or resume this one to write a checkpoint.")
+    return path
+
+
+# ---- the model the run trained ---------------------------------------------------------------
+def run_config(trainer: dict[str, Any], path: Path):
+    """The run's TrainConfig from its trainer.json (unknown keys from a newer Slapo: error)."""
+    from .config import TrainConfig
+
+    names = {f.name for f in dataclasses.fields(TrainConfig)}
+    saved = trainer["config"]
+    unknown = sorted(set(saved) - names)
+    if unknown:
+        raise InputError(str(Path(path) / ckpt.TRAINER_FILE), f"the run's config has options this Slapo does not "
+                         f"know: {', '.join(unknown)}.", "export with the Slapo that trained it.")
+    values = {k: tuple(v) if isinstance(v, list) else v for k, v in saved.items()}
+    return TrainConfig(**values)
+
+
+
+def _tokenizer_source(cfg, source) -> str | None:
+    if cfg.tokenizer is not None:
+        return cfg.tokenizer
+    if source is not None and source.has_tokenizer():
+        return str(source.directory)
+    return None
+
+
+def unsharded_model(cfg) -> tuple[nn.Module, str, str | None]:
+    """(model, task, tokenizer dir): the architecture the run trained, on one process, no
+    schedule (the schedule changes how it runs, not its parameters' names or values)."""
+    from ..data.tokenizer import load_tokenizer
+    from . import pretrained
+    from .models import build_model, get_model_spec
+
+    source = pretrained.model_source(cfg.model) if pretrained.is_model_path(cfg.model) else None
+    tok_dir = _tokenizer_source(cfg, source)
+    if source is not None:  # parameters on meta until the checkpoint fills them (all must)
+        return source.build_empty(dropout=cfg.dropout).to_empty(device="cpu"), source.task(), \
+            tok_dir
+    tokenizer = load_tokenizer(tok_dir)
+    model = build_model(cfg.model, cfg.size(tokenizer))[0]
+    return model, get_model_spec(cfg.model).task, tok_dir
+
+
+def _auto_class(task: str):
+    import transformers
+
+    return getattr(transformers, TASK_CLASSES[task])
+
+
+@torch.no_grad()
+def load_checkpoint_model(path: Path, model: nn.Module) -> int:
+    """Fill `model` (unsharded, one process) from the DCP checkpoint at `path`; return how many
+    tensors were read. Every parameter must be in the checkpoint."""
+    import torch.distributed.checkpoint as dcp
+
+    meta = ckpt._SafeReader(str(path)).read_metadata().state_dict_metadata
+    saved = {k[len("model."):]: m for k, m in meta.items() if k.startswith("model.")}
+    own = model.state_dict()
+    missing = [k for k in own if k not in saved and not _tied_elsewhere(model, k, saved)]
+    if missing:
+        raise InputError(str(path), f"the checkpoint lacks {len(missing)} of the model's "
+                         f"tensors ({', '.join(missing[:5])}{'...' if len(missing) > 5 else ''}).",
+                         "export the run with the same --model and options it trained with.")
+    state = {k: torch.empty(tuple(saved[k].size), dtype=saved[k].properties.dtype)
+             for k in own if k in saved}
+    for k, t in state.items():
+        if t.numel() != own[k].numel():
+            raise InputError(str(path), f"tensor {k} has {tuple(t.shape)} in the checkpoint, "
+                             f"{tuple(own[k].shape)} in the model.",
+                             "export with the --model / size options the run trained with.")
+    with ckpt._quiet_single_process():
+        dcp.load({"model": state}, storage_reader=ckpt._SafeReader(str(path)),
+                 planner=ckpt._SafeLoadPlanner(path), no_dist=True)
+    # a fused-parameter shard is saved in its block layout: the same elements, reshaped
+    full = {k: t.reshape(own[k].shape).to(own[k].dtype) for k, t in state.items()}
+    model.load_state_dict(full, strict=False)
+    if hasattr(model, "tie_weights"):
+        model.tie_weights()
+    return len(full)
+
+
+def _tied_elsewhere(model: nn.Module, key: str, saved: dict) -> bool:
+    """A tied parameter saved under its other name (HF ties lm_head to the embedding)."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    p = params.get(key)
+    return p is not None and any(q is p and name in saved for name, q in params.items())
+
+
+# ---- export ------------------------------------------------------------------------------------
+def _probe(model: nn.Module, task: str, vocab: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, vocab, (2, 16), generator=gen)
+    kwargs = {"input_ids": ids}
+    if task == "seq2seq":
+        kwargs["decoder_input_ids"] = ids[:, :8]
+    model.eval()
+    return model(**kwargs).logits.float()
+
+
+def _check_out(out: Path, force: bool) -> None:
+    if out.exists() and any(out.iterdir()) and not force:
+        raise InputError(str(out), "exists and is not empty.",
+                         "pass a new --out directory (or --force to replace it).")
+
+
+def export_run(run_dir: str | Path, out: str | Path, *, step: int | None = None,
+               check: bool = True, force: bool = False, log=print) -> ExportResult:
+    """Consolidate a `slapo train` checkpoint into a `save_pretrained` directory (see module
+    docstring). Raises InputError (naming the path and the fix) before writing anything."""
+    out = Path(out)
+    _check_out(out, force)
+    path = pick(Path(run_dir), step)
+    trainer = ckpt.read_trainer(path)
+    cfg = run_config(trainer, path)
+    model, task, tok_dir = unsharded_model(cfg)
+    count = load_checkpoint_model(path, model)
+    model.eval()
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp, safe_serialization=True)
+    if tok_dir is not None:
+        from transformers import AutoTokenizer
+
+        AutoTokenizer.from_pretrained(tok_dir, local_files_only=True).save_pretrained(tmp)
+    info = {"run": str(Path(run_dir).resolve()), "checkpoint": path.name,
+            "step": trainer["step"], "model": cfg.model, "task": task,
+            "tokenizer": tok_dir or "bytes (slapo.data.ByteTokenizer: ids 0-255 are bytes; "
+            "256 pad, 257 bos, 258 eos, 259 mask)"}
+    (tmp / EXPORT_FILE).write_text(json.dumps(info, indent=1))
+    diff = _check_reload(tmp, model, task) if check else None
+    if out.exists():
+        shutil.rmtree(out)
+    tmp.rename(out)
+    log(f"exported {path} (step {trainer['step']}, {count} tensors) to {out}"
+        + (f"; reloaded logits match (max diff {diff:.1e})" if diff is not None else ""))
+    return ExportResult(out, path, trainer["step"], count, tok_dir, diff)
+
+
+def _check_reload(directory: Path, model: nn.Module, task: str) -> float:
+    """Load the written directory with transformers and compare logits on a probe batch."""
+    reloaded = _auto_class(task).from_pretrained(str(directory), local_files_only=True)
+    vocab = model.get_input_embeddings().num_embeddings
+    with torch.no_grad():
+        want, got = _probe(model, task, vocab), _probe(reloaded, task, vocab)
+    diff = float((want - got).abs().max())
+    if not torch.allclose(want, got, rtol=0, atol=1e-5):
+        raise RuntimeError(f"export check failed: {directory} reloaded with "
+                           f"{TASK_CLASSES[task]} gives logits {diff:.3e} off the checkpoint's "
+                           "model (please report this: the export would not be what trained).")
+    return diff

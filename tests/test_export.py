@@ -1,0 +1,114 @@
+"""`slapo export`: a sharded `slapo train` checkpoint becomes a Hugging Face directory that
+`AutoModel*.from_pretrained` loads and that computes the trained model's logits."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from slapo.data.sources import InputError
+from slapo.train.export import export_run
+
+TINY = dict(hidden_size=64, num_layers=2, num_heads=4, seq_len=32, batch_size=8, steps=3,
+            progress=False, plot=False, eval_batches=0, dropout=0.0)
+PROBE = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
+
+
+def job_train_then_logits(options: dict) -> dict:
+    """Every rank: train (saving checkpoints), then rebuild the run from its checkpoint the way
+    `--resume` does and return the scheduled model's logits on a fixed probe batch."""
+    from slapo.train import TrainConfig, train
+    from slapo.train.loop import build, resume, setup, teardown
+
+    torch.set_num_threads(1)
+    train(TrainConfig(**options))
+    cfg = TrainConfig(**{**options, "resume": "latest", "steps": options["steps"]})
+    env = setup(cfg)
+    try:
+        run = build(cfg, env, log=lambda *a, **k: None)
+        resume(run, log=lambda *a, **k: None)
+        if (options.get("pp_stages") or 1) > 1:
+            # no rank holds the whole trained model (the other stages' copies on this rank are
+            # untrained): return what this rank trained, under the model's names
+            owned = {id(p) for g in run.optimizer.param_groups for p in g["params"]}
+            params = {n: p.detach().clone() for n, p in run.model.named_parameters()
+                      if id(p) in owned}
+            return {"params": params, "step": run.step}
+        run.model.eval()
+        with torch.no_grad():
+            kwargs = {"input_ids": PROBE}
+            if options["model"] == "t5":
+                kwargs["decoder_input_ids"] = PROBE[:, :8]
+            logits = run.model(**kwargs).logits
+    finally:
+        teardown(env)
+    return {"logits": logits.tolist(), "step": run.step}
+
+
+def _auto(task: str):
+    import transformers
+
+    return getattr(transformers, {"causal": "AutoModelForCausalLM",
+                                  "masked": "AutoModelForMaskedLM"}[task])
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("model,task,knobs", [
+    ("gpt2", "causal", {"tp": 2}),            # fused c_attn shards (blocks=3), vocab-parallel head
+    ("llama", "causal", {"pp_stages": 2}),    # each rank saved its own stage
+    ("bert", "masked", {"tp": 2}),
+])
+def test_export_reproduces_the_trained_models_logits(dist2, tmp_path, model, task, knobs):
+    opts = {**TINY, "model": model, **knobs, "out": str(tmp_path / "run"), "save_every": 3}
+    res = dist2.run(job_train_then_logits, opts)
+    assert res[0]["step"] == 3
+
+    result = export_run(tmp_path / "run", tmp_path / "hf", log=lambda *a: None)
+    assert result.step == 3 and result.max_logit_diff == 0.0
+    reloaded = _auto(task).from_pretrained(str(tmp_path / "hf"), local_files_only=True).eval()
+    if "params" in res[0]:  # pipeline: every stage's trained tensors, exactly, from their rank
+        exported = dict(reloaded.named_parameters())
+        seen = set()
+        for r in res:
+            for name, value in r["params"].items():
+                assert torch.equal(exported[name], value), name
+                seen.add(name)
+        assert seen == set(exported)
+        return
+    with torch.no_grad():
+        got = reloaded(input_ids=PROBE).logits
+    # the run's schedule (SDPA, TP all-reduces) sums in another order than HF eager: fp32 noise
+    torch.testing.assert_close(got, torch.tensor(res[0]["logits"]), rtol=1e-4, atol=1e-4)
+    info = json.loads((tmp_path / "hf" / "slapo_export.json").read_text())
+    assert info["step"] == 3 and info["model"] == model
+    assert (tmp_path / "hf" / "model.safetensors").is_file()
+
+
+def test_export_refuses_bad_input_and_writes_nothing(tmp_path):
+    (tmp_path / "notarun").mkdir()
+    with pytest.raises(InputError, match="not a `slapo train` run directory"):
+        export_run(tmp_path / "notarun", tmp_path / "hf")
+    assert not (tmp_path / "hf").exists()
+    out = tmp_path / "full"
+    out.mkdir()
+    (out / "x").write_text("keep me")
+    with pytest.raises(InputError, match="not empty"):
+        export_run(tmp_path / "notarun", out)
+    assert (out / "x").read_text() == "keep me"
+
+
+def test_export_names_a_missing_step_and_lists_the_saved_ones(tmp_path, one_thread):
+    from slapo.train import TrainConfig, train
+
+    train(TrainConfig(**{**TINY, "model": "gpt2", "out": str(tmp_path / "run"), "steps": 2,
+                         "save_every": 1}))
+    with pytest.raises(InputError, match=r"saved steps \(1, 2\)"):
+        export_run(tmp_path / "run", tmp_path / "hf", step=7)
+    # a damaged newest checkpoint: export takes the newest intact one (as --resume does)
+    shard = next((Path(tmp_path) / "run/checkpoints/step_000002").glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:-10])
+    result = export_run(tmp_path / "run", tmp_path / "hf", log=lambda *a: None)
+    assert result.step == 1
