@@ -1,0 +1,493 @@
+"""Fused LSTM and GRU (EcoRNN, arXiv 1805.08899): drop-ins for `nn.LSTM` / `nn.GRU`.
+
+Why: a framework RNN runs, per time step, one recurrent GEMM plus a dozen tiny elementwise ops,
+and autograd keeps the input of every one of them. EcoRNN's two optimisations are rebuilt here:
+
+1. **Fusion.** The input projection `x @ W_ih^T` of all time steps is one GEMM (cuDNN's trick);
+   each step is then one recurrent GEMM and one fused nonlinear block (an `autograd.Function`
+   with a hand-written backward, EcoRNN's `lstm_nonlin_block`) that saves only the activated
+   gates and the previous cell state (LSTM: 5·B·H per step; GRU: r, z, n, the recurrent
+   candidate pre-activation and h_{t-1}, 5·B·H) instead of every elementwise input. c_t and
+   tanh(c_t) are recomputed in backward from the saved gates (using tanh(c_t), not tanh(c_{t-1})).
+   `compile_cell=True` instead runs the whole step (GEMM + nonlinearity) through
+   `torch.compile` (one compiled graph per step shape; Inductor fuses the elementwise ops and
+   AOT autograd picks what to save); it warns once and stays eager if compiling fails.
+2. **Layout** (`layout=`), EcoRNN's knob for the skinny recurrent GEMM (small batch, wide 4H):
+   which operand is transposed and whether the state is stored [B, H] or [H, B]:
+
+   * `"gates_major"` (default): gate rows as `nn.LSTM` stores them ([gate][unit]), state [B, H],
+     `W_hh^T` pre-transposed once per forward so the step GEMM is `h @ W^T` on contiguous
+     operands;
+   * `"hidden_major"`: gate rows interleaved per unit ([unit][gate]), so the four (three)
+     pre-activations of one hidden unit are adjacent and the nonlinear block reads one
+     contiguous run per unit; state [B, H];
+   * `"batch_minor"`: state stored transposed [H, B] (batch innermost), the step GEMM is
+     `W_hh @ h` with `W_hh` untransposed, and each gate is a contiguous block of rows.
+
+   Parameters always keep `nn.LSTM`'s layout and names (the compute layout is a permutation or
+   transpose made once per forward, and gradients flow back through it), so state_dicts load
+   both ways and optimizers see the same tensors. Every layout is exact in fp32: it moves the
+   same products around, so results equal `nn.LSTM` up to summation-order rounding (~1e-7
+   relative).
+
+**Checkpointing over time** (`ckpt_chunk=k`): each chunk of k steps (its input projection
+included) runs under non-reentrant `torch.utils.checkpoint`; only the chunk's input slice and
+the (h, c) at chunk boundaries are kept, and backward recomputes one chunk at a time. Saved
+activations drop from ~6·B·H per step to ~2·B·H per chunk (plus the layer input, which the
+previous layer keeps anyway); the input projection then runs per chunk (k·B rows per GEMM).
+
+Supported: 1-N layers, `bias`, `batch_first`, `bidirectional`, inter-layer `dropout` (training
+mode; masks come from `F.dropout` between layers, so they are not the same draws as `nn.LSTM`'s),
+unbatched 2-D input, an initial state. Not supported (a clear error): `PackedSequence` input
+(pad it: `nn.utils.rnn.pad_packed_sequence`) and `proj_size > 0`. Devices: any; dtype: any
+floating type (tests run fp32 on CPU).
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.utils.rnn import PackedSequence
+from torch.utils.checkpoint import checkpoint as _checkpoint
+
+from ..errors import SchedulingError
+
+LAYOUTS = ("gates_major", "hidden_major", "batch_minor")
+GATES = {"LSTM": 4, "GRU": 3}
+
+
+def check_knobs(layout: str, compile_cell: bool, ckpt_chunk: int | None, path: str = "") -> None:
+    """Raise a `SchedulingError` for a knob value the fused RNN cannot run (before any change)."""
+    if layout not in LAYOUTS:
+        raise SchedulingError(path, f"unknown RNN layout {layout!r}.", f"use one of {LAYOUTS}.")
+    if not isinstance(compile_cell, bool):
+        raise SchedulingError(path, f"compile_cell must be True or False, got {compile_cell!r}.",
+                              "pass a bool.")
+    if ckpt_chunk is not None and (isinstance(ckpt_chunk, bool) or not isinstance(ckpt_chunk, int)
+                                   or ckpt_chunk < 1):
+        raise SchedulingError(path, f"ckpt_chunk must be a positive int (time steps per "
+                              f"recomputed chunk) or None, got {ckpt_chunk!r}.",
+                              "pass e.g. ckpt_chunk=16, or None for no checkpointing.")
+
+
+# ---- layouts --------------------------------------------------------------------------------
+class _Layout:
+    """How one direction of one layer lays out its weights, gate pre-activations and state.
+
+    `weights` runs once per forward (differentiable permutes/transposes of the parameters);
+    `project` is the input GEMM of a run of steps, `recur` the recurrent GEMM of one step
+    (`acc` is added into it: the LSTM's projected input, so the add is fused in the GEMM)."""
+
+    name = ""
+
+    def weights(self, w: torch.Tensor, b: torch.Tensor | None, gates: int, recurrent: bool):
+        raise NotImplementedError
+
+    def project(self, x, w, b):
+        return F.linear(x, w, b)                                 # [t, B, G*H]
+
+    def recur(self, h, w, b, acc=None):
+        base = acc if acc is not None else b
+        return h @ w if base is None else torch.addmm(base, h, w)   # [B, G*H]
+
+    def split(self, a: torch.Tensor, gates: int) -> tuple[torch.Tensor, ...]:
+        return a.chunk(gates, -1)
+
+    def state_in(self, h: torch.Tensor) -> torch.Tensor:
+        return h
+
+    def state_out(self, h: torch.Tensor) -> torch.Tensor:
+        return h
+
+    def seq_out(self, ys: torch.Tensor) -> torch.Tensor:
+        return ys
+
+
+class _GatesMajor(_Layout):
+    name = "gates_major"
+
+    def weights(self, w, b, gates, recurrent):
+        return (w.t().contiguous() if recurrent else w), b
+
+
+def _interleave(t: torch.Tensor, gates: int) -> torch.Tensor:
+    """Rows [gate][unit] -> [unit][gate] (works for a weight matrix and a bias vector)."""
+    h = t.shape[0] // gates
+    return t.unflatten(0, (gates, h)).transpose(0, 1).flatten(0, 1)
+
+
+class _HiddenMajor(_Layout):
+    name = "hidden_major"
+
+    def weights(self, w, b, gates, recurrent):
+        w = _interleave(w, gates)
+        b = _interleave(b, gates) if b is not None else None
+        return (w.t().contiguous() if recurrent else w.contiguous()), b
+
+    def split(self, a, gates):
+        return a.unflatten(-1, (-1, gates)).unbind(-1)
+
+
+class _BatchMinor(_Layout):
+    name = "batch_minor"
+
+    def weights(self, w, b, gates, recurrent):
+        return w, (b.unsqueeze(-1) if b is not None else None)   # W @ h; bias [G*H, 1]
+
+    def project(self, x, w, b):
+        y = torch.matmul(w, x.transpose(-1, -2))                 # [t, G*H, B]
+        return y if b is None else y + b
+
+    def recur(self, h, w, b, acc=None):
+        base = acc if acc is not None else b
+        return w @ h if base is None else torch.addmm(base, w, h)   # [G*H, B]
+
+    def split(self, a, gates):
+        return a.chunk(gates, -2)
+
+    def state_in(self, h):
+        return h.t().contiguous()
+
+    def state_out(self, h):
+        return h.t()
+
+    def seq_out(self, ys):
+        return ys.transpose(-1, -2)
+
+
+_LAYOUT_OBJ = {cls.name: cls() for cls in (_GatesMajor, _HiddenMajor, _BatchMinor)}
+
+
+# ---- fused nonlinear blocks -------------------------------------------------------------------
+class LSTMCellFunction(torch.autograd.Function):
+    """(c_prev, a_i, a_f, a_g, a_o) -> (h, c); saves i, f, g, o and c_prev (5·B·H)."""
+
+    @staticmethod
+    def forward(ctx, c_prev, a_i, a_f, a_g, a_o):
+        i, f, o = torch.sigmoid(a_i), torch.sigmoid(a_f), torch.sigmoid(a_o)
+        g = torch.tanh(a_g)
+        c = torch.addcmul(f * c_prev, i, g)
+        h = o * torch.tanh(c)
+        ctx.save_for_backward(i, f, g, o, c_prev)
+        return h, c
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dh, dc_out):
+        i, f, g, o, c_prev = ctx.saved_tensors
+        tc = torch.tanh(torch.addcmul(f * c_prev, i, g))        # recompute c_t, then tanh(c_t)
+        dc = dh * o * (1 - tc * tc)
+        if dc_out is not None:
+            dc = dc + dc_out
+        return (dc * f, dc * g * i * (1 - i), dc * c_prev * f * (1 - f),
+                dc * i * (1 - g * g), dh * tc * o * (1 - o))
+
+
+class GRUCellFunction(torch.autograd.Function):
+    """(h_prev, gi_r, gi_z, gi_n, gh_r, gh_z, gh_n) -> h (PyTorch's GRU equations);
+    saves r, z, n, gh_n and h_prev (5·B·H)."""
+
+    @staticmethod
+    def forward(ctx, h_prev, gi_r, gi_z, gi_n, gh_r, gh_z, gh_n):
+        r = torch.sigmoid(gi_r + gh_r)
+        z = torch.sigmoid(gi_z + gh_z)
+        n = torch.tanh(torch.addcmul(gi_n, r, gh_n))
+        h = torch.addcmul(n, z, h_prev - n)                      # (1 - z) n + z h_prev
+        # gh_n is a view of the whole [B, 3H] recurrent GEMM output: save a copy of B*H
+        ctx.save_for_backward(r, z, n, gh_n.clone(), h_prev)
+        return h
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dh):
+        r, z, n, gh_n, h_prev = ctx.saved_tensors
+        da_n = dh * (1 - z) * (1 - n * n)
+        da_z = dh * (h_prev - n) * z * (1 - z)
+        da_r = da_n * gh_n * r * (1 - r)
+        return dh * z, da_r, da_z, da_n, da_r, da_z, da_n * r
+
+
+# ---- one step: fused (eager) or plain ops (for torch.compile) -----------------------------------
+def _lstm_step(layout: _Layout, xp, h, c, w, b):
+    a = layout.recur(h, w, b, acc=xp)
+    return LSTMCellFunction.apply(c, *layout.split(a, 4))
+
+
+def _gru_step(layout: _Layout, xp, h, c, w, b):
+    gh = layout.recur(h, w, b)
+    return GRUCellFunction.apply(h, *layout.split(xp, 3), *layout.split(gh, 3)), None
+
+
+def _lstm_step_ops(layout: _Layout, xp, h, c, w, b):
+    i, f, g, o = layout.split(layout.recur(h, w, b, acc=xp), 4)
+    c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
+    return torch.sigmoid(o) * torch.tanh(c), c
+
+
+def _gru_step_ops(layout: _Layout, xp, h, c, w, b):
+    xr, xz, xn = layout.split(xp, 3)
+    hr, hz, hn = layout.split(layout.recur(h, w, b), 3)
+    r, z = torch.sigmoid(xr + hr), torch.sigmoid(xz + hz)
+    n = torch.tanh(xn + r * hn)
+    return (1 - z) * n + z * h, None
+
+
+_STEPS = {("LSTM", False): _lstm_step, ("GRU", False): _gru_step,
+          ("LSTM", True): _lstm_step_ops, ("GRU", True): _gru_step_ops}
+# Non-reentrant checkpoint ends a recomputation early by raising this through the step; it is
+# control flow, not a compile failure, so the compiled step must let it pass.
+_CONTROL_FLOW = tuple(c for c in (getattr(torch.utils.checkpoint, "_StopRecomputationError",
+                                          None),) if c is not None)
+
+
+class _CompiledStep:
+    """The step through `torch.compile` (one graph per step shape, `dynamic=False`); if
+    compiling fails it warns once and runs eagerly, so results never depend on it (as
+    `slapo.op.fused`'s epilogues). Checkpoint's control-flow exception passes through."""
+
+    def __init__(self, fn: Callable, name: str):
+        self.fn, self.name = fn, name
+        self.compiled: Callable | None = None
+        self.failed = False
+
+    def __call__(self, *args):
+        if self.failed:
+            return self.fn(*args)
+        try:
+            if self.compiled is None:
+                self.compiled = torch.compile(self.fn, dynamic=False)
+            return self.compiled(*args)
+        except _CONTROL_FLOW:
+            raise
+        except Exception as e:  # no C++ compiler / Triton, unsupported backend, ...
+            self.failed = True
+            warnings.warn(f"{self.name}: torch.compile failed ({type(e).__name__}: {e}); "
+                          "running eagerly.", stacklevel=3)
+            return self.fn(*args)
+
+
+_COMPILED: dict[str, _CompiledStep] = {}
+
+
+def step_fn(mode: str, compile_cell: bool) -> Callable:
+    """The per-step cell: the fused autograd block, or one shared compiled plain-op step."""
+    if not compile_cell:
+        return _STEPS[(mode, False)]
+    if mode not in _COMPILED:
+        _COMPILED[mode] = _CompiledStep(_STEPS[(mode, True)], f"Fused{mode} cell")
+    return _COMPILED[mode]
+
+
+# ---- the time loop ------------------------------------------------------------------------------
+def _run_chunk(step, layout, gates, reverse, x, h, c, wx, bx, wh, bh):
+    """Project the chunk's inputs in one GEMM, then run its steps; returns (ys, h, c)."""
+    xp = layout.project(x, wx, bx)
+    ys = []
+    order = range(x.shape[0] - 1, -1, -1) if reverse else range(x.shape[0])
+    for t in order:
+        h, c = step(layout, xp[t], h, c, wh, bh)
+        ys.append(h)
+    if reverse:
+        ys.reverse()
+    return torch.stack(ys), h, c
+
+
+def run_direction(mode: str, layout: str, x: torch.Tensor, h: torch.Tensor, c, params,
+                  *, reverse: bool = False, compile_cell: bool = False,
+                  ckpt_chunk: int | None = None):
+    """One direction of one layer over time-major `x` [T, B, I] from state h, c [B, H].
+
+    `params` = (w_ih, w_hh, b_ih, b_hh) in `nn.LSTM` layout (biases may be None). Returns
+    (outputs [T, B, H], h_T, c_T) (c is None for a GRU)."""
+    lay, gates = _LAYOUT_OBJ[layout], GATES[mode]
+    w_ih, w_hh, b_ih, b_hh = params
+    if mode == "LSTM" and b_ih is not None:  # both biases join the input projection
+        b_ih, b_hh = b_ih + b_hh, None
+    wx, bx = lay.weights(w_ih, b_ih, gates, recurrent=False)
+    wh, bh = lay.weights(w_hh, b_hh, gates, recurrent=True)
+    step = step_fn(mode, compile_cell)
+    h = lay.state_in(h)
+    c = lay.state_in(c) if c is not None else None
+    T = x.shape[0]
+    use_ckpt = ckpt_chunk is not None and torch.is_grad_enabled()
+    k = ckpt_chunk if use_ckpt else T
+    starts = list(range(0, T, k))
+    outs: list[torch.Tensor] = []
+    for s in reversed(starts) if reverse else starts:
+        args = (step, lay, gates, reverse, x[s:s + k], h, c, wx, bx, wh, bh)
+        if use_ckpt:
+            ys, h, c = _checkpoint(_run_chunk, *args, use_reentrant=False,
+                                   preserve_rng_state=False)
+        else:
+            ys, h, c = _run_chunk(*args)
+        outs.append(ys)
+    if reverse:
+        outs.reverse()
+    ys = outs[0] if len(outs) == 1 else torch.cat(outs)
+    return (lay.seq_out(ys), lay.state_out(h),
+            lay.state_out(c) if c is not None else None)
+
+
+# ---- the modules --------------------------------------------------------------------------------
+class _FusedRNNBase(nn.Module):
+    """Shared by `FusedLSTM` / `FusedGRU`: `nn.LSTM`'s constructor, attributes, parameter names
+    (`weight_ih_l{k}[_reverse]`, ...) and registration order, so state_dicts are identical."""
+
+    mode = ""
+
+    def __init__(self, input_size: int, hidden_size: int, num_layers: int = 1, bias: bool = True,
+                 batch_first: bool = False, dropout: float = 0.0, bidirectional: bool = False,
+                 device=None, dtype=None, *, layout: str = "gates_major",
+                 compile_cell: bool = False, ckpt_chunk: int | None = None):
+        super().__init__()
+        check_knobs(layout, compile_cell, ckpt_chunk)
+        if not 0.0 <= float(dropout) <= 1.0:
+            raise ValueError(f"Fused{self.mode}: dropout must be in [0, 1], got {dropout}")
+        self.input_size, self.hidden_size, self.num_layers = input_size, hidden_size, num_layers
+        self.bias, self.batch_first, self.dropout = bias, batch_first, float(dropout)
+        self.bidirectional, self.proj_size = bidirectional, 0
+        self.layout, self.compile_cell, self.ckpt_chunk = layout, compile_cell, ckpt_chunk
+        self._flat_weights_names: list[str] = []
+        g, kw = GATES[self.mode] * hidden_size, {"device": device, "dtype": dtype}
+        for layer in range(num_layers):
+            for suffix in self._suffixes():
+                n_in = input_size if layer == 0 else hidden_size * self.num_directions
+                shapes = [("weight_ih", (g, n_in)), ("weight_hh", (g, hidden_size))]
+                if bias:
+                    shapes += [("bias_ih", (g,)), ("bias_hh", (g,))]
+                for kind, shape in shapes:
+                    name = f"{kind}_l{layer}{suffix}"
+                    setattr(self, name, nn.Parameter(torch.empty(shape, **kw)))
+                    self._flat_weights_names.append(name)
+        self.reset_parameters()
+
+    @property
+    def num_directions(self) -> int:
+        return 2 if self.bidirectional else 1
+
+    def _suffixes(self) -> tuple[str, ...]:
+        return ("", "_reverse") if self.bidirectional else ("",)
+
+    def reset_parameters(self) -> None:
+        """`nn.LSTM`'s init: U(-1/sqrt(H), 1/sqrt(H)) for every weight and bias."""
+        if any(p.is_meta for p in self.parameters()):
+            return
+        bound = 1.0 / math.sqrt(self.hidden_size) if self.hidden_size > 0 else 0
+        for p in self.parameters():
+            nn.init.uniform_(p, -bound, bound)
+
+    def flatten_parameters(self) -> None:
+        """No-op (cuDNN's weight flattening does not apply); user code calling it keeps working."""
+
+    @classmethod
+    def from_module(cls, rnn: nn.Module, *, layout: str = "gates_major",
+                    compile_cell: bool = False, ckpt_chunk: int | None = None):
+        """The fused twin of `rnn` (an `nn.LSTM` / `nn.GRU`) holding the *same* Parameter
+        objects, so an optimizer or a tied reference keeps working after the swap."""
+        if getattr(rnn, "proj_size", 0):
+            raise SchedulingError("", f"nn.LSTM with proj_size={rnn.proj_size} is not supported "
+                                  "by the fused LSTM.", "keep nn.LSTM for this module.")
+        new = cls(rnn.input_size, rnn.hidden_size, rnn.num_layers, rnn.bias, rnn.batch_first,
+                  rnn.dropout, rnn.bidirectional, device="meta", layout=layout,
+                  compile_cell=compile_cell, ckpt_chunk=ckpt_chunk)
+        for name in new._flat_weights_names:
+            setattr(new, name, getattr(rnn, name))
+        new.train(rnn.training)
+        return new
+
+    def _params(self, layer: int, suffix: str) -> tuple:
+        names = ["weight_ih", "weight_hh", "bias_ih", "bias_hh"]
+        return tuple(getattr(self, f"{n}_l{layer}{suffix}", None) if self.bias or i < 2
+                     else None for i, n in enumerate(names))
+
+    def _check_input(self, x) -> None:
+        if isinstance(x, PackedSequence):
+            raise SchedulingError("", f"Fused{self.mode} does not take a PackedSequence.",
+                                  "pad the batch (nn.utils.rnn.pad_packed_sequence) and pass the "
+                                  "padded tensor, or keep nn." + self.mode + " for this module.")
+        if x.dim() not in (2, 3) or x.shape[-1] != self.input_size:
+            raise ValueError(f"Fused{self.mode}: expected input [T, B, {self.input_size}] "
+                             f"(or batch_first / unbatched), got {tuple(x.shape)}")
+
+    def _zeros(self, x: torch.Tensor) -> torch.Tensor:
+        return x.new_zeros(self.num_layers * self.num_directions, x.shape[1], self.hidden_size)
+
+    def _run(self, x: torch.Tensor, h0: torch.Tensor, c0: torch.Tensor | None):
+        """All layers over time-major x; returns (output, h_n, c_n) (c_n None for a GRU)."""
+        hs, cs = [], []
+        for layer in range(self.num_layers):
+            ys = []
+            for d, suffix in enumerate(self._suffixes()):
+                i = layer * self.num_directions + d
+                y, h, c = run_direction(
+                    self.mode, self.layout, x, h0[i], c0[i] if c0 is not None else None,
+                    self._params(layer, suffix), reverse=d == 1,
+                    compile_cell=self.compile_cell, ckpt_chunk=self.ckpt_chunk)
+                ys.append(y)
+                hs.append(h)
+                cs.append(c)
+            x = ys[0] if len(ys) == 1 else torch.cat(ys, -1)
+            if self.dropout and self.training and layer < self.num_layers - 1:
+                x = F.dropout(x, self.dropout, True)
+        return x, torch.stack(hs), (torch.stack(cs) if c0 is not None else None)
+
+    def _forward(self, x: torch.Tensor, hx: tuple | None):
+        """(output, h_n, c_n) for a padded tensor x (any of the input forms `nn.LSTM` takes)."""
+        self._check_input(x)
+        unbatched = x.dim() == 2
+        if unbatched:
+            x = x.unsqueeze(1)
+            hx = tuple(t.unsqueeze(1) for t in hx) if hx is not None else None
+        elif self.batch_first:
+            x = x.transpose(0, 1)
+        if hx is None:
+            hx = (self._zeros(x),) * (2 if self.mode == "LSTM" else 1)
+        out, h, c = self._run(x, hx[0], hx[1] if self.mode == "LSTM" else None)
+        if unbatched:
+            return out.squeeze(1), h.squeeze(1), (c.squeeze(1) if c is not None else None)
+        return (out.transpose(0, 1) if self.batch_first else out), h, c
+
+    def extra_repr(self) -> str:
+        s = f"{self.input_size}, {self.hidden_size}, num_layers={self.num_layers}"
+        for k, default in (("bias", True), ("batch_first", False), ("dropout", 0.0),
+                           ("bidirectional", False)):
+            if getattr(self, k) != default:
+                s += f", {k}={getattr(self, k)}"
+        s += f", layout={self.layout!r}"
+        if self.compile_cell:
+            s += ", compile_cell=True"
+        if self.ckpt_chunk is not None:
+            s += f", ckpt_chunk={self.ckpt_chunk}"
+        return s
+
+
+class FusedLSTM(_FusedRNNBase):
+    """Drop-in for `nn.LSTM` (same arguments, parameters, state_dict and outputs
+    `(output, (h_n, c_n))`) with EcoRNN's fusion, layouts and time-chunk checkpointing (module
+    docstring). `FusedLSTM.from_module(lstm, layout=..., compile_cell=..., ckpt_chunk=...)`."""
+
+    mode = "LSTM"
+
+    def forward(self, input: torch.Tensor, hx: tuple[torch.Tensor, torch.Tensor] | None = None):
+        out, h, c = self._forward(input, hx)
+        return out, (h, c)
+
+
+class FusedGRU(_FusedRNNBase):
+    """Drop-in for `nn.GRU` (same arguments, parameters, state_dict and outputs
+    `(output, h_n)`) with EcoRNN's fusion, layouts and time-chunk checkpointing (module
+    docstring). `FusedGRU.from_module(gru, layout=..., compile_cell=..., ckpt_chunk=...)`."""
+
+    mode = "GRU"
+
+    def forward(self, input: torch.Tensor, hx: torch.Tensor | None = None):
+        out, h, _ = self._forward(input, (hx,) if hx is not None else None)
+        return out, h
+
+
+FUSED = {nn.LSTM: FusedLSTM, nn.GRU: FusedGRU}
