@@ -1,0 +1,249 @@
+"""Record what a module's init function writes into its (full-size, meta) tensors.
+
+Why: to initialise a shard without ever holding the whole tensor, we run the model's own init
+(`_init_weights`, `reset_parameters`, a user `init_fn`) on *meta* tensors of the original shape,
+where it costs nothing, and write down every in-place op it applies to each of them, with the
+scalars it resolved (a kaiming bound, a std from the config). `replay` then applies those ops to
+the local shard only. Ops are seen at the aten level, below `torch.nn.init` and
+`transformers.initialization`, so any init that reduces to them is covered:
+
+- random fills (`normal_`, `uniform_`, `bernoulli_`, ...: ops tagged `nondeterministic_seeded`)
+  with scalar arguments: `trunc_normal_`, `kaiming_*`, `xavier_*` become these plus pointwise ops;
+- `zero_`, `fill_`, `copy_` from a real (non-meta) tensor, `masked_fill_`, and any in-place
+  pointwise op (`mul_`, `clamp_`, `erfinv_`, ...) whose other tensor arguments are real;
+- `index_fill_` and writes through strided views (`weight[padding_idx].zero_()`, slices).
+
+A write the replay cannot reproduce exactly (data from another meta tensor, as in `orthogonal_`;
+an `out=` op; a view that is not a box of the tensor; an init that raises on meta or replaces the
+tensor) marks that tensor *failed* with the reason; `materialize` then initialises it the old way.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+aten = torch.ops.aten
+
+# Deterministic in-place ops without the `pointwise` tag that act element by element.
+_ELEMENTWISE = {aten.zero_.default, aten.fill_.Scalar, aten.fill_.Tensor, aten.copy_.default,
+                aten.masked_fill_.Scalar, aten.masked_fill_.Tensor}
+_INDEX_FILL = {aten.index_fill_.int_Scalar, aten.index_fill_.int_Tensor}
+
+
+@dataclass(frozen=True)
+class Box:
+    """A strided view of a contiguous tensor, as index ranges of the tensor's dimensions.
+
+    `dims[k]` says where view dimension k runs: (base dim, start, step, count), base dim None for
+    a size-1 dimension the view added; `fixed[d]` is the index of base dimension d where the view
+    does not run along it (a `select`). This is the form `replay` can cut into shard coordinates.
+    """
+
+    dims: tuple[tuple[int | None, int, int, int], ...]
+    fixed: tuple[tuple[int, int], ...]
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(n for _, _, _, n in self.dims)
+
+
+def whole(shape: tuple[int, ...]) -> Box:
+    """The box of the whole tensor."""
+    return Box(tuple((d, 0, 1, n) for d, n in enumerate(shape)), ())
+
+
+def _contiguous_strides(shape: tuple[int, ...]) -> list[int]:
+    strides, acc = [], 1
+    for n in reversed(shape):
+        strides.append(acc)
+        acc *= n
+    return strides[::-1]
+
+
+def _covers_all(view: torch.Tensor, shape: tuple[int, ...]) -> bool:
+    """Whether `view` holds every element of the base exactly once (`w.view(-1)`)."""
+    if view.numel() != math.prod(shape) or view.storage_offset() != 0:
+        return False
+    expected = 1
+    for stride, size in sorted((st, s) for s, st in zip(view.shape, view.stride()) if s > 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def box_of(view: torch.Tensor, shape: tuple[int, ...]) -> Box | None:
+    """The `Box` of `view` inside a contiguous base of `shape`, None if it is not one.
+
+    Each view dimension of size > 1 must step along one base dimension; the storage offset,
+    written in the base's mixed radix, gives every start and every fixed index."""
+    strides = _contiguous_strides(shape)
+    start, rest = [], view.storage_offset()
+    for n, st in zip(shape, strides):
+        start.append(min(rest // st, max(n - 1, 0)))
+        rest -= start[-1] * st
+    if rest:
+        return None
+    dims, used = [], set()
+    for size, stride in zip(view.shape, view.stride()):
+        if size == 1:
+            dims.append((None, 0, 1, 1))
+            continue
+        d = next((d for d in range(len(shape)) if d not in used and stride > 0
+                  and stride % strides[d] == 0
+                  and start[d] + stride // strides[d] * (size - 1) < shape[d]), None)
+        if d is None:
+            return None
+        used.add(d)
+        dims.append((d, start[d], stride // strides[d], size))
+    return Box(tuple(dims), tuple((d, start[d]) for d in range(len(shape)) if d not in used))
+
+
+@dataclass
+class Op:
+    """One recorded write: `func(target_view, *args, **kwargs)`, `kind` one of "random",
+    "elementwise", "index_fill"; `box` is the written view (the whole tensor for an order-free
+    op through a reshaped view)."""
+
+    func: Callable
+    kind: str
+    box: Box
+    args: tuple
+    kwargs: dict
+
+
+@dataclass
+class Recording:
+    """Per tensor name: the ops written into it, or why it cannot be replayed."""
+
+    ops: dict[str, list[Op]] = field(default_factory=dict)
+    failed: dict[str, str] = field(default_factory=dict)
+
+    def fail(self, name: str, reason: str) -> None:
+        self.failed.setdefault(name, reason)
+        self.ops.pop(name, None)
+
+
+def _storage_key(t: torch.Tensor):
+    try:
+        return t.untyped_storage()._cdata
+    except (RuntimeError, NotImplementedError):
+        return None
+
+
+def _tensors(value) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [v for v in value if isinstance(v, torch.Tensor)]
+    return []
+
+
+class InitRecorder(TorchDispatchMode):
+    """A dispatch mode that records, per tracked meta tensor, the ops that write into it."""
+
+    def __init__(self, targets: dict[str, torch.Tensor]):
+        super().__init__()
+        self.shapes = {n: tuple(t.shape) for n, t in targets.items()}
+        self.names = {_storage_key(t): n for n, t in targets.items()}
+        self.rec = Recording(ops={n: [] for n in targets})
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        for name, target in self._written(func, args, kwargs):
+            if name not in self.rec.failed:
+                self._record(name, target, func, args, kwargs)
+        return func(*args, **kwargs)
+
+    def _tracked(self, t: torch.Tensor) -> str | None:
+        return self.names.get(_storage_key(t)) if t.device.type == "meta" else None
+
+    def _written(self, func, args, kwargs):
+        """(name, tensor) for every tracked tensor the op writes (schema `Tensor(a!)`)."""
+        for i, arg in enumerate(func._schema.arguments):
+            if arg.alias_info is None or not arg.alias_info.is_write:
+                continue
+            value = args[i] if i < len(args) else kwargs.get(arg.name)
+            for t in _tensors(value):
+                name = self._tracked(t)
+                if name is not None:
+                    yield name, t
+
+    def _record(self, name: str, target: torch.Tensor, func, args, kwargs) -> None:
+        problem = _why_not(func, target, args, kwargs)
+        box = box_of(target, self.shapes[name])
+        if problem is None and box is None:
+            problem = _whole_view_problem(func, target, self.shapes[name], args, kwargs)
+            box = whole(self.shapes[name])
+        if problem is not None:
+            self.rec.fail(name, problem)
+            return
+        kw = {k: v for k, v in kwargs.items() if k != "generator"}
+        self.rec.ops[name].append(Op(func, _kind(func), box, tuple(args[1:]), kw))
+
+
+def _whole_view_problem(func, target: torch.Tensor, shape, args, kwargs) -> str | None:
+    """A view that is no box may still hold the whole tensor in another order (`w.view(-1)`):
+    fine for an op that treats every element alike, not for one that reads positions."""
+    if not _covers_all(target, shape):
+        return (f"{func} writes through a view ({tuple(target.shape)}, stride "
+                f"{target.stride()}) that is not a box of the tensor")
+    if _kind(func) == "index_fill" or any(t.dim() > 0 for t in _other_tensors(args, kwargs)):
+        return f"{func} reads positions through a reshaped view of the tensor"
+    return None
+
+
+def _other_tensors(args, kwargs) -> list[torch.Tensor]:
+    return [t for v in [*args[1:], *kwargs.values()] for t in _tensors(v)]
+
+
+def _kind(func) -> str | None:
+    if func in _INDEX_FILL:
+        return "index_fill"
+    tags = func.tags
+    if torch.Tag.inplace in tags and torch.Tag.nondeterministic_seeded in tags:
+        return "random"
+    if func in _ELEMENTWISE or (torch.Tag.inplace in tags and torch.Tag.pointwise in tags):
+        return "elementwise"
+    return None
+
+
+def _why_not(func, target: torch.Tensor, args, kwargs) -> str | None:
+    """Why this write cannot be replayed on a shard (None: it can)."""
+    kind = _kind(func)
+    if kind is None:
+        return f"{func} is not an op the shard replay knows"
+    if not args or args[0] is not target:
+        return f"{func} writes the tensor through an output argument"
+    others = _other_tensors(args, kwargs)
+    if any(t.device.type == "meta" for t in others):
+        return f"{func} takes its values from another meta tensor"
+    if kind == "random" and others:
+        return f"{func} takes tensor arguments"
+    if kind == "elementwise":
+        for t in others:
+            try:
+                if torch.broadcast_shapes(t.shape, target.shape) != target.shape:
+                    return f"{func} broadcasts the tensor itself"
+            except RuntimeError:
+                return f"{func} has an argument that does not broadcast to the tensor"
+    return None
+
+
+def record(init: Callable[[], None], targets: dict[str, torch.Tensor]) -> Recording:
+    """Run `init()` with `targets` (name -> full-size meta tensor) tracked; what it wrote.
+
+    An init that raises on meta tensors (data-dependent control flow) fails every target."""
+    mode = InitRecorder(targets)
+    try:
+        with mode:
+            init()
+    except Exception as e:  # noqa: BLE001 - any failure means: initialise the old way
+        for name in targets:
+            mode.rec.fail(name, f"the init raised on meta tensors ({type(e).__name__}: {e})")
+    return mode.rec
