@@ -191,6 +191,7 @@ def _check_value(f: Field, v: Any, path: str) -> None:
         _need((isinstance(v, str) and v) or callable(v), f.name,
               f"fuse_compiler must be a torch.compile backend name, got {v!r}.",
               "pass e.g. fuse_compiler='inductor'.", path)
+        _check_backend(f.name, v, path, extra=("eager",))
 
 
 def _check_number(f: Field, v: Any, path: str) -> None:
@@ -210,6 +211,24 @@ def _check_compile_blocks(v: Any, path: str) -> None:
     _need(isinstance(v, (bool, str)) or callable(v), "compile_blocks",
           f"compile_blocks must be a bool or a backend name, got {v!r}.",
           "pass compile_blocks=True.", path)
+    if isinstance(v, str):
+        _check_backend("compile_blocks", v, path)
+
+
+_KNOWN_GOOD = ("inductor", "aot_eager", "eager")  # registered by torch itself: no lookup
+
+
+def _check_backend(knob: str, v: Any, path: str, extra: tuple[str, ...] = ()) -> None:
+    """A backend *name* must be registered: `apply` would otherwise find out only when it
+    fuses or compiles the first layer, after attention and TP have already changed the model.
+    The registry lookup imports dynamo, so the names torch always registers skip it."""
+    if not isinstance(v, str) or v in _KNOWN_GOOD or v in extra:
+        return
+    from ..primitives.fuse import available_backends
+
+    known = available_backends()
+    _need(v in known, knob, f"{knob}: unknown torch.compile backend {v!r}.",
+          f"use one of {', '.join(known)}.", path)
 
 
 def _check_combinations(k: ScheduleKnobs, path: str) -> None:

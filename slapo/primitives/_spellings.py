@@ -33,7 +33,7 @@ def trace_kwargs(sch, kwargs: dict) -> dict:
     """Today's trace keywords for a call that may use 2023 spellings (input not mutated)."""
     kw = dict(kwargs)
     tracer = kw.get("tracer")
-    if tracer in _TRACERS_2023:
+    if isinstance(tracer, str) and tracer in _TRACERS_2023:
         kw["tracer"] = _TRACERS_2023[tracer]
     if "leaf_modules" in kw:
         extra = list(kw.pop("leaf_modules") or ())

@@ -71,10 +71,16 @@ class CompilePrimitive(Primitive):
         if isinstance(backend, str) and backend not in torch._dynamo.list_backends(None):
             raise SchedulingError(sch.path, f"unknown torch.compile backend {backend!r}.",
                                   f"use one of {', '.join(torch._dynamo.list_backends(None))}.")
+        _check_flags(sch, fullgraph, dynamic)
         inner = [p for p, m in sch.mod.named_modules() if p and is_compiled(m)]
         if inner:
             raise SchedulingError(sch.path, f"submodule {sch.path}.{inner[0]} is already "
                                   "compiled; nested regions compile the inner one twice.",
+                                  "compile either the block or its parts, not both.")
+        outer = _compiled_ancestor(sch)
+        if outer is not None:
+            raise SchedulingError(sch.path, f"it is inside {outer or '<root>'}, which is already "
+                                  "compiled; nested regions compile this one twice.",
                                   "compile either the block or its parts, not both.")
 
     @classmethod
@@ -85,3 +91,24 @@ class CompilePrimitive(Primitive):
             del opts["mode"]
         sch.mod.compile(**opts)
         sch.mod.__dict__["_slapo_compile"] = opts
+
+
+def _check_flags(sch, fullgraph, dynamic) -> None:
+    """torch.compile takes any truthy `fullgraph` and asserts deep inside on a non-bool
+    `dynamic`: both are checked here, where the schedule path can be named."""
+    if not isinstance(fullgraph, bool):
+        raise SchedulingError(sch.path, f"fullgraph must be True or False, got {fullgraph!r}.",
+                              "pass fullgraph=False (default) or True.")
+    if not (dynamic is None or isinstance(dynamic, bool)):
+        raise SchedulingError(sch.path, f"dynamic must be None, True or False, got "
+                              f"{dynamic!r}.", "pass dynamic=False (default: fixed shapes).")
+
+
+def _compiled_ancestor(sch) -> str | None:
+    """Path of the nearest compiled module above this node (None: none is)."""
+    node = sch.parent
+    while node is not None:
+        if is_compiled(node.mod):
+            return node.path
+        node = node.parent
+    return None

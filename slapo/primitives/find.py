@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import torch.fx as fx
 import torch.nn as nn
 
@@ -38,6 +40,13 @@ class FindPrimitive(Primitive):
         if not (isinstance(pattern, (str, nn.Module)) or callable(pattern)):
             raise SchedulingError(sch.path, f"cannot search for a {type(pattern).__name__}.",
                                   "pass a regex string, a predicate or a pattern function.")
+        if isinstance(pattern, str):
+            try:
+                re.compile(pattern)
+            except re.error as e:
+                raise SchedulingError(sch.path, f"{pattern!r} is not a valid regular "
+                                      f"expression: {e}.", "escape special characters "
+                                      "(re.escape), e.g. 'gelu|act'.") from None
 
     @classmethod
     def apply(cls, sch, pattern, kind=None):

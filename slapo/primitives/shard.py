@@ -34,14 +34,14 @@ class ShardPrimitive(Primitive):
     @classmethod
     def validate(cls, sch, name_or_names, axis: int, blocks: int = 1):
         refuse_in_export_capture(sch, "shard", "shard before tracing (shapes are fixed at capture).")
-        names = [name_or_names] if isinstance(name_or_names, str) else list(name_or_names)
+        names = _names(sch, name_or_names)
         if not names:
             raise SchedulingError(sch.path, "no tensor names given.", "pass e.g. 'weight'.")
         if len(set(names)) != len(names):
             raise SchedulingError(sch.path, f"duplicate names in {names}.", "list each once.")
         if not isinstance(axis, int) or isinstance(axis, bool):
             raise SchedulingError(sch.path, f"axis must be an int, got {axis!r}.", "pass axis=0 or 1.")
-        if not isinstance(blocks, int) or blocks < 1:
+        if not isinstance(blocks, int) or isinstance(blocks, bool) or blocks < 1:
             raise SchedulingError(sch.path, f"blocks must be a positive int, got {blocks!r}.",
                                   "pass blocks=1 (default) or the number of fused blocks.")
         rule = sharding.rule_for(sch.mod)
@@ -102,6 +102,18 @@ class ShardPrimitive(Primitive):
                     node = sch._node_of(m)
                     if node is not None:
                         node._record("shard", (n,), {"axis": ax, "tied_with": sch.path})
+
+
+def _names(sch, name_or_names) -> list[str]:
+    """The tensor names of a call: one name or a list/tuple of names. Anything else (a number,
+    None, a dict) is a usage mistake named here, not a TypeError from deep inside `list()`."""
+    if isinstance(name_or_names, str):
+        return [name_or_names]
+    if isinstance(name_or_names, (list, tuple)) and all(isinstance(n, str)
+                                                        for n in name_or_names):
+        return list(name_or_names)
+    raise SchedulingError(sch.path, f"expected a tensor name or a list of names, got "
+                          f"{name_or_names!r}.", "pass e.g. 'weight' or ['weight', 'bias'].")
 
 
 def _copy_tags(old: torch.Tensor, new: torch.Tensor) -> None:

@@ -55,6 +55,7 @@ class SyncPrimitive(Primitive):
         if bad:
             raise SchedulingError(sch.path, f"unexpected sync arguments {sorted(bad)}.",
                                   f"allowed: {sorted(allowed)}.")
+        _check_options(sch, mode, sync_op_or_fn, kwargs)
         op = sync_op_or_fn
         if callable(op):
             return
@@ -71,8 +72,6 @@ class SyncPrimitive(Primitive):
                                   "module; applying it twice would reduce/gather twice.",
                                   "remove the second call.")
         axis = kwargs.get("axis")
-        if axis is not None and not isinstance(axis, int):
-            raise SchedulingError(sch.path, f"axis must be an int, got {axis!r}.", "pass axis=-1.")
         if mode != "fwd_post":
             if op in ("all_gather", "reduce_scatter", "scatter") and axis is None:
                 raise SchedulingError(sch.path, f"{op!r} on the {mode} input needs an axis.",
@@ -159,6 +158,31 @@ class SyncPrimitive(Primitive):
             mod.register_forward_pre_hook(
                 lambda m, a, kw, f=fn: map_first_input(a, kw, f, arg), with_kwargs=True)
         meta.setdefault("syncs", []).append((mode, op))
+
+
+def _check_options(sch, mode: str, op, kwargs: dict) -> None:
+    """The types of `axis`, `arg` and `tensor_parallel_output_grad`, and that each is given
+    where it has a meaning: an option the call would silently ignore is a mistake to report."""
+    axis = kwargs.get("axis")
+    if axis is not None and (not isinstance(axis, int) or isinstance(axis, bool)):
+        raise SchedulingError(sch.path, f"axis must be an int, got {axis!r}.", "pass axis=-1.")
+    arg = kwargs.get("arg")
+    if arg is not None:
+        if not isinstance(arg, (str, int)) or isinstance(arg, bool):
+            raise SchedulingError(sch.path, f"arg must be an input's name or position, got "
+                                  f"{arg!r}.", "pass e.g. arg='hidden_states' or arg=0.")
+        if mode != "fwd_pre":
+            raise SchedulingError(sch.path, f"arg= selects a forward input, but mode is "
+                                  f"{mode!r}.", "drop arg=, or use mode='fwd_pre'.")
+    tpog = kwargs.get("tensor_parallel_output_grad")
+    if tpog is not None:
+        if not isinstance(tpog, bool):
+            raise SchedulingError(sch.path, f"tensor_parallel_output_grad must be True or "
+                                  f"False, got {tpog!r}.", "pass a bool, or omit it for the "
+                                  "mode's default.")
+        if op != "all_gather":
+            raise SchedulingError(sch.path, "tensor_parallel_output_grad applies only to "
+                                  f"'all_gather', not {op!r}.", "drop it.")
 
 
 def _n_params(fn) -> int:

@@ -97,6 +97,9 @@ class TracePrimitive(Primitive):
     @classmethod
     def validate(cls, sch, leaves=None, flatten=False, tracer="auto", concrete_args=None,
                  example_inputs=None):
+        if not isinstance(tracer, str):
+            raise SchedulingError(sch.path, f"tracer must be a name, got {tracer!r}.",
+                                  f"use one of {TRACERS}.")
         if tracer in UNSUPPORTED:
             raise SchedulingError(sch.path, f"tracer {tracer!r} is not supported: "
                                   f"{UNSUPPORTED[tracer]}.", f"use one of {TRACERS}.")
