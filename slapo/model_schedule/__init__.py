@@ -21,6 +21,10 @@ order, each concern its knobs ask for:
    reduce-scatter out of the TP regions, norm gradients summed over the group (see
    docs/model_schedule.md).
 
+Beyond transformers: a torchvision-layout ResNet/WideResNet (no HF config; detected by its
+modules) gets channel tensor parallelism, per-stage checkpointing and pipeline cuts
+(`wideresnet.py`); the transformer knobs are refused for it with a `KnobError`.
+
 Every knob is a plain value, so the tuner can search over them. `knobs.ScheduleKnobs` declares
 each one once (help text, domain, tuning candidates) and validates them; `slapo train`'s flags and
 TOML keys and `slapo tune`'s spaces derive from it. Supported families live one per
@@ -31,7 +35,7 @@ file; `supported()` lists them. To add one, write `slapo/model_schedule/<family>
 
 from __future__ import annotations
 
-from . import albert, bert, gpt2, gpt_neo, llama, opt, roberta, t5
+from . import albert, bert, gpt2, gpt_neo, llama, opt, roberta, t5, wideresnet
 from ._registry import Family, apply, detect, register_family, supported
 from .compat import apply_schedule  # noqa: F401  (Slapo 2023 spelling, compat.py)
 from .knobs import KnobError, ScheduleKnobs
@@ -40,7 +44,7 @@ from .plan import TPPlan, shard_block
 # The built-in families, registered here in one visible list (a family file only declares its
 # `FAMILY`); users add theirs with `register_family`.
 BUILTIN_FAMILIES = (gpt2.FAMILY, gpt_neo.FAMILY, llama.FAMILY, bert.FAMILY, roberta.FAMILY,
-                    opt.FAMILY, t5.FAMILY, albert.FAMILY)
+                    opt.FAMILY, t5.FAMILY, albert.FAMILY, wideresnet.FAMILY)
 for _family in BUILTIN_FAMILIES:
     register_family(_family)
 

@@ -39,7 +39,12 @@ class Family:
       default stream and identical masks;
     - `tp_rng_core`: attention modules that also hold a replicated dropout (GPT-2's
       `resid_dropout`): only their attention core is forked (a pass-through
-      `_common.HFAttentionCore` is installed when no core replaced the model's own).
+      `_common.HFAttentionCore` is installed when no core replaced the model's own);
+    - `matches(model) -> bool`: detection for models without an HF `config.model_type` (a
+      torchvision ResNet is recognised by its module layout);
+    - `schedule(sch, knobs) -> Schedule`: a family whose concerns are not the transformer
+      ones (a CNN has no attention, vocabulary or sequence): `apply` validates the knob values
+      with the schema, then hands the schedule and the `ScheduleKnobs` to it.
     """
 
     name: str
@@ -53,6 +58,8 @@ class Family:
     tp_rng: tuple[str, ...] = ()
     tp_rng_core: tuple[str, ...] = ()
     tp_plan: Any = None
+    matches: Callable[[nn.Module], bool] | None = None
+    schedule: Callable[[Schedule, ScheduleKnobs], Schedule] | None = None
 
     def shard(self, layer: Schedule, tp: int, sequence_parallel: bool = False) -> None:
         """Shard one layer `tp` ways with this family's plan (its table, else its code)."""
@@ -83,6 +90,9 @@ def detect(model: nn.Module) -> Family:
     for fam in _FAMILIES.values():
         if model_type in fam.model_types:
             return fam
+    for fam in _FAMILIES.values():
+        if model_type is None and fam.matches is not None and fam.matches(model):
+            return fam
     listing = "; ".join(f"{n}: {', '.join(t)}" for n, t in supported().items())
     raise SchedulingError("", f"no ready schedule for {type(model).__name__} "
                           f"(model_type={model_type!r}). Supported: {listing}.",
@@ -104,7 +114,9 @@ def apply(model_or_sch: nn.Module | Schedule, *, tp: int | None = None, ckpt_rat
           sequence_parallel: bool = False, vocab_parallel: bool = True, group=None,
           mesh=None, ckpt_policy: str = "full", compile_blocks: bool | str = False,
           fused_loss: bool = False, kernels: bool = False) -> Schedule:
-    """Schedule a Hugging Face model of a supported family (see the package docstring).
+    """Schedule a Hugging Face model of a supported family (see the package docstring), or a
+    torchvision-layout ResNet/WideResNet (detected by its modules; `tp`, `ckpt_ratio`,
+    `ckpt_policy`, `pp_stages` apply, the transformer knobs are refused: `wideresnet.py`).
 
     Every knob is a field of `model_schedule.knobs.ScheduleKnobs`, which documents it once
     (`help(ScheduleKnobs)`) and validates the values; `group` / `mesh` say where the schedule's
@@ -128,11 +140,13 @@ def apply(model_or_sch: nn.Module | Schedule, *, tp: int | None = None, ckpt_rat
     family = detect(sch.mod)
     ws = sch.tp_size
     # every check first: a rejected call leaves the model and the schedule's history untouched
-    ScheduleKnobs(tp=tp, ckpt_ratio=ckpt_ratio, ckpt_policy=ckpt_policy, attention=attention,
-                  fuse=fuse, fuse_compiler=fuse_compiler, tempo=tempo, pp_stages=pp_stages,
-                  sequence_parallel=sequence_parallel, vocab_parallel=vocab_parallel,
-                  compile_blocks=compile_blocks, fused_loss=fused_loss,
-                  kernels=kernels).validate(sch.path)
+    knobs = ScheduleKnobs(tp=tp, ckpt_ratio=ckpt_ratio, ckpt_policy=ckpt_policy,
+                          attention=attention, fuse=fuse, fuse_compiler=fuse_compiler,
+                          tempo=tempo, pp_stages=pp_stages, sequence_parallel=sequence_parallel,
+                          vocab_parallel=vocab_parallel, compile_blocks=compile_blocks,
+                          fused_loss=fused_loss, kernels=kernels).validate(sch.path)
+    if family.schedule is not None:  # a non-transformer family (WideResNet) owns its concerns
+        return family.schedule(sch, knobs)
     tp = ws if tp is None else tp
     _validate(sch, family, tp, ws, sequence_parallel, pp_stages, vocab_parallel, fused_loss)
     _validate_plan(sch, family, tp, attention, fuse, kernels, pp_stages,

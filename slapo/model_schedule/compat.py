@@ -24,7 +24,15 @@ Fixed 2023 bugs: "uniform" checkpointed every floor(1/r)-th layer (r=0.34 gave e
 not a third of them) in GPT-2/GPT-Neo and the *first* layers in BERT/OPT/T5; here both methods
 checkpoint exactly round(r * L) layers, placed as named. ALBERT honours the ratio. The ready
 schedules underneath are today's (SDPA cores keep HF's masks: no encoder turns causal).
-WideResNet (`"wideresnet"`, `fuse_conv`) is not available yet.
+
+`"wideresnet"` (a torchvision-layout ResNet, bare or under the 2023 loss wrapper's `prefix=
+"model"`; see `wideresnet.py`) takes `model_config` (accepted: 2023's `(width_per_group,
+layers)`), `fp16`/`bf16`, `group`, `prefix`, `delay_init`, `ckpt_ratio` with
+`checkpoint_method` per stage (2023 floored r * n_k and always took the first blocks),
+`pipeline_cuts` as four lists (cut after `layer{k+1}[i]`), `bcast_input`, and `fuse_conv`
+(2023: `torch.jit.trace`d Bottlenecks on CUDA, a speed-only change): accepted with a one-time
+notice, the blocks run eagerly. The transformer keys (`attn_op_name`, `sequence_parallel`,
+`disable_shard_embedding`, `disable_fuse_bias_gelu`, `disable_fusion`) are errors for it.
 """
 
 from __future__ import annotations
@@ -46,6 +54,8 @@ KEYS_2023 = ("model_config", "fp16", "bf16", "group", "prefix", "delay_init", "a
              "bcast_input", "pipeline_cuts", "sequence_parallel", "disable_shard_embedding",
              "fuse_conv")
 CHECKPOINT_METHODS = ("uniform", "head")
+TRANSFORMER_KEYS = ("attn_op_name", "sequence_parallel", "disable_shard_embedding",
+                    "disable_fuse_bias_gelu", "disable_fusion")
 
 
 def apply_schedule(model: nn.Module, schedule_key: str, **sch_config: Any) -> Schedule:
@@ -54,6 +64,10 @@ def apply_schedule(model: nn.Module, schedule_key: str, **sch_config: Any) -> Sc
     if cfg.get("bf16") or cfg.get("fp16"):
         model.to(torch.bfloat16 if cfg.get("bf16") else torch.float16)
     sch = create_schedule(model, group=cfg.get("group"))
+    if schedule_key == "wideresnet":
+        _apply_wideresnet(sch, cfg)
+        _bcast(sch, cfg)
+        return sch
     ratio, method = float(cfg.get("ckpt_ratio", 0.0)), cfg.get("checkpoint_method", "uniform")
     apply(sch, ckpt_ratio=ratio if method == "head" else 0.0,
           attention=_attention(cfg.get("attn_op_name", "cuda")),
@@ -66,16 +80,40 @@ def apply_schedule(model: nn.Module, schedule_key: str, **sch_config: Any) -> Sc
         _checkpoint_uniform(layers_of(sch, family), ratio)
     if cfg.get("pipeline_cuts"):
         _cut(sch, family, cfg["pipeline_cuts"])
+    _bcast(sch, cfg)
+    return sch
+
+
+def _bcast(sch: Schedule, cfg: dict) -> None:
     if cfg.get("bcast_input") and sch.tp_size > 1:
         sch.mod.register_forward_pre_hook(_broadcast_hook(sch.group), with_kwargs=True)
-    return sch
+
+
+def _apply_wideresnet(sch: Schedule, cfg: dict) -> None:
+    """Channel TP (`apply`), then 2023's per-stage checkpointing and four-list cuts."""
+    from . import wideresnet
+
+    ratio, method = float(cfg.get("ckpt_ratio", 0.0)), cfg.get("checkpoint_method", "uniform")
+    if not 0.0 <= ratio <= 1.0:
+        raise SchedulingError(sch.path, f"ckpt_ratio must be in [0, 1], got {ratio}.",
+                              "pass e.g. ckpt_ratio=0.5.")
+    cuts = cfg.get("pipeline_cuts")
+    if cuts:
+        wideresnet.check_cut_lists(sch, cuts)
+    if cfg.get("fuse_conv"):
+        from ..notices import notice_once
+
+        notice_once("wideresnet.fuse_conv", "apply_schedule(fuse_conv=True): 2023 traced the "
+                    "Bottleneck blocks with TorchScript on CUDA (speed only); here the blocks "
+                    "run eagerly (same numbers).")
+    apply(sch)  # channel TP over the schedule's group (validated whole before any change)
+    wideresnet.checkpoint_stages(wideresnet.stage_nodes(sch), ratio, method=method)
+    if cuts:
+        wideresnet.cut_lists(sch, cuts)
 
 
 def _validated(model: nn.Module, key: str, cfg: dict) -> dict:
     """Every check before anything changes (a bad config leaves the model untouched)."""
-    if key == "wideresnet":
-        raise SchedulingError("", "the 'wideresnet' schedule is not available yet.",
-                              "schedule the ResNet with the primitives (shard/sync/checkpoint).")
     if key not in supported():
         raise SchedulingError("", f"unknown schedule key {key!r}.",
                               f"use one of: {', '.join(supported())}.")
@@ -89,8 +127,13 @@ def _validated(model: nn.Module, key: str, cfg: dict) -> dict:
         raise SchedulingError("", f"schedule key {key!r} does not fit this {family} model "
                               f"({type(model).__name__}).", f"use apply_schedule(model, "
                               f"{family!r}, ...).")
-    if cfg.get("fuse_conv"):
+    if cfg.get("fuse_conv") and key != "wideresnet":
         raise SchedulingError("", "fuse_conv is a wideresnet option.", "drop it.")
+    given = sorted(k for k in TRANSFORMER_KEYS if k in cfg)
+    if key == "wideresnet" and given:
+        raise SchedulingError("", f"{', '.join(given)} mean nothing for the wideresnet "
+                              "schedule (a CNN has no attention, embedding or sequence).",
+                              "drop them.")
     if cfg.get("bf16") and cfg.get("fp16"):
         raise SchedulingError("", "bf16 and fp16 are both set.", "choose one.")
     if cfg.get("checkpoint_method", "uniform") not in CHECKPOINT_METHODS:

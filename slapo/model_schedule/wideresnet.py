@@ -1,0 +1,354 @@
+"""WideResNet (torchvision's ResNet of Bottleneck blocks): the first ready schedule for a CNN.
+
+    sch = slapo.model_schedule.apply(resnet, tp=2, ckpt_ratio=0.5, pp_stages=2)
+
+The family is detected from the module layout, not a config or a class: a module with
+`conv1` (nn.Conv2d), `bn1` (nn.BatchNorm2d), `layer1`..`layer4` (sequences of blocks that have
+`conv1`/`bn1`/`conv2`) and `fc`, at the root or under a prefix (the 2023 benchmark's loss
+wrapper keeps it at `model`). So `torchvision.models.wide_resnet50_2()`, the 2023 sizes
+(`tests/vision_models.py`) and any copy of that layout get the same schedule.
+
+**Channel tensor parallelism** (`TP_PLAN`, one row per module of a block):
+
+    conv1  ConvOut + ReduceInputGrad   1x1, this rank's 1/tp of the inner width
+    bn1    NormChannels                weight, bias, running mean/var of those channels
+    conv2  ConvIn (all-reduce after)   3x3 over this rank's channels -> partial sum -> whole
+
+Where the all-reduce goes, and why: right after `conv2`, the block's only forward collective.
+conv1 and conv2 are about 85% of a wide block's FLOPs and weights (a 1x1 of in x w, a 3x3 of
+w x w = 9 w^2, against conv3's w x 4w/2); splitting them Megatron-style (column, then row) needs
+one all-reduce of the inner width w, the smallest activation of the block, and BatchNorm on the
+split channels is exact (its statistics are per channel). conv3, bn2, bn3 and the downsample
+path stay replicated: each rank computes them on the whole activation, so their gradients are
+identical on every rank without any collective. The 2023 schedule also split conv3 and
+all-gathered its output (a second forward collective, of 4w channels: twice the bytes) to save
+its weights; not done here. The backward all-reduce sits on conv1's *input* (not the block's):
+the identity/downsample path carries the rest of that gradient whole on every rank.
+
+**Checkpointing** is per stage: `ckpt_ratio` r checkpoints round-half-up(r * n_k) blocks of
+each of layer1..layer4 (the first ones; compat's "uniform" spaces them evenly), so every
+resolution saves the same share. Recomputing a block re-runs its BatchNorms in training mode,
+which would update their running statistics a second time (plain torch.utils.checkpoint does:
+a known trap); `guard_batchnorm_stats` keeps them as the real forward left them.
+
+**Pipeline**: `pp_stages` cuts at evenly spaced block boundaries over the 4 stages' blocks; the
+2023 form `apply_schedule(..., pipeline_cuts=[[..], [..], [..], [..]])` cuts after
+`layer{k+1}[i]` for each i of list k. `partition(sch)` builds the stage modules (the stem with
+the first, avgpool + fc with the last; blocks shared, names kept).
+
+*BatchNorm under a pipeline*: training-mode BN normalises each micro-batch with that
+micro-batch's statistics and updates the running statistics once per micro-batch, so a
+pipelined step equals the unscheduled model run on the *same micro-batches* one after the other
+(gradients summed, loss averaged), not on the whole batch at once. This is inherent to
+micro-batching a BN network (GPipe's paper notes it), not a pipeline bug; `tests/test_wideresnet.py`
+checks exactly that reference.
+
+Knobs that mean nothing for a CNN (`attention`, `fuse`, `fuse_compiler`, `tempo`, `kernels`,
+`sequence_parallel`, `vocab_parallel`, `fused_loss`) and `compile_blocks` (not verified with BN
+statistics under recomputation yet) raise a `KnobError` naming the knob when they differ from
+their default: `slapo train`/`slapo tune` pass every knob at its default, which is "not set".
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .. import module_patch
+from ..errors import SchedulingError
+from ..module_patch import original_class
+from ..schedule import Schedule
+from ._registry import Family
+from .knobs import KnobError, ScheduleKnobs, spec
+from .plan import ConvIn, ConvOut, NormChannels, ReduceInputGrad, TPPlan
+
+STAGES = ("layer1", "layer2", "layer3", "layer4")
+STEM = ("conv1", "bn1", "relu", "maxpool")
+HEAD = ("avgpool", "fc")
+
+TP_PLAN = TPPlan((
+    ("conv1", ConvOut()),
+    ("conv1", ReduceInputGrad()),  # its input also flows whole through the residual path
+    ("bn1", NormChannels()),
+    ("conv2", ConvIn()),           # all-reduce: the block's one forward collective
+))
+
+MEANINGLESS = ("attention", "fuse", "fuse_compiler", "tempo", "kernels", "sequence_parallel",
+               "vocab_parallel", "fused_loss", "compile_blocks")
+
+
+# ---- detection --------------------------------------------------------------------------------
+
+def _is(mod, cls) -> bool:
+    return mod is not None and issubclass(original_class(mod), cls)
+
+
+def _is_block(mod: nn.Module) -> bool:
+    return all(_is(getattr(mod, n, None), c) for n, c in
+               (("conv1", nn.Conv2d), ("bn1", nn.modules.batchnorm._BatchNorm),
+                ("conv2", nn.Conv2d)))
+
+
+def _is_resnet_body(mod: nn.Module) -> bool:
+    if not (_is(getattr(mod, "conv1", None), nn.Conv2d) and
+            _is(getattr(mod, "bn1", None), nn.modules.batchnorm._BatchNorm)
+            and isinstance(getattr(mod, "fc", None), nn.Module)):
+        return False
+    stages = [getattr(mod, s, None) for s in STAGES]
+    return all(isinstance(s, nn.Sequential) and len(s) and all(_is_block(b) for b in s)
+               for s in stages)
+
+
+def resnet_prefix(model: nn.Module) -> str | None:
+    """Path of the ResNet body ("" at the root, "model" under the 2023 loss wrapper), or None."""
+    for path, mod in model.named_modules():
+        if _is_resnet_body(mod):
+            return path
+    return None
+
+
+def matches(model: nn.Module) -> bool:
+    return resnet_prefix(model) is not None
+
+
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
+
+
+def stage_nodes(sch: Schedule) -> list[list[Schedule]]:
+    """The blocks of layer1..layer4, one list per stage."""
+    prefix = resnet_prefix(sch.mod)
+    return [list(sch[_join(prefix, s)]) for s in STAGES]
+
+
+# ---- apply ------------------------------------------------------------------------------------
+
+def schedule(sch: Schedule, knobs: ScheduleKnobs) -> Schedule:
+    """`model_schedule.apply` for a ResNet (knob values already validated by the schema)."""
+    tp = sch.tp_size if knobs.tp is None else knobs.tp
+    check(sch, knobs, tp)
+    stages = stage_nodes(sch)
+    if tp > 1:
+        for block in (b for s in stages for b in s):
+            TP_PLAN.apply(block, tp)
+    checkpoint_stages(stages, knobs.ckpt_ratio,
+                      None if knobs.ckpt_policy == "full" else knobs.ckpt_policy)
+    if knobs.pp_stages > 1:
+        cut_evenly([b for s in stages for b in s], knobs.pp_stages)
+    return sch
+
+
+def check(sch: Schedule, knobs: ScheduleKnobs, tp: int) -> None:
+    """Every check before the first change (a rejected call leaves the model untouched)."""
+    for name in MEANINGLESS:
+        value, default = getattr(knobs, name), spec(name)["default"]
+        if value != default:
+            raise KnobError(name, f"{name}={value!r} has no meaning for a convolutional "
+                            "network (the WideResNet schedule has channel TP, per-stage "
+                            "checkpointing and pipeline cuts).", f"leave {name} at its "
+                            f"default ({default!r}).", sch.path)
+    if tp not in (1, sch.tp_size):
+        raise SchedulingError(sch.path, f"tp={tp} but the schedule's tensor-parallel group has "
+                              f"{sch.tp_size} rank(s).", "create the schedule on a group of "
+                              "that size, or pass tp=None.")
+    stages = stage_nodes(sch)
+    if tp > 1:
+        for block in (b for s in stages for b in s):
+            TP_PLAN.resolve(block, tp)
+    n_blocks = sum(len(s) for s in stages)
+    if knobs.pp_stages > n_blocks:
+        raise SchedulingError(sch.path, f"{n_blocks} blocks cannot make {knobs.pp_stages} "
+                              "pipeline stages.", "use fewer pipeline stages.")
+
+
+# ---- checkpointing ----------------------------------------------------------------------------
+
+def n_checkpointed(n_blocks: int, ratio: float) -> int:
+    """round-half-up(ratio * n): ratio 0.5 of 3 blocks checkpoints 2 (2023 floored: 1)."""
+    return math.floor(ratio * n_blocks + 0.5)
+
+
+def checkpoint_stages(stages: list[list[Schedule]], ratio: float, policy=None,
+                      method: str = "head") -> int:
+    """Checkpoint `ratio` of each stage's blocks: the first ones ("head") or evenly spaced
+    ("uniform"); their BatchNorm statistics are guarded (see the module doc). Returns the
+    number of checkpointed blocks."""
+    if not 0.0 <= ratio <= 1.0:
+        raise SchedulingError("", f"ckpt_ratio must be in [0, 1], got {ratio}.",
+                              "pass e.g. ckpt_ratio=0.5.")
+    total = 0
+    for blocks in stages:
+        n = n_checkpointed(len(blocks), ratio)
+        picked = range(n) if method == "head" else \
+            sorted({math.floor(k * len(blocks) / n) for k in range(n)})
+        for i in picked:
+            _checkpoint(blocks[i], policy)
+        total += n
+    return total
+
+
+def _checkpoint(block: Schedule, policy) -> None:
+    if policy is None:
+        block.checkpoint()
+    else:
+        block.checkpoint(policy=policy)
+    guard_batchnorm_stats(block)
+
+
+def _in_backward() -> bool:
+    """Whether autograd is running a backward pass on this thread: a module called then is
+    being recomputed by a checkpoint (the test torch's own module tracker and FSDP2 use)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+class BatchNormRecomputeGuard(module_patch.ForwardWrapper):
+    """Run a BatchNorm without touching its running statistics when it is called during
+    backward (a checkpoint recomputing it): the real forward already updated them once. The
+    recomputed *output* is unaffected (training-mode BN normalises with the batch's own
+    statistics)."""
+
+    name = "bn_recompute_guard"
+
+    def __call__(self, module, fn, args, kwargs):
+        if not (module.training and _in_backward()):
+            return fn(*args, **kwargs)
+        saved = [(n, b.detach().clone()) for n, b in module._buffers.items() if b is not None]
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            with torch.no_grad():
+                for n, value in saved:
+                    module._buffers[n].copy_(value)
+
+
+def guard_batchnorm_stats(node: Schedule) -> int:
+    """Install `BatchNormRecomputeGuard` on every BatchNorm inside `node` (once each)."""
+    n = 0
+    for mod in node.mod.modules():
+        if _is(mod, nn.modules.batchnorm._BatchNorm) and not any(
+                isinstance(w, BatchNormRecomputeGuard) for w in module_patch.wrappers(mod)):
+            module_patch.add_wrapper(mod, BatchNormRecomputeGuard())
+            n += 1
+    return n
+
+
+# ---- pipeline cuts ----------------------------------------------------------------------------
+
+def cut_evenly(blocks: list[Schedule], num_stages: int) -> None:
+    """Cuts after blocks round(s * n / stages) - 1, s = 1 .. stages - 1."""
+    per = len(blocks) / num_stages
+    for s in range(1, num_stages):
+        blocks[round(s * per) - 1].cut_pipeline_stage()
+
+
+def check_cut_lists(sch: Schedule, cuts: list) -> None:
+    """The 2023 form: four lists of block indices, one per stage (layer1..layer4)."""
+    if not isinstance(cuts, (list, tuple)) or len(cuts) != 4 or \
+            not all(isinstance(c, (list, tuple)) for c in cuts):
+        raise SchedulingError(sch.path, f"wideresnet pipeline_cuts must be four lists (block "
+                              f"indices in layer1..layer4), got {cuts!r}.",
+                              "pass e.g. pipeline_cuts=[[], [1], [], []].")
+    for stage, (blocks, ks) in enumerate(zip(stage_nodes(sch), cuts)):
+        for k in ks:
+            if not isinstance(k, int) or not 0 <= k < len(blocks):
+                raise SchedulingError(sch.path, f"pipeline cut {k!r} is outside 0.."
+                                      f"{len(blocks) - 1} of layer{stage + 1}.",
+                                      "cut after an existing block.")
+    last = cuts[3]
+    if len(stage_nodes(sch)[3]) - 1 in last:
+        raise SchedulingError(sch.path, "a cut after the last block of layer4 leaves the last "
+                              "stage without blocks.", "cut an earlier block.")
+
+
+def cut_lists(sch: Schedule, cuts: list) -> None:
+    check_cut_lists(sch, cuts)
+    for blocks, ks in zip(stage_nodes(sch), cuts):
+        for k in sorted(set(ks)):
+            blocks[k].cut_pipeline_stage()
+
+
+# ---- pipeline stages --------------------------------------------------------------------------
+
+def _graft(container: nn.Module, root: nn.Module, path: str) -> None:
+    """Register `root.get_submodule(path)` in `container` under the same dotted path (so stage
+    parameter names are the full model's)."""
+    parent = container
+    parts = path.split(".")
+    for part in parts[:-1]:
+        if part not in parent._modules:
+            parent.add_module(part, nn.Module())
+        parent = parent._modules[part]
+    parent.add_module(parts[-1], root.get_submodule(path))
+
+
+class ResNetStage(nn.Module):
+    """One pipeline stage of a ResNet: blocks `paths` (shared with the model), the stem on the
+    first stage, avgpool + flatten + fc on the last. forward(x): images on the first stage,
+    feature maps elsewhere; logits from the last."""
+
+    def __init__(self, root: nn.Module, prefix: str, blocks: list[str], first: bool,
+                 last: bool):
+        super().__init__()
+        self.prefix, self.blocks, self.first, self.last = prefix, list(blocks), first, last
+        self.input_names = ("x",) if first else ()
+        self.paths = [_join(prefix, n) for n in STEM] * first + list(blocks) + \
+            [_join(prefix, n) for n in HEAD] * last
+        for path in self.paths:
+            _graft(self, root, path)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.first:
+            for name in STEM:
+                x = self.get_submodule(_join(self.prefix, name))(x)
+        for path in self.blocks:
+            x = self.get_submodule(path)(x)
+        if self.last:
+            x = self.get_submodule(_join(self.prefix, "avgpool"))(x)
+            x = self.get_submodule(_join(self.prefix, "fc"))(torch.flatten(x, 1))
+        return x
+
+    def default_loss(self, logits: torch.Tensor, batch) -> torch.Tensor:
+        """Cross-entropy against `batch['labels']` (the 2023 benchmark's loss)."""
+        labels = batch.get("labels") if isinstance(batch, dict) else None
+        if labels is None:
+            raise SchedulingError("", "the batch has no `labels` for the ResNet's "
+                                  "cross-entropy.", "add labels, or pass loss_fn=.")
+        return F.cross_entropy(logits, labels.reshape(-1))
+
+
+def partition(sch: Schedule, num_stages: int | None = None) -> list[ResNetStage]:
+    """The stage modules of a cut ResNet schedule (same contract as
+    `slapo.runtime.partition.partition`: their composition is the model's forward)."""
+    prefix = resnet_prefix(sch.mod)
+    if prefix is None:
+        raise SchedulingError(sch.path, "not a ResNet layout (conv1, bn1, layer1..layer4, fc).",
+                              "use slapo.runtime.partition for transformer models.")
+    blocks = [_join(_join(prefix, s), str(i)) for s in STAGES
+              for i in range(len(sch.mod.get_submodule(_join(prefix, s))))]
+    cuts = list(sch.pipeline_cuts)
+    bad = [c for c in cuts if c not in blocks]
+    if not cuts or bad:
+        raise SchedulingError(sch.path, f"ResNet pipeline cuts must be blocks of layer1..layer4"
+                              f" (got {cuts or 'none'}).", "cut e.g. sch['layer2.0'].")
+    n = len(cuts) + 1 if num_stages is None else num_stages
+    if len(cuts) + 1 != n:
+        raise SchedulingError(sch.path, f"{len(cuts)} cut(s) give {len(cuts) + 1} stages, not "
+                              f"{n}.", f"cut {n - 1} block(s).")
+    bounds = [0] + sorted(blocks.index(c) + 1 for c in cuts) + [len(blocks)]
+    if any(hi <= lo for lo, hi in zip(bounds, bounds[1:])):
+        raise SchedulingError(sch.path, f"the cuts {cuts} leave a stage without blocks.",
+                              "cut distinct blocks, not the last one.")
+    return [ResNetStage(sch.mod, prefix, blocks[lo:hi], s == 0, s == n - 1)
+            for s, (lo, hi) in enumerate(zip(bounds, bounds[1:]))]
+
+
+FAMILY = Family(name="wideresnet", model_types=(), layer_lists=STAGES, tp_plan=TP_PLAN,
+                matches=matches, schedule=schedule,
+                notes="torchvision ResNet/WideResNet (Bottleneck blocks), detected by layout")
+
+__all__ = ["FAMILY", "TP_PLAN", "BatchNormRecomputeGuard", "ResNetStage", "checkpoint_stages",
+           "cut_lists", "guard_batchnorm_stats", "matches", "partition", "resnet_prefix",
+           "schedule"]
