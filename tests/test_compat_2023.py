@@ -555,7 +555,7 @@ def test_apply_schedule_keys():
     assert slapo.pipeline.cuts_of(sch) == ["encoder.layer.1"]
     assert next(sch.mod.parameters()).dtype == torch.bfloat16
     for bad, match in [(dict(key="bert"), "does not fit"), (dict(attn_op="cuda"), "unknown"),
-                       (dict(key="wideresnet"), "not available"),
+                       (dict(key="wideresnet"), "does not fit"),
                        (dict(prefix="bert"), "prefix"),
                        (dict(checkpoint_method="tail"), "checkpoint_method")]:
         key = bad.pop("key", "gpt2")
