@@ -265,7 +265,6 @@ def job_compat_2023_tp2():
 def job_pipeline(cuts):
     """2 pipeline stages (GPipe, 2 micro-batches) vs the original run on the same
     micro-batches one after the other: training-mode BN normalises per micro-batch."""
-    build_mod = importlib.import_module("slapo.runtime.build")  # the module, not the function
     mesh = slapo.runtime.init_mesh(dp=1, pp=2, tp=1)
     model, ref = vm.tiny(seed=5), vm.tiny(seed=5)
     sch = slapo.create_schedule(model, mesh=mesh)
@@ -273,19 +272,9 @@ def job_pipeline(cuts):
         model_schedule.apply(sch, pp_stages=2, ckpt_ratio=0.5)
     else:
         wideresnet.cut_lists(sch, cuts)
-    original, stages = build_mod.partition, []
-
-    def resnet_partition(s, n=None):  # until runtime.partition dispatches to it (see report)
-        stages.extend(wideresnet.partition(s, n))
-        return stages
-
-    build_mod.partition = resnet_partition
-    try:
-        train, _ = slapo.build(sch, mesh=mesh, pipeline="GPipe", num_microbatches=2,
-                               optimizer=torch.optim.SGD, optimizer_kwargs={"lr": 0.1},
-                               loss_fn=lambda out, batch: F.cross_entropy(out, batch["labels"]))
-    finally:
-        build_mod.partition = original
+    train, _ = slapo.build(sch, mesh=mesh, pipeline="GPipe", num_microbatches=2,
+                           optimizer=torch.optim.SGD, optimizer_kwargs={"lr": 0.1},
+                           loss_fn=lambda out, batch: F.cross_entropy(out, batch["labels"]))
     x, y = vm.images(seed=11)
     loss = train.train_step({"x": x, "labels": y})
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
@@ -296,10 +285,8 @@ def job_pipeline(cuts):
         losses.append(mb_loss.item())
     ref_opt.step()
     ref_params, ref_bufs = dict(ref.named_parameters()), dict(ref.named_buffers())
-    import torch.distributed as dist
-
     n, buffer_errors = 0, {}
-    for stage in stages[dist.get_rank():dist.get_rank() + 1]:  # GPipe: stage r on pp rank r
+    for stage in train.stages:  # this rank's stage (GPipe: stage r on pp rank r)
         for name, p in stage.named_parameters():
             _close(p.detach(), ref_params[name].detach(), f"param after step {name}")
             n += 1

@@ -55,19 +55,21 @@ import math
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from .. import module_patch
 from ..errors import SchedulingError
-from ..module_patch import original_class
+from ..runtime.stages_resnet import (
+    STAGES,
+    ResNetStage,
+    is_a,
+    join_path,
+    partition,
+    resnet_prefix,
+)
 from ..schedule import Schedule
 from ._registry import Family
 from .knobs import KnobError, ScheduleKnobs, spec
 from .plan import ConvIn, ConvOut, NormChannels, ReduceInputGrad, TPPlan
-
-STAGES = ("layer1", "layer2", "layer3", "layer4")
-STEM = ("conv1", "bn1", "relu", "maxpool")
-HEAD = ("avgpool", "fc")
 
 TP_PLAN = TPPlan((
     ("conv1", ConvOut()),
@@ -82,46 +84,14 @@ MEANINGLESS = ("attention", "fuse", "fuse_compiler", "tempo", "kernels", "sequen
 
 # ---- detection --------------------------------------------------------------------------------
 
-def _is(mod, cls) -> bool:
-    return mod is not None and issubclass(original_class(mod), cls)
-
-
-def _is_block(mod: nn.Module) -> bool:
-    return all(_is(getattr(mod, n, None), c) for n, c in
-               (("conv1", nn.Conv2d), ("bn1", nn.modules.batchnorm._BatchNorm),
-                ("conv2", nn.Conv2d)))
-
-
-def _is_resnet_body(mod: nn.Module) -> bool:
-    if not (_is(getattr(mod, "conv1", None), nn.Conv2d) and
-            _is(getattr(mod, "bn1", None), nn.modules.batchnorm._BatchNorm)
-            and isinstance(getattr(mod, "fc", None), nn.Module)):
-        return False
-    stages = [getattr(mod, s, None) for s in STAGES]
-    return all(isinstance(s, nn.Sequential) and len(s) and all(_is_block(b) for b in s)
-               for s in stages)
-
-
-def resnet_prefix(model: nn.Module) -> str | None:
-    """Path of the ResNet body ("" at the root, "model" under the 2023 loss wrapper), or None."""
-    for path, mod in model.named_modules():
-        if _is_resnet_body(mod):
-            return path
-    return None
-
-
 def matches(model: nn.Module) -> bool:
     return resnet_prefix(model) is not None
-
-
-def _join(prefix: str, name: str) -> str:
-    return f"{prefix}.{name}" if prefix else name
 
 
 def stage_nodes(sch: Schedule) -> list[list[Schedule]]:
     """The blocks of layer1..layer4, one list per stage."""
     prefix = resnet_prefix(sch.mod)
-    return [list(sch[_join(prefix, s)]) for s in STAGES]
+    return [list(sch[join_path(prefix, s)]) for s in STAGES]
 
 
 # ---- apply ------------------------------------------------------------------------------------
@@ -228,7 +198,7 @@ def guard_batchnorm_stats(node: Schedule) -> int:
     """Install `BatchNormRecomputeGuard` on every BatchNorm inside `node` (once each)."""
     n = 0
     for mod in node.mod.modules():
-        if _is(mod, nn.modules.batchnorm._BatchNorm) and not any(
+        if is_a(mod, nn.modules.batchnorm._BatchNorm) and not any(
                 isinstance(w, BatchNormRecomputeGuard) for w in module_patch.wrappers(mod)):
             module_patch.add_wrapper(mod, BatchNormRecomputeGuard())
             n += 1
@@ -268,81 +238,6 @@ def cut_lists(sch: Schedule, cuts: list) -> None:
     for blocks, ks in zip(stage_nodes(sch), cuts):
         for k in sorted(set(ks)):
             blocks[k].cut_pipeline_stage()
-
-
-# ---- pipeline stages --------------------------------------------------------------------------
-
-def _graft(container: nn.Module, root: nn.Module, path: str) -> None:
-    """Register `root.get_submodule(path)` in `container` under the same dotted path (so stage
-    parameter names are the full model's)."""
-    parent = container
-    parts = path.split(".")
-    for part in parts[:-1]:
-        if part not in parent._modules:
-            parent.add_module(part, nn.Module())
-        parent = parent._modules[part]
-    parent.add_module(parts[-1], root.get_submodule(path))
-
-
-class ResNetStage(nn.Module):
-    """One pipeline stage of a ResNet: blocks `paths` (shared with the model), the stem on the
-    first stage, avgpool + flatten + fc on the last. forward(x): images on the first stage,
-    feature maps elsewhere; logits from the last."""
-
-    def __init__(self, root: nn.Module, prefix: str, blocks: list[str], first: bool,
-                 last: bool):
-        super().__init__()
-        self.prefix, self.blocks, self.first, self.last = prefix, list(blocks), first, last
-        self.input_names = ("x",) if first else ()
-        self.paths = [_join(prefix, n) for n in STEM] * first + list(blocks) + \
-            [_join(prefix, n) for n in HEAD] * last
-        for path in self.paths:
-            _graft(self, root, path)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.first:
-            for name in STEM:
-                x = self.get_submodule(_join(self.prefix, name))(x)
-        for path in self.blocks:
-            x = self.get_submodule(path)(x)
-        if self.last:
-            x = self.get_submodule(_join(self.prefix, "avgpool"))(x)
-            x = self.get_submodule(_join(self.prefix, "fc"))(torch.flatten(x, 1))
-        return x
-
-    def default_loss(self, logits: torch.Tensor, batch) -> torch.Tensor:
-        """Cross-entropy against `batch['labels']` (the 2023 benchmark's loss)."""
-        labels = batch.get("labels") if isinstance(batch, dict) else None
-        if labels is None:
-            raise SchedulingError("", "the batch has no `labels` for the ResNet's "
-                                  "cross-entropy.", "add labels, or pass loss_fn=.")
-        return F.cross_entropy(logits, labels.reshape(-1))
-
-
-def partition(sch: Schedule, num_stages: int | None = None) -> list[ResNetStage]:
-    """The stage modules of a cut ResNet schedule (same contract as
-    `slapo.runtime.partition.partition`: their composition is the model's forward)."""
-    prefix = resnet_prefix(sch.mod)
-    if prefix is None:
-        raise SchedulingError(sch.path, "not a ResNet layout (conv1, bn1, layer1..layer4, fc).",
-                              "use slapo.runtime.partition for transformer models.")
-    blocks = [_join(_join(prefix, s), str(i)) for s in STAGES
-              for i in range(len(sch.mod.get_submodule(_join(prefix, s))))]
-    cuts = list(sch.pipeline_cuts)
-    bad = [c for c in cuts if c not in blocks]
-    if not cuts or bad:
-        raise SchedulingError(sch.path, f"ResNet pipeline cuts must be blocks of layer1..layer4"
-                              f" (got {cuts or 'none'}).", "cut e.g. sch['layer2.0'].")
-    n = len(cuts) + 1 if num_stages is None else num_stages
-    if len(cuts) + 1 != n:
-        raise SchedulingError(sch.path, f"{len(cuts)} cut(s) give {len(cuts) + 1} stages, not "
-                              f"{n}.", f"cut {n - 1} block(s).")
-    bounds = [0] + sorted(blocks.index(c) + 1 for c in cuts) + [len(blocks)]
-    if any(hi <= lo for lo, hi in zip(bounds, bounds[1:])):
-        raise SchedulingError(sch.path, f"the cuts {cuts} leave a stage without blocks.",
-                              "cut distinct blocks, not the last one.")
-    return [ResNetStage(sch.mod, prefix, blocks[lo:hi], s == 0, s == n - 1)
-            for s, (lo, hi) in enumerate(zip(bounds, bounds[1:]))]
 
 
 FAMILY = Family(name="wideresnet", model_types=(), layer_lists=STAGES, tp_plan=TP_PLAN,

@@ -6,7 +6,8 @@ what the ends need: the first stage the embeddings, later stages take hidden sta
 the final norm and head. Sharing means every primitive applied to a layer (shard/sync hooks,
 checkpoint, traced/fused graphs) comes along and parameter names stay those of the full model.
 Decoder LMs (GPT-2, LLaMA, ...) get `stages_decoder.HFDecoderStage`; encoders (BERT, RoBERTa:
-the base model, or `*ForMaskedLM` with its head on the last stage) `stages_encoder.BertStage`.
+the base model, or `*ForMaskedLM` with its head on the last stage) `stages_encoder.BertStage`;
+torchvision-layout ResNets `stages_resnet.ResNetStage`.
 Other head classes (sequence classification, pre-training) are not partitioned: `build` refuses
 them, naming the parameters no stage holds (`check_stage_coverage`), instead of training
 without them. `slapo.pipeline` is the public (and 2023) name of this module's functions.
@@ -20,6 +21,8 @@ import torch.nn as nn
 from ..errors import SchedulingError
 from .stages_decoder import DecoderLayout, HFDecoderStage, graft, layer_bounds, layout_of
 from .stages_encoder import BertStage, encoder_prefix
+from .stages_resnet import partition as resnet_partition
+from .stages_resnet import resnet_prefix
 
 
 def cuts_of(sch) -> list[str]:
@@ -40,6 +43,8 @@ def partition(sch_or_model, num_stages: int | None = None) -> list[nn.Module]:
         raise SchedulingError(sch.path, "the schedule has no pipeline cuts.",
                               "call sch['<layers>.<i>'].cut_pipeline_stage() first.")
     model = sch.mod
+    if resnet_prefix(model) is not None:
+        return resnet_partition(sch, n)
     prefix = encoder_prefix(model)
     if prefix is None:
         return _decoder_stages(sch, n)
