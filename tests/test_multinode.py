@@ -1,0 +1,60 @@
+"""Multi-node launch of `slapo train` (docs/train.md), as far as one machine allows: two
+torchrun agents ("nodes" of one rank each) meeting through the c10d rendezvous on localhost
+train exactly what one agent with two local ranks trains. Both "nodes" get the same --out:
+checkpoints are written by every rank into one directory, so on a real cluster --out must be on
+a filesystem all nodes share (docs/train.md)."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ARGS = ["-m", "slapo.cli", "train", "--model", "gpt2", "--hidden-size", "32", "--num-layers",
+        "2", "--num-heads", "2", "--seq-len", "32", "--batch-size", "4", "--steps", "3",
+        "--tp", "2", "--no-progress", "--no-plot", "--eval-batches", "0"]
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _env() -> dict:
+    return {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+
+
+def _torchrun(*launch: str) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", *launch]
+
+
+def _losses(out: Path) -> list[float]:
+    return json.loads((out / "metrics.json").read_text())["losses"]
+
+
+@pytest.mark.dist
+def test_two_nodes_of_one_rank_train_like_one_node_of_two(tmp_path):
+    port = _port()
+    nodes = [subprocess.Popen(
+        _torchrun("--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
+                  "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "slapo-test",
+                  *ARGS, "--out", str(tmp_path / "multi")),
+        env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for i in range(2)]
+    try:
+        logs = [n.communicate(timeout=300)[0] for n in nodes]
+    finally:
+        for n in nodes:
+            n.kill()
+    assert all(n.returncode == 0 for n in nodes), "\n".join(logs)[-3000:]
+    one = subprocess.run(_torchrun("--nproc-per-node", "2", "--master-port", str(_port()),
+                                   *ARGS, "--out", str(tmp_path / "single")),
+                         env=_env(), capture_output=True, text=True, timeout=300)
+    assert one.returncode == 0, one.stdout[-3000:] + one.stderr[-3000:]
+    assert _losses(tmp_path / "multi") == _losses(tmp_path / "single")
