@@ -17,9 +17,8 @@ pytestmark = pytest.mark.dist
 
 def full_params(tm) -> dict[str, torch.Tensor]:
     """Unsharded parameter values by original name (FSDP2 DTensors gathered; a collective)."""
-    inner = tm.model.module if hasattr(tm.model, "no_sync") else tm.model
     out = {}
-    for name, p in inner.named_parameters():
+    for name, p in tm.named_parameters():  # the model itself (DDP lives in tm.runner)
         out[name] = p.full_tensor().detach() if hasattr(p, "full_tensor") else p.detach()
     return out
 
@@ -68,7 +67,7 @@ def job_dp2():
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5,
                                    atol=0, msg=lambda m, name=name: f"{name}: {m}")
         if name.startswith("fsdp"):  # parameters really are sharded over dp
-            p = next(iter(tm.model.parameters()))
+            p = next(iter(tm.parameters()))
             assert type(p).__name__ == "DTensor", type(p)
             assert p.to_local().shape[0] * 2 >= p.shape[0] > p.to_local().shape[0]
         out[name] = {"losses": losses, "n_params": check_params(tm, ref)}
@@ -87,7 +86,7 @@ def count_ddp_buckets(tm, batch) -> int:
         calls.append(bucket.index())
         return allreduce_hook(state, bucket)
 
-    tm.model.register_comm_hook(None, counting_hook)
+    tm.runner.module.register_comm_hook(None, counting_hook)  # the DDP wrapper
     tm.train_step(batch)
     return len(calls)
 

@@ -25,8 +25,8 @@ def test_build_keeps_the_model_contract_and_trains():
     tm, opt = slapo.build(slapo.create_schedule(model), optimizer=torch.optim.AdamW,
                           optimizer_kwargs={"lr": LR}, grad_accum=2, grad_clip=0.1)
     assert isinstance(tm, TrainModule) and isinstance(opt, torch.optim.AdamW)
-    assert tm.model is model                                 # no copy
-    assert tm.config is model.config                         # attributes fall through
+    assert tm is model                                       # the model itself, no copy
+    assert tm.config is model.config
     assert len(list(tm.parameters())) == len(list(model.parameters()))
     ids = models.ids(batch=4)
     torch.testing.assert_close(tm(ids).logits, model(ids).logits)  # model(...) still works

@@ -61,7 +61,7 @@ def _measure_bytes(model: TrainModule, batch: dict) -> int:
     device = _device(model)
     try:
         with model.precision.autocast():
-            n = saved_bytes(model.model, **batch)
+            n = saved_bytes(model, **batch)
     except torch.cuda.OutOfMemoryError:  # a batch past the budget may not fit the device at all
         torch.cuda.empty_cache()
         n = OVER

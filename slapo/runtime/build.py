@@ -9,7 +9,9 @@ The composition order is torchtitan's, each concern one function applied in visi
     -> data parallel (DDP or FSDP2, with FSDP2's MixedPrecisionPolicy) per model or stage
     -> optimizer over what this rank holds
     -> [pipeline] PipelineStage + schedule
-    -> TrainModule(model or stages, optimizer, runner) with `train_step(batch)`
+    -> the user's module made trainable in place (`train_step(batch)`; see
+       `train_step.make_trainable`), or with a pipeline a `PipelineTrainModule` of this
+       rank's stages
 
 Tensor parallelism is already in the schedule (its primitives ran on the mesh's tp group).
 """
@@ -17,6 +19,7 @@ Tensor parallelism is already in the schedule (its primitives ran on the mesh's 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -38,7 +41,17 @@ from .pipeline_runner import (
     plan_pipeline,
 )
 from .precision import Precision, check_autocast, check_mixed_precision, module_device_type
-from .train_step import LocalRunner, LossFn, NormWeights, StepConfig, TrainModule
+from .train_step import (
+    LocalRunner,
+    LossFn,
+    NormWeights,
+    PipelineTrainModule,
+    StepConfig,
+    TrainModule,
+    TrainState,
+    check_trainable,
+    make_trainable,
+)
 
 TARGETS = (None, "deepspeed")
 
@@ -208,16 +221,24 @@ def _unique_params(modules: list[nn.Module]) -> list[nn.Parameter]:
 # ------------------------------------------------------------------------------------------------
 
 def build(sch: Schedule, *, optimizer: Callable | None = None,
-          init_weights: Callable | None = None, seed: int = 0,
+          init_weights: Callable | bool | None = None, seed: int = 0,
           device: torch.device | str | None = None, optimizer_kwargs: dict | None = None,
           mesh=None, pipeline: str | None = None, num_microbatches: int | None = None,
           virtual_stages: int | None = None, data_parallel: str | None = None,
           reshard_after_forward: bool | int = True, loss_fn: LossFn | None = None,
           grad_clip: float | None = None, grad_accum: int = 1, batch_is_global: bool = True,
           target: str | None = None, deepspeed_config: dict | None = None,
-          mixed_precision: str | None = None
+          mixed_precision: str | None = None, **spellings_2023: Any
           ) -> tuple[TrainModule, torch.optim.Optimizer | None]:
     """Return `(model, optimizer)` for a schedule; `model.train_step(batch) -> float` trains.
+
+    The model returned is the schedule's own module object (`sch.mod`, the user's model),
+    made trainable in place: same class for `isinstance`, same `named_parameters()` and
+    `state_dict()` keys, its own attributes, plus `train_step`, `optimizer`, `runner`,
+    `step_config`, `precision` and `local_batch` (see `slapo.runtime.train_step.TrainModule`;
+    `model(...)` runs through DDP when DDP is on). With a pipeline no rank holds the whole
+    model: the result is a `PipelineTrainModule` of this rank's stages. `target="deepspeed"`
+    returns the DeepSpeed engine's wrapper (as 2023 returned the engine).
 
     Weights:
     - Meta (delayed-init) tensors are materialised on `device`, shards only, initialised with
@@ -255,7 +276,14 @@ def build(sch: Schedule, *, optimizer: Callable | None = None,
 
     `target="deepspeed"`: hand the model to a DeepSpeed engine instead (ZeRO stages 1-3 through
     `deepspeed_config`); see `slapo.runtime.deepspeed`.
+
+    Slapo 2023 spellings (`config=`, `topology=`, `init_weights=True/False`, 2023 `target`
+    names) are translated by the one adapter `slapo.compat.build.adapt_build_args`, which
+    `slapo.compat` installs here (this layer may not import it); see docs/migrating.md.
     """
+    given = dict(locals())
+    if _needs_2023_adapter(given):
+        return build(sch, **_adapt_2023(given))
     _check_schedule(sch)
     _check_optimizer(sch, optimizer)
     _check_step_args(grad_accum, grad_clip, target)
@@ -277,6 +305,7 @@ def build(sch: Schedule, *, optimizer: Callable | None = None,
                                data_parallel=data_parallel, pipeline=pipeline)
     if pipeline is None:
         _check_pipeline_off(sch, info)
+        check_trainable(sch.mod)
         return _build_local(sch, info, config, optimizer=optimizer,
                             optimizer_kwargs=optimizer_kwargs, loss_fn=loss_fn, device=device,
                             init_weights=init_weights, seed=seed, data_parallel=data_parallel,
@@ -295,17 +324,25 @@ def _build_local(sch: Schedule, info: MeshInfo, config: StepConfig, *, optimizer
                  optimizer_kwargs, loss_fn, device, init_weights, seed, data_parallel,
                  reshard_after_forward,
                  precision: Precision) -> tuple[TrainModule, torch.optim.Optimizer | None]:
-    """The whole model on every rank (optionally tensor-parallel), optionally data-parallel."""
+    """The whole model on every rank (optionally tensor-parallel), optionally data-parallel;
+    returns the user's module itself, made trainable (`make_trainable`).
+
+    Why the same object and not a wrapper: 2023 code (and any user's) reads the model's
+    attributes, parameter names and state-dict keys after build; a wrapper adds a prefix to
+    all of them. The DDP wrapper lives in the runner (a plain object), FSDP2 already changed
+    the class in place."""
     model = sch.mod
     place_weights(model, device, info, init_weights, seed)
     table = norm_weight_table([model], info)
-    model = apply_data_parallel(model, data_parallel, info,
-                                reshard_after_forward=reshard_after_forward,
-                                mp_policy=precision.fsdp_policy())
-    opt = make_optimizer(optimizer, _unique_params([model]), optimizer_kwargs)
-    runner = LocalRunner(model, loss_fn, precision)
-    nw = norm_weights(model, table, dp_sharded=data_parallel == "fsdp")
-    return TrainModule(model, [], opt, runner, config, nw, precision), opt
+    wrapped = apply_data_parallel(model, data_parallel, info,
+                                  reshard_after_forward=reshard_after_forward,
+                                  mp_policy=precision.fsdp_policy())
+    opt = make_optimizer(optimizer, _unique_params([wrapped]), optimizer_kwargs)
+    runner = LocalRunner(wrapped, loss_fn, precision)
+    nw = norm_weights(wrapped, table, dp_sharded=data_parallel == "fsdp")
+    state = TrainState(opt, runner, config, nw, precision,
+                       wrapper=wrapped if wrapped is not model else None)
+    return make_trainable(model, state), opt
 
 
 def _build_pipeline(sch: Schedule, info: MeshInfo, config: StepConfig, *, pipeline: str,
@@ -333,7 +370,7 @@ def _build_pipeline(sch: Schedule, info: MeshInfo, config: StepConfig, *, pipeli
     config.num_microbatches = plan.num_microbatches
     holder = nn.ModuleList(wrapped)
     nw = norm_weights(holder, table, dp_sharded=data_parallel == "fsdp")
-    return TrainModule(None, wrapped, opt, runner, config, nw, precision), opt
+    return PipelineTrainModule(wrapped, TrainState(opt, runner, config, nw, precision)), opt
 
 
 def _place_stage_weights(sch: Schedule, stages: list[nn.Module], device, info: MeshInfo,
@@ -357,4 +394,35 @@ def _stage_device(stages: list[nn.Module], info: MeshInfo) -> torch.device:
     return _default_device(info)
 
 
-__all__ = ["build", "mesh_info"]
+# ------------------------------------------------------------------------------------------------
+# the Slapo 2023 spellings (translated in slapo/compat/build.py, the one adapter)
+# ------------------------------------------------------------------------------------------------
+
+_ADAPTERS: list[Callable[[Schedule, dict], dict]] = []
+
+
+def install_2023_adapter(adapt: Callable[[Schedule, dict], dict]) -> None:
+    """Called once by `slapo.compat.build`: `adapt(sch, kwargs) -> today's kwargs`."""
+    _ADAPTERS[:] = [adapt]
+
+
+def _needs_2023_adapter(given: dict) -> bool:
+    return bool(given["spellings_2023"]) or isinstance(given["init_weights"], bool) or (
+        given["target"] not in TARGETS)
+
+
+def _adapt_2023(given: dict) -> dict:
+    """Today's keyword arguments for a call that used a 2023 spelling."""
+    kwargs = {k: v for k, v in given.items() if k not in ("sch", "spellings_2023")}
+    kwargs.update(given["spellings_2023"])
+    if not _ADAPTERS:
+        names = sorted(given["spellings_2023"]) or ["init_weights/target"]
+        raise SchedulingError("", f"build got the Slapo 2023 argument(s) {names}, but the "
+                              "2023 adapter is not loaded.", "import slapo.compat.")
+    adapted = _ADAPTERS[0](given["sch"], kwargs)
+    if _needs_2023_adapter({"spellings_2023": {}, **adapted}):  # never loop back here
+        raise SchedulingError("", "the 2023 adapter left a 2023 spelling untranslated.")
+    return adapted
+
+
+__all__ = ["build", "install_2023_adapter", "mesh_info"]

@@ -1,5 +1,9 @@
 """`TrainModule.train_step(batch) -> float`: one optimizer step, the same call for every parallelism.
 
+`slapo.build` returns the user's own module made trainable in place (`make_trainable`: its class
+becomes a generated subclass of (`TrainModule`, its class), the state lives in a plain
+`TrainState`), or with a pipeline a `PipelineTrainModule` of this rank's stages.
+
 The step is the same sequence whatever `build` composed:
 
     slice this dp rank's samples -> zero grads -> for each accumulation slice: runner.forward_backward
@@ -19,6 +23,7 @@ TrainModule's, so precision is decided in one place.
 
 from __future__ import annotations
 
+import copy
 import time
 from collections.abc import Callable, Iterable
 from contextlib import nullcontext
@@ -167,76 +172,89 @@ class StepConfig:
     batch_is_global: bool = True
 
 
-class TrainModule(nn.Module):
-    """What `build` returns: the model (or this rank's pipeline stages) and its optimizer.
+@dataclass
+class TrainState:
+    """Everything `train_step` needs besides the model's own modules.
 
-    `train_step(batch)` is the one call a training loop needs. `model(...)` calls the wrapped
-    model (not available with a pipeline: no rank holds the whole model). Attributes that the
-    TrainModule does not have are looked up on the wrapped model (`model.config`), so code that
-    used the bare model keeps working.
+    A plain object (not a Module) kept in the model's `__dict__`: the runner holds the DDP
+    wrapper, whose `.module` is the model itself, so registering it as a child would list every
+    parameter twice and make the module tree a cycle. `inside_wrapper` counts the DDP forwards
+    in flight (see `TrainModule.__call__`)."""
+
+    optimizer: torch.optim.Optimizer | None
+    runner: Runner
+    step_config: StepConfig
+    norm_weights: NormWeights
+    precision: Precision
+    wrapper: nn.Module | None = None  # the DDP wrapper `model(...)` runs through, if any
+    inside_wrapper: int = 0
+
+
+# Names a built model gains; `build` refuses a model that already uses any of them.
+TRAIN_ATTRIBUTES = ("train_step", "local_batch", "optimizer", "runner", "step_config",
+                    "precision", "_slapo_train")
+
+
+class TrainModule:
+    """What `build` returns: the model, able to train itself with `model.train_step(batch)`.
+
+    Without a pipeline the returned object IS the user's module (`slapo.build` swaps its class
+    for a generated subclass of (TrainModule, its class), see `make_trainable`): `isinstance`
+    with the model's class holds, `named_parameters()` / `state_dict()` have the model's own
+    keys, attributes are the model's. It also has `train_step`, `optimizer`, `runner`,
+    `step_config`, `precision` and `local_batch`. With a pipeline no rank holds the whole
+    model, so `build` returns a `PipelineTrainModule` (this rank's stages) instead; both are
+    instances of `TrainModule`.
+
+    `model(...)` runs the forward the way `train_step` does: through DistributedDataParallel
+    when DDP is on (so a hand-written loop's `backward()` all-reduces gradients, as with a
+    DDP-wrapped model; every dp rank must call it), as FSDP2's sharded forward under FSDP2
+    (which changed the class in place). It runs without autocast, like the model's own forward.
     """
 
-    def __init__(self, module: nn.Module | None, stages: Iterable[nn.Module],
-                 optimizer: torch.optim.Optimizer | None, runner: Runner, config: StepConfig,
-                 norm_weights: NormWeights, precision: Precision | None = None):
-        super().__init__()
-        self.model = module
-        self.stages = nn.ModuleList(stages)
-        self.optimizer = optimizer
-        self.runner = runner
-        self.step_config = config
-        self._norm_weights = norm_weights
-        self.precision = precision or Precision()
+    @property
+    def _slapo(self) -> TrainState:
+        return self.__dict__["_slapo_train"]
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer | None:
+        return self._slapo.optimizer
+
+    @property
+    def runner(self) -> Runner:
+        """Runs forward and backward of one slice (`runner.module`: the DDP/FSDP2 module)."""
+        return self._slapo.runner
+
+    @property
+    def step_config(self) -> StepConfig:
+        return self._slapo.step_config
+
+    @property
+    def precision(self) -> Precision:
+        return self._slapo.precision
 
     # ---- the model --------------------------------------------------------------------------
-    def forward(self, *args, **kwargs):
-        if self.model is None:
-            raise SchedulingError("", "this model is split into pipeline stages, so no rank can "
-                                  "run the whole forward.", "use model.train_step(batch).")
-        return self.model(*args, **kwargs)
+    def __call__(self, *args, **kwargs):
+        """Through the DDP wrapper, unless DDP itself is calling (its forward calls us)."""
+        state = self.__dict__.get("_slapo_train")
+        if state is None or state.wrapper is None or state.inside_wrapper:
+            return super().__call__(*args, **kwargs)
+        return state.wrapper(*args, **kwargs)
 
-    def __getattr__(self, name: str):
+    def __deepcopy__(self, memo):
+        """A copy is the plain module (the training state, with its optimizer, DDP wrapper and
+        process groups, is not copyable): the model's class and values, without `train_step`."""
+        cls = type(self)
+        if not hasattr(cls, "_slapo_base"):
+            raise SchedulingError("", f"a {cls.__name__} cannot be copied.",
+                                  "copy the model before slapo.build.")
+        state = self.__dict__.pop("_slapo_train")
+        self.__class__ = cls._slapo_base
         try:
-            return super().__getattr__(name)
-        except AttributeError:
-            modules = self.__dict__.get("_modules", {})
-            inner = modules.get("model")
-            if isinstance(inner, DistributedDataParallel):
-                inner = inner.module
-            if inner is None:
-                raise
-            return getattr(inner, name)
-
-    # ---- checkpoints: the model's own keys ----------------------------------------------------
-    def _units(self) -> list[nn.Module]:
-        """The model (or this rank's stages) without the DDP wrapper."""
-        units = [self.model] if self.model is not None else list(self.stages)
-        return [u.module if isinstance(u, DistributedDataParallel) else u for u in units]
-
-    def state_dict(self, *args, destination=None, prefix: str = "", keep_vars: bool = False):
-        """The wrapped model's state dict under its original keys (no `model.`/`module.`
-        prefix; with a pipeline, the union of this rank's stages, which keep the full model's
-        names), so a checkpoint loads into the bare model. FSDP2 values are DTensors."""
-        out = destination if destination is not None else {}
-        for unit in self._units():
-            unit.state_dict(destination=out, prefix=prefix, keep_vars=keep_vars)
-        return out
-
-    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
-        """Load original-key state dicts; with a pipeline each stage takes the keys it holds
-        (keys of other ranks' stages are expected and ignored)."""
-        units = self._units()
-        if len(units) == 1 and self.model is not None:
-            return units[0].load_state_dict(state_dict, strict=strict, assign=assign)
-        missing: list[str] = []
-        for unit in units:
-            own = unit.state_dict(keep_vars=True).keys()
-            result = unit.load_state_dict({k: v for k, v in state_dict.items() if k in own},
-                                          strict=False, assign=assign)
-            missing += result.missing_keys
-        if strict and missing:
-            raise RuntimeError(f"missing keys for this rank's pipeline stages: {missing}")
-        return nn.modules.module._IncompatibleKeys(missing, [])
+            return copy.deepcopy(self, memo)
+        finally:
+            self.__class__ = cls
+            self.__dict__["_slapo_train"] = state
 
     # ---- the step ---------------------------------------------------------------------------
     def local_batch(self, batch: Batch) -> Batch:
@@ -255,25 +273,136 @@ class TrainModule(nn.Module):
         """Forward, backward, (unscale, clip), optimizer step; the batch's mean loss on every
         rank. With fp16 the step may be skipped (inf/NaN gradients on some rank): see
         `self.precision.last_step_skipped` / `.skipped_steps`; the loss is returned either way."""
-        if self.optimizer is None:
+        state = self._slapo
+        if state.optimizer is None:
             raise SchedulingError("", "train_step needs an optimizer.",
                                   "pass build(sch, optimizer=torch.optim.AdamW, ...).")
-        cfg = self.step_config
+        cfg = state.step_config
         batch = self.local_batch(as_batch(batch))  # any Mapping (HF BatchEncoding) -> dict
-        self.optimizer.zero_grad(set_to_none=True)
-        self.precision.begin_step()
+        state.optimizer.zero_grad(set_to_none=True)
+        state.precision.begin_step()
         k = cfg.grad_accum
         loss = None  # stays on the loss's device: no host sync before the optimizer step
         for i, part in enumerate(split_batch(batch, k) if k > 1 else [batch]):
-            part_loss = self.runner.forward_backward(part, 1.0 / k, sync_grads=i == k - 1)
+            part_loss = state.runner.forward_backward(part, 1.0 / k, sync_grads=i == k - 1)
             part_loss = part_loss.detach().double() / k
             loss = part_loss if loss is None else loss + part_loss
-        self.runner.finish_grads()
-        self.precision.unscale_(self.optimizer)
+        state.runner.finish_grads()
+        state.precision.unscale_(state.optimizer)
         if cfg.grad_clip is not None:
-            clip_grad_norm(self._norm_weights, cfg.grad_clip, cfg.info)
-        self.precision.step(self.optimizer)
+            clip_grad_norm(state.norm_weights, cfg.grad_clip, cfg.info)
+        state.precision.step(state.optimizer)
         return reduce_loss(loss, cfg.info)
+
+
+# ------------------------------------------------------------------------------------------------
+# the user's module becomes trainable in place
+# ------------------------------------------------------------------------------------------------
+
+_TRAIN_CLASSES: dict[type, type] = {}
+
+
+def _user_class(cls: type) -> type:
+    """The user's class behind Slapo's patch class and FSDP2's generated `FSDP<Name>`."""
+    original = getattr(cls, "_slapo_original_class", None)
+    if original is not None:
+        return original
+    return next(c for c in cls.__mro__ if not issubclass(c, FSDPModule))
+
+
+def _train_class(cls: type) -> type:
+    """The cached subclass (TrainModule, cls). It keeps the user's `__name__` (repr, HF's
+    `save_pretrained` writes it into `config.architectures`); `__qualname__` says what it is."""
+    new = _TRAIN_CLASSES.get(cls)
+    if new is None:
+        user = _user_class(cls)
+        new = type(user.__name__, (TrainModule, cls), {
+            "__module__": user.__module__,
+            "__qualname__": f"TrainModuleOf{user.__name__}",
+            "_slapo_base": cls,
+            "_slapo_original_class": user,
+        })
+        _TRAIN_CLASSES[cls] = new
+    return new
+
+
+def check_trainable(module: nn.Module) -> None:
+    """Refuse (before anything changes) a model that already has a name `build` adds."""
+    if isinstance(module, TrainModule):
+        return  # built before: its training state is replaced
+    own = set(module.__dict__) | set(module._modules) | set(module._parameters) | set(
+        module._buffers)
+    taken = [n for n in TRAIN_ATTRIBUTES if n in own or hasattr(type(module), n)]
+    if taken:
+        raise SchedulingError("", f"{type(module).__name__} already has "
+                              f"{', '.join(map(repr, taken))}, which slapo.build adds to the "
+                              "model it returns.", "rename that attribute of the model.")
+
+
+def _count_wrapper_calls(wrapper: nn.Module, state: TrainState) -> None:
+    """Mark DDP's forwards, so that `model(...)` inside them runs the module itself."""
+
+    def enter(module, args):
+        state.inside_wrapper += 1
+
+    def leave(module, args, output):
+        state.inside_wrapper -= 1
+
+    wrapper.register_forward_pre_hook(enter)
+    wrapper.register_forward_hook(leave, always_call=True)
+
+
+def make_trainable(module: nn.Module, state: TrainState) -> TrainModule:
+    """Give `module` (the same object) `train_step` and the rest, by swapping its class for
+    `TrainModuleOf<Name>`; call `check_trainable` first. Idempotent on a built module."""
+    if state.wrapper is not None:
+        _count_wrapper_calls(state.wrapper, state)
+    module.__dict__["_slapo_train"] = state
+    if not isinstance(module, TrainModule):
+        module.__class__ = _train_class(type(module))
+    return module
+
+
+class PipelineTrainModule(TrainModule, nn.Module):
+    """What `build` returns with a pipeline: this rank's stages, which no `model(...)` can run
+    (no rank holds the whole model; 2023 returned DeepSpeed's pipeline engine for the same
+    reason). `train_step` runs the pipeline schedule; `stages` are this rank's stage modules
+    (each keeps the full model's parameter names); `state_dict` is their union."""
+
+    def __init__(self, stages: Iterable[nn.Module], state: TrainState):
+        super().__init__()
+        self.stages = nn.ModuleList(stages)
+        self.__dict__["_slapo_train"] = state
+
+    def forward(self, *args, **kwargs):
+        raise SchedulingError("", "this model is split into pipeline stages, so no rank can "
+                              "run the whole forward.", "use model.train_step(batch).")
+
+    def _units(self) -> list[nn.Module]:
+        """This rank's stages without a DDP wrapper."""
+        return [u.module if isinstance(u, DistributedDataParallel) else u for u in self.stages]
+
+    def state_dict(self, *args, destination=None, prefix: str = "", keep_vars: bool = False):
+        """The union of this rank's stages' state dicts under the full model's keys (no
+        `stages.` prefix), so a checkpoint loads into the bare model. FSDP2 values are
+        DTensors."""
+        out = destination if destination is not None else {}
+        for unit in self._units():
+            unit.state_dict(destination=out, prefix=prefix, keep_vars=keep_vars)
+        return out
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """Load original-key state dicts: each stage takes the keys it holds (keys of other
+        ranks' stages are expected and ignored)."""
+        missing: list[str] = []
+        for unit in self._units():
+            own = unit.state_dict(keep_vars=True).keys()
+            result = unit.load_state_dict({k: v for k, v in state_dict.items() if k in own},
+                                          strict=False, assign=assign)
+            missing += result.missing_keys
+        if strict and missing:
+            raise RuntimeError(f"missing keys for this rank's pipeline stages: {missing}")
+        return nn.modules.module._IncompatibleKeys(missing, [])
 
 
 # ------------------------------------------------------------------------------------------------
