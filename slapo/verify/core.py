@@ -17,7 +17,18 @@ is left exactly as it was (parameters restored, gradients cleared).
 A model on the meta device (`slapo.init_empty_weights()`) is verified on materialised copies:
 both are initialised like `build` would (`init_weights`, `init_seed`, on `device`), so the
 scheduled copy holds exactly the slices of the reference; the model itself stays on meta. A mismatch raises
-`VerificationError` naming the output or parameter and the error.
+`VerificationError` naming the output or parameter and the error; below that first line, the
+localisation (`slapo.verify.localise`): the first module whose forward output (or, when all
+outputs agree, input gradient) diverged, its schedule path and the primitives applied to it and
+its ancestors. Every rank reaches the same verdict and reports the same text (a mismatch on one
+rank stops all of them, so none waits in a collective alone). A shape error inside a scheduled
+module is raised as `slapo.runtime.shape_errors.ScheduledShapeError` (a `SchedulingError` and a
+`RuntimeError`) naming the module and the `shard` that changed the shape.
+
+Under tensor parallelism (with `check_rng`, the default) the scheduled model also runs once in
+training mode to check where dropout draws its numbers (`slapo.verify.rng_check`): per rank in
+sharded regions, shared in replicated ones. With pipeline cuts, every parameter must belong to
+exactly one stage.
 
 Mixed precision (`mixed_precision="bf16"` or `"fp16"`): both models run forward and loss under
 `torch.autocast` (weights stay fp32, as in `slapo.build(..., mixed_precision=...)`), and the
@@ -44,29 +55,17 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from . import sharding
-from .distributed import group as _g
-from .distributed.rng import get_rng_tracker
-from .errors import VerificationError
-from .init import has_meta_tensors, materialize
-from .runtime.precision import DTYPES, check_autocast, check_mixed_precision, module_device_type
-from .schedule import Schedule
-
-
-def _flatten(out: Any, prefix: str = "output") -> list[tuple[str, torch.Tensor]]:
-    if isinstance(out, torch.Tensor):
-        return [(prefix, out)]
-    if isinstance(out, dict):
-        items = []
-        for k, v in out.items():
-            items += _flatten(v, f"{prefix}.{k}")
-        return items
-    if isinstance(out, (tuple, list)):
-        items = []
-        for i, v in enumerate(out):
-            items += _flatten(v, f"{prefix}[{i}]")
-        return items
-    return []
+from .. import sharding
+from ..distributed import group as _g
+from ..distributed.rng import get_rng_tracker
+from ..errors import SchedulingError, VerificationError
+from ..init import has_meta_tensors, materialize
+from ..runtime.precision import DTYPES, check_autocast, check_mixed_precision, module_device_type
+from ..runtime.shape_errors import shape_errors_named
+from ..schedule import Schedule
+from .localise import flatten as _flatten
+from .localise import localise
+from .rng_check import check_rng
 
 
 def _call(loss_fn: Callable, out, inputs, kwargs):
@@ -88,11 +87,9 @@ class Verify:
                  optimizer: Callable | None = None, eval_mode: bool = True, seed: int = 2023,
                  enable: bool = True, init_weights: Callable | None = None, init_seed: int = 0,
                  device: torch.device | str = "cpu", mixed_precision: str | None = None,
-                 mp_tolerance: float = 4.0):
+                 mp_tolerance: float = 4.0, localise: bool = True, check_rng: bool = True):
         self.mixed_precision = check_mixed_precision(mixed_precision)
         if not (isinstance(mp_tolerance, (int, float)) and mp_tolerance > 0):
-            from .errors import SchedulingError
-
             raise SchedulingError("", f"mp_tolerance={mp_tolerance!r} must be a positive "
                                   "number.", "pass e.g. mp_tolerance=4.0.")
         self.mp_tolerance = float(mp_tolerance)
@@ -103,12 +100,14 @@ class Verify:
         self.rtol, self.atol = rtol, atol
         self.optimizer = optimizer or (lambda ps: torch.optim.SGD(ps, lr=0.1))
         self.eval_mode, self.seed, self.enable = eval_mode, seed, enable
+        self.localise, self.check_rng = localise, check_rng
         self.report: dict[str, float] = {}
         self.baseline: dict[str, float] = {}    # mixed precision: original's own discrepancy
         self.tolerance: dict[str, float] = {}   # mixed precision: the atol used per tensor
         self.reference: nn.Module | None = None
         self.init_weights, self.init_seed, self.device = init_weights, init_seed, device
         self._meta = False
+        self._failure: tuple[str, str] | None = None  # (tensor name, message) of this phase
 
     # ---------------------------------------------------------------------------------------
     def __enter__(self) -> Verify:
@@ -165,10 +164,14 @@ class Verify:
         """Elementwise |got - ref| <= atol + rtol |ref|; by default atol = rtol * max|ref| of
         this tensor, but at least `floor` (roundoff level of the whole family of tensors, so
         mathematically-zero gradients such as a key bias's are not judged on noise).
-        Under mixed precision `base` is the original's fp32 value (see `_close_mixed`)."""
+        Under mixed precision `base` is the original's fp32 value (see `_close_mixed`).
+
+        A mismatch is recorded (the first of the phase, see `_settle`), not raised: the
+        comparison loops go on, so every rank runs the same collectives (`gather_full`)."""
         if got.shape != ref.shape:
-            raise VerificationError(f"{name}: shape {tuple(got.shape)} != original "
-                                    f"{tuple(ref.shape)}.")
+            self._fail(name, f"{name}: shape {tuple(got.shape)} != original "
+                       f"{tuple(ref.shape)}.")
+            return
         got, ref = got.detach().double(), ref.detach().double()
         if self.mixed_precision is not None:
             self._close_mixed(name, got, ref, base, floor)
@@ -178,16 +181,17 @@ class Verify:
         atol = self.atol if self.atol is not None else max(self.rtol * scale, floor, 1e-30)
         self.report[name] = err
         if not torch.allclose(got, ref, rtol=self.rtol, atol=atol):
-            raise VerificationError(f"{name} does not match the original: max abs error "
-                                    f"{err:.3e} (max |original| {scale:.3e}, rtol {self.rtol}, "
-                                    f"atol {atol:.3e}).")
+            self._fail(name, f"{name} does not match the original: max abs error "
+                       f"{err:.3e} (max |original| {scale:.3e}, rtol {self.rtol}, "
+                       f"atol {atol:.3e}).")
 
     def _close_mixed(self, name: str, got: torch.Tensor, ref: torch.Tensor,
                      base: torch.Tensor | None, floor: float) -> None:
         """|got - ref| <= mp_tolerance * max(d, floor), d = max|ref - base| (module doc)."""
         if base is None or base.shape != ref.shape:
-            raise VerificationError(f"{name}: no fp32 value of the original to measure the "
-                                    f"{self.mixed_precision} roundoff against.")
+            self._fail(name, f"{name}: no fp32 value of the original to measure the "
+                       f"{self.mixed_precision} roundoff against.")
+            return
         base = base.detach().double()
         err = (got - ref).abs().max().item() if ref.numel() else 0.0
         scale = ref.abs().max().item() if ref.numel() else 0.0
@@ -196,11 +200,27 @@ class Verify:
             self.mp_tolerance * max(d, floor, 1e-30)
         self.report[name], self.baseline[name], self.tolerance[name] = err, d, atol
         if not err <= atol:
-            raise VerificationError(
-                f"{name} does not match the original under {self.mixed_precision}: max abs "
-                f"error {err:.3e} > tolerance {atol:.3e} = {self.mp_tolerance:g} x the "
-                f"original's own {self.mixed_precision}-vs-fp32 error {max(d, floor):.3e} "
-                f"(max |original| {scale:.3e}).")
+            self._fail(name,
+                       f"{name} does not match the original under {self.mixed_precision}: max "
+                       f"abs error {err:.3e} > tolerance {atol:.3e} = {self.mp_tolerance:g} x "
+                       f"the original's own {self.mixed_precision}-vs-fp32 error "
+                       f"{max(d, floor):.3e} (max |original| {scale:.3e}).")
+
+    def _fail(self, name: str, message: str) -> None:
+        if self._failure is None:
+            self._failure = (name, message)
+
+    def _settle(self) -> tuple[str, str] | None:
+        """This phase's first mismatch, agreed by every rank (the lowest failing rank's): a
+        rank whose own tensors matched still stops, so no rank waits in a collective alone."""
+        failure, self._failure = self._failure, None
+        group = self._group()
+        ws = _g.world_size(group)
+        if ws == 1:
+            return failure
+        everyone = [None] * ws
+        dist.all_gather_object(everyone, failure, group=group)
+        return next((f for f in everyone if f is not None), None)
 
     def _autocast(self, model: nn.Module, enabled: bool):
         """The forward/loss context of `model`: autocast under mixed precision, else nothing."""
@@ -225,47 +245,134 @@ class Verify:
             loss = _call(self.loss_fn, out, self.inputs, self.kwargs)
         loss.float().backward()  # outside autocast, in fp32 (as slapo.build does)
 
-    def check(self) -> dict[str, float]:
-        """Run both models and compare; returns {name: max abs error}. Raises on mismatch."""
-        if self.reference is None:
-            raise VerificationError("Verify.check() called before entering the context.")
+    def _copies(self) -> tuple[nn.Module, nn.Module]:
+        """(the scheduled model to run, a fresh reference): on a meta model, materialised
+        copies of each with the same per-module seeds, so the scheduled copy's shards are
+        exactly the slices of the reference's full tensors (see slapo.init); the scheduled
+        model itself stays on the meta device."""
         model, ref = self.sch.mod, sharding.deepcopy_model(self.reference)
         if self._meta:
-            # Delayed init: materialise a copy of each with the same per-module seeds, so the
-            # scheduled copy's shards are exactly the slices of the reference's full tensors
-            # (see slapo.init). The scheduled model itself stays on the meta device.
             model = materialize(sharding.deepcopy_model(model), self.device,
                                 init_fn=self.init_weights, seed=self.init_seed)
+            ref = self._fresh_reference()
+        return model, ref
+
+    def _fresh_reference(self) -> nn.Module:
+        ref = sharding.deepcopy_model(self.reference)
+        if self._meta:
             ref = materialize(ref, self.device, init_fn=self.init_weights, seed=self.init_seed)
+        return ref
+
+    def check(self) -> dict[str, float]:
+        """Run both models and compare; returns {name: max abs error}. Raises on mismatch:
+        `VerificationError` whose first line names the tensor and the error, followed by the
+        localisation (`slapo.verify.localise`: the first module that diverged and the
+        primitives applied there), or `ScheduledShapeError` when the scheduled model raises a
+        shape error inside a scheduled module."""
+        if self.reference is None:
+            raise VerificationError("Verify.check() called before entering the context.")
+        model, ref = self._copies()
         # mixed precision: the original once more, in fp32, to measure its own roundoff
         base = sharding.deepcopy_model(ref) if self.mixed_precision else None
         modes = (model.training, ref.training)
         saved = {n: p.detach().clone() for n, p in model.named_parameters()}
+        failure = None
         try:
-            if self.eval_mode:
-                for m in (model, ref, base):
-                    if m is not None:
-                        m.eval()
+            self._set_eval(model, ref, base)
             self._check_params_accounted(model, ref)
-            out_ref, out = self._run(ref), self._run(model)
+            out_ref = self._run(ref)
+            with shape_errors_named(model, self.sch):
+                out = self._run(model)
             out_base = self._run(base, amp=False) if base is not None else None
-            self._compare_outputs(out_ref, out, out_base)
-            if self.loss_fn is None:
-                return self.report
-            self._backward(ref, out_ref)
-            self._backward(model, out)
-            if base is not None:
-                self._backward(base, out_base, amp=False)
-            self._compare_grads(model, ref, base)
-            self._step_and_compare(model, ref, base)
-            return self.report
+            failure = self._phase(self._compare_outputs, out_ref, out, out_base)
+            if failure is None and self.loss_fn is not None:
+                self._backward(ref, out_ref)
+                self._backward(model, out)
+                if base is not None:
+                    self._backward(base, out_base, amp=False)
+                failure = self._phase(self._compare_grads, model, ref, base) or \
+                    self._phase(self._step_and_compare, model, ref, base)
         finally:
-            with torch.no_grad():
-                for n, p in model.named_parameters():
-                    p.copy_(saved[n])
-                    p.grad = None
-            model.train(modes[0])
+            self._restore(model, saved, modes[0])
             ref.train(modes[1])
+        if failure is not None:
+            self._raise(failure, model)
+        self._check_rng(model)
+        self._check_pipeline()
+        return self.report
+
+    def _set_eval(self, *models: nn.Module | None) -> None:
+        if self.eval_mode:
+            for m in models:
+                if m is not None:
+                    m.eval()
+
+    def _phase(self, compare: Callable, *args) -> tuple[str, str] | None:
+        compare(*args)
+        return self._settle()
+
+    @staticmethod
+    def _restore(model: nn.Module, saved: dict, mode: bool) -> None:
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                p.copy_(saved[n])
+                p.grad = None
+        model.train(mode)
+
+    def _raise(self, failure: tuple[str, str], model: nn.Module) -> None:
+        """Raise the agreed mismatch, with the localisation below its first line."""
+        name, message = failure
+        if not self.localise:
+            raise VerificationError(message)
+        ref = self._fresh_reference()
+        modes = (model.training, ref.training)
+        saved = {n: p.detach().clone() for n, p in model.named_parameters()}
+        try:
+            self._set_eval(model, ref)
+            backward = None if self.loss_fn is None else \
+                (lambda m, out: _call(self.loss_fn, out, self.inputs, self.kwargs)
+                 .float().backward())
+            report = localise(self.sch, model, ref, lambda m: self._run(m, amp=False),
+                              backward, self.rtol, self.atol, failed=name)
+        finally:
+            self._restore(model, saved, modes[0])
+        raise VerificationError(f"{message}\n{report}")
+
+    def _check_rng(self, model: nn.Module) -> None:
+        """Dropout placement under tensor parallelism (`slapo.verify.rng_check`)."""
+        if not self.check_rng or _g.world_size(self._group()) == 1:
+            return
+        saved = {n: p.detach().clone() for n, p in model.named_parameters()}
+        try:
+            report = check_rng(self.sch, model, self._run)
+        finally:
+            self._restore(model, saved, model.training)
+        if report is not None:
+            raise VerificationError(report)
+
+    def _check_pipeline(self) -> None:
+        """With pipeline cuts: every parameter belongs to exactly one stage (`partition`'s
+        stages, as `build` makes them); else a `VerificationError` naming the modules left out
+        (or held twice) and the cuts."""
+        cuts = list(self.sch.pipeline_cuts)
+        if not cuts:
+            return
+        from ..runtime.partition import check_stage_coverage, partition
+
+        root = self.sch.mod
+        stages = partition(self.sch)
+        try:
+            check_stage_coverage(root, stages)
+        except SchedulingError as e:
+            held = {n for s in stages for n, _ in s.named_parameters(remove_duplicate=False)}
+            left = [n for n, _ in root.named_parameters(remove_duplicate=False) if n not in held]
+            owners = list(dict.fromkeys(n.rpartition(".")[0] for n in left))
+            lines = [f"  {o or '<root>'}: in no pipeline stage (its parameters would never be "
+                     "trained)" for o in owners[:6]]
+            cut_list = "; ".join(f"{c}: cut_pipeline_stage()" for c in cuts)
+            raise VerificationError("\n".join([f"pipeline stages do not hold the model: "
+                                               f"{e.problem}", *lines,
+                                               f"  primitives applied: {cut_list}"])) from e
 
     def _compare_outputs(self, out_ref, out, out_base) -> None:
         ref_items, items = _flatten(out_ref), dict(_flatten(out))
@@ -274,7 +381,8 @@ class Verify:
                             if r.numel() and r.is_floating_point()), default=0.0)
         for name, r in ref_items:
             if name not in items:
-                raise VerificationError(f"{name} is missing from the scheduled output.")
+                self._fail(name, f"{name} is missing from the scheduled output.")
+                continue
             self._close(name, items[name], r, floor, base_items.get(name))
 
     def _compare_grads(self, model: nn.Module, ref: nn.Module, base: nn.Module | None) -> None:
@@ -286,9 +394,10 @@ class Verify:
         for name, rp in ref.named_parameters():
             p = params[name]
             if (rp.grad is None) != (p.grad is None):
-                raise VerificationError(f"gradient of {name!r}: "
-                                        f"{'missing' if p.grad is None else 'unexpected'} "
-                                        "in the scheduled model.")
+                self._fail(f"grad {name}", f"gradient of {name!r}: "
+                           f"{'missing' if p.grad is None else 'unexpected'} "
+                           "in the scheduled model.")
+                continue
             if rp.grad is not None:
                 spec = sharding.shard_spec(p)
                 bp = base_params.get(name)
