@@ -193,14 +193,11 @@ def test_verify_passes(kind):
 def test_check_catches_the_seed_backward_bug(monkeypatch):
     """Negative control: a backward using tanh(c_{t-1}) instead of tanh(c_t) (the bug the seed
     notes in an older EcoRNN file) keeps the forward exact but fails the gradient check."""
-    def wrong_backward(ctx, dh, dc_out):
-        i, f, g, o, c_prev = ctx.saved_tensors
-        tc = torch.tanh(c_prev)
-        dc = dh * o * (1 - tc * tc) + dc_out
-        return (dc * f, dc * g * i * (1 - i), dc * c_prev * f * (1 - f),
-                dc * i * (1 - g * g), dh * tc * o * (1 - o))
+    def wrong_grads(i, f, g, o, c_prev, c, dh, dc):
+        return right(i, f, g, o, c_prev, c_prev, dh, dc)   # tanh of the wrong cell state
 
-    monkeypatch.setattr(slapo.op.rnn.LSTMCellFunction, "backward", staticmethod(wrong_backward))
+    right = slapo.op.rnn.lstm_cell_grads
+    monkeypatch.setattr(slapo.op.rnn, "lstm_cell_grads", wrong_grads)
     torch.manual_seed(0)
     ref = WordLM("LSTM", layers=1)
     sch = apply_rnn(copy.deepcopy(ref))
@@ -222,10 +219,10 @@ def _lstm_saved(ckpt_chunk):
 
 def test_saved_bytes_fused_lstm_is_ecornn_accounting():
     """No checkpointing: the input (kept by the projection GEMM), W_hh^T (one copy), and per step
-    the 4 activated gates + c_{t-1} of the fused block plus h_{t-1} of the recurrent GEMM:
-    6 B·H (h_0 and c_0 are one zero tensor, so one B·H less). Less than half of nn.LSTM's."""
+    the 4 activated gates plus c_t and h_t (c_{t-1}, h_{t-1} of the next step): 6 B·H per step,
+    plus h_0 and c_0. Less than half of what nn.LSTM keeps."""
     fused, ref = _lstm_saved(None)
-    assert fused == F32 * (T * B * D_IN + 4 * H * H + 6 * T * B * H - B * H)
+    assert fused == F32 * (T * B * D_IN + 4 * H * H + 6 * T * B * H + 2 * B * H)
     assert fused < ref / 2
 
 

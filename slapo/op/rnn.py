@@ -3,15 +3,18 @@
 Why: a framework RNN runs, per time step, one recurrent GEMM plus a dozen tiny elementwise ops,
 and autograd keeps the input of every one of them. EcoRNN's two optimisations are rebuilt here:
 
-1. **Fusion.** The input projection `x @ W_ih^T` of all time steps is one GEMM (cuDNN's trick);
-   each step is then one recurrent GEMM and one fused nonlinear block (an `autograd.Function`
-   with a hand-written backward, EcoRNN's `lstm_nonlin_block`) that saves only the activated
-   gates and the previous cell state (LSTM: 5·B·H per step; GRU: r, z, n, the recurrent
-   candidate pre-activation and h_{t-1}, 5·B·H) instead of every elementwise input. c_t and
-   tanh(c_t) are recomputed in backward from the saved gates (using tanh(c_t), not tanh(c_{t-1})).
-   `compile_cell=True` instead runs the whole step (GEMM + nonlinearity) through
-   `torch.compile` (one compiled graph per step shape; Inductor fuses the elementwise ops and
-   AOT autograd picks what to save); it warns once and stays eager if compiling fails.
+1. **Fusion.** The input projection `x @ W_ih^T` of all time steps is one GEMM (cuDNN's trick).
+   The recurrence is then ONE autograd node per sequence (`LSTMSequenceFunction` /
+   `GRUSequenceFunction`): per step one recurrent GEMM (accumulating into the projected input)
+   and the fused nonlinear block, outside autograd; its hand-written backward (EcoRNN's
+   `lstm_nonlin_block`: `lstm_cell_grads`, using tanh(c_t), not tanh(c_{t-1})) runs the steps in
+   reverse and computes the recurrent weight gradient of all steps as one GEMM. Saved per step:
+   LSTM the activated gates plus c_t and h_t (6·B·H, h_t being the output anyway); GRU r, z, n,
+   the recurrent candidate pre-activation and h_t (5·B·H); autograd through `nn.LSTM`'s CPU
+   path keeps more than twice that. `compile_cell=True` instead runs each step (GEMM +
+   nonlinearity) through `torch.compile` under autograd (one graph per step shape; Inductor
+   fuses the elementwise ops and AOT autograd picks what to save); it warns once and stays
+   eager if compiling fails.
 2. **Layout** (`layout=`), EcoRNN's knob for the skinny recurrent GEMM (small batch, wide 4H):
    which operand is transposed and whether the state is stored [B, H] or [H, B]:
 
@@ -98,6 +101,14 @@ class _Layout:
     def split(self, a: torch.Tensor, gates: int) -> tuple[torch.Tensor, ...]:
         return a.chunk(gates, -1)
 
+    def grad_h(self, d_a, w):
+        """d(recur)/dh for the gate gradient d_a of one step."""
+        return d_a @ w.t()
+
+    def grad_w(self, hs, d_a):
+        """d(recur)/dw summed over all steps: one GEMM over (time x batch)."""
+        return hs.flatten(0, -2).t() @ d_a.flatten(0, -2)
+
     def state_in(self, h: torch.Tensor) -> torch.Tensor:
         return h
 
@@ -150,6 +161,12 @@ class _BatchMinor(_Layout):
     def split(self, a, gates):
         return a.chunk(gates, -2)
 
+    def grad_h(self, d_a, w):
+        return w.t() @ d_a
+
+    def grad_w(self, hs, d_a):          # sum_t d_a[t] @ h[t]^T as one GEMM over (time x batch)
+        return d_a.transpose(0, 1).flatten(1) @ hs.transpose(0, 1).flatten(1).t()
+
     def state_in(self, h):
         return h.t().contiguous()
 
@@ -163,66 +180,112 @@ class _BatchMinor(_Layout):
 _LAYOUT_OBJ = {cls.name: cls() for cls in (_GatesMajor, _HiddenMajor, _BatchMinor)}
 
 
-# ---- fused nonlinear blocks -------------------------------------------------------------------
-class LSTMCellFunction(torch.autograd.Function):
-    """(c_prev, a_i, a_f, a_g, a_o) -> (h, c); saves i, f, g, o and c_prev (5·B·H)."""
+# ---- fused recurrence: one autograd node per sequence, hand-written backward ----------------
+def lstm_cell_grads(i, f, g, o, c_prev, c, dh, dc):
+    """EcoRNN's fused LSTM backward for one step: (da_i, da_f, da_g, da_o, dc_prev) from the
+    activated gates, c_{t-1}, c_t and the incoming dh, dc (uses tanh(c_t), not tanh(c_{t-1}))."""
+    tc = torch.tanh(c)
+    dc = dc + dh * o * (1 - tc * tc)
+    return (dc * g * i * (1 - i), dc * c_prev * f * (1 - f), dc * i * (1 - g * g),
+            dh * tc * o * (1 - o), dc * f)
+
+
+class LSTMSequenceFunction(torch.autograd.Function):
+    """The LSTM recurrence over a whole (chunk of a) sequence, as cuDNN and EcoRNN run it.
+
+    forward(layout, xp [T, gates], h0, c0, w_hh in the layout) -> (ys [T, state], h_T, c_T).
+    Per step: one recurrent GEMM (accumulating into the projected input) and the fused
+    nonlinear block, outside autograd. Saved: the activated gates (4·B·H per step), every c and
+    h (B·H each per step; the h's are also the output). Backward runs the steps in reverse with
+    `lstm_cell_grads`, then the weight gradient of all steps as ONE GEMM (per-step weight
+    gradients would be T skinny GEMMs plus T accumulations)."""
 
     @staticmethod
-    def forward(ctx, c_prev, a_i, a_f, a_g, a_o):
-        i, f, o = torch.sigmoid(a_i), torch.sigmoid(a_f), torch.sigmoid(a_o)
-        g = torch.tanh(a_g)
-        c = torch.addcmul(f * c_prev, i, g)
-        h = o * torch.tanh(c)
-        ctx.save_for_backward(i, f, g, o, c_prev)
-        return h, c
+    def forward(ctx, layout: str, xp, h0, c0, wh):
+        lay = _LAYOUT_OBJ[layout]
+        h, c, hs, cs, gates = h0, c0, [h0], [c0], []
+        for x_t in xp.unbind(0):
+            a = lay.recur(h, wh, None, acc=x_t)
+            i, f, g, o = lay.split(a, 4)
+            i.sigmoid_(), f.sigmoid_(), g.tanh_(), o.sigmoid_()
+            c = torch.addcmul(f * c, i, g)
+            h = o * torch.tanh(c)
+            gates.append(a)
+            hs.append(h)
+            cs.append(c)
+        hs_t, cs_t = torch.stack(hs), torch.stack(cs)
+        ctx.layout = layout
+        ctx.save_for_backward(torch.stack(gates), hs_t, cs_t, wh)
+        return hs_t[1:], h.clone(), c.clone()
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx, dh, dc_out):
-        i, f, g, o, c_prev = ctx.saved_tensors
-        tc = torch.tanh(torch.addcmul(f * c_prev, i, g))        # recompute c_t, then tanh(c_t)
-        dc = dh * o * (1 - tc * tc)
-        if dc_out is not None:
-            dc = dc + dc_out
-        return (dc * f, dc * g * i * (1 - i), dc * c_prev * f * (1 - f),
-                dc * i * (1 - g * g), dh * tc * o * (1 - o))
+    def backward(ctx, dys, dh_n, dc_n):
+        lay = _LAYOUT_OBJ[ctx.layout]
+        gates, hs, cs, wh = ctx.saved_tensors
+        d_a = torch.empty_like(gates)
+        dh, dc = dh_n, dc_n
+        for t in range(gates.shape[0] - 1, -1, -1):
+            dh = dh + dys[t]
+            grads = lstm_cell_grads(*lay.split(gates[t], 4), cs[t], cs[t + 1], dh, dc)
+            for view, grad in zip(lay.split(d_a[t], 4), grads[:4]):
+                view.copy_(grad)
+            dc = grads[4]
+            dh = lay.grad_h(d_a[t], wh)
+        return None, d_a, dh, dc, lay.grad_w(hs[:-1], d_a)
 
 
-class GRUCellFunction(torch.autograd.Function):
-    """(h_prev, gi_r, gi_z, gi_n, gh_r, gh_z, gh_n) -> h (PyTorch's GRU equations);
-    saves r, z, n, gh_n and h_prev (5·B·H)."""
+class GRUSequenceFunction(torch.autograd.Function):
+    """The GRU recurrence over a whole (chunk of a) sequence (PyTorch's GRU equations).
+
+    forward(layout, gi [T, gates] (input projection + b_ih), h0, w_hh, b_hh) -> (ys, h_T).
+    Saved per step: r and z (written over the recurrent pre-activations they came from), the
+    recurrent candidate pre-activation gh_n, n, and h_{t-1}: 5·B·H. Backward as the LSTM's:
+    steps in reverse, then one GEMM for the weight gradient and one sum for b_hh's."""
 
     @staticmethod
-    def forward(ctx, h_prev, gi_r, gi_z, gi_n, gh_r, gh_z, gh_n):
-        r = torch.sigmoid(gi_r + gh_r)
-        z = torch.sigmoid(gi_z + gh_z)
-        n = torch.tanh(torch.addcmul(gi_n, r, gh_n))
-        h = torch.addcmul(n, z, h_prev - n)                      # (1 - z) n + z h_prev
-        # gh_n is a view of the whole [B, 3H] recurrent GEMM output: save a copy of B*H
-        ctx.save_for_backward(r, z, n, gh_n.clone(), h_prev)
-        return h
+    def forward(ctx, layout: str, gi, h0, wh, bh):
+        lay = _LAYOUT_OBJ[layout]
+        h, hs, ghs, ns = h0, [h0], [], []
+        for x_t in gi.unbind(0):
+            gh = lay.recur(h, wh, bh)
+            xr, xz, xn = lay.split(x_t, 3)
+            hr, hz, hn = lay.split(gh, 3)
+            r, z = hr.add_(xr).sigmoid_(), hz.add_(xz).sigmoid_()
+            n = torch.tanh(torch.addcmul(xn, r, hn))
+            h = torch.addcmul(n, z, h - n)
+            ghs.append(gh)
+            ns.append(n)
+            hs.append(h)
+        hs_t = torch.stack(hs)
+        ctx.layout, ctx.has_bias = layout, bh is not None
+        ctx.save_for_backward(torch.stack(ghs), torch.stack(ns), hs_t, wh)
+        ctx.bias_shape = bh.shape if bh is not None else None
+        return hs_t[1:], h.clone()
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx, dh):
-        r, z, n, gh_n, h_prev = ctx.saved_tensors
-        da_n = dh * (1 - z) * (1 - n * n)
-        da_z = dh * (h_prev - n) * z * (1 - z)
-        da_r = da_n * gh_n * r * (1 - r)
-        return dh * z, da_r, da_z, da_n, da_r, da_z, da_n * r
+    def backward(ctx, dys, dh_n):
+        lay = _LAYOUT_OBJ[ctx.layout]
+        ghs, ns, hs, wh = ctx.saved_tensors
+        d_gi, d_gh = torch.empty_like(ghs), torch.empty_like(ghs)
+        dh = dh_n
+        for t in range(ghs.shape[0] - 1, -1, -1):
+            dh = dh + dys[t]
+            r, z, hn = lay.split(ghs[t], 3)
+            n, h_prev = ns[t], hs[t]
+            da_n = dh * (1 - z) * (1 - n * n)
+            da_z = dh * (h_prev - n) * z * (1 - z)
+            da_r = da_n * hn * r * (1 - r)
+            for view, grad in zip((*lay.split(d_gi[t], 3), *lay.split(d_gh[t], 3)),
+                                  (da_r, da_z, da_n, da_r, da_z, da_n * r)):
+                view.copy_(grad)
+            dh = dh * z + lay.grad_h(d_gh[t], wh)
+        d_bh = d_gh.sum(0).sum_to_size(ctx.bias_shape) if ctx.has_bias else None
+        return None, d_gi, dh, lay.grad_w(hs[:-1], d_gh), d_bh
 
 
-# ---- one step: fused (eager) or plain ops (for torch.compile) -----------------------------------
-def _lstm_step(layout: _Layout, xp, h, c, w, b):
-    a = layout.recur(h, w, b, acc=xp)
-    return LSTMCellFunction.apply(c, *layout.split(a, 4))
-
-
-def _gru_step(layout: _Layout, xp, h, c, w, b):
-    gh = layout.recur(h, w, b)
-    return GRUCellFunction.apply(h, *layout.split(xp, 3), *layout.split(gh, 3)), None
-
-
+# ---- plain-op steps, for torch.compile --------------------------------------------------------
 def _lstm_step_ops(layout: _Layout, xp, h, c, w, b):
     i, f, g, o = layout.split(layout.recur(h, w, b, acc=xp), 4)
     c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
@@ -237,8 +300,7 @@ def _gru_step_ops(layout: _Layout, xp, h, c, w, b):
     return (1 - z) * n + z * h, None
 
 
-_STEPS = {("LSTM", False): _lstm_step, ("GRU", False): _gru_step,
-          ("LSTM", True): _lstm_step_ops, ("GRU", True): _gru_step_ops}
+_STEPS = {"LSTM": _lstm_step_ops, "GRU": _gru_step_ops}
 # Non-reentrant checkpoint ends a recomputation early by raising this through the step; it is
 # control flow, not a compile failure, so the compiled step must let it pass.
 _CONTROL_FLOW = tuple(c for c in (getattr(torch.utils.checkpoint, "_StopRecomputationError",
@@ -274,27 +336,36 @@ class _CompiledStep:
 _COMPILED: dict[str, _CompiledStep] = {}
 
 
-def step_fn(mode: str, compile_cell: bool) -> Callable:
-    """The per-step cell: the fused autograd block, or one shared compiled plain-op step."""
-    if not compile_cell:
-        return _STEPS[(mode, False)]
+def compiled_step(mode: str) -> _CompiledStep:
+    """The plain-op step of `mode` through torch.compile (one shared wrapper per mode)."""
     if mode not in _COMPILED:
-        _COMPILED[mode] = _CompiledStep(_STEPS[(mode, True)], f"Fused{mode} cell")
+        _COMPILED[mode] = _CompiledStep(_STEPS[mode], f"Fused{mode} cell")
     return _COMPILED[mode]
 
 
 # ---- the time loop ------------------------------------------------------------------------------
-def _run_chunk(step, layout, gates, reverse, x, h, c, wx, bx, wh, bh):
-    """Project the chunk's inputs in one GEMM, then run its steps; returns (ys, h, c)."""
-    xp = layout.project(x, wx, bx)
-    ys = []
-    order = range(x.shape[0] - 1, -1, -1) if reverse else range(x.shape[0])
-    for t in order:
-        h, c = step(layout, xp[t], h, c, wh, bh)
+def _scan_compiled(mode, lay, xp, h, c, wh, bh):
+    """The recurrence as T compiled steps under autograd (unbind, not xp[t]: an indexing op's
+    backward would write a zero-filled full-size gradient per step)."""
+    step, ys = compiled_step(mode), []
+    for x_t in xp.unbind(0):
+        h, c = step(lay, x_t, h, c, wh, bh)
         ys.append(h)
-    if reverse:
-        ys.reverse()
     return torch.stack(ys), h, c
+
+
+def _run_chunk(mode, lay, compile_cell, reverse, x, h, c, wx, bx, wh, bh):
+    """Project the chunk's inputs in one GEMM, then run its steps; returns (ys, h, c)."""
+    xp = lay.project(x, wx, bx)
+    if reverse:
+        xp = xp.flip(0)
+    if compile_cell:
+        ys, h, c = _scan_compiled(mode, lay, xp, h, c, wh, bh)
+    elif mode == "LSTM":
+        ys, h, c = LSTMSequenceFunction.apply(lay.name, xp, h, c, wh)
+    else:
+        ys, h = GRUSequenceFunction.apply(lay.name, xp, h, wh, bh)
+    return (ys.flip(0) if reverse else ys), h, c
 
 
 def run_direction(mode: str, layout: str, x: torch.Tensor, h: torch.Tensor, c, params,
@@ -310,7 +381,6 @@ def run_direction(mode: str, layout: str, x: torch.Tensor, h: torch.Tensor, c, p
         b_ih, b_hh = b_ih + b_hh, None
     wx, bx = lay.weights(w_ih, b_ih, gates, recurrent=False)
     wh, bh = lay.weights(w_hh, b_hh, gates, recurrent=True)
-    step = step_fn(mode, compile_cell)
     h = lay.state_in(h)
     c = lay.state_in(c) if c is not None else None
     T = x.shape[0]
@@ -319,7 +389,7 @@ def run_direction(mode: str, layout: str, x: torch.Tensor, h: torch.Tensor, c, p
     starts = list(range(0, T, k))
     outs: list[torch.Tensor] = []
     for s in reversed(starts) if reverse else starts:
-        args = (step, lay, gates, reverse, x[s:s + k], h, c, wx, bx, wh, bh)
+        args = (mode, lay, compile_cell, reverse, x[s:s + k], h, c, wx, bx, wh, bh)
         if use_ckpt:
             ys, h, c = _checkpoint(_run_chunk, *args, use_reentrant=False,
                                    preserve_rng_state=False)
