@@ -21,16 +21,24 @@ really have: fp32 for HF decoders, whose residual stream stays fp32 under autoca
 runs under autocast, and the loss handed to the schedule's backward is `loss_for_backward`
 (fp32, scaled for fp16).
 
-Errors: what fails on one rank only (preparing the first stage's inputs; the loss, e.g. a user
-`loss_fn` bug or a stage without a loss of its own) is recorded, the schedule runs to its end
-(zero gradients), and one all-reduced flag makes every rank raise (`raise_on_every_rank`): the
-failing rank its own exception, the others a `SchedulingError` naming the rank and its message,
-and no rank takes an optimizer step. An exception inside a stage's forward during the schedule
-is not intercepted (its peers wait on the stage's send until the collective timeout).
+Errors: what fails on one rank only (preparing the first stage's inputs; a stage's forward; the
+loss, e.g. a user `loss_fn` bug or a stage without a loss of its own) is recorded, the schedule
+runs to its end, and one all-reduced flag makes every rank raise (`raise_on_every_rank`): the
+rank of the first failure in pipeline order its own exception, the others a `SchedulingError`
+naming that rank and its message, and no rank takes an optimizer step. A stage whose forward
+raised (or that runs after a failure on its rank) returns zeros shaped like its last good
+output, connected to its inputs (`_fallback`), so its peers receive what they wait for and the
+schedule ends promptly instead of at the collective timeout. Downstream stages then compute on
+zeros and may fail in turn; those are secondary and reported after the first. If a stage fails
+on its very first forward there is no good output yet: the zeros take the shape of its first
+input, so the shapes torch infers on that first step are wrong and the model must be rebuilt
+(`slapo.build`) before another step; after a later failure the pipeline can step again.
 """
 
 from __future__ import annotations
 
+import contextvars
+import functools
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -47,6 +55,11 @@ from .precision import Precision
 from .train_step import LossFn, compute_loss
 
 V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
+# The runner whose `schedule.step` is running in this thread: stage forwards report to it.
+_ACTIVE: contextvars.ContextVar[PipelineRunner | None] = contextvars.ContextVar(
+    "slapo_pipeline_runner", default=None)
+# Error order inside one step: preparing < stage 0 forward < ... < last stage < the loss.
+PREPARE_ORDER = -1
 
 
 # ------------------------------------------------------------------------------------------------
@@ -277,6 +290,8 @@ class PipelineRunner:
         self._scale = 1.0
         self._losses: list[torch.Tensor] = []
         self._error: BaseException | None = None
+        self._error_order = 0
+        self._templates: dict[int, Any] = {}  # stage id -> its last good output's structure
 
     def schedule_loss(self, output: Any, index: torch.Tensor) -> torch.Tensor:
         """The schedule's `loss_fn(output, target)`: target holds the micro-batch's indices.
@@ -297,10 +312,31 @@ class PipelineRunner:
                 else:
                     loss = compute_loss(outputs, mb, self.loss_fn)
         except Exception as e:  # noqa: BLE001 - re-raised on every rank after the step
-            self._error = e
+            self._fail(e, self.plan.num_stages)
             return _zero_loss(output)
         self._losses.append(loss.detach())
         return self.precision.loss_for_backward(loss) * (self._scale / self.plan.num_microbatches)
+
+    def _fail(self, error: BaseException, order: int) -> None:
+        """Record the first error of this step on this rank (`order`: where in the pipeline)."""
+        if self._error is None:
+            self._error, self._error_order = error, order
+
+    def stage_forward(self, stage_id: int, inner: Callable, args: tuple, kwargs: dict) -> Any:
+        """A stage's forward inside `schedule.step`: run it; if it raises (or this rank already
+        failed this step), record the error and return `_fallback` zeros instead, so the peers
+        waiting on this stage's send are served and the schedule ends on every rank."""
+        if self._error is None:
+            try:
+                out = inner(*args, **kwargs)
+            except Exception as e:  # noqa: BLE001 - re-raised on every rank after the step
+                self._fail(e, stage_id)
+            else:
+                self._templates[stage_id] = _template(out)
+                return out
+        out = _fallback(self._templates.get(stage_id), args)
+        self._templates.setdefault(stage_id, _template(out))
+        return out
 
     def forward_backward(self, batch: Batch, scale: float, sync_grads: bool) -> torch.Tensor:
         self._batch, self._scale, self._losses, self._error = batch, scale, [], None
@@ -310,11 +346,16 @@ class PipelineRunner:
             args = first_stage_args(self.first, batch) if self.holds_first else ()
             target = torch.arange(batch_size(batch)) if self.holds_last else None
         except Exception as e:  # noqa: BLE001
-            self._error = e
+            self._fail(e, PREPARE_ORDER)
         raise_on_every_rank(self._error, self.info, "preparing the pipeline step")
-        self.schedule.step(*args, target=target, return_outputs=False)
+        token = _ACTIVE.set(self)
+        try:
+            self.schedule.step(*args, target=target, return_outputs=False)
+        finally:
+            _ACTIVE.reset(token)
         self._batch = None
-        raise_on_every_rank(self._error, self.info, "computing the loss")
+        raise_on_every_rank(self._error, self.info, "running the stages and the loss",
+                            order=self._error_order)
         if not self.holds_last:
             return torch.zeros(())
         # torch's first step also calls the loss once on uninitialised tensors to infer
@@ -345,9 +386,12 @@ def _error_group(info: MeshInfo):
     return info.group("pp")
 
 
-def raise_on_every_rank(error: BaseException | None, info: MeshInfo, where: str) -> None:
-    """One all-reduced flag: if any rank failed, every rank raises (the failing rank its own
-    exception, the others a `SchedulingError` naming the failed ranks and their messages)."""
+def raise_on_every_rank(error: BaseException | None, info: MeshInfo, where: str,
+                        order: int = 0) -> None:
+    """One all-reduced flag: if any rank failed, every rank raises. The first failure in
+    pipeline order (`order`, then rank) is the cause: its rank raises its own exception, every
+    other rank a `SchedulingError` naming that rank and its message (then any later failures,
+    e.g. a downstream stage that choked on the zeros it was sent)."""
     group = _error_group(info)
     flag = torch.tensor([0 if error is None else 1], dtype=torch.int32, device=_dev(info))
     dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
@@ -355,23 +399,98 @@ def raise_on_every_rank(error: BaseException | None, info: MeshInfo, where: str)
         return
     mine = None if error is None else f"{type(error).__name__}: {error}"
     msgs: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(msgs, (dist.get_rank(), mine), group=group)
-    failed = [(r, m) for r, m in msgs if m is not None]
-    if error is not None:
+    dist.all_gather_object(msgs, (order, dist.get_rank(), mine), group=group)
+    failed = sorted((o, r, m) for o, r, m in msgs if m is not None)
+    first_rank = failed[0][1]
+    if error is not None and first_rank == dist.get_rank():
         raise error
-    detail = "; ".join(f"rank {r}: {m}" for r, m in failed)
-    raise SchedulingError("", f"the pipeline train_step failed on rank(s) "
-                          f"{[r for r, _ in failed]} while {where}: {detail}",
-                          "fix the error reported by that rank; every rank stopped this step "
-                          "(no optimizer step was taken).")
+    detail = "; ".join(f"rank {r}: {m}" for _, r, m in failed)
+    raise SchedulingError("", f"the pipeline train_step failed on rank {first_rank} while "
+                          f"{where}: {detail}", "fix the error reported by that rank; every "
+                          "rank stopped this step (no optimizer step was taken).")
 
 
 def make_stages(modules: list[nn.Module], stage_ids: list[int], plan: PipelinePlan,
                 info: MeshInfo, device: torch.device) -> list:
+    """torch `PipelineStage`s over this rank's stage modules, each forward guarded
+    (`guard_stage_forward`) so that an exception in it reaches every rank promptly."""
     from torch.distributed.pipelining import PipelineStage
 
+    for m, s in zip(modules, stage_ids, strict=True):
+        guard_stage_forward(m, s)
     return [PipelineStage(m, s, plan.num_stages, device, group=info.group("pp"))
             for m, s in zip(modules, stage_ids, strict=True)]
+
+
+def guard_stage_forward(module: nn.Module, stage_id: int) -> None:
+    """Route `module.forward` through the running `PipelineRunner.stage_forward` (outside a
+    pipeline step, e.g. a user's own eval call, it runs unguarded), and mark the module with
+    `slapo_pipeline_stage = stage_id` (the `SLAPO_FAULT` test hook's `pp` point looks for it)."""
+    if getattr(module, "slapo_pipeline_stage", None) is not None:
+        return
+    inner = module.forward
+
+    @functools.wraps(inner)
+    def forward(*args, **kwargs):
+        runner = _ACTIVE.get()
+        if runner is None:
+            return inner(*args, **kwargs)
+        return runner.stage_forward(stage_id, inner, args, kwargs)
+
+    module.forward = forward
+    module.slapo_pipeline_stage = stage_id
+
+
+# ------------------------------------------------------------------------------------------------
+# a failed stage's stand-in output
+# ------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class _Slot:
+    """Shape and dtype of one output tensor (enough to send a stand-in)."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+def _template(out: Any) -> Any:
+    """The structure of a stage output: tensors as `_Slot`s, tuples/lists kept, others as is."""
+    if isinstance(out, torch.Tensor):
+        return _Slot(tuple(out.shape), out.dtype)
+    if isinstance(out, (tuple, list)):
+        return type(out)(_template(o) for o in out)
+    return out
+
+
+def _fallback(template: Any, args: tuple) -> Any:
+    """Zeros with the template's structure (or, with none yet, shaped like the first tensor
+    input, in the default float dtype), on the inputs' device, requiring grad when grad is on
+    and connected to every float input that requires grad, so the backward runs and sends zero
+    gradients upstream."""
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    device = tensors[0].device if tensors else torch.device("cpu")
+    if template is None:
+        shape = tuple(tensors[0].shape) if tensors else ()
+        template = _Slot(shape, torch.get_default_dtype())
+    grad = torch.is_grad_enabled()
+    links = [a for a in tensors if a.is_floating_point() and a.requires_grad and grad]
+    zero = torch.zeros((), device=device, requires_grad=grad and not links)
+    # where(False, x, 0) is 0 even when x holds inf or NaN; `mul(0)` makes the gradient sent
+    # upstream a dense (contiguous) zero tensor, as gloo's send requires
+    anchor = torch.where(torch.zeros((), dtype=torch.bool, device=device),
+                         sum(a.mul(0.0).sum() for a in links), zero) if links else zero
+    return _zeros_like(template, device, anchor if grad else None)
+
+
+def _zeros_like(template: Any, device: torch.device, anchor: torch.Tensor | None) -> Any:
+    if isinstance(template, _Slot):
+        z = torch.zeros(template.shape, dtype=template.dtype, device=device)
+        if anchor is not None and template.dtype.is_floating_point:
+            z = z + anchor.to(template.dtype)
+        return z
+    if isinstance(template, (tuple, list)):
+        return type(template)(_zeros_like(t, device, anchor) for t in template)
+    return template
 
 
 def make_schedule(stages: list, plan: PipelinePlan, loss: Callable):

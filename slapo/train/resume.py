@@ -9,6 +9,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from . import faults
 from . import run_state as ckpt
 from .config import RUN_IDENTITY, TrainConfig, flag
 from .report import warn
@@ -85,4 +86,5 @@ def resume(run: Any, log=print) -> None:
     if "precision" in trainer:
         run.precision.load_state_dict(trainer["precision"])
     run.resumed_from = run.step
+    faults.note_step(run.step)  # SLAPO_FAULT steps count as the run does
     log(f"resumed from {path} at step {run.step}")

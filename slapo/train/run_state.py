@@ -63,6 +63,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from .. import sharding
 from ..errors import SlapoError
+from . import faults
 
 CHECKPOINTS = "checkpoints"
 TRAINER_FILE = "trainer.json"
@@ -581,6 +582,7 @@ def save(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
     _write_synced(tmp / rng_file(rank), json.dumps(rng_state()))
     if rank == 0:
         _write_synced(tmp / TRAINER_FILE, json.dumps(trainer))
+    faults.point("save", int(trainer["step"]))  # test hook: die mid-save (SLAPO_FAULT)
     _barrier()
     names = _broadcast(sorted(p.name for p in tmp.iterdir() if p.name != MARKER))
     shares = _all_gather(_hash_share(tmp, names, rank, world))

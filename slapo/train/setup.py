@@ -4,11 +4,17 @@ The degrees come from `ParallelDims.for_world` and the mesh from `init_mesh`, th
 checks degrees and builds process groups (`slapo.runtime.mesh`); nothing here builds a group by
 hand. A single process (no torchrun, no process group) gets no mesh and no process group, as
 the CPU tests expect; under torchrun every rank gets the ("dp", "pp", "tp") mesh.
+
+Faults (`faults.py`, docs/train.md "Faults"): a run that creates its process group also starts a
+`PeerWatch` (heartbeats through the job's store), and `teardown` records how the rank ends; a
+rank that stops on a communication error raises a `PeerFailure` naming the rank that died or
+failed. `SLAPO_FAULT` (a test hook) is armed here, for every run.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from ..runtime.mesh import ParallelDims, init_mesh
+from . import faults
 
 __all__ = ["Env", "data_parallel", "local_device", "seed_training_rng", "setup", "teardown"]
 
@@ -30,6 +37,7 @@ class Env:
     mesh: Any = None          # DeviceMesh ("dp", "pp", "tp") under torchrun, else None
     dims: ParallelDims = field(default_factory=ParallelDims)
     owns_process_group: bool = False
+    watch: faults.PeerWatch | None = None  # heartbeats, when this run made the process group
 
     @property
     def is_main(self) -> bool:
@@ -68,11 +76,15 @@ def setup(cfg: Any) -> Env:
     env = Env(world=world, dims=dims)
     if world == 1 and not dist.is_initialized():
         env.device = local_device(cfg.device)
+        faults.install(0)
         return env
     owns = not dist.is_initialized()
     env.mesh = init_mesh(dims=dims, device=cfg.device, timeout_s=cfg.dist_timeout)
     env.rank, env.owns_process_group = dist.get_rank(), owns
     env.device = local_device(cfg.device)
+    faults.install(env.rank)
+    if owns:
+        env.watch = faults.start_watch(env.rank, world)
     return env
 
 
@@ -94,9 +106,20 @@ def local_device(device: str = "auto") -> torch.device:
 
 
 def teardown(env: Env) -> None:
-    """Destroy the process group if this run created it (a caller's group stays)."""
-    if env.owns_process_group and dist.is_initialized():
-        dist.destroy_process_group()
+    """Destroy the process group if this run created it (a caller's group stays).
+
+    Called from the loop's `finally`: the exception in flight, if any, is how this rank ends.
+    It is recorded for the peers; one caused by a peer (a closed connection, a timeout, the
+    launcher's SIGTERM) becomes a `PeerFailure` naming the rank that died or failed. The group
+    is then left alone (destroying it can block on a dead peer under NCCL; the process exits)."""
+    exc = sys.exc_info()[1]
+    comm = faults.is_comm_failure(exc)
+    try:
+        faults.finish_watch(env.watch, exc)
+    finally:
+        env.watch = None
+        if env.owns_process_group and dist.is_initialized() and not comm:
+            dist.destroy_process_group()
 
 
 def data_parallel(cfg: Any, env: Env) -> str | None:

@@ -1,0 +1,362 @@
+"""A rank that dies or fails in a `slapo train` job: who it was, a bounded exit, a test hook.
+
+What happens without this module (measured: torchrun, 2 gloo ranks on CPU, one rank SIGKILLed
+mid-step): the survivor's next collective fails within a second ("Connection reset by peer",
+gloo notices the closed socket), torchrun's agent sends SIGTERM to the rest and prints a summary
+whose "Root Cause" names the killed rank. Two things were missing, and `PeerWatch` adds them:
+
+- **the survivors' own message named no rank** (a gloo traceback). Every rank now heartbeats
+  through the job's TCP store and records how it exits (`done`, or its error); when a rank stops
+  on a communication error (or on the launcher's SIGTERM), `diagnose` reads the records and
+  heartbeats and the run ends with `slapo train: error: rank 0 stopped: rank 1 died (no heartbeat,
+  no exit recorded: killed, out of memory, or its machine was lost) ...` (a `PeerFailure`).
+- **a bound that does not come from the collective timeout**: gloo fails fast on a closed
+  socket, but NCCL, or a rank blocked outside a collective, waits for `--dist-timeout`. The
+  heartbeat thread stops this rank (`os._exit(1)`, after printing why) when a peer has neither
+  heartbeated nor recorded an exit for `HANG_S` seconds, whatever `--dist-timeout` says.
+
+The heartbeats use a client of their own to the job's store (MASTER_ADDR:MASTER_PORT: torchrun's
+agent store, which outlives any worker), so a main thread blocked in a store operation cannot
+stall them. Only a process that created its process group runs a `PeerWatch` (a `slapo train`
+launched by torchrun); a caller's group (tests, notebooks) is left alone.
+
+`SLAPO_FAULT` is a **test hook**, read only by `planned()`: `ACTION:POINT=STEP:rank=R` with
+ACTION `kill` (SIGKILL this process) or `raise` (an `InjectedFault`), and POINT `step` (training
+step STEP, after its backward, before the optimizer update), `save` (the checkpoint of step STEP,
+after the tensors and RNG files are written, before the completion marker) or `pp` (the first
+pipeline-stage forward of training step STEP). Steps are counted as the run counts them
+(1-based, continued across `--resume`). Example: `SLAPO_FAULT=kill:save=3:rank=1`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+from ..errors import SlapoError
+
+ENV = "SLAPO_FAULT"
+ACTIONS = ("kill", "raise")
+POINTS = ("step", "save", "pp")
+HEARTBEAT_S = 0.25   # how often a rank heartbeats (and checks its peers)
+SILENT_S = 1.5       # a peer silent this long, with no exit recorded, is reported as dead
+DIAGNOSE_S = 3.0     # the longest a failing rank waits to learn who failed
+HANG_S = 30.0        # a peer silent this long stops this rank, whatever --dist-timeout says
+
+__all__ = ["ENV", "Fault", "InjectedFault", "PeerFailure", "PeerWatch", "install", "note_step",
+           "planned", "point"]
+
+
+class InjectedFault(RuntimeError):
+    """Raised by `SLAPO_FAULT=raise:...`: an error that exists only because a test asked."""
+
+
+class PeerFailure(SlapoError):
+    """This rank stopped because another rank died or failed; the message names it."""
+
+
+class Terminated(SlapoError):
+    """The launcher (or a job scheduler) sent SIGTERM: torchrun does so when another rank died."""
+
+
+# ---- the test hook: SLAPO_FAULT ----------------------------------------------------------------
+@dataclass(frozen=True)
+class Fault:
+    """One planned fault: `action` at `point` of training step `step`, on global rank `rank`."""
+
+    action: str
+    point: str
+    step: int
+    rank: int
+
+    def fires(self, point: str, step: int, rank: int) -> bool:
+        return (point, step, rank) == (self.point, self.step, self.rank)
+
+
+def parse(spec: str) -> Fault:
+    """`kill:step=3:rank=1` -> Fault("kill", "step", 3, 1); a clear error for anything else."""
+    usage = (f"{ENV} must look like ACTION:POINT=STEP:rank=R with ACTION in {ACTIONS} and "
+             f"POINT in {POINTS} (e.g. kill:save=3:rank=1), got {spec!r}")
+    parts = spec.strip().split(":")
+    if len(parts) != 3 or parts[0] not in ACTIONS:
+        raise ValueError(usage)
+    fields = dict(p.split("=", 1) for p in parts[1:] if "=" in p)
+    points = [p for p in POINTS if p in fields]
+    if len(fields) != 2 or len(points) != 1 or "rank" not in fields:
+        raise ValueError(usage)
+    try:
+        step, rank = int(fields[points[0]]), int(fields["rank"])
+    except ValueError:
+        raise ValueError(usage) from None
+    if step < 1 or rank < 0:
+        raise ValueError(usage)
+    return Fault(parts[0], points[0], step, rank)
+
+
+def planned(environ: dict[str, str] | None = None) -> Fault | None:
+    """The fault `SLAPO_FAULT` asks for, or None: the one place the variable is read."""
+    spec = (os.environ if environ is None else environ).get(ENV, "")
+    return parse(spec) if spec else None
+
+
+_PLAN: dict[str, Any] = {"fault": None, "rank": 0, "done": 0}  # done: completed steps
+
+
+def note_step(done: int) -> None:
+    """The run's completed steps (set on resume, so STEP counts as the run does)."""
+    _PLAN["done"] = done
+
+
+def point(name: str, step: int | None = None) -> None:
+    """Fire the planned fault if it is for `name` at `step` (default: the step in progress) on
+    this rank. Costs one dict lookup when no fault is planned."""
+    fault = _PLAN["fault"]
+    if fault is None:
+        return
+    step = _PLAN["done"] + 1 if step is None else step
+    if fault.fires(name, step, _PLAN["rank"]):
+        _PLAN["fault"] = None  # once
+        _fire(fault)
+
+
+def _fire(fault: Fault) -> None:
+    where = f"{fault.point} of step {fault.step} on rank {fault.rank}"
+    if fault.action == "kill":
+        print(f"{ENV}: killing rank {fault.rank} (SIGKILL) at the {where}", file=sys.stderr,
+              flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+    raise InjectedFault(f"{ENV}: injected failure at the {where}")
+
+
+def install(rank: int, environ: dict[str, str] | None = None) -> Fault | None:
+    """Arm the fault `SLAPO_FAULT` plans (if any) for this rank: optimizer hooks count steps and
+    fire `step`; a global forward pre-hook fires `pp` in pipeline stage modules (marked by
+    `slapo.runtime.pipeline_runner.make_stages`); `save` fires from `run_state.save`."""
+    fault = planned(environ)
+    _PLAN.update(fault=fault, rank=rank, done=0)
+    if fault is None or fault.rank != rank or _PLAN.get("hooked"):
+        return fault
+    from torch.nn.modules.module import register_module_forward_pre_hook
+    from torch.optim.optimizer import (
+        register_optimizer_step_post_hook,
+        register_optimizer_step_pre_hook,
+    )
+
+    register_optimizer_step_pre_hook(lambda *a: point("step"))
+    register_optimizer_step_post_hook(lambda *a: note_step(_PLAN["done"] + 1))
+    register_module_forward_pre_hook(
+        lambda m, a: point("pp") if getattr(m, "slapo_pipeline_stage", None) is not None
+        else None)
+    _PLAN["hooked"] = True
+    return fault
+
+
+# ---- who failed: heartbeats and exit records through the job's store ---------------------------
+_COMM_HINTS = ("connection closed", "connection reset", "broken pipe", "timed out", "timeout",
+               "nccl", "gloo", "socket", "peer")
+
+
+def is_comm_failure(exc: BaseException | None) -> bool:
+    """Did this rank stop because talking to another rank failed (not for its own reason)?"""
+    if exc is None:
+        return False
+    if isinstance(exc, Terminated):
+        return True
+    import torch.distributed as dist
+
+    if isinstance(exc, getattr(dist, "DistError", ())):
+        return True
+    text = f"{type(exc).__name__}: {exc}".lower()
+    return isinstance(exc, RuntimeError) and any(h in text for h in _COMM_HINTS)
+
+
+def _key_prefix() -> str:
+    """Unique per job attempt: torchrun's run id and restart count, else the store's port."""
+    run = os.environ.get("TORCHELASTIC_RUN_ID") or os.environ.get("MASTER_PORT", "")
+    return f"slapo/watch/{run}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+
+
+class PeerWatch:
+    """Heartbeats and exit records of every rank, kept in the job's TCP store.
+
+    A daemon thread adds 1 to this rank's counter every `HEARTBEAT_S` and watches its peers':
+    one that neither advances nor records an exit for `hang_s` stops this rank (`on_hang`).
+    `diagnose` names the ranks that died or failed, for the message of a rank that stopped on
+    a communication error."""
+
+    def __init__(self, store: Any, rank: int, world: int, hang_s: float = HANG_S):
+        self.store, self.rank, self.world, self.hang_s = store, rank, world, hang_s
+        self.prefix = _key_prefix()
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self.finishing = False  # set by finish_watch: SIGTERM no longer interrupts
+        now = time.monotonic()
+        self._seen = {r: (-1, now) for r in self.peers}  # counter, when it last changed
+        self._thread = threading.Thread(target=self._loop, name="slapo-peer-watch", daemon=True)
+
+    @classmethod
+    def start(cls, rank: int, world: int, hang_s: float = HANG_S) -> PeerWatch | None:
+        """Connect a store client of its own and start the thread; None when the job has no
+        reachable store (then nothing changes: the collective timeout is the bound)."""
+        import torch.distributed as dist
+
+        host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+        if world < 2 or not host or not port:
+            return None
+        try:
+            store = dist.TCPStore(host, int(port), is_master=False,
+                                  timeout=timedelta(seconds=10), wait_for_workers=False)
+        except Exception:  # noqa: BLE001 - no watch is no worse than before
+            return None
+        watch = cls(store, rank, world, hang_s)
+        watch._beat()
+        watch._thread.start()
+        return watch
+
+    @property
+    def peers(self) -> list[int]:
+        return [r for r in range(self.world) if r != self.rank]
+
+    # -- store access (one lock: the client is shared by the thread and the main thread)
+    def _key(self, what: str, rank: int) -> str:
+        return f"{self.prefix}/{what}/{rank}"
+
+    def _beat(self) -> None:
+        with self._lock:
+            self.store.add(self._key("beat", self.rank), 1)
+
+    def counter(self, rank: int) -> int:
+        with self._lock:
+            return int(self.store.add(self._key("beat", rank), 0))
+
+    def exit_record(self, rank: int) -> str | None:
+        key = self._key("exit", rank)
+        with self._lock:
+            if not self.store.check([key]):
+                return None
+            return self.store.get(key).decode(errors="replace")
+
+    def record_exit(self, state: str) -> None:
+        """`done`, or `error <comm|own>: Type: message`; written before the heartbeats stop."""
+        with contextlib.suppress(Exception), self._lock:
+            self.store.set(self._key("exit", self.rank), state[:2000])
+
+    # -- the thread
+    def _loop(self) -> None:
+        while not self._stop.wait(HEARTBEAT_S):
+            try:
+                self._beat()
+                silent = self._silent_peers(time.monotonic())
+            except Exception:  # noqa: BLE001 - the store is gone: the job is ending anyway
+                return
+            hung = [r for r, s in silent if s >= self.hang_s]
+            if hung and not self._stop.is_set():
+                self.on_hang(hung)
+
+    def _silent_peers(self, now: float) -> list[tuple[int, float]]:
+        """(peer, seconds since its counter last moved) for peers with no exit record."""
+        out = []
+        for r in self.peers:
+            c = self.counter(r)
+            last_c, since = self._seen[r]
+            if c != last_c:
+                self._seen[r] = (c, now)
+            elif self.exit_record(r) is None:
+                out.append((r, now - since))
+        return out
+
+    def on_hang(self, ranks: list[int]) -> None:
+        """A peer is gone and this rank is still waiting (NCCL, or outside a collective): say
+        who and stop the process now, instead of after the collective timeout."""
+        who = ", ".join(str(r) for r in ranks)
+        print(f"slapo train: error: rank {self.rank} stopped: rank(s) {who} sent no heartbeat "
+              f"for {self.hang_s:.0f} s and recorded no exit (killed, out of memory, or its "
+              "machine was lost). Fix: the job stops as a whole; rerun the same command with "
+              "--resume to continue from the newest intact checkpoint.", file=sys.stderr,
+              flush=True)
+        self.record_exit(f"error comm: peer rank(s) {who} silent")
+        os._exit(1)
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout=2 * HEARTBEAT_S + 1)
+
+    # -- the message of a rank that stopped on a communication error
+    def diagnose(self, wait_s: float = DIAGNOSE_S) -> list[tuple[int, str]]:
+        """(rank, what happened to it) for every peer that died or failed on its own.
+
+        Polls until each peer has recorded an exit or has been silent for `SILENT_S` (a
+        SIGKILLed rank records nothing and stops heartbeating), at most `wait_s` seconds."""
+        start = time.monotonic()
+        counts = {r: (self.counter(r), start) for r in self.peers}
+        while True:
+            found, pending = self._verdicts(counts, time.monotonic())
+            if not pending or time.monotonic() - start >= wait_s:
+                return found
+            time.sleep(HEARTBEAT_S / 2)
+
+    def _verdicts(self, counts: dict, now: float) -> tuple[list[tuple[int, str]], list[int]]:
+        found, pending = [], []
+        for r in self.peers:
+            record = self.exit_record(r)
+            if record is not None:
+                if record.startswith("error own: "):
+                    found.append((r, f"rank {r} failed: {record[len('error own: '):]}"))
+                continue
+            c = self.counter(r)
+            if c != counts[r][0]:
+                counts[r] = (c, now)
+            if now - counts[r][1] >= SILENT_S:
+                found.append((r, f"rank {r} died (no heartbeat for {now - counts[r][1]:.1f} s "
+                                 "and no exit recorded: killed, e.g. SIGKILL, out of memory, or "
+                                 "its machine was lost)"))
+            else:
+                pending.append(r)
+        return found, pending
+
+
+# ---- the two ends of a run ---------------------------------------------------------------------
+def start_watch(rank: int, world: int) -> PeerWatch | None:
+    """Start heartbeating (and stop on a silent peer); trap SIGTERM so a rank the launcher stops
+    unwinds through `finish_watch` and says why."""
+    watch = PeerWatch.start(rank, world)
+    if watch is not None and threading.current_thread() is threading.main_thread():
+        def on_term(signum, frame):
+            if not watch.finishing:
+                raise Terminated("terminated by SIGTERM (torchrun stops every rank when one "
+                                 "fails)")
+        signal.signal(signal.SIGTERM, on_term)
+    return watch
+
+
+def finish_watch(watch: PeerWatch | None, exc: BaseException | None) -> None:
+    """Record how this rank ends; if it stopped on a communication error, raise a `PeerFailure`
+    naming the ranks that died or failed (chained to the original error)."""
+    if watch is None:
+        return
+    watch.finishing = True  # a SIGTERM from now on must not cut the diagnosis short
+    comm = is_comm_failure(exc)
+    if exc is None:
+        watch.record_exit("done")
+    else:
+        kind = "comm" if comm else "own"
+        watch.record_exit(f"error {kind}: {type(exc).__name__}: {exc}")
+    culprits: list[tuple[int, str]] = []
+    if comm:
+        with contextlib.suppress(Exception):  # the store may be gone with the job
+            culprits = watch.diagnose()
+    watch.stop()
+    if culprits:
+        raise PeerFailure(
+            f"rank {watch.rank} stopped: " + "; ".join(m for _, m in culprits)
+            + f". (This rank saw: {type(exc).__name__}: {str(exc)[:300]}) Fix: the job stops "
+            "as a whole; rerun the same command with --resume to continue from the newest "
+            "intact checkpoint.") from exc

@@ -1,0 +1,324 @@
+"""Faults under load (issue 15, item 4), with real processes on CPU gloo.
+
+- An exception inside one pipeline stage's forward, on one rank, reaches every rank within the
+  step (not at the collective timeout), each naming the failing rank and its message; no
+  optimizer step is taken, and after a failure past the first step the pipeline steps again
+  (2 ranks of the in-process pool, which does not exit on an error: so nothing but the
+  mechanism can end the step early).
+- A rank killed mid-step (SIGKILL from outside), mid-checkpoint-save and mid-pipeline-step
+  (`SLAPO_FAULT`): `torchrun` exits within a bound far below `--dist-timeout`, the survivor's
+  output names the dead rank, and `--resume` continues with losses bit-identical to an
+  uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from slapo.train import faults
+from slapo.train import run_state as ckpt
+
+ROOT = Path(__file__).resolve().parents[1]
+POOL_TIMEOUT_S = 60  # tests/dist_pool.py's gloo timeout: "promptly" must be far below it
+TINY_PP = dict(hidden_size=64, num_layers=2, num_heads=4, seq_len=32, batch_size=8, steps=3,
+               progress=False, plot=False, eval_batches=0, dropout=0.0, pp_stages=2)
+
+
+# ---- SLAPO_FAULT, the test hook ----------------------------------------------------------------
+def test_fault_spec_parses_and_bad_specs_say_how():
+    assert faults.parse("kill:step=3:rank=1") == faults.Fault("kill", "step", 3, 1)
+    assert faults.parse("raise:pp=1:rank=0") == faults.Fault("raise", "pp", 1, 0)
+    assert faults.planned({}) is None
+    assert faults.planned({faults.ENV: "kill:save=2:rank=0"}).point == "save"
+    for bad in ("kill", "kill:step=3", "boom:step=3:rank=1", "kill:step=x:rank=1",
+                "kill:nowhere=3:rank=1", "kill:step=0:rank=1", "kill:step=3:rank=1:extra=2"):
+        with pytest.raises(ValueError, match="ACTION:POINT=STEP:rank=R"):
+            faults.parse(bad)
+
+
+# ---- an exception in one stage's forward reaches every rank ------------------------------------
+def job_stage_raises(fail_rank: int, fail_step: int, retry: bool) -> dict:
+    """Build a 2-stage GPT-2 pipeline run; make the decoder block on `fail_rank` raise during
+    step `fail_step`; report what each rank raised and how long the failing step took."""
+    import torch.distributed as dist
+    from transformers.models.gpt2 import modeling_gpt2
+
+    from slapo.train import TrainConfig
+    from slapo.train.assemble import build
+    from slapo.train.setup import setup, teardown
+
+    torch.set_num_threads(1)
+    cfg = TrainConfig(**TINY_PP)
+    env = setup(cfg)
+    run = build(cfg, env, log=lambda *a, **k: None)
+    batches = [{k: v.to(env.device) for k, v in run.data.next_batch(cfg.batch_size).items()}
+               for _ in range(fail_step)]
+    original, state = modeling_gpt2.GPT2Block.forward, {"step": 0}
+
+    def planted(self, *args, **kwargs):
+        if dist.get_rank() == fail_rank and state["step"] == fail_step:
+            raise ValueError(f"planted failure in a stage forward on rank {fail_rank}")
+        return original(self, *args, **kwargs)
+
+    modeling_gpt2.GPT2Block.forward = planted
+    out = {"losses": [], "error": None}
+    try:
+        for state["step"], batch in enumerate(batches, start=1):
+            before = [p.detach().clone() for g in run.optimizer.param_groups
+                      for p in g["params"]]
+            t0 = time.monotonic()
+            try:
+                out["losses"].append(run.step_fn(batch))
+            except Exception as e:  # noqa: BLE001 - what each rank raised is the result
+                out.update(error=f"{type(e).__name__}: {e}", seconds=time.monotonic() - t0)
+                after = [p.detach() for g in run.optimizer.param_groups for p in g["params"]]
+                out["unchanged"] = all(torch.equal(a, b) for a, b in zip(before, after,
+                                                                           strict=True))
+                if retry:  # the same batch again, without the fault
+                    state["step"] = -1
+                    out["retried"] = run.step_fn(batch)
+    finally:
+        modeling_gpt2.GPT2Block.forward = original
+        teardown(env)
+    return out
+
+
+def job_clean_losses() -> list[float]:
+    from slapo.train import TrainConfig
+    from slapo.train.assemble import build
+    from slapo.train.setup import setup, teardown
+
+    torch.set_num_threads(1)
+    cfg = TrainConfig(**TINY_PP)
+    env = setup(cfg)
+    try:
+        run = build(cfg, env, log=lambda *a, **k: None)
+        return [run.step_fn({k: v.to(env.device) for k, v in
+                             run.data.next_batch(cfg.batch_size).items()}) for _ in range(2)]
+    finally:
+        teardown(env)
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("fail_rank,fail_step", [(1, 1), (0, 1), (1, 2), (0, 2)],
+                         ids=["last-stage-first-step", "first-stage-first-step",
+                              "last-stage-later-step", "first-stage-later-step"])
+def test_exception_in_one_stage_forward_reaches_every_rank(dist2, fail_rank, fail_step):
+    """Step 1 includes torch's shape inference (the stage's very first forward); a failure at
+    step 2 is in the steady state, after which the same batch steps again to the clean loss."""
+    ranks = dist2.run(job_stage_raises, fail_rank, fail_step, fail_step > 1,
+                      timeout=POOL_TIMEOUT_S * 3)
+    planted = f"ValueError: planted failure in a stage forward on rank {fail_rank}"
+    for rank, res in enumerate(ranks):
+        assert res["error"] is not None, rank
+        if rank == fail_rank:
+            assert res["error"] == planted
+        else:  # the peer names the failing rank and its message
+            assert res["error"].startswith("SchedulingError"), res["error"]
+            assert f"failed on rank {fail_rank}" in res["error"]
+            assert f"rank {fail_rank}: {planted}" in res["error"]
+        assert res["seconds"] < POOL_TIMEOUT_S / 2, res  # the step ended, no timeout
+        assert res["unchanged"], rank  # no optimizer step
+        assert len(res["losses"]) == fail_step - 1
+    if fail_step > 1:
+        clean = dist2.run(job_clean_losses, timeout=POOL_TIMEOUT_S * 3)[1]
+        last = ranks[1]  # the last stage's rank reports the loss
+        assert last["losses"] == clean[:1]
+        assert last["retried"] == clean[1]  # the failed step left nothing behind
+
+
+# ---- torchrun: a rank killed mid-step, mid-save, mid-pipeline-step ------------------------------
+KILL_BOUND_S = 60      # every rank gone this soon after the kill, with --dist-timeout 600
+FLAGS = ["--hidden-size", "64", "--num-layers", "2", "--num-heads", "4", "--seq-len", "32",
+         "--batch-size", "8", "--dropout", "0.1", "--no-progress", "--no-plot",
+         "--eval-batches", "0", "--min-lr-ratio", "1", "--save-every", "1"]
+STEPS = 6
+
+
+class Launch:
+    """`torchrun --standalone --nproc-per-node 2 -m slapo.cli train ...`, its output read line
+    by line with arrival times (to time the exit from the moment a rank announced its death)."""
+
+    def __init__(self, out: Path, *flags: str, fault: str | None = None):
+        import threading
+
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
+               "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+        env.pop(faults.ENV, None)
+        if fault:
+            env[faults.ENV] = fault
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               "--nproc-per-node", "2", "-m", "slapo.cli", "train", *FLAGS,
+               "--dist-timeout", "600", "--out", str(out), *flags]
+        self.proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, text=True,
+                                     start_new_session=True)
+        self.lines: list[tuple[float, str]] = []
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.append((time.monotonic(), line))
+
+    @property
+    def text(self) -> str:
+        return "".join(line for _, line in self.lines)
+
+    def when(self, needle: str) -> float | None:
+        return next((t for t, line in self.lines if needle in line), None)
+
+    def worker_pid(self, rank: int) -> int | None:
+        """The pid of the worker torchrun started with RANK=rank (its direct child)."""
+        kids = Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children")
+        for pid in kids.read_text().split() if kids.exists() else ():
+            with_env = Path(f"/proc/{pid}/environ")
+            try:
+                if f"RANK={rank}".encode() in with_env.read_bytes().split(b"\0"):
+                    return int(pid)
+            except OSError:
+                continue
+        return None
+
+    def wait(self, timeout: float) -> float:
+        """Wait for torchrun to exit; return when it did. Kills its process group on timeout."""
+        try:
+            self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.stop()
+            raise AssertionError(f"torchrun still running after {timeout:.0f} s:\n"
+                                 f"{self.text[-3000:]}") from None
+        end = time.monotonic()
+        self._reader.join(timeout=10)
+        return end
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+
+def run_to_end(out: Path, *flags: str, timeout: float = 300) -> dict:
+    launch = Launch(out, *flags)
+    launch.wait(timeout)
+    assert launch.proc.returncode == 0, launch.text[-3000:]
+    return json.loads((out / "metrics.json").read_text())
+
+
+def died_within_bound(launch: Launch, t_kill: float, rank: int = 1) -> str:
+    """torchrun (every rank) exited within KILL_BOUND_S of the kill, non-zero, and both the
+    survivor (slapo's PeerFailure) and torchrun's summary name the dead rank."""
+    end = launch.wait(KILL_BOUND_S + 120)
+    text = launch.text
+    assert launch.proc.returncode != 0, text[-3000:]
+    assert end - t_kill < KILL_BOUND_S, (end - t_kill, text[-3000:])
+    assert f"stopped: rank {rank} died" in text, text[-3000:]  # the survivor says who
+    assert f"rank      : {rank} (local_rank: {rank})" in text  # torchrun's root cause
+    return text
+
+
+def job_cli_losses(argv: list[str]) -> list[float]:
+    """The uninterrupted reference: the same flags, trained on the pool's 2 gloo ranks."""
+    from slapo.cli import parse_train_args
+    from slapo.train import train
+
+    torch.set_num_threads(1)
+    return train(parse_train_args(argv))["losses"]
+
+
+def reference(dist2, out: Path, *flags: str) -> list[float]:
+    losses = dist2.run(job_cli_losses, [*FLAGS, "--out", str(out), *flags],
+                       timeout=POOL_TIMEOUT_S * 4)
+    assert losses[0] == losses[1]
+    return losses[0]
+
+
+def resume_matches(out: Path, straight: list[float], *flags: str, resumed_from: int) -> None:
+    """`--resume` continues from the newest intact checkpoint and every loss equals the
+    uninterrupted run's (the killed run's steps come from the checkpoint's history)."""
+    metrics = run_to_end(out, "--steps", str(len(straight)), "--resume", *flags)
+    assert metrics["resumed_from"] == resumed_from
+    assert metrics["losses"] == straight
+
+
+@pytest.fixture(scope="module")
+def ddp_reference(dist2, tmp_path_factory) -> list[float]:
+    return reference(dist2, tmp_path_factory.mktemp("ref") / "ddp", "--steps", str(STEPS))
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_sigkill_from_outside_mid_step(tmp_path, ddp_reference):
+    """kill -9 of rank 1 (a signal from this test) as soon as checkpoint 3 is published: rank
+    1 is then in step 4 (or finishing the save's last barrier)."""
+    out = tmp_path / "run"
+    launch = Launch(out, "--steps", "1000")
+    try:
+        published = ckpt.checkpoint_dir(out, 3)
+        deadline = time.monotonic() + 300
+        while not published.exists():
+            assert launch.proc.poll() is None, launch.text[-3000:]
+            assert time.monotonic() < deadline, "no checkpoint 3 after 300 s"
+            time.sleep(0.01)
+        pid = launch.worker_pid(1)
+        assert pid is not None
+        t_kill = time.monotonic()
+        os.kill(pid, signal.SIGKILL)
+        died_within_bound(launch, t_kill)
+    finally:
+        launch.stop()
+    done = max(ckpt.step_of(p) for p in ckpt.candidates(out))
+    assert done >= 3
+    resume_matches(out, ddp_reference, resumed_from=done)
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_kill_mid_checkpoint_save(tmp_path, ddp_reference):
+    """Rank 1 dies after writing its shard of checkpoint 3, before the marker: the .tmp
+    directory is never read, the resume starts from checkpoint 2."""
+    out = tmp_path / "run"
+    launch = Launch(out, "--steps", str(STEPS), fault="kill:save=3:rank=1")
+    try:
+        died_within_bound(launch, _announced(launch))
+    finally:
+        launch.stop()
+    assert ckpt.checkpoint_dir(out, 3).with_name("step_000003.tmp").exists()
+    assert not ckpt.checkpoint_dir(out, 3).exists()
+    resume_matches(out, ddp_reference, resumed_from=2)
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_kill_mid_pipeline_step(dist2, tmp_path):
+    """--pp-stages 2: rank 1 dies in its stage's forward during step 3; rank 0 is then
+    waiting on a pipeline receive."""
+    pp = ("--pp-stages", "2")
+    straight = reference(dist2, tmp_path / "ref", "--steps", str(STEPS), *pp)
+    out = tmp_path / "run"
+    launch = Launch(out, "--steps", str(STEPS), *pp, fault="kill:pp=3:rank=1")
+    try:
+        died_within_bound(launch, _announced(launch))
+    finally:
+        launch.stop()
+    resume_matches(out, straight, *pp, resumed_from=2)
+
+
+def _announced(launch: Launch, timeout: float = 300) -> float:
+    """When the killed rank printed its SLAPO_FAULT line (just before SIGKILLing itself)."""
+    deadline = time.monotonic() + timeout
+    while (t := launch.when(f"{faults.ENV}: killing rank")) is None:
+        assert launch.proc.poll() is None or launch.when(faults.ENV) is not None, \
+            launch.text[-3000:]
+        assert time.monotonic() < deadline, launch.text[-3000:]
+        time.sleep(0.05)
+    return t
