@@ -1,0 +1,84 @@
+"""Soak: many short train/kill/resume cycles of a 2-rank pipelined `slapo train` job lose and
+repeat no step (issue 15, item 4).
+
+Each cycle launches `torchrun ... --resume-or-start` with a seeded random fault: a random rank
+SIGKILLs itself at a random point (in a training step, in a checkpoint save, or in a pipeline
+stage's forward) of a random step after the last checkpoint. The next cycle resumes; a last
+launch without a fault runs to the end. The final history (`metrics.json`: every step's loss,
+including the steps before each resume) must equal one uninterrupted run's, step for step, bit
+for bit: a lost step would shorten or shift it, a repeated one would lengthen it.
+
+CI-sized: 3 kills + 1 final launch (~15 s each on 2 cores), 8 steps of a tiny GPT-2.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+from test_faults import KILL_BOUND_S, Launch, _announced, reference
+
+from slapo.train import run_state as ckpt
+
+SEED = 10  # its plan kills at every point, on both ranks (checked below)
+KILLS = 3
+STEPS = 8
+PP = ("--pp-stages", "2")
+
+
+def plan(seed: int, kills: int, steps: int) -> list[tuple[str, int, int]]:
+    """(point, step, rank) per kill, steps increasing, so the run moves on between kills (a
+    kill at step s leaves checkpoint s - 1 as the newest intact one)."""
+    rng = random.Random(seed)
+    faults, done = [], 0
+    for i in range(kills):
+        step = rng.randint(done + 1, min(steps - 1, done + 1 + (steps - done) // (kills - i)))
+        faults.append((rng.choice(("step", "save", "pp")), step, rng.randrange(2)))
+        done = step
+    return faults
+
+
+def newest_intact(out) -> int:
+    path, _ = ckpt.find_resumable(out)
+    return 0 if path is None else ckpt.step_of(path)
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_soak_random_kills_lose_and_repeat_no_step(dist2, tmp_path):
+    straight = reference(dist2, tmp_path / "ref", "--steps", str(STEPS), *PP)
+    out = tmp_path / "run"
+    flags = ("--steps", str(STEPS), "--resume-or-start", *PP)
+    for point, step, rank in plan(SEED, KILLS, STEPS):
+        launch = Launch(out, *flags, fault=f"kill:{point}={step}:rank={rank}")
+        try:
+            t_kill = _announced(launch)
+            end = launch.wait(KILL_BOUND_S + 120)
+        finally:
+            launch.stop()
+        assert launch.proc.returncode != 0 and end - t_kill < KILL_BOUND_S, launch.text[-3000:]
+        assert f"rank {rank} died" in launch.text, launch.text[-3000:]
+        assert newest_intact(out) == step - 1, (point, step, rank)
+        kept = ckpt.read_trainer(ckpt.checkpoint_dir(out, step - 1))["losses"] if step > 1 \
+            else []
+        assert kept == straight[:step - 1]  # every checkpoint's history is a prefix
+    last = Launch(out, *flags)
+    try:
+        last.wait(300)
+    finally:
+        last.stop()
+    assert last.proc.returncode == 0, last.text[-3000:]
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert len(metrics["losses"]) == STEPS
+    assert metrics["losses"] == straight
+
+
+def test_soak_plan_is_seeded_and_moves_forward():
+    faults = plan(SEED, KILLS, STEPS)
+    assert faults == plan(SEED, KILLS, STEPS) and len(faults) == KILLS
+    steps = [s for _, s, _ in faults]
+    assert steps == sorted(set(steps)) and all(1 <= s < STEPS for s in steps)
+    assert plan(SEED + 1, KILLS, STEPS) != faults  # the seed decides
+    assert {p for p, _, _ in faults} == {"step", "save", "pp"}
+    assert {r for _, _, r in faults} == {0, 1}
