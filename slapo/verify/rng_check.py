@@ -40,7 +40,7 @@ from .. import module_patch
 from ..distributed import group as _g
 from ..primitives.fork_rng import ForkRNGWrapper
 from ..schedule import Schedule
-from .localise import applied_around
+from .report import applied_around
 
 _DROPOUTS = {F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout,
              F.feature_alpha_dropout, torch.dropout}
