@@ -45,6 +45,83 @@ def test_fault_spec_parses_and_bad_specs_say_how():
             faults.parse(bad)
 
 
+# ---- PeerWatch: heartbeats and exit records through a real TCP store ---------------------------
+class _Recording(faults.PeerWatch):
+    """Records a hang instead of ending the test process (`os._exit`)."""
+
+    hung: list | None = None
+
+    def on_hang(self, ranks):
+        self.hung = ranks
+
+
+@pytest.fixture
+def store_env(monkeypatch):
+    import torch.distributed as dist
+
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(server.port))
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    yield server
+
+
+def _pair(cls=faults.PeerWatch, hang_s=faults.HANG_S):
+    w0, w1 = cls.start(0, 2, hang_s=hang_s), cls.start(1, 2, hang_s=hang_s)
+    assert w0 is not None and w1 is not None
+    time.sleep(3 * faults.HEARTBEAT_S)  # both have heartbeated
+    return w0, w1
+
+
+def test_peerwatch_names_a_silent_peer_as_dead(store_env):
+    w0, w1 = _pair()
+    try:
+        assert w0.diagnose(wait_s=1.0) == []  # alive: heartbeating, nothing recorded
+        w1.stop()  # as SIGKILL leaves it: no exit record, no more heartbeats
+        [(rank, why)] = w0.diagnose()
+        assert rank == 1 and why.startswith("rank 1 died (no heartbeat")
+    finally:
+        w0.stop()
+
+
+def test_peerwatch_reports_a_peer_error_and_ignores_a_clean_exit(store_env):
+    w0, w1 = _pair()
+    try:
+        w1.record_exit("error own: ValueError: boom")
+        w1.stop()
+        assert w0.diagnose() == [(1, "rank 1 failed: ValueError: boom")]
+        w1.record_exit("done")
+        assert w0.diagnose() == []
+    finally:
+        w0.stop()
+
+
+def test_peerwatch_stops_a_rank_whose_peer_went_silent(store_env):
+    """The bound that does not depend on the collective timeout: `on_hang` after hang_s."""
+    w0, w1 = _pair(_Recording, hang_s=1.0)
+    try:
+        w1.stop()
+        deadline = time.monotonic() + 20
+        while w0.hung is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert w0.hung == [1]
+        assert w1.hung is None
+    finally:
+        w0.stop()
+
+
+def test_finish_watch_turns_a_comm_error_into_a_peer_failure(store_env):
+    w0, w1 = _pair()
+    w1.stop()
+    gloo = RuntimeError("[pair.cc:537] Read error: Connection reset by peer")
+    with pytest.raises(faults.PeerFailure, match="rank 0 stopped: rank 1 died") as info:
+        faults.finish_watch(w0, gloo)
+    assert info.value.__cause__ is gloo and "--resume" in str(info.value)
+    w2 = faults.PeerWatch.start(0, 2)
+    faults.finish_watch(w2, ValueError("its own bug"))  # not caused by a peer: no diagnosis
+    assert w2.exit_record(0) == "error own: ValueError: its own bug"
+
+
 # ---- an exception in one stage's forward reaches every rank ------------------------------------
 def job_stage_raises(fail_rank: int, fail_step: int, retry: bool) -> dict:
     """Build a 2-stage GPT-2 pipeline run; make the decoder block on `fail_rank` raise during
