@@ -154,34 +154,55 @@ def load_toml(path: str) -> dict[str, Any]:
         raise UsageError(f"--config {path}: not valid TOML: {e}") from None
     known = config_fields()
     flat: dict[str, Any] = {}
+    where_set: dict[str, str] = {}
 
-    def take(table: dict[str, Any], where: str) -> None:
+    def take(table: dict[str, Any], prefix: str) -> None:
         for key, value in table.items():
-            name = key.replace("-", "_")
+            name, dotted = key.replace("-", "_"), f"{prefix}{key}"
             if isinstance(value, dict) and name not in known:
-                take(value, f"{where}{key}.")
+                take(value, f"{dotted}.")
                 continue
             if name not in known:
-                raise UsageError(f"--config {path}: unknown option {where}{key!r}; known: "
+                raise UsageError(f"--config {path}: unknown option {dotted!r}; known: "
                                  f"{', '.join(sorted(known))}")
+            if name in where_set:  # tables only group: one option, one place
+                raise UsageError(f"--config {path}: {name} is given twice ({where_set[name]!r} "
+                                 f"and {dotted!r}); keep one")
             if name == "data" and isinstance(value, list) and all(
                     isinstance(v, str) for v in value):
                 value = ",".join(value)  # data = ["a.txt", "rows.jsonl"]
-            flat[name] = _check_type(name, value, known[name], path)
+            flat[name] = _check_type(dotted, value, known[name], path)
+            where_set[name] = dotted
 
     take(doc, "")
     return flat
 
 
-def _check_type(name: str, value: Any, annotation: str, path: str) -> Any:
+def _check_type(key: str, value: Any, annotation: str, path: str) -> Any:
+    """The TOML value of option `key` (dotted, as written in the file) against its type."""
     kind = _base_type(annotation)
     ok = {"int": isinstance(value, int) and not isinstance(value, bool),
           "float": isinstance(value, (int, float)) and not isinstance(value, bool),
           "str": isinstance(value, str),
           "bool": isinstance(value, bool)}[kind]
     if not ok:
-        raise UsageError(f"--config {path}: {name} must be {kind}, got {value!r}")
+        raise UsageError(f"--config {path}: {key} must be {kind}, got {value!r}")
     return float(value) if kind == "float" else value
+
+
+def _name_config_file(msg: str, argv: list[str]) -> str:
+    """A value check names the `--flag`; when that option came from the TOML file (not the
+    command line), say which file, so the user knows where to edit."""
+    if msg.startswith("--config ") or "--config" not in argv:
+        return msg
+    parser = _parser()
+    args = vars(parser.parse_args(["train", *argv]))
+    try:
+        from_file = set(load_toml(args["config"])) - set(args)
+    except UsageError:
+        return msg
+    named = [k for k in from_file if f"--{k.replace('_', '-')}" in msg.split(":")[0].split()]
+    return f"{msg} (set in --config {args['config']})" if named else msg
 
 
 def parse_train_args(argv: list[str]) -> Any:
@@ -213,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = parse_train_args(argv[1:])
         cfg.check()
     except (UsageError, ValueError) as e:
-        train_parser.error(str(e))  # exits with status 2
+        train_parser.error(_name_config_file(str(e), argv[1:]))  # exits with status 2
     from .data import InputError
     from .errors import SlapoError
     from .train.loop import train

@@ -191,7 +191,6 @@ def _check_value(f: Field, v: Any, path: str) -> None:
         _need((isinstance(v, str) and v) or callable(v), f.name,
               f"fuse_compiler must be a torch.compile backend name, got {v!r}.",
               "pass e.g. fuse_compiler='inductor'.", path)
-        _check_backend(f.name, v, path, extra=("eager",))
 
 
 def _check_number(f: Field, v: Any, path: str) -> None:
@@ -233,6 +232,8 @@ def _check_backend(knob: str, v: Any, path: str, extra: tuple[str, ...] = ()) ->
 
 def _check_combinations(k: ScheduleKnobs, path: str) -> None:
     """Knobs that contradict each other whatever the model."""
+    if k.fuse:  # the backend is used only by fuse=True (a trial or config may carry it unused)
+        _check_backend("fuse_compiler", k.fuse_compiler, path, extra=("eager",))
     if k.compile_blocks and k.fuse:
         raise KnobError("fuse", "fuse=True compiles regions inside the blocks that "
                         "compile_blocks=True compiles whole (inductor fuses the same ops).",

@@ -98,6 +98,7 @@ class RunOptions:
         Paths (--model, --data, --tokenizer) raise InputError (exit status 2) naming the path."""
         self._check_inputs()
         self._check_numbers()
+        self._check_out()
         self._check_resume()
         if self.save_every and self.out is None:
             raise ValueError("--save-every needs --out DIR (where checkpoints are written)")
@@ -111,6 +112,7 @@ class RunOptions:
             raise ValueError("--device cuda: no CUDA device is available here (use --device cpu "
                              "or auto)")
         self._check_engine()
+        self._check_shape()
 
     def _check_numbers(self) -> None:
         for name in ("steps", "batch_size", "seq_len", "hidden_size", "num_layers", "num_heads",
@@ -128,6 +130,34 @@ class RunOptions:
             raise ValueError(f"--dropout must be in [0, 1), got {self.dropout}")
         if not self.dist_timeout > 0:
             raise ValueError(f"--dist-timeout must be > 0 seconds, got {self.dist_timeout}")
+        if not self.weight_decay >= 0:
+            raise ValueError(f"--weight-decay must be >= 0, got {self.weight_decay}")
+        if self.grad_clip is not None and not self.grad_clip >= 0:
+            raise ValueError(f"--grad-clip must be > 0 (or 0: no clipping), got "
+                             f"{self.grad_clip}")
+
+    def _check_shape(self) -> None:
+        """A registry model's size against itself and the parallel degrees, here rather than
+        when the model is built (a raw HF error) or sharded (after the job started): the
+        width splits into heads, the heads over --tp ranks, the layers over the stages."""
+        if pretrained.is_model_path(self.model):
+            return  # its sizes are in its config.json; `apply` checks them before any change
+        if self.hidden_size % self.num_heads:
+            raise ValueError(f"--hidden-size {self.hidden_size} is not divisible by "
+                             f"--num-heads {self.num_heads}")
+        tp = self.tp or 1
+        if isinstance(tp, int) and tp > 1 and self.num_heads % tp:
+            raise ValueError(f"--num-heads {self.num_heads} is not divisible by --tp {tp}: "
+                             "tensor parallelism gives each rank num_heads / tp heads")
+        stages = (self.pp_stages or 1) * self.stages_per_rank()
+        if isinstance(stages, int) and stages > self.num_layers:
+            raise ValueError(f"--pp-stages {self.pp_stages} cuts the model into {stages} "
+                             f"stages, but --num-layers {self.num_layers} gives fewer layers "
+                             "than stages")
+
+    def _check_out(self) -> None:
+        if self.out is not None and Path(self.out).exists() and not Path(self.out).is_dir():
+            raise ValueError(f"--out {self.out} is a file, not a directory")
 
     def _check_inputs(self) -> None:
         """--model, --data, --tokenizer: the paths exist and hold what they should (cheap: the

@@ -148,14 +148,55 @@ def add_tune_parser(subparsers: Any) -> argparse.ArgumentParser:
     return p
 
 
+def _check_numbers(args: argparse.Namespace) -> None:
+    """Every numeric option's range, and the combinations a trial would otherwise fail on one
+    by one (each trial is a process; a width the heads do not divide fails in all of them)."""
+    for name in ("steps", "num_layers", "seq_len", "threads", "hidden_size", "num_heads",
+                 "top"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got "
+                             f"{getattr(args, name)}.")
+    for name in ("warmup", "confirm", "confirm_repeats", "kappa"):
+        if getattr(args, name) < 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got "
+                             f"{getattr(args, name)}.")
+    for name in ("trial_timeout", "efficiency"):
+        if not getattr(args, name) > 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be > 0, got "
+                             f"{getattr(args, name)}.")
+    if args.max_trials is not None and args.max_trials < 1:
+        raise ValueError(f"--max-trials must be >= 1, got {args.max_trials} (leave it out for "
+                         "no limit).")
+    if args.mem_cap_gib is not None and not args.mem_cap_gib > 0:
+        raise ValueError(f"--mem-cap-gib must be > 0, got {args.mem_cap_gib}.")
+    if not args.batch_sizes or min(args.batch_sizes) < 1:
+        raise ValueError(f"--batch-sizes must be positive integers, got {args.batch_sizes}.")
+    if args.hidden_size % args.num_heads:
+        raise ValueError(f"--hidden-size {args.hidden_size} is not divisible by --num-heads "
+                         f"{args.num_heads}.")
+
+
+def _preflight(args: argparse.Namespace) -> None:
+    """Before anything is written: --out is (or can be) a directory, and an existing --db and
+    calibration cache are readable as they are (both are only read here)."""
+    from .database import check_file
+    from .timing import load_cache
+
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out} is a file, not a directory.")
+    db = Path(args.db) if args.db else out / "tune.db"
+    if db.exists():
+        check_file(db)
+    calibration = args.calibration or out / "calibration.json"
+    if getattr(args, "space", "cpu") == "cpu":
+        load_cache(calibration)
+
+
 def _settings(args: argparse.Namespace) -> Any:
     from .evaluators import TrialSettings, parse_bytes
 
-    for name in ("steps", "num_layers", "seq_len", "threads", "hidden_size", "num_heads"):
-        if getattr(args, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 1.")
-    if args.warmup < 0:
-        raise ValueError("--warmup must be >= 0.")
+    _check_numbers(args)
     return TrialSettings(model=args.model, hidden_size=args.hidden_size,
                          num_layers=args.num_layers, num_heads=args.num_heads,
                          seq_len=args.seq_len, steps=args.steps, warmup=args.warmup,
@@ -205,6 +246,25 @@ class _Progress:
         self.bar.advance(self.task)
 
 
+def _check_device(device: str) -> None:
+    import torch
+
+    try:
+        torch.device(device)
+    except (RuntimeError, ValueError):
+        raise ValueError(f"--device {device!r} is not a torch device; use e.g. cuda, cuda:1 "
+                         "or cpu.") from None
+
+
+def _check_precisions(precisions: tuple) -> None:
+    from ..train.config import PRECISIONS
+
+    bad = [p for p in precisions if p not in PRECISIONS]
+    if bad or not precisions:
+        raise ValueError(f"--precisions must name some of {', '.join(PRECISIONS)}, got "
+                         f"{','.join(precisions) or 'nothing'}.")
+
+
 def _gpu_setup(args: argparse.Namespace) -> tuple[Space, Any, Any, dict]:
     """The GPU space, its cost model and its evaluator (`--space gpu`)."""
     from dataclasses import replace
@@ -251,6 +311,7 @@ def run_tune(args: argparse.Namespace) -> int:
         settings = _settings(args)
         space = _space(args)
         space.names()  # enumerate now: a --knob clash is a usage error, not a failed search
+        _preflight(args)
     except ValueError as e:
         print(f"slapo tune: error: {e}", file=sys.stderr)
         return 2
@@ -298,6 +359,10 @@ def _run_gpu(args: argparse.Namespace) -> int:
 
     console = Console(stderr=True)
     try:
+        _check_numbers(args)
+        _check_precisions(args.precisions)
+        _check_device(args.device)
+        _preflight(args)
         space, predict, evaluate, meta = _gpu_setup(args)
         console.log("predicting every config with the GPU cost model (one fake step each)")
         n = len(space)

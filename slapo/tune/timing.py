@@ -160,6 +160,36 @@ def _device_name(device: Any) -> str:
     return f"cpu:{platform.processor() or platform.machine()}:{torch.get_num_threads()}t"
 
 
+class CalibrationCacheError(ValueError):
+    """A calibration cache that cannot be read as it is (named, with the reason)."""
+
+
+def load_cache(path: str | os.PathLike) -> dict[str, Any]:
+    """The entries of a calibration cache ({} when the file does not exist), each checked to
+    rebuild a `DeviceConstants`. A damaged or hand-edited file raises `CalibrationCacheError`
+    naming it (it is JSON, so reading it runs nothing) and is left as it is: `calibrate` would
+    otherwise overwrite it, dropping the other devices' entries."""
+    path = Path(path)
+    if not path.exists():
+        return {}
+    fix = "delete the file (it is re-measured), or pass another --calibration."
+    try:
+        cache = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise CalibrationCacheError(f"calibration cache {path}: not readable JSON ({e}). "
+                                    f"Fix: {fix}") from None
+    if not isinstance(cache, dict):
+        raise CalibrationCacheError(f"calibration cache {path}: expected a JSON object of "
+                                    f"devices, got {type(cache).__name__}. Fix: {fix}")
+    for key, entry in cache.items():
+        try:
+            DeviceConstants.from_json(entry)
+        except (TypeError, ValueError, KeyError) as e:
+            raise CalibrationCacheError(f"calibration cache {path}: entry {key!r} is not a "
+                                        f"device record ({e}). Fix: {fix}") from None
+    return cache
+
+
 def calibrate(device: Any = None, dtype: Any = None, cache_path: str | os.PathLike | None = None,
               gemm_n: int | None = None, copy_mib: int | None = None, refresh: bool = False) -> DeviceConstants:
     """Measure peak matmul FLOP/s and copy bandwidth on `device`; cache them to JSON.
@@ -175,11 +205,9 @@ def calibrate(device: Any = None, dtype: Any = None, cache_path: str | os.PathLi
     dtype = dtype or (torch.bfloat16 if dev.type == "cuda" else torch.float32)
     key = f"{_device_name(dev)}|{dtype}"
     path = Path(cache_path) if cache_path else None
-    cache: dict = {}
-    if path is not None and path.exists():
-        cache = json.loads(path.read_text())
-        if key in cache and not refresh:
-            return DeviceConstants.from_json(cache[key])
+    cache = load_cache(path) if path is not None else {}
+    if key in cache and not refresh:
+        return DeviceConstants.from_json(cache[key])
     cuda = dev.type == "cuda"
     n = gemm_n or (8192 if cuda else 512)
     mib = copy_mib or (1024 if cuda else 64)
