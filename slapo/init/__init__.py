@@ -6,14 +6,31 @@
     ... shard ...
     model, _ = slapo.build(sch, seed=0)    # each rank allocates and initialises its shards
 
-Each module is initialised under its own RNG seed derived from (seed, module path), so a shard is
-bit-for-bit the slice of the full tensor the same procedure gives without sharding, independent of
-tensor-parallel degree and rank. Per module, the full-size tensors exist only transiently (one
-module at a time); the model ends up holding shards only.
+A rank never allocates a sharded tensor at its full shape. Per module, `materialize`:
+
+1. runs the module's init on full-size stand-ins that hold no memory (`record.StandIn`: the
+   init sees the original shapes), recording the in-place ops it applies to each tensor with
+   their resolved scalars (`record.py`: random fills, constants, copies, elementwise and index
+   writes);
+2. allocates each tensor at its local (shard) size and replays those ops on it (`replay.py`):
+   deterministic ops cut to the shard's rows/columns, random fills drawn from per-block streams
+   seeded from (seed, module path, tensor name, op index, block index), so a value depends only
+   on its position in the full tensor;
+3. a tensor whose init the recorder cannot replay exactly (e.g. `orthogonal_`, which reads
+   another tensor) takes the previous path instead, for that tensor only: full size on this rank,
+   init under the module's seed `module_seed(seed, path)`, keep the slice; an
+   `InitFallbackWarning` names it once.
+
+Either way the shards merged across ranks equal the unsharded delayed build (tp=1) bit for bit,
+for any TP degree and rank, on a given device type (CPU and CUDA generators draw different
+numbers). The values are Slapo's own, not those of an eager `Model(config)` under the same
+seed, but every tensor gets its module's init: the same distributions with the same resolved
+parameters and the same deterministic parts (zero biases, padding rows, ones for norms).
 
 Initialisation per module, first that applies: `init_fn(module)` / `init_fn(module, path)`, the
 Hugging Face model's `_init_weights(module)`, `module.reset_parameters()`; tensors none of them
-touch stay zero. Weights that are already materialised are never touched.
+touch stay zero. An init writes only the module's own tensors (a write to a child's tensor, which
+is still meta, is dropped, as before). Weights that are already materialised are never touched.
 """
 
 from __future__ import annotations
@@ -29,7 +46,7 @@ import torch.nn as nn
 
 from .. import sharding
 from . import replay
-from .record import record
+from .record import Recorder
 
 
 @contextlib.contextmanager
@@ -132,14 +149,14 @@ def _seeded(device: torch.device, seed: int):
 
 def _materialize_module(mod: nn.Module, path: str, metas, init, device: torch.device,
                         seed: int, gen: torch.Generator, done: dict) -> None:
-    """Record the init on full-size meta stand-ins, replay it on each local shard; tensors it
+    """Record the init on full-size stand-ins, replay it on each local shard; tensors it
     cannot replay take the full-size path (`_full_then_slice`)."""
-    full = {n: _wrap(torch.empty(_full_shape(t), dtype=t.dtype, device="meta"), t, k)
-            for n, t, k in metas}
+    recorder = Recorder(device)
+    full = {n: _wrap(recorder.stand_in(n, _full_shape(t), t.dtype), t, k) for n, t, k in metas}
     for n, _t, k in metas:
         _slots(mod, k)[n] = full[n]
     with _seeded(device, module_seed(seed, path)):
-        rec = record(lambda: init(mod, path), {n: v for n, v in full.items() if v.numel()})
+        rec = recorder.run(lambda: init(mod, path))
     values = {}
     for n, t, k in metas:
         lay = replay.layout(_full_shape(t), sharding.shard_spec(t))
@@ -212,7 +229,7 @@ def _warn_fallback(mod: nn.Module, path: str, name: str, shape, reason: str) -> 
                   f"allocated at full size and then sliced, because {reason}. Give the module "
                   "an init made of random fills, constants and elementwise ops (or "
                   "slapo.build(init_weights=...)) to initialise the shard alone.",
-                  InitFallbackWarning, stacklevel=5)
+                  InitFallbackWarning, stacklevel=6)
 
 
 def reset_init_warnings() -> None:

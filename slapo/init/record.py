@@ -1,4 +1,4 @@
-"""Record what a module's init function writes into its (full-size, meta) tensors.
+"""Record what a module's init function writes into its (full-size, memory-less) tensors.
 
 Why: to initialise a shard without ever holding the whole tensor, we run the model's own init
 (`_init_weights`, `reset_parameters`, a user `init_fn`) on *meta* tensors of the original shape,
@@ -25,7 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+import torch.utils._pytree as pytree
 
 aten = torch.ops.aten
 
@@ -130,10 +130,7 @@ class Recording:
 
 
 def _storage_key(t: torch.Tensor):
-    try:
-        return t.untyped_storage()._cdata
-    except (RuntimeError, NotImplementedError):
-        return None
+    return t.untyped_storage()._cdata
 
 
 def _tensors(value) -> list[torch.Tensor]:
@@ -144,47 +141,108 @@ def _tensors(value) -> list[torch.Tensor]:
     return []
 
 
-class InitRecorder(TorchDispatchMode):
-    """A dispatch mode that records, per tracked meta tensor, the ops that write into it."""
+class StandIn(torch.Tensor):
+    """A full-size tensor without memory that reports a real device.
 
-    def __init__(self, targets: dict[str, torch.Tensor]):
-        super().__init__()
-        self.shapes = {n: tuple(t.shape) for n, t in targets.items()}
-        self.names = {_storage_key(t): n for n, t in targets.items()}
-        self.rec = Recording(ops={n: [] for n in targets})
+    Why not a plain meta tensor: torch's `trunc_normal_`, `orthogonal_`, `sparse_` and `dirac_`
+    return early on meta tensors, so their writes would never be seen. A stand-in runs every op
+    on an inner meta tensor (`inner`), hands the writes to its `Recorder` and does not execute
+    them; results that are tensors come back as stand-ins, so views stay recognisable."""
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        for name, target in self._written(func, args, kwargs):
-            if name not in self.rec.failed:
-                self._record(name, target, func, args, kwargs)
-        return func(*args, **kwargs)
+    __torch_function__ = torch._C._disabled_torch_function_impl
 
-    def _tracked(self, t: torch.Tensor) -> str | None:
-        return self.names.get(_storage_key(t)) if t.device.type == "meta" else None
+    @staticmethod
+    def __new__(cls, inner: torch.Tensor, device: torch.device, recorder: Recorder):
+        out = torch.Tensor._make_wrapper_subclass(
+            cls, inner.shape, strides=inner.stride(), storage_offset=inner.storage_offset(),
+            dtype=inner.dtype, device=device, requires_grad=False)
+        out.inner, out.recorder = inner, recorder
+        return out
+
+    def __repr__(self) -> str:
+        return f"StandIn({tuple(self.shape)}, {self.dtype})"
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        recorder = next(t.recorder for t in pytree.tree_leaves((args, kwargs))
+                        if isinstance(t, StandIn))
+        return recorder.dispatch(func, tuple(args), kwargs or {})
+
+
+class Recorder:
+    """Makes the stand-ins of one module's tensors and records, per tracked stand-in, the ops
+    that write into it (`run`)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.shapes: dict[str, tuple[int, ...]] = {}
+        self.names: dict[int, str] = {}
+        self.rec = Recording()
+        self.closed = False
+
+    def stand_in(self, name: str | None, shape: tuple[int, ...], dtype) -> StandIn:
+        """A stand-in of `shape`; writes into it are recorded under `name` (None: ignored)."""
+        inner = torch.empty(shape, dtype=dtype, device="meta")
+        if name is not None and inner.numel():
+            self.shapes[name] = tuple(shape)
+            self.names[_storage_key(inner)] = name
+            self.rec.ops[name] = []
+        return StandIn(inner, self.device, self)
+
+    def run(self, init: Callable[[], None]) -> Recording:
+        """Run `init()`; what it wrote. An init that raises on stand-ins (e.g. it reads values
+        in Python) fails every tracked tensor."""
+        try:
+            init()
+        except Exception as e:  # noqa: BLE001 - any failure means: initialise the old way
+            for name in self.shapes:
+                self.rec.fail(name, f"the init raised on stand-in tensors ({type(e).__name__}: "
+                                    f"{e})")
+        self.closed = True
+        return self.rec
+
+    def dispatch(self, func, args: tuple, kwargs: dict):
+        written = list(self._written(func, args, kwargs))
+        if not self.closed:
+            for name, target in written:
+                if name is not None and name not in self.rec.failed:
+                    self._record(name, target, func, args, kwargs)
+        if written and torch.Tag.inplace in func.tags and args and args[0] is written[0][1]:
+            return args[0]  # a write into a stand-in: recorded, nothing to compute
+        out = func(*pytree.tree_map(_to_meta, args), **pytree.tree_map(_to_meta, kwargs))
+        return pytree.tree_map(self._wrap, out)
+
+    def _wrap(self, x):
+        return StandIn(x, self.device, self) if isinstance(x, torch.Tensor) and x.is_meta else x
 
     def _written(self, func, args, kwargs):
-        """(name, tensor) for every tracked tensor the op writes (schema `Tensor(a!)`)."""
+        """(name or None, stand-in) for every stand-in the op writes (schema `Tensor(a!)`)."""
         for i, arg in enumerate(func._schema.arguments):
             if arg.alias_info is None or not arg.alias_info.is_write:
                 continue
             value = args[i] if i < len(args) else kwargs.get(arg.name)
             for t in _tensors(value):
-                name = self._tracked(t)
-                if name is not None:
-                    yield name, t
+                if isinstance(t, StandIn):
+                    yield self.names.get(_storage_key(t.inner)), t
 
-    def _record(self, name: str, target: torch.Tensor, func, args, kwargs) -> None:
+    def _record(self, name: str, target: StandIn, func, args, kwargs) -> None:
         problem = _why_not(func, target, args, kwargs)
-        box = box_of(target, self.shapes[name])
+        box = box_of(target.inner, self.shapes[name])
         if problem is None and box is None:
-            problem = _whole_view_problem(func, target, self.shapes[name], args, kwargs)
+            problem = _whole_view_problem(func, target.inner, self.shapes[name], args, kwargs)
             box = whole(self.shapes[name])
         if problem is not None:
             self.rec.fail(name, problem)
             return
         kw = {k: v for k, v in kwargs.items() if k != "generator"}
         self.rec.ops[name].append(Op(func, _kind(func), box, tuple(args[1:]), kw))
+
+
+def _to_meta(x):
+    """Reads run on meta: a stand-in's inner tensor, a real tensor's meta twin."""
+    if isinstance(x, StandIn):
+        return x.inner
+    return x.to("meta") if isinstance(x, torch.Tensor) else x
 
 
 def _whole_view_problem(func, target: torch.Tensor, shape, args, kwargs) -> str | None:
@@ -221,8 +279,8 @@ def _why_not(func, target: torch.Tensor, args, kwargs) -> str | None:
     if not args or args[0] is not target:
         return f"{func} writes the tensor through an output argument"
     others = _other_tensors(args, kwargs)
-    if any(t.device.type == "meta" for t in others):
-        return f"{func} takes its values from another meta tensor"
+    if any(isinstance(t, StandIn) or t.device.type == "meta" for t in others):
+        return f"{func} computes its values from another tensor of the init"
     if kind == "random" and others:
         return f"{func} takes tensor arguments"
     if kind == "elementwise":
@@ -233,17 +291,3 @@ def _why_not(func, target: torch.Tensor, args, kwargs) -> str | None:
             except RuntimeError:
                 return f"{func} has an argument that does not broadcast to the tensor"
     return None
-
-
-def record(init: Callable[[], None], targets: dict[str, torch.Tensor]) -> Recording:
-    """Run `init()` with `targets` (name -> full-size meta tensor) tracked; what it wrote.
-
-    An init that raises on meta tensors (data-dependent control flow) fails every target."""
-    mode = InitRecorder(targets)
-    try:
-        with mode:
-            init()
-    except Exception as e:  # noqa: BLE001 - any failure means: initialise the old way
-        for name in targets:
-            mode.rec.fail(name, f"the init raised on meta tensors ({type(e).__name__}: {e})")
-    return mode.rec
