@@ -45,6 +45,26 @@ def test_fault_spec_parses_and_bad_specs_say_how():
             faults.parse(bad)
 
 
+def test_fault_hook_raises_at_the_named_step_and_save(tmp_path, monkeypatch, one_thread):
+    """One process: `raise:step=2` stops in step 2 before its update (one step trained);
+    `raise:save=1` stops inside the save of step 1, leaving only its `.tmp` directory."""
+    from slapo.train import TrainConfig, train
+
+    opts = dict(hidden_size=32, num_layers=1, num_heads=2, seq_len=16, batch_size=2, steps=3,
+                progress=False, plot=False, eval_batches=0, save_every=1)
+    monkeypatch.setenv(faults.ENV, "raise:step=2:rank=0")
+    with pytest.raises(faults.InjectedFault, match="step of step 2 on rank 0"):
+        train(TrainConfig(**opts, out=str(tmp_path / "a")))
+    assert [ckpt.step_of(p) for p in ckpt.candidates(tmp_path / "a")] == [1]
+    monkeypatch.setenv(faults.ENV, "raise:save=1:rank=0")
+    with pytest.raises(faults.InjectedFault, match="save of step 1"):
+        train(TrainConfig(**opts, out=str(tmp_path / "b")))
+    assert ckpt.candidates(tmp_path / "b") == []
+    assert (tmp_path / "b" / "checkpoints" / "step_000001.tmp").is_dir()
+    monkeypatch.delenv(faults.ENV)
+    assert len(train(TrainConfig(**opts, out=str(tmp_path / "c")))["losses"]) == 3  # unset
+
+
 # ---- PeerWatch: heartbeats and exit records through a real TCP store ---------------------------
 class _Recording(faults.PeerWatch):
     """Records a hang instead of ending the test process (`os._exit`)."""
