@@ -1,18 +1,33 @@
 """Optional DeepSpeed target: `build(sch, target="deepspeed", deepspeed_config={...})`.
 
 DeepSpeed is imported only here and only when asked for, so Slapo never depends on it. What
-this target covers:
-- ZeRO stages 0-3 (and whatever else the config enables, e.g. offload) through
-  `deepspeed.initialize`, over the mesh's dp dimension (the whole world when there is no mesh);
+this target covers (each item runs in `tests/test_deepspeed.py` on 2 gloo ranks, DeepSpeed's
+CPU accelerator, against a one-process plain-PyTorch AdamW run):
+- ZeRO stages 1, 2 and 3 through `deepspeed.initialize` (stage 0 and whatever else the config
+  enables, e.g. offload, are passed through untested), data-parallel over the whole world;
 - gradient accumulation and clipping are DeepSpeed's (`gradient_accumulation_steps`,
-  `gradient_clipping`, filled in from `grad_accum` / `grad_clip` unless the config sets them);
-- the same `train_step(batch) -> float` as every other runtime.
+  `gradient_clipping`, filled in from `grad_accum` / `grad_clip`; a config that says otherwise
+  is refused rather than silently ignored);
+- bf16 (`{"bf16": {"enabled": True}}`: bf16 weights and activations, fp32 master weights in the
+  ZeRO optimizer); fp16 wherever DeepSpeed's accelerator supports it (not its CPU accelerator:
+  refused with a SchedulingError, as is bf16 on an accelerator without it);
+- the same `train_step(batch) -> float` as every other runtime, and `state_dict()` under the
+  model's own keys (gathered from the ZeRO-3 partitions).
 Not covered: pipeline parallelism (DeepSpeed's PipelineModule needs a flat layer list) and
 tensor parallelism combined with ZeRO (Slapo's TP shards are not registered with DeepSpeed's
-model-parallel unit); both raise a SchedulingError.
+model-parallel unit); both raise a SchedulingError before anything is changed.
+
+Launching: DeepSpeed reads `LOCAL_RANK` (torchrun and the deepspeed launcher set it) and, when
+torch.distributed is not initialised yet, the torchrun variables; a process without them is
+refused up front (DeepSpeed would otherwise try MPI discovery or assert). On a machine with a GPU
+DeepSpeed picks its CUDA accelerator and moves the model there; to run on CPU (gloo) set
+`DS_ACCELERATOR=cpu` before the first `import deepspeed`. A mismatch between DeepSpeed's
+accelerator and the mesh's / `device`'s type is refused.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import torch.distributed as dist
@@ -21,7 +36,10 @@ import torch.nn as nn
 from ..errors import SchedulingError
 from .batch import Batch, batch_size, call, check_divisible, slice_batch
 from .mesh import MeshInfo
-from .train_step import LossFn, StepConfig, compute_loss, reduce_loss
+from .train_step import LossFn, StepConfig, compute_loss
+
+_LAUNCH_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+_LOCAL_RANK_ENV = ("LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK")
 
 
 def import_deepspeed():
@@ -31,9 +49,80 @@ def import_deepspeed():
     except ImportError as e:
         raise SchedulingError("", f"target='deepspeed' needs the deepspeed package, which does "
                               f"not import here ({e}).",
-                              "install it (`DS_BUILD_OPS=0 pip install deepspeed`) or use "
-                              "target=None (DDP / FSDP2 / pipeline from torch).") from None
+                              "install it (`DS_BUILD_OPS=0 pip install deepspeed`, or "
+                              "`pip install slapo[deepspeed]`) or use target=None (DDP / FSDP2 "
+                              "/ pipeline from torch).") from None
     return deepspeed
+
+
+# ------------------------------------------------------------------------------------------------
+# checks (all before the model is touched)
+# ------------------------------------------------------------------------------------------------
+
+def check_supported(info: MeshInfo, data_parallel, pipeline) -> None:
+    """Refuse what this target cannot run; needs no deepspeed, so it holds without it."""
+    if pipeline is not None or info.pp > 1:
+        raise SchedulingError("", "target='deepspeed' does not run Slapo pipelines.",
+                              "use target=None for pipeline parallelism.")
+    if info.tp > 1:
+        where = ("the mesh's tp dimension" if info.mesh is not None else "the schedule's "
+                 "tensor-parallel group (create_schedule without a mesh takes the whole world)")
+        raise SchedulingError("", f"target='deepspeed' does not combine with Slapo tensor "
+                              f"parallelism: {where} has {info.tp} ranks.",
+                              "create the schedule with mesh=slapo.init_mesh(dp=<world size>) "
+                              "(tp=1), or use data_parallel='fsdp' with target=None for TP + "
+                              "sharded data parallelism.")
+    if data_parallel is not None:
+        raise SchedulingError("", "target='deepspeed' does its own data parallelism; "
+                              f"data_parallel={data_parallel!r} would wrap the model twice.",
+                              "leave data_parallel=None and set the ZeRO stage in "
+                              "deepspeed_config.")
+    if info.mesh is not None and dist.is_initialized() and info.dp != dist.get_world_size():
+        raise SchedulingError("", f"the mesh's dp dimension has {info.dp} ranks but the job "
+                              f"has {dist.get_world_size()}; DeepSpeed's data parallelism "
+                              "spans the whole world.",
+                              "use init_mesh(dp=<world size>) with target='deepspeed'.")
+
+
+def check_launch_env() -> None:
+    """DeepSpeed asserts on a missing `LOCAL_RANK` and tries MPI discovery (mpi4py) when the
+    torchrun variables are missing and torch.distributed is not initialised yet."""
+    missing = [] if any(k in os.environ for k in _LOCAL_RANK_ENV) else ["LOCAL_RANK"]
+    if not dist.is_initialized():
+        missing += [k for k in _LAUNCH_ENV if k not in os.environ]
+    if missing:
+        raise SchedulingError("", f"target='deepspeed' needs the launcher's environment "
+                              f"variables {', '.join(missing)}, which are not set.",
+                              "launch with `torchrun` or the `deepspeed` launcher (a single "
+                              "process too: `torchrun --nproc-per-node 1 script.py`), or set "
+                              "them yourself.")
+
+
+def _enabled(cfg: dict, key: str) -> bool:
+    section = cfg.get(key)
+    return isinstance(section, dict) and bool(section.get("enabled", False))
+
+
+def check_accelerator(cfg: dict, info: MeshInfo, device) -> None:
+    """DeepSpeed moves the model to its accelerator's device and refuses dtypes that it does not
+    support only deep inside `initialize`; say both here, before anything moves."""
+    from deepspeed.accelerator import get_accelerator
+
+    acc = get_accelerator()
+    kind = torch.device(acc.device_name()).type
+    wanted = {"the mesh": info.device_type if info.mesh is not None else None,
+              "device": torch.device(device).type if device is not None else None}
+    for what, t in wanted.items():
+        if t is not None and t != kind:
+            raise SchedulingError("", f"DeepSpeed's accelerator runs on {kind!r}, but {what} "
+                                  f"is on {t!r}.", "set DS_ACCELERATOR=cpu (or cuda) before "
+                                  "deepspeed is first imported, to match the mesh / device.")
+    supported = {"fp16": acc.is_fp16_supported(), "bf16": acc.is_bf16_supported()}
+    for key, ok in supported.items():
+        if _enabled(cfg, key) and not ok:
+            raise SchedulingError("", f"deepspeed_config enables {key}, which DeepSpeed's "
+                                  f"{kind!r} accelerator does not support.",
+                                  "use bf16 (supported on CPU) or fp32, or run on a GPU.")
 
 
 def complete_config(base: dict | None, config: StepConfig) -> dict:
@@ -41,11 +130,13 @@ def complete_config(base: dict | None, config: StepConfig) -> dict:
 
     DeepSpeed insists on a batch size at initialisation but only uses it for its own data
     loader and logging; `train_step` splits whatever batch it is given, so 1 is a safe default.
+    `grad_accum` / `grad_clip` that contradict the config are refused: `train_step` slices the
+    batch by the config's accumulation count, so a silent choice would change the step.
     """
     cfg = dict(base or {})
-    cfg.setdefault("gradient_accumulation_steps", config.grad_accum)
+    _merge(cfg, "gradient_accumulation_steps", config.grad_accum, default=1)
     if config.grad_clip is not None:
-        cfg.setdefault("gradient_clipping", config.grad_clip)
+        _merge(cfg, "gradient_clipping", config.grad_clip, default=None)
     cfg.setdefault("zero_optimization", {"stage": 1})
     # our optimizer (e.g. torch.optim.AdamW) is a "client optimizer" to DeepSpeed, which ZeRO
     # refuses unless told that it is intended
@@ -55,59 +146,134 @@ def complete_config(base: dict | None, config: StepConfig) -> dict:
     return cfg
 
 
-class DeepSpeedModule(nn.Module):
-    """A DeepSpeed engine behind `train_step(batch) -> float`."""
+def _merge(cfg: dict, key: str, value, default) -> None:
+    """Set `key` from `build`'s argument unless the config has it; a config value that differs
+    from an argument the user changed from its default is a contradiction."""
+    if key not in cfg:
+        cfg[key] = value
+    elif value != default and cfg[key] != value:
+        raise SchedulingError("", f"deepspeed_config[{key!r}]={cfg[key]!r} contradicts the "
+                              f"build argument ({value!r}).", "set it in one place only.")
 
-    def __init__(self, engine, info: MeshInfo, config: StepConfig, loss_fn: LossFn | None):
+
+# ------------------------------------------------------------------------------------------------
+# the module
+# ------------------------------------------------------------------------------------------------
+
+class DeepSpeedModule(nn.Module):
+    """A DeepSpeed engine behind `train_step(batch) -> float` (see `TrainModule` for the
+    contract). Data parallelism is DeepSpeed's, over the whole world: with `batch_is_global`
+    each rank takes its 1/world of the samples; the returned loss is the global mean."""
+
+    def __init__(self, engine, config: StepConfig, loss_fn: LossFn | None):
         super().__init__()
         self.engine = engine
-        self.info = info
         self.step_config = config
         self.loss_fn = loss_fn
+        self.world = dist.get_world_size() if dist.is_initialized() else 1
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+
+    @property
+    def model(self) -> nn.Module:
+        return self.engine.module
+
+    @property
+    def optimizer(self):
+        return self.engine.optimizer
 
     def forward(self, *args, **kwargs):
         return self.engine(*args, **kwargs)
 
+    def __getattr__(self, name: str):
+        """Attributes the wrapper lacks come from the model (`model.config`), as for
+        TrainModule."""
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            engine = self.__dict__.get("_modules", {}).get("engine")
+            if engine is None:
+                raise
+            return getattr(engine.module, name)
+
+    # ---- the step -------------------------------------------------------------------------
+    def accumulation_steps(self) -> int:
+        return int(self.engine.gradient_accumulation_steps())
+
     def local_batch(self, batch: Batch) -> Batch:
-        cfg, info = self.step_config, self.info
-        check_divisible(batch, {"data-parallel ranks": info.dp if cfg.batch_is_global else 1,
-                                "grad_accum": cfg.grad_accum})
-        if not cfg.batch_is_global or info.dp == 1:
+        cfg = self.step_config
+        check_divisible(batch, {"data-parallel ranks": self.world if cfg.batch_is_global else 1,
+                                "grad_accum": self.accumulation_steps()})
+        if not cfg.batch_is_global or self.world == 1:
             return batch
-        size = batch_size(batch) // info.dp
-        return slice_batch(batch, info.dp_rank * size, (info.dp_rank + 1) * size)
+        size = batch_size(batch) // self.world
+        return slice_batch(batch, self.rank * size, (self.rank + 1) * size)
 
     def train_step(self, batch: Batch) -> float:
+        """One optimizer step: `k` engine micro-steps (DeepSpeed scales each backward by 1/k
+        and steps the optimizer, with its clipping, at the accumulation boundary)."""
+        if self.engine.optimizer is None:
+            raise SchedulingError("", "train_step needs an optimizer, and the DeepSpeed engine "
+                                  "has none.", "pass build(..., optimizer=torch.optim.AdamW) "
+                                  "or an 'optimizer' section in deepspeed_config.")
         batch = self.local_batch(batch)
-        k = self.step_config.grad_accum
+        k = self.accumulation_steps()
         size = batch_size(batch) // k
         total = 0.0
-        for i in range(k):  # the engine steps the optimizer at the accumulation boundary
+        for i in range(k):
             part = slice_batch(batch, i * size, (i + 1) * size)
             loss = compute_loss(call(self.engine, part), part, self.loss_fn)
             self.engine.backward(loss)
             self.engine.step()
             total += float(loss.detach()) / k
-        return reduce_loss(torch.tensor(total), self.info)
+        return self._mean_over_ranks(total)
 
+    def _mean_over_ranks(self, value: float) -> float:
+        if self.world == 1:
+            return value
+        t = torch.tensor([value], dtype=torch.float64, device=self.engine.device)
+        dist.all_reduce(t)
+        return float(t.item()) / self.world
+
+    # ---- checkpoints ------------------------------------------------------------------------
+    def state_dict(self, *args, destination=None, prefix: str = "", keep_vars: bool = False):
+        """The model's weights under its own keys (no `engine.module.` prefix), full tensors
+        (ZeRO-3 partitions are gathered: a collective, call it on every rank). In the engine's
+        dtype (bf16 with bf16 enabled); the fp32 master weights and optimizer state are in
+        `engine.save_checkpoint`."""
+        out = destination if destination is not None else {}
+        module = self.engine.module
+        if self.engine.zero_optimization_stage() == 3:
+            from deepspeed.runtime.zero import GatheredParameters
+
+            with GatheredParameters(list(module.parameters()), modifier_rank=None):
+                for k, v in module.state_dict(prefix=prefix).items():
+                    out[k] = v.detach().clone()
+            return out
+        return module.state_dict(destination=out, prefix=prefix, keep_vars=keep_vars)
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """Refused: ZeRO keeps its own fp32 master copy (partitioned), so weights loaded into the
+        module would be overwritten by the next step."""
+        raise SchedulingError("", "load_state_dict on a DeepSpeed model would not reach ZeRO's "
+                              "master weights.", "load the weights into the model before "
+                              "slapo.build, or use model.engine.load_checkpoint(dir).")
+
+
+# ------------------------------------------------------------------------------------------------
+# build
+# ------------------------------------------------------------------------------------------------
 
 def build_deepspeed(sch, info: MeshInfo, config: StepConfig, *, optimizer, optimizer_kwargs,
                     loss_fn, deepspeed_config: dict | None, device, init_weights, seed,
                     data_parallel, pipeline):
-    """Hand the scheduled model to `deepspeed.initialize`; returns (module, engine optimizer)."""
-    if pipeline is not None or info.pp > 1:
-        raise SchedulingError("", "target='deepspeed' does not run Slapo pipelines.",
-                              "use target=None for pipeline parallelism.")
-    if info.tp > 1:
-        raise SchedulingError("", "target='deepspeed' does not combine with Slapo tensor "
-                              "parallelism (tp > 1).", "use data_parallel='fsdp' for TP + "
-                              "sharded data parallelism.")
-    if data_parallel is not None:
-        raise SchedulingError("", "target='deepspeed' does its own data parallelism; "
-                              f"data_parallel={data_parallel!r} would wrap the model twice.",
-                              "leave data_parallel=None and set the ZeRO stage in "
-                              "deepspeed_config.")
+    """Hand the scheduled model to `deepspeed.initialize`; returns (module, engine optimizer).
+
+    Every check runs before the model is materialised, moved or cast."""
+    check_supported(info, data_parallel, pipeline)
     ds = import_deepspeed()
+    check_launch_env()
+    cfg = complete_config(deepspeed_config, config)
+    check_accelerator(cfg, info, device)
     from .build import place_weights
 
     model = sch.mod
@@ -116,6 +282,5 @@ def build_deepspeed(sch, info: MeshInfo, config: StepConfig, *, optimizer, optim
     opt = optimizer(params, **(optimizer_kwargs or {})) if optimizer is not None else None
     # With tp = pp = 1 the data-parallel group is the whole world, which is DeepSpeed's default.
     engine, ds_opt, _, _ = ds.initialize(model=model, optimizer=opt, model_parameters=params,
-                                         config=complete_config(deepspeed_config, config),
-                                         dist_init_required=not dist.is_initialized())
-    return DeepSpeedModule(engine, info, config, loss_fn), ds_opt
+                                         config=cfg, dist_init_required=not dist.is_initialized())
+    return DeepSpeedModule(engine, config, loss_fn), ds_opt
