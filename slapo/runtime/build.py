@@ -41,6 +41,7 @@ from .pipeline_runner import (
     plan_pipeline,
 )
 from .precision import Precision, check_autocast, check_mixed_precision, module_device_type
+from .shape_errors import name_shape_errors
 from .train_step import (
     LocalRunner,
     LossFn,
@@ -295,6 +296,7 @@ def build(sch: Schedule, *, optimizer: Callable | None = None,
     device_type = _run_device_type(sch, device, info)
     check_autocast(kind, device_type)
     config = StepConfig(info, grad_accum, grad_clip, 1, batch_is_global)
+    name_shape_errors(sch.mod, sch)  # a shape error inside a scheduled module names the shard
     if target == "deepspeed":
         from .deepspeed import build_deepspeed
 
