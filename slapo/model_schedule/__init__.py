@@ -23,7 +23,9 @@ order, each concern its knobs ask for:
 
 Beyond transformers: a torchvision-layout ResNet/WideResNet (no HF config; detected by its
 modules) gets channel tensor parallelism, per-stage checkpointing and pipeline cuts
-(`wideresnet.py`); the transformer knobs are refused for it with a `KnobError`.
+(`wideresnet.py`); the transformer knobs are refused for it with a `KnobError`. Recurrent
+models: `apply_rnn(model, layout=, compile_cell=, ckpt_chunk=)` swaps every nn.LSTM/nn.GRU for
+the fused `slapo.op.rnn` module (`rnn.py`, docs/rnn.md).
 
 Every knob is a plain value, so the tuner can search over them. `knobs.ScheduleKnobs` declares
 each one once (help text, domain, tuning candidates) and validates them; `slapo train`'s flags and
@@ -40,6 +42,7 @@ from ._registry import Family, apply, detect, register_family, supported
 from .compat import apply_schedule  # noqa: F401  (Slapo 2023 spelling, compat.py)
 from .knobs import KnobError, ScheduleKnobs
 from .plan import TPPlan, shard_block
+from .rnn import apply_rnn, rnn_paths
 
 # The built-in families, registered here in one visible list (a family file only declares its
 # `FAMILY`); users add theirs with `register_family`.
@@ -49,4 +52,4 @@ for _family in BUILTIN_FAMILIES:
     register_family(_family)
 
 __all__ = ["BUILTIN_FAMILIES", "Family", "KnobError", "ScheduleKnobs", "TPPlan", "apply",
-           "detect", "register_family", "shard_block", "supported"]
+           "apply_rnn", "detect", "register_family", "rnn_paths", "shard_block", "supported"]

@@ -42,6 +42,7 @@ from .linear_ce import (
     linear_cross_entropy,
 )
 from .mlp import RMSNorm, SwiGLU
+from .rnn import FusedGRU, FusedLSTM
 from .tempo import (
     TempoReport,
     apply_tempo,
@@ -85,6 +86,8 @@ __all__ = [
     "ChunkedLinearCrossEntropyFunction",
     "FusedBiasDropoutAdd",
     "FusedBiasGELU",
+    "FusedGRU",
+    "FusedLSTM",
     "RMSNorm",
     "SwiGLU",
     "VocabParallelEmbedding",
