@@ -10,6 +10,7 @@ tensor still gets its module's own init. Single-process checks play each rank on
 from __future__ import annotations
 
 import math
+import re
 import warnings
 from collections import Counter
 
@@ -306,9 +307,14 @@ def test_unreplayable_init_falls_back_for_that_tensor_only_with_a_warning():
     with pytest.warns(InitFallbackWarning):
         ref = _tensors(materialize(_toy(shard=False), "cpu", init_fn=fragile_init, seed=SEED))
     reset_init_warnings()  # the unsharded build fell back too (same values): warn again
-    with pytest.warns(InitFallbackWarning, match=r"kaiming\.weight \(40, 24\).*another tensor"):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         shards = [_tensors(materialize(_toy(VirtualGroup(2, r)), "cpu", init_fn=fragile_init,
                                        seed=SEED)) for r in range(2)]
+    named = [str(w.message) for w in caught if issubclass(w.category, InitFallbackWarning)]
+    assert any(re.search(r"kaiming\.weight \(40, 24\).*another tensor", m) for m in named), named
+    assert not any("emb.weight" in m or "xavier" in m for m in named), named  # only those
+    assert len([m for m in named if "kaiming.weight" in m]) == 1, named  # once, not per rank
     for name, want in ref.items():
         assert torch.equal(_merged(shards, name), want.detach()), name
     w = ref["kaiming.weight"].detach()
@@ -347,3 +353,15 @@ def job_build_sharded_init():
 def test_real_build_on_two_ranks(dist2):
     res = dist2.run(job_build_sharded_init, timeout=300)
     assert res[0] == res[1] and all(n >= 8 for n in res[0].values()), res
+
+
+def test_materialised_weights_are_never_touched():
+    """A weight loaded while its module's bias is still meta keeps its values (the init runs
+    with a stand-in in its slot); the bias gets its init."""
+    model = _toy(shard=False)
+    loaded = nn.Parameter(torch.ones(40, 24))
+    model.kaiming.weight = loaded
+    materialize(model, "cpu", seed=SEED)
+    assert model.kaiming.weight is loaded and torch.equal(loaded, torch.ones(40, 24))
+    bias = model.kaiming.bias.detach()
+    assert bias.abs().max() <= 1 / math.sqrt(24) and bias.std() > 0

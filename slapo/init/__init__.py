@@ -46,7 +46,7 @@ import torch.nn as nn
 
 from .. import sharding
 from . import replay
-from .record import Recorder
+from .record import Recorder, StandIn
 
 
 @contextlib.contextmanager
@@ -155,7 +155,7 @@ def _materialize_module(mod: nn.Module, path: str, metas, init, device: torch.de
     full = {n: _wrap(recorder.stand_in(n, _full_shape(t), t.dtype), t, k) for n, t, k in metas}
     for n, _t, k in metas:
         _slots(mod, k)[n] = full[n]
-    with _seeded(device, module_seed(seed, path)):
+    with _seeded(device, module_seed(seed, path)), _shielded(mod, recorder):
         rec = recorder.run(lambda: init(mod, path))
     values = {}
     for n, t, k in metas:
@@ -169,7 +169,8 @@ def _materialize_module(mod: nn.Module, path: str, metas, init, device: torch.de
             values[n] = replay.replay(rec.ops.get(n, []), local, lay, seed, f"{path}:{n}", gen)
     failed = [(n, t, k) for n, t, k in metas if n in rec.failed]
     if failed:
-        values.update(_full_then_slice(mod, path, failed, rec.failed, init, device, seed))
+        with _shielded(mod, recorder):
+            values.update(_full_then_slice(mod, path, failed, rec.failed, init, device, seed))
     for n, t, k in metas:
         new = _wrap(values[n], t, k)
         _carry_records(t, new)
@@ -177,11 +178,30 @@ def _materialize_module(mod: nn.Module, path: str, metas, init, device: torch.de
         done[id(t)] = new
 
 
+@contextlib.contextmanager
+def _shielded(mod: nn.Module, recorder: Recorder):
+    """Already materialised tensors of the module (e.g. loaded from a checkpoint while its
+    neighbours stay meta) sit out the init: untracked stand-ins take their slots meanwhile, so
+    the init's writes to them go nowhere."""
+    kept = []
+    for kind in ("p", "b"):
+        slots = _slots(mod, kind)
+        for n, t in list(slots.items()):
+            if t is not None and t.device.type != "meta" and not isinstance(t, StandIn):
+                kept.append((slots, n, t))
+                slots[n] = _wrap(recorder.stand_in(None, _full_shape(t), t.dtype), t, kind)
+    try:
+        yield
+    finally:
+        for slots, n, t in kept:
+            slots[n] = t
+
+
 def _full_then_slice(mod: nn.Module, path: str, failed, reasons: dict[str, str], init,
                      device: torch.device, seed: int) -> dict[str, torch.Tensor]:
     """The pre-replay path, for tensors the recorder could not replay: allocate them at full
     size, run the init under the module's seed, keep this rank's slice. The module's other
-    tensors are full-size meta tensors meanwhile, so the init leaves them alone."""
+    tensors are stand-ins meanwhile, so the init leaves them alone."""
     for n, t, k in failed:
         _warn_fallback(mod, path, n, _full_shape(t), reasons[n])
         _slots(mod, k)[n] = _wrap(torch.zeros(_full_shape(t), dtype=t.dtype, device=device), t, k)
