@@ -13,6 +13,7 @@ imported (on a GPU machine DeepSpeed would otherwise pick CUDA and move the mode
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import importlib.util
 import os
@@ -35,18 +36,28 @@ STEPS_SEEDS = (1, 2, 1)  # three steps; the repeated batch makes the loss fall
 # jobs (run on every rank of the pool)
 # ------------------------------------------------------------------------------------------------
 
-def _ds_rank_env() -> None:
-    """DeepSpeed's CPU accelerator and the launcher variable it insists on."""
+@contextlib.contextmanager
+def _ds_rank_env():
+    """DeepSpeed's CPU accelerator and the launcher variable it insists on (restored after the
+    job: the pool's ranks serve other test files too)."""
     import torch.distributed as dist
 
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    before = os.environ.get("LOCAL_RANK")
     os.environ["LOCAL_RANK"] = str(dist.get_rank())
-    from deepspeed.accelerator import get_accelerator
+    try:
+        from deepspeed.accelerator import get_accelerator
 
-    name = get_accelerator().device_name()
-    if name != "cpu":
-        raise RuntimeError(f"DeepSpeed picked the {name!r} accelerator in this pool rank "
-                           "(deepspeed was imported before DS_ACCELERATOR=cpu was set).")
+        name = get_accelerator().device_name()
+        if name != "cpu":
+            raise RuntimeError(f"DeepSpeed picked the {name!r} accelerator in this pool rank "
+                               "(deepspeed was imported before DS_ACCELERATOR=cpu was set).")
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("LOCAL_RANK", None)
+        else:
+            os.environ["LOCAL_RANK"] = before
 
 
 def _family(name: str):
@@ -96,11 +107,11 @@ def _load_refused(tm) -> bool:
 
 def job_zero(stage: int) -> dict:
     """GPT-2 and BERT-MLM, accumulation 2, clipping at CLIP; plus the unclipped reference."""
-    _ds_rank_env()
     out = {}
-    for family in ("gpt2", "bert_mlm"):
-        out[family] = _train(family, stage, grad_accum=2, grad_clip=CLIP)
-        out[family]["clip_effect"] = _clip_effect(family)
+    with _ds_rank_env():
+        for family in ("gpt2", "bert_mlm"):
+            out[family] = _train(family, stage, grad_accum=2, grad_clip=CLIP)
+            out[family]["clip_effect"] = _clip_effect(family)
     return out
 
 
@@ -114,9 +125,9 @@ def _clip_effect(family: str) -> float:
 
 
 def job_bf16() -> dict:
-    _ds_rank_env()
-    return {stage: _train("gpt2", stage, grad_accum=1, grad_clip=None,
-                          extra={"bf16": {"enabled": True}}) for stage in (1, 2, 3)}
+    with _ds_rank_env():
+        return {stage: _train("gpt2", stage, grad_accum=1, grad_clip=None,
+                              extra={"bf16": {"enabled": True}}) for stage in (1, 2, 3)}
 
 
 def _refusal(build_kwargs: dict, mesh=None, schedule=None) -> str:
@@ -139,9 +150,13 @@ def _refusal(build_kwargs: dict, mesh=None, schedule=None) -> str:
 
 
 def job_refusals() -> dict:
+    with _ds_rank_env():
+        return _refusals()
+
+
+def _refusals() -> dict:
     from tp_schedules import gpt2_tp
 
-    _ds_rank_env()
     runtime = slapo.runtime
     dp, tp, pp = runtime.init_mesh(dp=2), runtime.init_mesh(tp=2), runtime.init_mesh(pp=2)
     out = {
@@ -150,6 +165,7 @@ def job_refusals() -> dict:
         "pp_mesh": _refusal({}, mesh=pp),
         "pipeline_arg": _refusal({"pipeline": "1F1B"}, mesh=dp),
         "ddp": _refusal({"data_parallel": "ddp"}, mesh=dp),
+        "device": _refusal({"device": "cuda"}, mesh=dp),
         "fp16": _refusal({"deepspeed_config": {"fp16": {"enabled": True}}}, mesh=dp),
         "accum_conflict": _refusal({"grad_accum": 2, "deepspeed_config":
                                     {"gradient_accumulation_steps": 4}}, mesh=dp),
@@ -213,6 +229,7 @@ def test_refusals_are_clear_and_change_nothing(dist2):
         assert "does not run Slapo pipelines" in r["pp_mesh"]
         assert "does not run Slapo pipelines" in r["pipeline_arg"]
         assert "does its own data parallelism" in r["ddp"]
+        assert "accelerator runs on 'cpu', but device is on 'cuda'" in r["device"]
         assert "enables fp16" in r["fp16"] and "'cpu' accelerator" in r["fp16"]
         assert "gradient_accumulation_steps" in r["accum_conflict"]
         assert "gradient_clipping" in r["clip_conflict"]
