@@ -202,7 +202,9 @@ def test_config_file_trains_from_a_fresh_init(gpt2_dir, tmp_path):
     m = run(tmp_path, "--model", str(gpt2_dir / "config.json"), "--steps", "2",
             "--tokenizer", str(gpt2_dir))
     assert abs(m["losses"][0] - math.log(400)) < 0.3  # not the saved weights: a fresh init
-    assert m["losses"][0] != pytest.approx(first_batch_loss(gpt2_dir), rel=1e-3)
+    # the saved weights give first_batch_loss to 1e-6 (test above); a fresh init differs by more
+    # (both are near log(V) for a barely trained model, so only the size of the gap tells)
+    assert abs(m["losses"][0] - first_batch_loss(gpt2_dir)) > 1e-4
 
 
 def test_local_piece_reads_exactly_the_shard(tmp_path):

@@ -9,6 +9,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from ..model_schedule.knobs import ScheduleKnobs
+from ..model_schedule.knobs import names as knob_names
 from . import faults
 from . import run_state as ckpt
 from .config import RUN_IDENTITY, TrainConfig, flag
@@ -56,15 +58,31 @@ def pick_checkpoint(run: Any) -> Path | None:
     return path
 
 
+def _effective(name: str, value: Any) -> Any:
+    """What an option means for the run: a knob that was not given (None) is its schema
+    default (`--tp` not given is tp 1), so spelling the default out is the same run."""
+    if value is not None or name not in knob_names():
+        return value
+    default = getattr(ScheduleKnobs(), name)
+    return 1 if name == "tp" and default is None else default
+
+
+def _shown(value: Any) -> str:
+    return "not given" if value is None else str(value)
+
+
 def check_identity(cfg: Any, path: Path, saved: dict[str, Any]) -> None:
     """The options that define the run must match the checkpoint's; checked before any tensor
     is read, so a different model or size gets this message, not a loader error."""
     defaults = TrainConfig()  # a key a checkpoint predates had its default value
-    diff = {k: (saved.get(k, getattr(defaults, k)), getattr(cfg, k)) for k in RUN_IDENTITY
-            if saved.get(k, getattr(defaults, k)) != getattr(cfg, k)}
+    diff = {}
+    for k in RUN_IDENTITY:
+        old, new = saved.get(k, getattr(defaults, k)), getattr(cfg, k)
+        if _effective(k, old) != _effective(k, new):
+            diff[k] = (old, new)
     if diff:
-        shown = ", ".join(f"--{flag(k)} {new} (checkpoint: {old})" for k, (old, new) in
-                          diff.items())
+        shown = ", ".join(f"--{flag(k)} {_shown(new)} (checkpoint: {_shown(old)})"
+                          for k, (old, new) in diff.items())
         raise ValueError(f"cannot resume from {path}: it is a different run: {shown}.")
 
 
