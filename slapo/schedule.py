@@ -269,6 +269,22 @@ def _join(prefix: str, name: str) -> str:
     return f"{prefix}.{name}" if prefix else name
 
 
+def _check_group_and_mesh(group, mesh) -> None:
+    """A wrong object here would fail much later, inside a collective: refuse it up front."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if group is not None and not isinstance(group, (dist.ProcessGroup, _g.VirtualGroup)):
+        raise SchedulingError("", f"group= must be a torch.distributed ProcessGroup, got "
+                              f"{type(group).__name__}.",
+                              "pass e.g. dist.new_group(ranks), mesh.get_group('tp'), or leave "
+                              "it out (the default group).")
+    if mesh is not None and not isinstance(mesh, DeviceMesh):
+        raise SchedulingError("", f"mesh= must be a DeviceMesh, got {type(mesh).__name__}.",
+                              "pass slapo.init_mesh(...) (or init_device_mesh), or leave it "
+                              "out.")
+
+
 def create_schedule(model: nn.Module, *, group=None, mesh=None) -> Schedule:
     """Build the schedule tree of `model`.
 
@@ -279,6 +295,7 @@ def create_schedule(model: nn.Module, *, group=None, mesh=None) -> Schedule:
     if not isinstance(model, nn.Module):
         raise SchedulingError("", f"create_schedule expects an nn.Module, got {type(model).__name__}.",
                               "pass the model object (e.g. BertModel(config)).")
+    _check_group_and_mesh(group, mesh)
     if group is None and mesh is not None:
         names = mesh.mesh_dim_names or ()
         group = mesh.get_group("tp") if "tp" in names else (mesh.get_group() if mesh.ndim == 1

@@ -178,3 +178,10 @@ def test_errors_are_one_family():
         s["nope"]
     assert "nope" not in s
     assert not hasattr(s, "no_such_primitive")
+
+
+@pytest.mark.parametrize("kwargs,match", [({"group": "tp"}, "group= must be"),
+                                          ({"mesh": [0, 1]}, "mesh= must be a DeviceMesh")])
+def test_create_schedule_refuses_a_wrong_group_or_mesh(kwargs, match):
+    with pytest.raises(slapo.SchedulingError, match=match):
+        slapo.create_schedule(nn.Linear(2, 2), **kwargs)
