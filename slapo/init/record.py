@@ -1,21 +1,23 @@
 """Record what a module's init function writes into its (full-size, memory-less) tensors.
 
 Why: to initialise a shard without ever holding the whole tensor, we run the model's own init
-(`_init_weights`, `reset_parameters`, a user `init_fn`) on *meta* tensors of the original shape,
-where it costs nothing, and write down every in-place op it applies to each of them, with the
-scalars it resolved (a kaiming bound, a std from the config). `replay` then applies those ops to
+(`_init_weights`, `reset_parameters`, a user `init_fn`) on `StandIn`s of the original shape
+(memory-less, backed by meta tensors, costing nothing), and write down every in-place op it
+applies to each of them, with the scalars it resolved (a kaiming bound, a std from the config). `replay` then applies those ops to
 the local shard only. Ops are seen at the aten level, below `torch.nn.init` and
 `transformers.initialization`, so any init that reduces to them is covered:
 
 - random fills (`normal_`, `uniform_`, `bernoulli_`, ...: ops tagged `nondeterministic_seeded`)
-  with scalar arguments: `trunc_normal_`, `kaiming_*`, `xavier_*` become these plus pointwise ops;
+  with scalar arguments: `kaiming_*`, `xavier_*` and torch 2.11's inverse-CDF `trunc_normal_`
+  become these plus pointwise ops;
 - `zero_`, `fill_`, `copy_` from a real (non-meta) tensor, `masked_fill_`, and any in-place
   pointwise op (`mul_`, `clamp_`, `erfinv_`, ...) whose other tensor arguments are real;
 - `index_fill_` and writes through strided views (`weight[padding_idx].zero_()`, slices).
 
-A write the replay cannot reproduce exactly (data from another meta tensor, as in `orthogonal_`;
-an `out=` op; a view that is not a box of the tensor; an init that raises on meta or replaces the
-tensor) marks that tensor *failed* with the reason; `materialize` then initialises it the old way.
+A write the replay cannot reproduce exactly (values computed from another tensor of the init, as
+in `orthogonal_`; an `out=` op; a view that is not a box of the tensor; an init that reads values
+in Python, as torch 2.13's rejection-sampling `trunc_normal_` does, or replaces the tensor) marks
+that tensor *failed* with the reason; `materialize` then initialises it the old way.
 """
 
 from __future__ import annotations
