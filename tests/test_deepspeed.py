@@ -139,7 +139,8 @@ def _refusal(build_kwargs: dict, mesh=None, schedule=None) -> str:
         schedule(sch)
         before = {k: v.clone() for k, v in model.state_dict().items()}
     try:
-        slapo.build(sch, optimizer=torch.optim.AdamW, target="deepspeed", **build_kwargs)
+        slapo.build(sch, **{"optimizer": torch.optim.AdamW, "target": "deepspeed",
+                            **build_kwargs})
     except slapo.SchedulingError as e:
         after = model.state_dict()
         assert before.keys() == after.keys()
@@ -172,6 +173,7 @@ def _refusals() -> dict:
         "clip_conflict": _refusal({"grad_clip": 1.0, "deepspeed_config":
                                    {"gradient_clipping": 0.5}}, mesh=dp),
     }
+    out["no_optimizer"] = _refusal({"optimizer": None}, mesh=dp)
     local = os.environ.pop("LOCAL_RANK")
     try:
         out["no_local_rank"] = _refusal({}, mesh=dp)
@@ -233,6 +235,7 @@ def test_refusals_are_clear_and_change_nothing(dist2):
         assert "enables fp16" in r["fp16"] and "'cpu' accelerator" in r["fp16"]
         assert "gradient_accumulation_steps" in r["accum_conflict"]
         assert "gradient_clipping" in r["clip_conflict"]
+        assert "ZeRO stage 1 needs an optimizer" in r["no_optimizer"]
         assert "LOCAL_RANK" in r["no_local_rank"] and "torchrun" in r["no_local_rank"]
 
 
@@ -255,3 +258,29 @@ def test_deepspeed_not_importable_is_a_clear_error(monkeypatch):
 
     with pytest.raises(slapo.SchedulingError, match="needs the deepspeed package"):
         init_target_engine(model, target="deepspeed")
+
+
+@needs_ds
+def test_build_again_after_the_process_group_was_destroyed(monkeypatch, one_thread):
+    """One process, torch.distributed initialised by DeepSpeed from the torchrun variables, torn
+    down, and again: DeepSpeed's cached world-group clone must not outlive its process group."""
+    import torch.distributed as dist
+    from dist_pool import _free_port
+
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    for k, v in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1",
+                 "MASTER_ADDR": "127.0.0.1"}.items():
+        monkeypatch.setenv(k, v)
+    model, batches = _family("gpt2")
+    want = reference_losses(copy.deepcopy(model), batches[:2], grad_accum=2)
+    for _ in range(2):
+        monkeypatch.setenv("MASTER_PORT", str(_free_port()))
+        fresh = copy.deepcopy(model)
+        try:
+            tm, _ = slapo.build(slapo.create_schedule(fresh), optimizer=torch.optim.AdamW,
+                                optimizer_kwargs={"lr": LR}, target="deepspeed", grad_accum=2)
+            got = [tm.train_step(b) for b in batches[:2]]
+        finally:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-5, atol=0)

@@ -125,6 +125,16 @@ def check_accelerator(cfg: dict, info: MeshInfo, device) -> None:
                                   "use bf16 (supported on CPU) or fp32, or run on a GPU.")
 
 
+def check_optimizer(cfg: dict, optimizer) -> None:
+    """ZeRO stages 1 and 2 shard optimizer state, so DeepSpeed asserts without an optimizer
+    (stage 0 and 3 build an inference engine); say so before anything moves."""
+    stage = (cfg.get("zero_optimization") or {}).get("stage", 0)
+    if optimizer is None and "optimizer" not in cfg and stage in (1, 2):
+        raise SchedulingError("", f"ZeRO stage {stage} needs an optimizer, and none was given.",
+                              "pass build(..., optimizer=torch.optim.AdamW) or an 'optimizer' "
+                              "section in deepspeed_config.")
+
+
 def complete_config(base: dict | None, config: StepConfig) -> dict:
     """The user's config completed with what `build` already knows.
 
@@ -263,6 +273,25 @@ class DeepSpeedModule(nn.Module):
 # build
 # ------------------------------------------------------------------------------------------------
 
+def forget_stale_groups() -> None:
+    """Drop DeepSpeed's cached clone of the world group when it belongs to a destroyed process
+    group: DeepSpeed caches it module-wide (`deepspeed.utils.groups._WORLD_GROUP`), so a second
+    `build` in a process that re-initialised torch.distributed (tests, notebooks) failed with
+    "Group ... is not registered" (DeepSpeed 0.19.8). Private name: guarded, a no-op if gone."""
+    from deepspeed.utils import groups
+
+    cached = getattr(groups, "_WORLD_GROUP", None)
+    if cached is None:
+        return
+    if dist.is_initialized():
+        try:
+            dist.get_process_group_ranks(cached)
+            return
+        except (ValueError, RuntimeError):
+            pass
+    groups._WORLD_GROUP = None
+
+
 def build_deepspeed(sch, info: MeshInfo, config: StepConfig, *, optimizer, optimizer_kwargs,
                     loss_fn, deepspeed_config: dict | None, device, init_weights, seed,
                     data_parallel, pipeline):
@@ -273,6 +302,7 @@ def build_deepspeed(sch, info: MeshInfo, config: StepConfig, *, optimizer, optim
     ds = import_deepspeed()
     check_launch_env()
     cfg = complete_config(deepspeed_config, config)
+    check_optimizer(cfg, optimizer)
     check_accelerator(cfg, info, device)
     from .build import place_weights
 
@@ -280,6 +310,7 @@ def build_deepspeed(sch, info: MeshInfo, config: StepConfig, *, optimizer, optim
     place_weights(model, device, info, init_weights, seed)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = optimizer(params, **(optimizer_kwargs or {})) if optimizer is not None else None
+    forget_stale_groups()
     # With tp = pp = 1 the data-parallel group is the whole world, which is DeepSpeed's default.
     engine, ds_opt, _, _ = ds.initialize(model=model, optimizer=opt, model_parameters=params,
                                          config=cfg, dist_init_required=not dist.is_initialized())
