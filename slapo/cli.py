@@ -63,7 +63,12 @@ HELP = {
                  "newest one can fall back)",
     "dist_timeout": "seconds a collective waits for a peer before the job fails (raise it for "
                     "long checkpoint saves or first-step compiles)",
-    "eval_batches": "val-loss batches at the end (0: skip)",
+    "eval_batches": "val-loss batches per evaluation (0: no val loss)",
+    "eval_every": "also evaluate every N steps (0: only at the end); val loss and perplexity "
+                  "go to the progress bar and metrics.jsonl",
+    "tensorboard": "also log to TensorBoard (OUT/tensorboard; needs the tensorboard package)",
+    "wandb": "also log to this Weights & Biases project (needs the wandb package; "
+             "WANDB_MODE=offline works)",
     "progress": "show the progress bar",
     "plot": "write metrics.png",
     "precision": "fp32, or bf16 / fp16 mixed precision: autocast forward and loss on fp32 master "

@@ -33,8 +33,16 @@ class Run:
     step: int = 0
     losses: list[float] = field(default_factory=list)
     step_times: list[float] = field(default_factory=list)
+    evals: list[dict[str, Any]] = field(default_factory=list)  # {step, val_loss, val_ppl}
     resumed_from: int | None = None
     resume_skipped: list[dict[str, str]] = field(default_factory=list)  # damaged checkpoints
+
+    @property
+    def lrs(self) -> list[float]:
+        """The learning rate of every step taken (a function of the step: see loop.lr_at)."""
+        from .loop import lr_at
+
+        return [lr_at(i, self.cfg) for i in range(self.step)]
 
     @property
     def precision(self):

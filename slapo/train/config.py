@@ -22,6 +22,7 @@ from ..data.sources import is_saved_dataset
 from ..model_schedule.knobs import CKPT_POLICIES, KnobError, ScheduleKnobs, knob_fields
 from . import pretrained
 from . import run_state as ckpt
+from .metrics_log import check_sinks
 from .models import ModelSize, get_model_spec
 
 __all__ = ["CKPT_POLICIES", "DEVICES", "DIST_TIMEOUT_S", "MULTI_STAGE", "PP_SCHEDULES",
@@ -82,7 +83,10 @@ class RunOptions:
     save_every: int = 0         # 0: only at the end (when `out` is given)
     keep_last: int = 0          # keep the N newest checkpoints (0: keep all)
     dist_timeout: float = DIST_TIMEOUT_S  # seconds a collective may wait for a peer
-    eval_batches: int = 4       # val-loss batches at the end (0: skip)
+    eval_batches: int = 4       # val-loss batches per evaluation (0: no val loss)
+    eval_every: int = 0         # also evaluate every N steps (0: only at the end)
+    tensorboard: bool = False   # also log to TensorBoard, in OUT/tensorboard
+    wandb: str | None = None    # also log to this Weights & Biases project
     progress: bool = True
     plot: bool = True
     progressive: bool = False   # run the progressive-optimization demo instead of training
@@ -102,6 +106,7 @@ class RunOptions:
         self._check_resume()
         if self.save_every and self.out is None:
             raise ValueError("--save-every needs --out DIR (where checkpoints are written)")
+        self._check_logging()
         self.schedule_knobs()  # the knob values, by the schema
         if self.precision not in PRECISIONS:
             raise ValueError(f"--precision must be one of {', '.join(PRECISIONS)}, got "
@@ -119,7 +124,7 @@ class RunOptions:
                      "grad_accum"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{flag(name)} must be >= 1, got {getattr(self, name)}")
-        for name in ("save_every", "warmup", "eval_batches", "keep_last"):
+        for name in ("save_every", "warmup", "eval_batches", "eval_every", "keep_last"):
             if getattr(self, name) < 0:
                 raise ValueError(f"--{flag(name)} must be >= 0, got {getattr(self, name)}")
         if not self.lr > 0:
@@ -154,6 +159,16 @@ class RunOptions:
             raise ValueError(f"--pp-stages {self.pp_stages} cuts the model into {stages} "
                              f"stages, but --num-layers {self.num_layers} gives fewer layers "
                              "than stages")
+
+    def _check_logging(self) -> None:
+        for name in ("tensorboard", "wandb"):
+            if getattr(self, name) and self.out is None:
+                raise ValueError(f"--{name} needs --out DIR (the run directory its log goes "
+                                 "to, beside metrics.jsonl)")
+        if self.eval_every and not self.eval_batches:
+            raise ValueError("--eval-every needs --eval-batches >= 1 (the batches each "
+                             "evaluation averages over)")
+        check_sinks(self.tensorboard, self.wandb)
 
     def _check_out(self) -> None:
         if self.out is not None and Path(self.out).exists() and not Path(self.out).is_dir():

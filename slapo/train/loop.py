@@ -3,8 +3,11 @@
     env = setup(cfg)                      # degrees and mesh (setup.py: ParallelDims, init_mesh)
     run = build(cfg, env)                 # data, model, schedule knobs, optimizer, one step fn
     resume(run)                           # optional: model, optimizer, RNG, sampler, history
-    for each step: batch -> lr -> step -> log -> (checkpoint)
-    finish                                # metrics.json, metrics.png (report.py)
+    for each step: batch -> lr -> step -> (eval) -> log -> (checkpoint)
+    finish                                # val loss, metrics.json, metrics.png (report.py)
+
+Logs stream as the run goes (`metrics_log`: metrics.jsonl / metrics.csv, TensorBoard, W&B):
+one record per step and per evaluation (`--eval-every N`; the val loss always at the end).
 
 Exact resume: a checkpoint holds everything the next step depends on (weights, optimizer
 moments, every RNG stream, the data sampler's position, the LR is a function of the step), so a
@@ -19,8 +22,10 @@ metrics, plot) and `run_state` (the checkpoint format). Their names are re-expor
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +44,9 @@ from .config import (  # noqa: F401  (re-exported)
     TrainConfig,
     config_fields,
 )
+from .metrics_log import MetricsLog
 from .report import (  # noqa: F401  (re-exported)
+    evaluate,
     log_step,
     metrics,
     plot,
@@ -98,33 +105,51 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         if cfg.resume_target() is not None:
             resume(run, log)
         meter.reset_peak(env.device)
-        bar = progress_bar(run)
-        while run.step < cfg.steps:
-            train_one_step(run)
-            log_step(run, bar)
-            if cfg.out and cfg.save_every and run.step % cfg.save_every == 0:
-                save(run)
-        bar.close()
-        if cfg.out and (run.resumed_from != run.step) and not (
-                cfg.save_every and run.step % cfg.save_every == 0):
-            save(run)  # the final state, unless just saved (or nothing was trained)
-        return finish(run, log)
+        with open_metrics_log(run) as mlog:
+            bar = progress_bar(run)
+            while run.step < cfg.steps:
+                train_one_step(run)
+                if cfg.eval_every and run.step % cfg.eval_every == 0:
+                    evaluate(run, mlog)
+                log_step(run, bar, mlog)
+                if cfg.out and cfg.save_every and run.step % cfg.save_every == 0:
+                    save(run)
+            bar.close()
+            if cfg.out and (run.resumed_from != run.step) and not (
+                    cfg.save_every and run.step % cfg.save_every == 0):
+                save(run)  # the final state, unless just saved (or nothing was trained)
+            return finish(run, log, mlog)
     finally:
         teardown(env)
 
 
-def finish(run: Run, log=print) -> dict[str, Any]:
+@contextlib.contextmanager
+def open_metrics_log(run: Run):
+    """The streaming log (rank 0 writes; see metrics_log), closed however the run ends."""
+    cfg = run.cfg
+    mlog = MetricsLog(cfg.out, enabled=run.env.is_main, tensorboard=cfg.tensorboard,
+                      wandb=cfg.wandb, config=asdict(cfg), resumed_from=run.resumed_from)
+    try:
+        yield mlog
+    finally:
+        mlog.close()
+
+
+def finish(run: Run, log=print, mlog: MetricsLog | None = None) -> dict[str, Any]:
     """Val loss, metrics.json and metrics.png (rank 0), the final line; returns the metrics."""
     cfg = run.cfg
-    data = metrics(run, val_loss(run), meter.peak_bytes(run.env.device))
+    val = evaluate(run, mlog)
+    data = metrics(run, val, meter.peak_bytes(run.env.device))
     if cfg.out and run.env.is_main:
         out = Path(cfg.out)
         write_metrics(out, data)
         if cfg.plot:
             plot(out, data)
     if data["losses"]:
+        shown_val = (f", val loss {val:.4f} (perplexity {data['val_ppl']:,.2f})"
+                     if val is not None else "")
         log(f"done: {run.step} steps, loss {data['losses'][0]:.4f} -> "
-            f"{data['losses'][-1]:.4f}, {data['tokens_per_s']:,.0f} tokens/s, peak memory "
+            f"{data['losses'][-1]:.4f}{shown_val}, {data['tokens_per_s']:,.0f} tokens/s, peak memory "
             f"{data['peak_memory_bytes'] / 2**20:,.0f} MiB"
             + (f"; wrote {cfg.out}" if cfg.out else ""))
     return data

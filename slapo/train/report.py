@@ -15,8 +15,9 @@ from typing import Any
 import torch
 
 from ..profile import meter
+from .metrics_log import perplexity
 
-__all__ = ["metrics", "plot", "progress_bar", "log_step", "throughput", "tokens_per_step",
+__all__ = ["evaluate", "metrics", "plot", "progress_bar", "log_step", "throughput", "tokens_per_step",
            "trained_parameters", "val_loss", "warn", "write_metrics"]
 
 
@@ -51,13 +52,34 @@ def progress_bar(run: Any):
                 dynamic_ncols=True, leave=True)
 
 
-def log_step(run: Any, bar) -> None:
+def log_step(run: Any, bar, log: Any = None) -> None:
+    """The progress bar's line (loss, tokens/s, peak memory, the latest val loss and
+    perplexity) and the step's record in the streaming metrics log."""
     tok_s = tokens_per_step(run.cfg) / run.step_times[-1]
     mem = meter.peak_bytes(run.env.device) / 2**20
     skipped = run.precision.skipped_steps
-    bar.set_postfix_str(f"loss {run.losses[-1]:.4f}  {tok_s:,.0f} tok/s  peak {mem:,.0f} MiB"
-                        + (f"  skipped {skipped}" if skipped else ""), refresh=False)
+    val = (f"  val {run.evals[-1]['val_loss']:.4f} (ppl {run.evals[-1]['val_ppl']:,.1f})"
+           if run.evals else "")
+    bar.set_postfix_str(f"loss {run.losses[-1]:.4f}{val}  {tok_s:,.0f} tok/s  peak "
+                        f"{mem:,.0f} MiB" + (f"  skipped {skipped}" if skipped else ""),
+                        refresh=False)
     bar.update(1)
+    if log is not None:
+        log.log(run.step, loss=run.losses[-1], lr=run.optimizer.param_groups[0]["lr"],
+                tokens_per_s=tok_s, peak_memory_mib=mem, skipped_steps=skipped)
+
+
+def evaluate(run: Any, log: Any = None) -> float | None:
+    """Collective (every rank runs the val forward). The val loss now, recorded in `run.evals`
+    (step, val_loss, val_ppl) and the metrics log; None when there is no val loss."""
+    if run.evals and run.evals[-1]["step"] == run.step:
+        return run.evals[-1]["val_loss"]  # already evaluated at this step
+    val = val_loss(run)
+    if val is not None:
+        run.evals.append({"step": run.step, "val_loss": val, "val_ppl": perplexity(val)})
+        if log is not None:
+            log.log(run.step, val_loss=val)
+    return val
 
 
 @torch.no_grad()
@@ -89,6 +111,9 @@ def metrics(run: Any, val: float | None, peak: int) -> dict[str, Any]:
     return {
         "losses": run.losses,
         "val_loss": val,
+        "val_ppl": perplexity(val),
+        "evals": run.evals,
+        "lrs": run.lrs,
         "tokens_per_s": throughput(run),
         "tokens_per_step": tokens_per_step(run.cfg),
         "step_times_s": run.step_times,
@@ -124,7 +149,8 @@ def write_metrics(out: Path, data: dict[str, Any]) -> Path:
 
 
 def plot(out: Path, data: dict[str, Any]) -> Path | None:
-    """metrics.png: loss and tokens/s per step (matplotlib, imported only here)."""
+    """metrics.png: train (and val) loss, tokens/s and the learning rate per step (matplotlib,
+    imported only here)."""
     try:
         import matplotlib
 
@@ -135,11 +161,18 @@ def plot(out: Path, data: dict[str, Any]) -> Path | None:
     losses = data["losses"]
     times = data["step_times_s"]
     first = len(losses) - len(times) + 1  # step number of times[0] (after a resume)
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.5))
-    ax1.plot(range(1, len(losses) + 1), losses)
-    ax1.set(xlabel="step", ylabel="loss", title=f"{data['config']['model']}: training loss")
+    fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(14, 3.5))
+    ax1.plot(range(1, len(losses) + 1), losses, label="train")
+    evals = data.get("evals") or []
+    if evals:
+        ax1.plot([e["step"] for e in evals], [e["val_loss"] for e in evals], "o-", label="val")
+        ax1.legend()
+    ax1.set(xlabel="step", ylabel="loss", title=f"{data['config']['model']}: loss")
     ax2.plot(range(first, first + len(times)), [data["tokens_per_step"] / t for t in times])
     ax2.set(xlabel="step", ylabel="tokens/s", title="throughput")
+    lrs = data.get("lrs") or []
+    ax3.plot(range(1, len(lrs) + 1), lrs)
+    ax3.set(xlabel="step", ylabel="learning rate", title="learning rate")
     fig.tight_layout()
     path = out / "metrics.png"
     fig.savefig(path, dpi=80)

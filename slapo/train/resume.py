@@ -24,7 +24,8 @@ def save(run: Any) -> Path:
     path = ckpt.checkpoint_dir(Path(run.cfg.out), run.step)
     trainer = {"step": run.step, "losses": run.losses, "step_times": run.step_times,
                "data": run.data.state_dict(), "config": asdict(run.cfg),
-               "precision": run.precision.state_dict()}  # fp16: the loss scale
+               "precision": run.precision.state_dict(),  # fp16: the loss scale
+               "evals": run.evals}
     ckpt.save(path, run.model, run.optimizer, trainer, run.env.rank, keep_last=run.cfg.keep_last)
     return path
 
@@ -100,6 +101,7 @@ def resume(run: Any, log=print) -> None:
     ckpt.load(path, run.model, run.optimizer, run.env.rank)
     run.step = trainer["step"]
     run.losses = list(trainer["losses"])
+    run.evals = [e for e in trainer.get("evals", []) if e["step"] <= run.step]
     run.data.load_state_dict(trainer["data"])
     if "precision" in trainer:
         run.precision.load_state_dict(trainer["precision"])
