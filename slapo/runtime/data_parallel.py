@@ -5,6 +5,10 @@ parameters are plain local shards (see `slapo.sharding`), so to DDP and FSDP2 th
 tensors: each TP rank data-parallelises its own shard with the ranks holding the same shard,
 which is exactly the dp group of the mesh. FSDP2 thus shards the TP shard further along dim 0
 (a 2-D dp x tp layout) without knowing about TP.
+
+FSDP2 changes the module's class in place; DDP returns a wrapper, which `build` keeps in the
+step's runner (`TrainState.wrapper`), never as a child of the model it returns, so the model's
+parameter names and state-dict keys stay its own (see `slapo.runtime.train_step.TrainModule`).
 """
 
 from __future__ import annotations
