@@ -4,6 +4,7 @@
     slapo train --config run.toml --steps 100          # flags override the TOML file
     slapo train --model llama --precision bf16 --device cuda
     torchrun --nproc-per-node 2 -m slapo.cli train --tp 2 --out runs/tp2
+    slapo export runs/tp2 --out exported/tp2           # a Hugging Face directory
 
 Options come from three places, later ones winning: `TrainConfig`'s defaults, the TOML file
 (`--config`; keys are the option names, with `_` or `-`, at top level or in any table such as
@@ -104,7 +105,38 @@ def _parser() -> argparse.ArgumentParser:
     from .tune.cli import add_tune_parser  # `slapo tune` (slapo/tune/cli.py)
 
     add_tune_parser(sub)
+    _add_export_parser(sub)
     return parser
+
+
+def _add_export_parser(sub: Any) -> None:
+    p = sub.add_parser("export", help="write a run's checkpoint as a Hugging Face directory",
+                       description="Consolidate a `slapo train` checkpoint (any tp / pp / "
+                       "dp-shard layout) in one process into a save_pretrained directory: "
+                       "config.json, model.safetensors, the tokenizer, slapo_export.json. "
+                       "AutoModel*.from_pretrained(OUT) loads it; the command checks that by "
+                       "reloading it and comparing logits.")
+    p.add_argument("run_dir", metavar="RUN_DIR", help="the --out directory of a slapo train run")
+    p.add_argument("--out", required=True, metavar="HF_DIR", help="where to write (new or "
+                   "empty directory)")
+    p.add_argument("--step", type=int, default=None, help="the checkpoint of this step "
+                   "(default: the newest intact one)")
+    p.add_argument("--no-check", dest="check", action="store_false",
+                   help="skip reloading the written directory to compare logits")
+    p.add_argument("--force", action="store_true", help="replace a non-empty --out")
+    p.set_defaults(func=_export)
+
+
+def _export(args: argparse.Namespace) -> int:
+    from .data import InputError
+    from .train.export import export_run
+
+    try:
+        export_run(args.run_dir, args.out, step=args.step, check=args.check, force=args.force)
+    except InputError as e:
+        print(f"slapo export: error: {e}", file=sys.stderr)
+        return 2
+    return 0
 
 
 def _add_train_options(train: argparse.ArgumentParser) -> None:
@@ -228,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of the `slapo` console script; returns the exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = _parser()
-    if argv and argv[0] == "tune":
+    if argv and argv[0] in ("tune", "export"):
         args = parser.parse_args(argv)
         return args.func(args)
     if not argv or argv[0] in ("-h", "--help") or argv[0] != "train":

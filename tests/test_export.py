@@ -60,6 +60,7 @@ def _auto(task: str):
     ("gpt2", "causal", {"tp": 2}),            # fused c_attn shards (blocks=3), vocab-parallel head
     ("llama", "causal", {"pp_stages": 2}),    # each rank saved its own stage
     ("bert", "masked", {"tp": 2}),
+    ("opt", "causal", {"dp_shard": True}),    # FSDP2: each rank saved its dp shard
 ])
 def test_export_reproduces_the_trained_models_logits(dist2, tmp_path, model, task, knobs):
     opts = {**TINY, "model": model, **knobs, "out": str(tmp_path / "run"), "save_every": 3}
@@ -112,3 +113,20 @@ def test_export_names_a_missing_step_and_lists_the_saved_ones(tmp_path, one_thre
     shard.write_bytes(shard.read_bytes()[:-10])
     result = export_run(tmp_path / "run", tmp_path / "hf", log=lambda *a: None)
     assert result.step == 1
+
+
+def test_slapo_export_command(tmp_path, one_thread, capsys):
+    from slapo.cli import main
+
+    assert main(["train", "--model", "bert", "--hidden-size", "32", "--num-layers", "2",
+                 "--num-heads", "2", "--seq-len", "16", "--batch-size", "2", "--steps", "1",
+                 "--no-progress", "--no-plot", "--eval-batches", "0",
+                 "--out", str(tmp_path / "run")]) == 0
+    assert main(["export", str(tmp_path / "run"), "--out", str(tmp_path / "hf")]) == 0
+    assert "reloaded logits match" in capsys.readouterr().out
+    from transformers import AutoModelForMaskedLM
+
+    AutoModelForMaskedLM.from_pretrained(str(tmp_path / "hf"), local_files_only=True)
+    assert main(["export", str(tmp_path / "nothing"), "--out", str(tmp_path / "x")]) == 2
+    assert "slapo export: error:" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()
