@@ -281,7 +281,7 @@ def test_pipeline_refuses_parameters_in_no_stage(dist2):
 def test_pipeline_error_on_one_rank_raises_on_every_rank(dist2):
     res = dist2.run(job_pp_error_reaches_every_rank, timeout=120)
     assert res[0]["loss"] == res[1]["loss"]
-    assert "rank(s) [1]" in res[0]["msgs"]["own_loss"]
+    assert "failed on rank 1" in res[0]["msgs"]["own_loss"]
     assert "_LossBug" in res[0]["msgs"]["user_loss"]
 
 
