@@ -130,3 +130,46 @@ def test_slapo_export_command(tmp_path, one_thread, capsys):
     assert main(["export", str(tmp_path / "nothing"), "--out", str(tmp_path / "x")]) == 2
     assert "slapo export: error:" in capsys.readouterr().err
     assert not (tmp_path / "x").exists()
+
+
+def job_save_pretrained(out: str, how: str) -> dict:
+    """Build a sharded GPT-2 (TP=2 or FSDP2 over 2 ranks), take a step, save_pretrained on
+    every rank; return what a whole model must hold (gathered here independently)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    import slapo
+    from slapo import model_schedule
+    from slapo.runtime.save import full_state_dict
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=2, n_head=2, vocab_size=128,
+                                       n_positions=64))
+    if how == "tp":
+        mesh = slapo.init_mesh(dp=1, tp=2)
+        sch = model_schedule.apply(model, tp=2, mesh=mesh)
+        built, _ = slapo.build(sch, mesh=mesh, optimizer=torch.optim.SGD,
+                               optimizer_kwargs={"lr": 0.1})
+    else:
+        mesh = slapo.init_mesh(dp=2)
+        built, _ = slapo.build(slapo.create_schedule(model, mesh=mesh), mesh=mesh,
+                               data_parallel="fsdp", optimizer=torch.optim.SGD,
+                               optimizer_kwargs={"lr": 0.1})
+    ids = torch.randint(0, 128, (4, 16), generator=torch.Generator().manual_seed(2))
+    built.train_step({"input_ids": ids, "labels": ids})
+    built.save_pretrained(out)
+    whole = full_state_dict(built)
+    return {k: v.detach().clone() for k, v in whole.items()}
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("how", ["tp", "fsdp"])
+def test_save_pretrained_of_a_sharded_model_writes_whole_tensors(dist2, tmp_path, how):
+    from transformers import GPT2LMHeadModel
+
+    res = dist2.run(job_save_pretrained, str(tmp_path / "hf"), how)
+    loaded = GPT2LMHeadModel.from_pretrained(str(tmp_path / "hf"), local_files_only=True)
+    for name, value in loaded.state_dict().items():
+        if name in res[0]:
+            assert torch.equal(value, res[0][name]), name
+    assert loaded.transformer.h[0].attn.c_attn.weight.shape == (32, 96)  # whole, not (32, 48)

@@ -316,14 +316,23 @@ def _train_class(cls: type) -> type:
     new = _TRAIN_CLASSES.get(cls)
     if new is None:
         user = _user_class(cls)
-        new = type(user.__name__, (TrainModule, cls), {
-            "__module__": user.__module__,
-            "__qualname__": f"TrainModuleOf{user.__name__}",
-            "_slapo_base": cls,
-            "_slapo_original_class": user,
-        })
+        attrs = {"__module__": user.__module__, "__qualname__": f"TrainModuleOf{user.__name__}",
+                 "_slapo_base": cls, "_slapo_original_class": user}
+        if hasattr(cls, "save_pretrained"):  # HF models: write whole tensors (runtime/save.py)
+            attrs["save_pretrained"] = _save_pretrained
+        new = type(user.__name__, (TrainModule, cls), attrs)
         _TRAIN_CLASSES[cls] = new
     return new
+
+
+def _save_pretrained(self, save_directory, *args, **kwargs):
+    """Hugging Face's `save_pretrained`, with whole tensors: a TP-sharded or FSDP2 model is
+    gathered first (a collective: call it on every rank; rank 0 writes). See runtime/save.py."""
+    from .save import save_pretrained_whole
+
+    base = type(self)._slapo_base.save_pretrained
+    return save_pretrained_whole(self, lambda *a, **k: base(self, *a, **k), save_directory,
+                                 *args, **kwargs)
 
 
 def check_trainable(module: nn.Module) -> None:
@@ -377,6 +386,11 @@ class PipelineTrainModule(TrainModule, nn.Module):
     def forward(self, *args, **kwargs):
         raise SchedulingError("", "this model is split into pipeline stages, so no rank can "
                               "run the whole forward.", "use model.train_step(batch).")
+
+    def save_pretrained(self, *args, **kwargs):
+        from .save import refuse_pipeline_save
+
+        refuse_pipeline_save()
 
     def _units(self) -> list[nn.Module]:
         """This rank's stages without a DDP wrapper."""
