@@ -319,11 +319,6 @@ def test_compat_tp2_and_pipeline_2_stages(dist2):
 
 
 @pytest.mark.dist
-@pytest.mark.xfail(strict=True, reason="runtime bug (reported to the lead): torch.pipelining's "
-                   "metadata inference runs each stage's forward once more on the first step, "
-                   "in training mode, on uninitialised tensors for later stages, so BatchNorm "
-                   "running statistics are polluted (seen: 7e32 on stage 1); needs a buffer-"
-                   "preserving metadata pass in runtime/pipeline_runner.py")
 def test_pipeline_keeps_bn_statistics(dist2):
     res = _pipeline_results(dist2, [[], [0], [], []])
     assert not any(r[3] for r in res), [r[3] for r in res]

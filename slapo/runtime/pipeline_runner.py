@@ -418,8 +418,33 @@ def make_stages(modules: list[nn.Module], stage_ids: list[int], plan: PipelinePl
 
     for m, s in zip(modules, stage_ids, strict=True):
         guard_stage_forward(m, s)
-    return [PipelineStage(m, s, plan.num_stages, device, group=info.group("pp"))
-            for m, s in zip(modules, stage_ids, strict=True)]
+    stages = [PipelineStage(m, s, plan.num_stages, device, group=info.group("pp"))
+              for m, s in zip(modules, stage_ids, strict=True)]
+    for stage in stages:
+        keep_buffers_through_shape_inference(stage)
+    return stages
+
+
+def keep_buffers_through_shape_inference(stage) -> None:
+    """torch infers a stage's output shapes on the first step by running its forward once
+    (later stages on uninitialised inputs), in training mode: BatchNorm's running statistics
+    would take that garbage in (seen: 7e32 after one step). Restore every buffer after it.
+    The method is `_forward_metadata_inference` in torch 2.13, `_shape_inference` earlier."""
+    for name in ("_forward_metadata_inference", "_shape_inference"):
+        inner = getattr(stage, name, None)
+        if inner is None:
+            continue
+
+        @functools.wraps(inner)
+        def run(*args, _inner=inner, **kwargs):
+            saved = [(b, b.detach().clone()) for b in stage.submod.buffers()]
+            try:
+                return _inner(*args, **kwargs)
+            finally:
+                for b, value in saved:  # via .data: the inference's own backward pass (shapes
+                    b.data.copy_(value)  # only) must not see a version bump of saved inputs
+
+        setattr(stage, name, run)
 
 
 def guard_stage_forward(module: nn.Module, stage_id: int) -> None:
