@@ -66,3 +66,30 @@ def test_bad_logging_flags_exit_2(flags, match, capsys):
     with pytest.raises(SystemExit) as e:
         main(["train", *args, *flags])
     assert e.value.code == 2 and match in capsys.readouterr().err
+
+
+def job_train_evals(options: dict) -> list[dict]:
+    import torch
+
+    from slapo.train import TrainConfig, train
+
+    torch.set_num_threads(1)
+    return train(TrainConfig(**options))["evals"]
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("model,rel", [("gpt2", 1e-5), ("llama", 1e-5), ("bert", 2e-3)])
+def test_pipeline_evaluates_like_one_process(dist2, model, rel):
+    """The val loss of a 2-stage pipeline (the schedule's forward-only eval, stages in eval
+    mode) equals the one-process run's at every evaluation. BERT MLM: each micro-batch's mean
+    over its masked tokens is weighted equally (docs/runtime.md), so training and val differ
+    from one process by that weighting, not by more."""
+    opts = dict(model=model, hidden_size=32, num_layers=2, num_heads=2, seq_len=32,
+                batch_size=4, steps=4, eval_every=2, eval_batches=2, progress=False,
+                plot=False, dropout=0.0)  # dropout draws differ with micro-batching
+    piped = dist2.run(job_train_evals, {**opts, "pp_stages": 2})
+    single = job_train_evals(opts)
+    assert [e["step"] for e in piped[0]] == [2, 4]
+    assert piped[0] == piped[1]  # every rank has the loss
+    for got, want in zip(piped[0], single, strict=True):
+        assert got["val_loss"] == pytest.approx(want["val_loss"], rel=rel)

@@ -280,6 +280,7 @@ class PipelineRunner:
         self.info = info
         self.holds_first = 0 in stage_ids
         self.holds_last = plan.num_stages - 1 in stage_ids
+        self.modules = list(stage_modules)
         self.first = stage_modules[stage_ids.index(0)] if self.holds_first else None
         self.last = stage_modules[stage_ids.index(plan.num_stages - 1)] \
             if self.holds_last else None
@@ -339,6 +340,27 @@ class PipelineRunner:
         return out
 
     def forward_backward(self, batch: Batch, scale: float, sync_grads: bool) -> torch.Tensor:
+        return self._run(batch, scale, self.schedule.step, "running the stages and the loss",
+                         return_outputs=False)
+
+    def evaluate(self, batch: Batch) -> torch.Tensor:
+        """Forward only (the schedule's `eval`), every stage in eval mode: the mean loss over
+        the micro-batches on the last stage's rank (zero elsewhere: `reduce_loss` sums over
+        the pp group)."""
+        if not hasattr(self.schedule, "eval"):
+            raise SchedulingError("", "this torch's pipeline schedules have no forward-only "
+                                  "eval().", "upgrade torch, or evaluate without a pipeline.")
+        modes = [(m, m.training) for m in self.modules]
+        for m, _ in modes:
+            m.eval()
+        try:
+            return self._run(batch, 1.0, self.schedule.eval, "evaluating")
+        finally:
+            for m, training in modes:
+                m.train(training)
+
+    def _run(self, batch: Batch, scale: float, run: Callable, where: str,
+             **run_kwargs: Any) -> torch.Tensor:
         self._batch, self._scale, self._losses, self._error = batch, scale, [], None
         args, target = (), None
         try:  # what can fail before the step fails on its rank only: agree first
@@ -350,12 +372,11 @@ class PipelineRunner:
         raise_on_every_rank(self._error, self.info, "preparing the pipeline step")
         token = _ACTIVE.set(self)
         try:
-            self.schedule.step(*args, target=target, return_outputs=False)
+            run(*args, target=target, **run_kwargs)
         finally:
             _ACTIVE.reset(token)
         self._batch = None
-        raise_on_every_rank(self._error, self.info, "running the stages and the loss",
-                            order=self._error_order)
+        raise_on_every_rank(self._error, self.info, where, order=self._error_order)
         if not self.holds_last:
             return torch.zeros(())
         # torch's first step also calls the loss once on uninitialised tensors to infer

@@ -107,6 +107,17 @@ class LocalRunner:
     def finish_grads(self) -> None:
         pass
 
+    def evaluate(self, batch: Batch) -> torch.Tensor:
+        """Forward and loss only, in eval mode, under the training precision."""
+        model = self.module
+        was_training = model.training
+        model.eval()
+        try:
+            with self.precision.autocast():
+                return compute_loss(call(model, batch), batch, self.loss_fn).detach()
+        finally:
+            model.train(was_training)
+
 
 @dataclass
 class NormWeights:
@@ -191,8 +202,8 @@ class TrainState:
 
 
 # Names a built model gains; `build` refuses a model that already uses any of them.
-TRAIN_ATTRIBUTES = ("train_step", "local_batch", "optimizer", "runner", "step_config",
-                    "precision", "_slapo_train")
+TRAIN_ATTRIBUTES = ("train_step", "eval_step", "local_batch", "optimizer", "runner",
+                    "step_config", "precision", "_slapo_train")
 
 
 class TrainModule:
@@ -293,6 +304,16 @@ class TrainModule:
             clip_grad_norm(state.norm_weights, cfg.grad_clip, cfg.info)
         state.precision.step(state.optimizer)
         return reduce_loss(loss, cfg.info)
+
+    @torch.no_grad()
+    def eval_step(self, batch: Batch) -> float:
+        """The batch's mean loss, forward only, in eval mode (no dropout), under the training
+        precision, on every rank; takes the same batch as `train_step` (global or local) and
+        changes nothing. Works with a pipeline too (the schedule's forward-only `eval`): the
+        one way `slapo train` computes its val loss. Collective: every rank calls it."""
+        state = self._slapo
+        batch = self.local_batch(as_batch(batch))
+        return reduce_loss(state.runner.evaluate(batch), state.step_config.info)
 
 
 # ------------------------------------------------------------------------------------------------

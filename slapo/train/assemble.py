@@ -45,6 +45,12 @@ class Run:
         return [lr_at(i, self.cfg) for i in range(self.step)]
 
     @property
+    def trainable(self):
+        """What `slapo.build` returned (the model itself, or a `PipelineTrainModule`): the
+        owner of `step_fn`, with `eval_step`."""
+        return self.step_fn.__self__
+
+    @property
     def precision(self):
         """The step's `slapo.runtime.precision.Precision` (autocast context, fp16 scaler)."""
         from ..runtime.precision import Precision

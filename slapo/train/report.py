@@ -82,27 +82,21 @@ def evaluate(run: Any, log: Any = None) -> float | None:
     return val
 
 
-@torch.no_grad()
 def val_loss(run: Any) -> float | None:
-    """Mean loss on the first `eval_batches` val batches (fixed, independent of the step)."""
-    if run.cfg.eval_batches == 0 or (run.cfg.pp_stages or 1) > 1 or run.dataset is None:
-        return None  # with a pipeline no rank holds the whole model
+    """Mean loss on the first `eval_batches` val batches (fixed, independent of the step), by
+    the built model's `eval_step` (forward only, eval mode, the training precision; pipelines
+    too). Collective: every rank runs it."""
+    if run.cfg.eval_batches == 0 or run.dataset is None:
+        return None
     val = run.dataset.val_loader()
     if val is None:
         warn(run, f"no val loss: the val split ({len(run.dataset.val_tokens)} tokens) is too "
              f"small for blocks of {run.cfg.seq_len}; raise --val-fraction")
         return None
-    was_training = run.model.training
-    run.model.eval()
     total = 0.0
-    try:
-        for _ in range(run.cfg.eval_batches):
-            batch = {k: v.to(run.env.device)
-                     for k, v in val.next_batch(run.cfg.batch_size).items()}
-            with run.precision.autocast():  # evaluate as trained
-                total += float(run.model(**batch).loss)
-    finally:
-        run.model.train(was_training)
+    for _ in range(run.cfg.eval_batches):
+        batch = {k: v.to(run.env.device) for k, v in val.next_batch(run.cfg.batch_size).items()}
+        total += run.trainable.eval_step(batch)
     return total / run.cfg.eval_batches
 
 
