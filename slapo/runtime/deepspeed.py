@@ -196,14 +196,18 @@ class DeepSpeedModule(nn.Module):
 
     def __getattr__(self, name: str):
         """Attributes the wrapper lacks come from the model (`model.config`), as for
-        TrainModule."""
+        TrainModule, then from the engine: a 2023 script's `model.backward(loss)`,
+        `model.step()`, `model.save_checkpoint(...)` are DeepSpeed's own."""
         try:
             return super().__getattr__(name)
         except AttributeError:
             engine = self.__dict__.get("_modules", {}).get("engine")
             if engine is None:
                 raise
-            return getattr(engine.module, name)
+            try:
+                return getattr(engine.module, name)
+            except AttributeError:
+                return getattr(engine, name)
 
     # ---- the step -------------------------------------------------------------------------
     def accumulation_steps(self) -> int:
