@@ -58,3 +58,24 @@ def test_two_nodes_of_one_rank_train_like_one_node_of_two(tmp_path):
                          env=_env(), capture_output=True, text=True, timeout=300)
     assert one.returncode == 0, one.stdout[-3000:] + one.stderr[-3000:]
     assert _losses(tmp_path / "multi") == _losses(tmp_path / "single")
+
+
+@pytest.mark.dist
+def test_out_not_shared_between_nodes_is_a_clear_error(tmp_path):
+    """Each "node" given its own --out (as on nodes without a shared filesystem): the job stops
+    at start-up naming the ranks that cannot see rank 0's files, not inside a checkpoint save."""
+    port = _port()
+    nodes = [subprocess.Popen(
+        _torchrun("--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
+                  "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "slapo-test-2",
+                  *ARGS, "--out", str(tmp_path / f"node{i}")),
+        env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for i in range(2)]
+    try:
+        logs = [n.communicate(timeout=300)[0] for n in nodes]
+    finally:
+        for n in nodes:
+            n.kill()
+    assert all(n.returncode != 0 for n in nodes)
+    assert "is not shared: rank 1" in "\n".join(logs), "\n".join(logs)[-3000:]
+    assert not (tmp_path / "node0" / "checkpoints").exists()

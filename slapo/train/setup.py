@@ -14,8 +14,10 @@ failed. `SLAPO_FAULT` (a test hook) is armed here, for every run.
 from __future__ import annotations
 
 import os
+import socket
 import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -85,7 +87,34 @@ def setup(cfg: Any) -> Env:
     faults.install(env.rank)
     if owns:
         env.watch = faults.start_watch(env.rank, world)
+    if cfg.out is not None:
+        check_shared_out(Path(cfg.out), env.rank)
     return env
+
+
+def check_shared_out(out: Path, rank: int) -> None:
+    """Collective. Every rank must see the same --out directory: each writes its shards of a
+    checkpoint there and rank 0 publishes it (several nodes need a shared filesystem). Rank 0
+    writes a token file; a rank that cannot read it stops the job, on every rank, with the
+    ranks named (instead of a missing-file error inside the first checkpoint save)."""
+    token = out / f".slapo-shared-{os.environ.get('TORCHELASTIC_RUN_ID', 'run')}-{os.getpid()}"
+    name = [token.name]
+    if rank == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        token.write_text("slapo: --out shared-filesystem check\n")
+    dist.broadcast_object_list(name, src=0)
+    seen = (out / name[0]).is_file()
+    flags: list = [None] * dist.get_world_size()
+    dist.all_gather_object(flags, (rank, seen, socket.gethostname()))
+    dist.barrier()
+    if rank == 0:
+        token.unlink(missing_ok=True)
+    blind = [f"rank {r} on {host}" for r, ok, host in flags if not ok]
+    if blind:
+        raise ValueError(f"--out {out} is not shared: {', '.join(blind)} cannot see the files "
+                         "rank 0 writes there. Every rank writes its part of each checkpoint "
+                         "into --out: on several nodes put it on a filesystem all of them "
+                         "mount (the same path everywhere).")
 
 
 def _use_cuda(device: str = "auto") -> bool:
