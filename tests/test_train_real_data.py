@@ -267,6 +267,24 @@ def test_tp2_run_starts_from_exactly_the_saved_weights(dist2, gpt2_dir):
         assert any(n * 2 == t for n, t in r["read"])  # halves of the sharded weights
 
 
+@pytest.mark.dist
+def test_pipeline_ranks_read_only_their_stages(dist2, gpt2_dir):
+    """--pp-stages 2 from the saved model: each rank reads its own stage's tensors (the
+    embeddings and the tied head on their ranks), and training starts from exactly the saved
+    weights."""
+    options = dict(model=str(gpt2_dir), steps=2, seq_len=32, batch_size=4, progress=False,
+                   plot=False, eval_batches=0, pp_stages=2)
+    ranks = dist2.run(job_tp_from_pretrained, options)
+    assert ranks[0]["losses"][0] == pytest.approx(first_batch_loss(gpt2_dir), rel=1e-5)
+    total = sum(p.numel() for p in
+                __import__("transformers").GPT2LMHeadModel.from_pretrained(gpt2_dir)
+                .state_dict().values())
+    for r in ranks:
+        got = sum(n for n, _ in r["read"])
+        assert 0 < got < 0.8 * total, (got, total)  # a stage, never the whole model
+    assert sum(n for r in ranks for n, _ in r["read"]) >= 0.95 * total  # together: all of it
+
+
 # ---- bad input: a clear error naming the path and the fix, exit status 2, nothing written -----
 def _bad_inputs(tmp_path: Path, text_dir: Path, tok_dir: Path) -> dict[str, tuple[list, str]]:
     (tmp_path / "empty_tok").mkdir()

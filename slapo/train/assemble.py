@@ -10,6 +10,7 @@ import torch
 import torch.nn as nn
 
 from ..data import Data, InputError, TokenLoader, make_data
+from ..init import has_meta_tensors
 from . import pretrained
 from .models import build_model, get_model_spec
 from .setup import Env, data_parallel, seed_training_rng
@@ -74,8 +75,10 @@ def build(cfg: Any, env: Env, log=print) -> Run:
     model = _new_model(cfg, source, data)
     model, sch, note = schedule(model, cfg, env)
     if source is not None:
-        _load_pretrained(sch.mod, source, cfg, env, log)
-    model.to(env.device).train()
+        _load_pretrained(sch.mod, source, cfg, env, log, sch)
+    if not has_meta_tensors(model):  # a pipeline rank's other stages stay on meta: build
+        model.to(env.device)         # materialises and moves only this rank's stages
+    model.train()
     optimizer, step_fn = make_trainable(sch, cfg, env)
     seed_training_rng(cfg.seed, env)
     return Run(cfg, env, model, optimizer, step_fn, data.train, task, note, dataset=data)
@@ -105,20 +108,44 @@ def _check_fits(cfg: Any, source, data: Data) -> None:
                          f"pass --seq-len {limit} or less.")
 
 
-def _load_pretrained(model: nn.Module, source, cfg: Any, env: Env, log) -> None:
+def _load_pretrained(model: nn.Module, source, cfg: Any, env: Env, log, sch=None) -> None:
     """Fill the (scheduled, maybe sharded) meta model from the source's safetensors; a source
-    without weights gets the model's own init (seeded per module, identical on every rank)."""
-    from ..init import has_meta_tensors, materialize
+    without weights gets the model's own init (seeded per module, identical on every rank).
+    A pipeline rank reads only its own stages' tensors (the others stay on meta: `build`
+    materialises only this rank's stages)."""
+    from ..init import materialize
 
-    counts = pretrained.load_weights(model, source)
+    only = _pipeline_names(sch, cfg, env) if sch is not None else None
+    counts = pretrained.load_weights(model, source, only=only)
     if counts:
         log(f"loaded {counts['loaded']} tensors from {source.path}"
             + (f" ({counts['unused_keys']} checkpoint tensors unused)"
-               if counts["unused_keys"] else ""))
+               if counts["unused_keys"] else "")
+            + (" for this rank's pipeline stages" if only is not None else ""))
     elif source.directory is not None:
         log(f"{source.path} holds no weights (no model.safetensors): training from a fresh init")
-    if has_meta_tensors(model):
+    if only is None and has_meta_tensors(model):
         materialize(model, env.device, seed=cfg.seed)
+
+
+def _pipeline_names(sch, cfg: Any, env: Env) -> set[str] | None:
+    """The parameter and buffer names of this rank's pipeline stages (None: no pipeline).
+    The same partition and stage placement `slapo.build` uses."""
+    pipeline = cfg.pipeline_schedule()
+    if pipeline is None:
+        return None
+    from ..runtime.build import mesh_info
+    from ..runtime.partition import partition
+    from ..runtime.pipeline_runner import plan_pipeline
+
+    info = mesh_info(sch, env.mesh)
+    plan = plan_pipeline(pipeline, info, None, cfg.stages_per_rank())
+    stages = partition(sch, plan.num_stages)
+    names: set[str] = set()
+    for i in plan.stage_ids(info.pp_rank):
+        names |= {n for n, _ in stages[i].named_parameters(remove_duplicate=False)}
+        names |= {n for n, _ in stages[i].named_buffers(remove_duplicate=False)}
+    return names
 
 
 def schedule(model: nn.Module, cfg: Any, env: Env) -> tuple[nn.Module, Any, str]:

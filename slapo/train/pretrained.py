@@ -249,17 +249,19 @@ def _replace(mod: nn.Module, kind: str, name: str, old: torch.Tensor, value: tor
 
 
 @torch.no_grad()
-def load_weights(model: nn.Module, source: ModelSource) -> dict[str, int]:
+def load_weights(model: nn.Module, source: ModelSource,
+                 only: set[str] | None = None) -> dict[str, int]:
     """Fill `model`'s meta parameters (and persistent buffers the checkpoint has) from the
-    source's safetensors, each rank reading only its shards. Returns counts for the log:
-    {"loaded", "unused_keys"}; {} when the source has no weights (fresh init)."""
+    source's safetensors, each rank reading only its shards. `only`: the tensor names to fill
+    (a pipeline rank's stages; the others stay on meta and are never read). Returns counts for
+    the log: {"loaded", "unused_keys"}; {} when the source has no weights (fresh init)."""
     from safetensors import safe_open
 
     keys = source.weight_files()
     if not keys:
         return {}
     prefix = getattr(model, "base_model_prefix", "") or ""
-    entries, key_of = _plan(model, keys, prefix, source)
+    entries, key_of = _plan(model, keys, prefix, source, only)
     handles: dict[Path, Any] = {}
     done: dict[int, torch.Tensor] = {}
     try:
@@ -278,16 +280,17 @@ def load_weights(model: nn.Module, source: ModelSource) -> dict[str, int]:
                 (mod._parameters if kind == "p" else mod._buffers)[name] = done[id(t)]
     finally:
         handles.clear()
-    used = set(key_of.values())
-    return {"loaded": len(used), "unused_keys": len(set(keys) - used)}
+    used = {key_of[id(t)] for _, _, _, t in entries if id(t) in key_of}
+    return {"loaded": len(used), "unused_keys": len(set(keys) - set(key_of.values()))}
 
 
-def _plan(model: nn.Module, keys: dict[str, Path], prefix: str, source: ModelSource
-          ) -> tuple[list, dict[int, str]]:
+def _plan(model: nn.Module, keys: dict[str, Path], prefix: str, source: ModelSource,
+          only: set[str] | None = None) -> tuple[list, dict[int, str]]:
     """Every (module, "p"/"b", name, tensor) to fill: the meta parameters (each tied name) and
-    the persistent buffers the checkpoint holds; and {id(tensor): checkpoint key}. Every meta
-    parameter must be found under one of its names with the checkpoint's full shape: all
-    checked before anything is read."""
+    the persistent buffers the checkpoint holds, of the names in `only` when given; and
+    {id(tensor): checkpoint key}, over every name (a tied parameter is found under whichever
+    name the checkpoint has). Every meta parameter must be found under one of its names with
+    the checkpoint's full shape: all checked before anything is read."""
 
     entries, names_of, key_of = [], {}, {}
     for path, mod in model.named_modules(remove_duplicate=False):
@@ -302,7 +305,8 @@ def _plan(model: nn.Module, keys: dict[str, Path], prefix: str, source: ModelSou
                 key = checkpoint_key(full, keys, prefix)
                 if kind == "b" and key is None:
                     continue
-                entries.append((mod, kind, name, t))
+                if only is None or full in only:
+                    entries.append((mod, kind, name, t))
                 names_of.setdefault(id(t), full)
                 if key is not None:
                     key_of.setdefault(id(t), key)
