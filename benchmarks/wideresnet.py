@@ -272,7 +272,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "OpenMP threads oversubscribed by other jobs stall for seconds)")
     ap.add_argument("--tp", type=int, default=2, help="TP ranks to spawn (0: no TP row)")
     ap.add_argument("--out", default=None, help="write the rows as JSON here")
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        ap.error("--device cuda, but torch sees no CUDA device (use --device cpu)")
+    return args
 
 
 def main(argv=None) -> dict[str, Any]:

@@ -66,3 +66,12 @@ def test_tp_row_skipped_without_enough_gpus(capsys):
     args = argparse.Namespace(**{**vars(b.parse_args(TINY)), "device": "cuda"})
     assert b.run_tp(args) is None
     assert "tp=2 skipped" in capsys.readouterr().out
+
+
+def test_cuda_without_a_gpu_is_a_usage_error(capsys):
+    b = bench()
+    if b.torch.cuda.is_available():
+        pytest.skip("CUDA is available here")
+    with pytest.raises(SystemExit) as e:
+        b.parse_args(["--device", "cuda"])
+    assert e.value.code == 2 and "no CUDA device" in capsys.readouterr().err
