@@ -312,3 +312,15 @@ def test_2023_loop_backward_and_step_reach_the_engine(monkeypatch, one_thread):
         if dist.is_initialized():
             dist.destroy_process_group()
     torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-5, atol=0)
+
+
+def test_no_grad_clip_means_no_clipping_not_deepspeeds_default():
+    """DeepSpeed clips at 1.0 unless told otherwise; build(grad_clip=None) means no clipping
+    on every target, and a config's own value (the 2023 way) is kept."""
+    from slapo.runtime.deepspeed import complete_config
+    from slapo.runtime.train_step import StepConfig
+
+    assert complete_config({}, StepConfig(None))["gradient_clipping"] == 0.0
+    assert complete_config({"gradient_clipping": 0.5}, StepConfig(None))[
+        "gradient_clipping"] == 0.5
+    assert complete_config({}, StepConfig(None, grad_clip=2.0))["gradient_clipping"] == 2.0

@@ -138,6 +138,8 @@ def check_optimizer(cfg: dict, optimizer) -> None:
 def complete_config(base: dict | None, config: StepConfig) -> dict:
     """The user's config completed with what `build` already knows.
 
+    Without `grad_clip` and without `gradient_clipping` in the config, clipping is off (0.0),
+    as on every other target: DeepSpeed would otherwise clip at its own default of 1.0.
     DeepSpeed insists on a batch size at initialisation but only uses it for its own data
     loader and logging; `train_step` splits whatever batch it is given, so 1 is a safe default.
     `grad_accum` / `grad_clip` that contradict the config are refused: `train_step` slices the
@@ -147,6 +149,8 @@ def complete_config(base: dict | None, config: StepConfig) -> dict:
     _merge(cfg, "gradient_accumulation_steps", config.grad_accum, default=1)
     if config.grad_clip is not None:
         _merge(cfg, "gradient_clipping", config.grad_clip, default=None)
+    else:  # DeepSpeed's own default clips at 1.0; build's grad_clip=None means no clipping
+        cfg.setdefault("gradient_clipping", 0.0)
     cfg.setdefault("zero_optimization", {"stage": 1})
     # our optimizer (e.g. torch.optim.AdamW) is a "client optimizer" to DeepSpeed, which ZeRO
     # refuses unless told that it is intended
