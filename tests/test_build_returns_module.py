@@ -307,6 +307,8 @@ def job_pipeline_wrapper():
     assert not isinstance(tm, type(ref)) and not isinstance(model, TrainModule)
     with pytest.raises(slapo.SchedulingError, match="split into pipeline stages"):
         tm(models.ids(batch=2))
+    with pytest.raises(slapo.SchedulingError, match="slapo export"):  # never a partial model
+        tm.save_pretrained("never-written")
     keys = [None, None]
     dist.all_gather_object(keys, list(tm.state_dict()))
     assert set(keys[0]) | set(keys[1]) == set(ref.state_dict()) and keys[0] != keys[1]
