@@ -38,6 +38,29 @@ def one_thread():
     torch.set_num_threads(n)
 
 
+@pytest.fixture
+def deepspeed_one_rank(monkeypatch):
+    """One process as torchrun would start it (DeepSpeed builds its 1-rank group from these
+    variables) on DeepSpeed's CPU accelerator; the process group is destroyed afterwards.
+    Yields a function that points MASTER_PORT at a fresh port (for a second build)."""
+    import torch.distributed as dist
+    from dist_pool import _free_port
+
+    def new_port() -> None:
+        monkeypatch.setenv("MASTER_PORT", str(_free_port()))
+
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    for k, v in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1",
+                 "MASTER_ADDR": "127.0.0.1"}.items():
+        monkeypatch.setenv(k, v)
+    new_port()
+    try:
+        yield new_port
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
 def pytest_sessionfinish(session, exitstatus):
     for p in _POOLS.values():
         p.close()

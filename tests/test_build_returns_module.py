@@ -202,32 +202,23 @@ def test_2023_adapter_maps_a_deepspeed_config_file(tmp_path):
 
 
 @pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="needs deepspeed")
-def test_2023_deepspeed_build_trains(monkeypatch, tmp_path, one_thread):
+def test_2023_deepspeed_build_trains(deepspeed_one_rank, tmp_path, one_thread):
     """`build(sch, target="deepspeed", config=<json path>, topology=..., init_weights=fn)` as
     2023's GPT-2 script wrote it: trains like the single-process reference."""
-    from dist_pool import _free_port
-
-    for k, v in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1",
-                 "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}.items():
-        monkeypatch.setenv(k, v)
     path = tmp_path / "ds_config.json"
     path.write_text(json.dumps({"zero_optimization": {"stage": 1}}))
     model = models.gpt2(seed=0)
     ref = copy.deepcopy(model)
     batches = _step_batches(2)
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", Slapo2023Notice)
-            tm, _ = slapo.build(slapo.create_schedule(model), target="deepspeed",
-                                config=str(path), topology={"pipe": 1, "data": 1, "model": 1},
-                                init_weights=model._init_weights, optimizer=torch.optim.AdamW,
-                                optimizer_kwargs={"lr": LR})
-        got = [tm.train_step(b) for b in batches]
-        torch.testing.assert_close(torch.tensor(got), torch.tensor(reference_losses(ref, batches)),
-                                   rtol=1e-4, atol=0)
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", Slapo2023Notice)
+        tm, _ = slapo.build(slapo.create_schedule(model), target="deepspeed",
+                            config=str(path), topology={"pipe": 1, "data": 1, "model": 1},
+                            init_weights=model._init_weights, optimizer=torch.optim.AdamW,
+                            optimizer_kwargs={"lr": LR})
+    got = [tm.train_step(b) for b in batches]
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(reference_losses(ref, batches)),
+                               rtol=1e-4, atol=0)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -261,56 +261,37 @@ def test_deepspeed_not_importable_is_a_clear_error(monkeypatch):
 
 
 @needs_ds
-def test_build_again_after_the_process_group_was_destroyed(monkeypatch, one_thread):
+def test_build_again_after_the_process_group_was_destroyed(deepspeed_one_rank, one_thread):
     """One process, torch.distributed initialised by DeepSpeed from the torchrun variables, torn
     down, and again: DeepSpeed's cached world-group clone must not outlive its process group."""
     import torch.distributed as dist
-    from dist_pool import _free_port
 
-    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
-    for k, v in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1",
-                 "MASTER_ADDR": "127.0.0.1"}.items():
-        monkeypatch.setenv(k, v)
     model, batches = _family("gpt2")
     want = reference_losses(copy.deepcopy(model), batches[:2], grad_accum=2)
     for _ in range(2):
-        monkeypatch.setenv("MASTER_PORT", str(_free_port()))
-        fresh = copy.deepcopy(model)
-        try:
-            tm, _ = slapo.build(slapo.create_schedule(fresh), optimizer=torch.optim.AdamW,
-                                optimizer_kwargs={"lr": LR}, target="deepspeed", grad_accum=2)
-            got = [tm.train_step(b) for b in batches[:2]]
-        finally:
-            if dist.is_initialized():
-                dist.destroy_process_group()
+        deepspeed_one_rank()  # a fresh MASTER_PORT for each process group
+        tm, _ = slapo.build(slapo.create_schedule(copy.deepcopy(model)),
+                            optimizer=torch.optim.AdamW, optimizer_kwargs={"lr": LR},
+                            target="deepspeed", grad_accum=2)
+        got = [tm.train_step(b) for b in batches[:2]]
+        dist.destroy_process_group()
         torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-5, atol=0)
 
 
 @needs_ds
-def test_2023_loop_backward_and_step_reach_the_engine(monkeypatch, one_thread):
+def test_2023_loop_backward_and_step_reach_the_engine(deepspeed_one_rank, one_thread):
     """A 2023 script drives the engine itself: loss = model(...); model.backward(loss);
     model.step(). Those calls reach DeepSpeed's engine and train like plain AdamW."""
-    import torch.distributed as dist
-    from dist_pool import _free_port
-
-    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
-    for k, v in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
-                 "MASTER_PORT": str(_free_port())}.items():
-        monkeypatch.setenv(k, v)
     model, batches = _family("gpt2")
     want = reference_losses(copy.deepcopy(model), batches[:2])
-    try:
-        tm, _ = slapo.build(slapo.create_schedule(model), optimizer=torch.optim.AdamW,
-                            optimizer_kwargs={"lr": LR}, target="deepspeed")
-        got = []
-        for b in batches[:2]:
-            loss = tm(**b).loss
-            tm.backward(loss)
-            tm.step()
-            got.append(float(loss))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    tm, _ = slapo.build(slapo.create_schedule(model), optimizer=torch.optim.AdamW,
+                        optimizer_kwargs={"lr": LR}, target="deepspeed")
+    got = []
+    for b in batches[:2]:
+        loss = tm(**b).loss
+        tm.backward(loss)
+        tm.step()
+        got.append(float(loss))
     torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-5, atol=0)
 
 

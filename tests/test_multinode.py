@@ -8,22 +8,16 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from dist_pool import _free_port
 
 ARGS = ["-m", "slapo.cli", "train", "--model", "gpt2", "--hidden-size", "32", "--num-layers",
         "2", "--num-heads", "2", "--seq-len", "32", "--batch-size", "4", "--steps", "3",
         "--tp", "2", "--no-progress", "--no-plot", "--eval-batches", "0"]
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _env() -> dict:
@@ -32,6 +26,24 @@ def _env() -> dict:
 
 def _torchrun(*launch: str) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", *launch]
+
+
+def _two_nodes(rdzv_id: str, *outs: Path) -> tuple[list[int], str]:
+    """Two torchrun agents of one rank each meeting through the c10d rendezvous on localhost,
+    node i writing to outs[i]; their exit codes and output."""
+    port = _free_port()
+    nodes = [subprocess.Popen(
+        _torchrun("--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
+                  "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", rdzv_id,
+                  *ARGS, "--out", str(out)),
+        env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for out in outs]
+    try:
+        logs = [n.communicate(timeout=300)[0] for n in nodes]
+    finally:
+        for n in nodes:
+            n.kill()
+    return [n.returncode for n in nodes], "\n".join(logs)
 
 
 def _losses(out: Path) -> list[float]:
@@ -50,19 +62,8 @@ def job_train_losses(flags: list[str]) -> list[float]:
 
 @pytest.mark.dist
 def test_two_nodes_of_one_rank_train_like_one_node_of_two(dist2, tmp_path):
-    port = _port()
-    nodes = [subprocess.Popen(
-        _torchrun("--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
-                  "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "slapo-test",
-                  *ARGS, "--out", str(tmp_path / "multi")),
-        env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        for i in range(2)]
-    try:
-        logs = [n.communicate(timeout=300)[0] for n in nodes]
-    finally:
-        for n in nodes:
-            n.kill()
-    assert all(n.returncode == 0 for n in nodes), "\n".join(logs)[-3000:]
+    codes, logs = _two_nodes("slapo-test", tmp_path / "multi", tmp_path / "multi")
+    assert codes == [0, 0], logs[-3000:]
     # one node of two ranks: the same flags on the in-process 2-rank pool (the same code path
     # as torchrun's ranks, without a third launch)
     single = dist2.run(job_train_losses, [*ARGS[3:], "--out", str(tmp_path / "single")])
@@ -73,18 +74,7 @@ def test_two_nodes_of_one_rank_train_like_one_node_of_two(dist2, tmp_path):
 def test_out_not_shared_between_nodes_is_a_clear_error(tmp_path):
     """Each "node" given its own --out (as on nodes without a shared filesystem): the job stops
     at start-up naming the ranks that cannot see rank 0's files, not inside a checkpoint save."""
-    port = _port()
-    nodes = [subprocess.Popen(
-        _torchrun("--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
-                  "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "slapo-test-2",
-                  *ARGS, "--out", str(tmp_path / f"node{i}")),
-        env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        for i in range(2)]
-    try:
-        logs = [n.communicate(timeout=300)[0] for n in nodes]
-    finally:
-        for n in nodes:
-            n.kill()
-    assert all(n.returncode != 0 for n in nodes)
-    assert "is not shared: rank 1" in "\n".join(logs), "\n".join(logs)[-3000:]
+    codes, logs = _two_nodes("slapo-test-2", tmp_path / "node0", tmp_path / "node1")
+    assert all(c != 0 for c in codes)
+    assert "is not shared: rank 1" in logs, logs[-3000:]
     assert not (tmp_path / "node0" / "checkpoints").exists()

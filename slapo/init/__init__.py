@@ -173,7 +173,7 @@ def _materialize_module(mod: nn.Module, path: str, metas, init, device: torch.de
             values.update(_full_then_slice(mod, path, failed, rec.failed, init, device, seed))
     for n, t, k in metas:
         new = _wrap(values[n], t, k)
-        _carry_records(t, new)
+        carry_records(t, new)
         _slots(mod, k)[n] = new
         done[id(t)] = new
 
@@ -218,7 +218,7 @@ def _full_then_slice(mod: nn.Module, path: str, failed, reasons: dict[str, str],
     return out
 
 
-def _carry_records(old: torch.Tensor, new: torch.Tensor) -> None:
+def carry_records(old: torch.Tensor, new: torch.Tensor) -> None:
     """Shard spec and Slapo's tags travel from the meta tensor to its materialised value."""
     spec = sharding.shard_spec(old)
     if spec is not None:

@@ -48,16 +48,15 @@ class Run:
     @property
     def trainable(self):
         """What `slapo.build` returned (the model itself, or a `PipelineTrainModule`): the
-        owner of `step_fn`, with `eval_step`."""
-        return self.step_fn.__self__
+        owner of `step_fn`, with `eval_step` (None for a plain step function)."""
+        return getattr(self.step_fn, "__self__", None)
 
     @property
     def precision(self):
         """The step's `slapo.runtime.precision.Precision` (autocast context, fp16 scaler)."""
         from ..runtime.precision import Precision
 
-        owner = getattr(self.step_fn, "__self__", None)
-        return getattr(owner, "precision", None) or Precision()
+        return getattr(self.trainable, "precision", None) or Precision()
 
 
 def build(cfg: Any, env: Env, log=print) -> Run:

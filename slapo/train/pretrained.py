@@ -235,15 +235,10 @@ def _full_shape(t: torch.Tensor) -> tuple[int, ...]:
 def _replace(mod: nn.Module, kind: str, name: str, old: torch.Tensor, value: torch.Tensor):
     """Put `value` in place of `old`, keeping the shard spec and Slapo's tags (as
     `slapo.init.materialize` does)."""
+    from ..init import carry_records
+
     new = nn.Parameter(value, requires_grad=old.requires_grad) if kind == "p" else value
-    spec = sharding.shard_spec(old)
-    if spec is not None:
-        new._slapo_shard = spec
-    tags = getattr(old, "_slapo_tags", None)
-    if tags:
-        new._slapo_tags = dict(tags)
-        for key, v in tags.items():
-            setattr(new, key, v)
+    carry_records(old, new)
     (mod._parameters if kind == "p" else mod._buffers)[name] = new
     return new
 
