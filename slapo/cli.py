@@ -5,6 +5,8 @@
     slapo train --model llama --precision bf16 --device cuda
     torchrun --nproc-per-node 2 -m slapo.cli train --tp 2 --out runs/tp2
     slapo export runs/tp2 --out exported/tp2           # a Hugging Face directory
+    slapo prepare-data --data 'books/*.txt' --tokenizer tok/ --out data/books
+    slapo train --data data/books --tokenizer tok/     # the token files, memory-mapped
 
 Options come from three places, later ones winning: `TrainConfig`'s defaults, the TOML file
 (`--config`; keys are the option names, with `_` or `-`, at top level or in any table such as
@@ -28,8 +30,8 @@ HELP = {
              "t5; or a local HF model directory (config.json + optional model.safetensors: "
              "fine-tune it) or a config.json file",
     "data": "training text: files, globs, directories of *.txt, .jsonl files (comma-separated), "
-            "or a dataset directory saved with `datasets` save_to_disk (default: the shipped "
-            "corpus)",
+            "or a dataset directory saved with `datasets` save_to_disk, or a directory written "
+            "by `slapo prepare-data` (default: the shipped corpus)",
     "text_field": "the JSONL field / dataset column that holds the text",
     "tokenizer": "a local AutoTokenizer directory (default: the model directory's tokenizer if "
                  "it has one, else byte tokens)",
@@ -106,7 +108,56 @@ def _parser() -> argparse.ArgumentParser:
 
     add_tune_parser(sub)
     _add_export_parser(sub)
+    _add_prepare_parser(sub)
     return parser
+
+
+def _add_prepare_parser(sub: Any) -> None:
+    p = sub.add_parser("prepare-data", help="tokenise a corpus once into memory-mapped token "
+                       "files for slapo train --data DIR",
+                       description="Stream --data (the sources slapo train --data reads), "
+                       "tokenise it and write OUT/train.bin, OUT/val.bin (uint16, or uint32 "
+                       "for vocabularies over 65536) and OUT/meta.json, with the split slapo "
+                       "train makes in memory; then `slapo train --data OUT` maps the files "
+                       "instead of reading text. Written atomically; bad input stops with exit "
+                       "status 2 before anything is written.")
+    p.add_argument("--data", required=True, metavar="SPEC", help="the text: files, globs, directories of *.txt, .jsonl files "
+                   "(comma-separated), or a dataset directory saved with `datasets` "
+                   "save_to_disk")
+    p.add_argument("--tokenizer", default=None, metavar="DIR",
+                   help="a local AutoTokenizer directory (default: byte tokens); train with "
+                   "the same one")
+    p.add_argument("--text-field", default="text", metavar="F", help=HELP["text_field"])
+    p.add_argument("--val-fraction", type=float, default=0.1, metavar="X",
+                   help=HELP["val_fraction"] + " (default: 0.1)")
+    p.add_argument("--seed", type=int, default=0, metavar="S", help="seed of the JSONL/dataset "
+                   "val draw; train with the same --seed to match --data SPEC in memory "
+                   "(default: 0)")
+    p.add_argument("--out", required=True, metavar="DIR", help="where to write (a new or "
+                   "empty directory)")
+    p.add_argument("--overwrite", action="store_true", help="replace a previous prepare-data "
+                   "output in --out (nothing else is ever deleted)")
+    p.set_defaults(func=_prepare)
+
+
+def _prepare(args: argparse.Namespace) -> int:
+    from .data import InputError
+    from .data.prepared import prepare
+
+    try:
+        meta = prepare(args.data, args.out, args.tokenizer, text_field=args.text_field,
+                       val_fraction=args.val_fraction, seed=args.seed,
+                       overwrite=args.overwrite)
+    except InputError as e:
+        print(f"slapo prepare-data: error: {e}", file=sys.stderr)
+        return 2
+    files = meta["files"]
+    print(f"slapo prepare-data: {files['train']['tokens']:,} train and "
+          f"{files['val']['tokens']:,} val tokens ({meta['dtype']}) from "
+          f"{meta['source']['documents']:,} documents -> "
+          f"{args.out}; train with: slapo train --data {args.out}"
+          + (f" --tokenizer {args.tokenizer}" if args.tokenizer else ""))
+    return 0
 
 
 def _add_export_parser(sub: Any) -> None:
@@ -260,7 +311,7 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of the `slapo` console script; returns the exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = _parser()
-    if argv and argv[0] in ("tune", "export"):
+    if argv and argv[0] in ("tune", "export", "prepare-data"):
         args = parser.parse_args(argv)
         return args.func(args)
     if not argv or argv[0] in ("-h", "--help") or argv[0] != "train":

@@ -266,6 +266,127 @@ def test_every_tune_flag_has_a_case():
     assert flags <= given, f"tune flags without a bad-input case: {sorted(flags - given)}"
 
 
+# ---- slapo prepare-data: every flag -------------------------------------------------------------
+PREPARE_CASES: dict[str, CliCase] = {
+    "data_missing": CliCase(["--data", "{tmp}/nope.txt"], ("nope.txt", "no such file")),
+    "data_not_given": CliCase(["--data", "-"], ("--data",)),
+    "data_jsonl_without_field": CliCase(["--data", "{tmp}/rows.jsonl", "--text-field", "body"],
+                                        ("rows.jsonl:1", "no field 'body'")),
+    "data_not_utf8": CliCase(["--data", "{tmp}/latin1.txt"], ("latin1.txt", "not UTF-8")),
+    "tokenizer_missing": CliCase(["--tokenizer", "{tmp}/no_tok"], ("no_tok",)),
+    "tokenizer_does_not_load": CliCase(["--tokenizer", "{tmp}/bad_tok"],
+                                       ("bad_tok", "AutoTokenizer cannot load it")),
+    "text_field_empty": CliCase(["--text-field", ""], ("--text-field", "empty")),
+    "val_fraction_one": CliCase(["--val-fraction", "1"], ("--val-fraction", "[0, 1)")),
+    "val_fraction_not_a_number": CliCase(["--val-fraction", "most"], ("--val-fraction",)),
+    "seed_not_int": CliCase(["--seed", "1.5"], ("--seed",)),
+    "out_not_given": CliCase(["--out", "-"], ("--out",)),
+    "out_is_a_file": CliCase(["--out", "{tmp}/afile"], ("afile", "is a file")),
+    "out_not_empty": CliCase(["--out", "{tmp}/full"], ("full", "not empty", "--overwrite")),
+    "overwrite_foreign_files": CliCase(["--out", "{tmp}/full", "--overwrite"],
+                                       ("full", "does not write", "notes.md")),
+    "overwrite_with_value": CliCase(["--overwrite", "yes"], ("unrecognized arguments: yes",)),
+}
+
+
+def _prepare_inputs(tmp: Path) -> None:
+    """What the prepare-data cases point at (all under tmp, which must not change)."""
+    (tmp / "afile").write_text("not a directory\n")
+    (tmp / "a.txt").write_text("some text\n" * 20)
+    (tmp / "rows.jsonl").write_text('{"text": "a row"}\n')
+    (tmp / "latin1.txt").write_bytes("caf\xe9 cr\xe8me\n".encode("latin-1") * 10)
+    (tmp / "bad_tok").mkdir()
+    (tmp / "bad_tok" / "tokenizer.json").write_text("{not a tokenizer")
+    (tmp / "full").mkdir()
+    (tmp / "full" / "notes.md").write_text("the user's file\n")
+
+
+@pytest.mark.parametrize("case", list(PREPARE_CASES))
+def test_prepare_bad_flag(case, tmp_path, capsys):
+    c = PREPARE_CASES[case]
+    _prepare_inputs(tmp_path)
+    argv = _argv(c.argv, tmp_path)
+    for flag, default in (("--data", str(tmp_path / "a.txt")), ("--out", str(tmp_path / "p"))):
+        if flag not in argv:
+            argv = [*argv, flag, default]
+        elif argv[argv.index(flag) + 1] == "-":  # a case about the flag not given
+            i = argv.index(flag)
+            argv = argv[:i] + argv[i + 2:]
+    _refused(["prepare-data", *argv], capsys, [tmp_path], c.rc, c.needles, "slapo prepare-data")
+    assert not [p for p in tmp_path.iterdir() if ".partial-" in p.name]
+
+
+def test_every_prepare_flag_has_a_case():
+    from slapo.cli import _parser
+
+    sub = _parser()._subparsers._group_actions[0].choices["prepare-data"]
+    flags = {s for a in sub._actions for s in a.option_strings
+             if s.startswith("--") and s != "--help"}
+    given = {a for c in PREPARE_CASES.values() for a in c.argv if a.startswith("--")}
+    assert flags <= given, f"prepare-data flags without a bad-input case: {flags - given}"
+
+
+# ---- slapo train --data DIR: a damaged or mismatched prepared directory -------------------------
+def _edit_meta(change):
+    def edit(d: Path) -> None:
+        meta = json.loads((d / "meta.json").read_text())
+        change(meta)
+        (d / "meta.json").write_text(json.dumps(meta))
+    return edit
+
+
+def _resize(name: str, delta: int):
+    def resize(d: Path) -> None:
+        data = (d / name).read_bytes()
+        (d / name).write_bytes(data[:delta] if delta < 0 else data + b"\0" * delta)
+    return resize
+
+
+def _other_tokenizer(meta: dict) -> None:
+    meta["tokenizer"] = {"name": "/data/tok-bpe", "kind": "hf", "vocab_size": 32000,
+                         "eos_id": 2, "fingerprint": "0123456789abcdef"}
+
+
+PREPARED_CASES: dict[str, tuple] = {
+    "meta_missing": (lambda d: (d / "meta.json").unlink(), ("meta.json", "is missing")),
+    "meta_not_json": (lambda d: (d / "meta.json").write_text("{not json"),
+                      ("meta.json", "not readable JSON")),
+    "meta_other_format": (_edit_meta(lambda m: m.update(format="nanogpt")),
+                          ("meta.json", "not a slapo prepare-data meta.json")),
+    "format_version_future": (_edit_meta(lambda m: m.update(version=99)),
+                              ("meta.json", "format version 99", "newer")),
+    "meta_field_missing": (_edit_meta(lambda m: m["files"]["train"].pop("tokens")),
+                           ("meta.json", "damaged", "train.bin")),
+    "dtype_unknown": (_edit_meta(lambda m: m.update(dtype="int8")), ("dtype 'int8'",)),
+    "train_bin_truncated": (_resize("train.bin", -100), ("train.bin", "truncated")),
+    "train_bin_longer": (_resize("train.bin", 2), ("train.bin", "longer than meta.json")),
+    "val_bin_missing": (lambda d: (d / "val.bin").unlink(), ("val.bin", "is missing")),
+    "tokenizer_mismatch": (_edit_meta(_other_tokenizer),
+                           ("meta.json", "/data/tok-bpe", "pass --tokenizer /data/tok-bpe")),
+}
+
+
+@pytest.fixture(scope="module")
+def prepared_dir(tmp_path_factory) -> Path:
+    """A small prepared directory (byte tokens) that each case copies and damages."""
+    from slapo.data import prepare
+
+    root = tmp_path_factory.mktemp("prepared")
+    (root / "a.txt").write_text("some text for the prepared directory\n" * 40)
+    prepare(str(root / "a.txt"), root / "data", log=lambda *a: None)
+    return root / "data"
+
+
+@pytest.mark.parametrize("case", list(PREPARED_CASES))
+def test_train_on_bad_prepared_dir(case, prepared_dir, tmp_path, capsys):
+    damage, needles = PREPARED_CASES[case]
+    data = tmp_path / "data"
+    shutil.copytree(prepared_dir, data)
+    damage(data)
+    argv = ["train", *TINY, "--data", str(data), "--out", str(tmp_path / "run")]
+    _refused(argv, capsys, [tmp_path], 2, needles, "slapo train")
+
+
 # ---- TOML config files --------------------------------------------------------------------------
 TOML_CASES: dict[str, tuple[str, tuple]] = {
     "unknown_key": ("stepz = 3", ("'stepz'",)),
@@ -503,6 +624,7 @@ def test_resume_with_the_same_layout_spelled_out_is_the_same_run(saved_run, tmp_
 # ---- the published counts -----------------------------------------------------------------------
 @pytest.mark.parametrize("surface,table", [
     ("CLI: slapo train", TRAIN_CASES), ("CLI: slapo tune", TUNE_CASES),
+    ("CLI: slapo prepare-data", PREPARE_CASES), ("Prepared data", PREPARED_CASES),
     ("TOML config", TOML_CASES), ("Tuner database", DB_CASES), ("Resume", RESUME_CASES)])
 def test_doc_counts_match_tables(surface, table):
     counts, names = doc_surface(surface)

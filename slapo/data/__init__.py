@@ -1,6 +1,8 @@
 """Training data for `slapo train`: the shipped public-domain corpus and byte tokenizer (the
 offline default), or the user's text files / JSONL / saved HF dataset with any local
-AutoTokenizer (`make_data`), packed into blocks by a resumable seeded sampler.
+AutoTokenizer (`make_data`), packed into blocks by a resumable seeded sampler; or a corpus
+larger than memory, tokenised once by `prepare` (`slapo prepare-data`) into memory-mapped token
+files that `make_data` maps instead of reading text.
 """
 
 from .dataset import (
@@ -17,7 +19,16 @@ from .dataset import (
     split_tokens,
 )
 from .loaders import Data, make_data
-from .sources import Documents, InputError, read_documents
+from .prepared import (
+    MappedTokens,
+    Prepared,
+    check_prepared,
+    is_prepared,
+    open_prepared,
+    prepare,
+    tokenizer_identity,
+)
+from .sources import Documents, DocumentStream, InputError, open_documents, read_documents
 from .tokenizer import ByteTokenizer, HFTokenizer, check_tokenizer_dir, load_tokenizer
 
 __all__ = [
@@ -27,18 +38,27 @@ __all__ = [
     "ByteTokenizer",
     "CorpusLoader",
     "Data",
+    "DocumentStream",
     "Documents",
     "HFTokenizer",
     "InputError",
+    "MappedTokens",
+    "Prepared",
     "TokenLoader",
+    "check_prepared",
     "check_tokenizer_dir",
     "corpus_files",
+    "is_prepared",
     "load_corpus",
     "load_tokenizer",
     "make_data",
     "mask_tokens",
+    "open_documents",
+    "open_prepared",
+    "prepare",
     "read_documents",
     "split_by_record",
     "split_by_tail",
     "split_tokens",
+    "tokenizer_identity",
 ]

@@ -6,6 +6,11 @@
 
 Without `data` the shipped corpus is used, and with the byte tokenizer and the default
 val fraction the streams are exactly those of `CorpusLoader` (the demo and tests unchanged).
+
+`data` naming a directory written by `slapo prepare-data` (`prepared.is_prepared`) maps its
+token files instead of reading text: the same loader over `MappedTokens`, the split fixed when
+it was prepared (`val_fraction` and `text_field` do not apply), the tokenizer checked against
+the one it was prepared with.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from typing import Any
 import torch
 
 from .dataset import TokenLoader, load_corpus, split_by_record, split_by_tail
+from .prepared import MappedTokens, PreparedLoader, open_prepared, prepared_dir
 from .sources import read_documents
 from .tokenizer import load_tokenizer
 
@@ -23,7 +29,7 @@ from .tokenizer import load_tokenizer
 @dataclass
 class Data:
     train: TokenLoader
-    val_tokens: torch.Tensor
+    val_tokens: torch.Tensor | MappedTokens
     tokenizer: Any
     source: str
     task: str
@@ -45,6 +51,8 @@ def make_data(task: str, seq_len: int, seed: int = 0, *, data: str | None = None
               val_fraction: float = 0.1) -> Data:
     """Read, tokenize, split and pack; raises InputError for a bad path or field."""
     tok = load_tokenizer(tokenizer)
+    if data is not None and prepared_dir(data) is not None:
+        return _prepared_data(task, seq_len, seed, data, tok)
     if data is None:
         texts = load_corpus()
         train, val = split_by_tail([texts[n] for n in sorted(texts)], tok, val_fraction)
@@ -58,3 +66,13 @@ def make_data(task: str, seq_len: int, seed: int = 0, *, data: str | None = None
         source = data
     loader = TokenLoader(task, seq_len, train, tok, seed, what=f"the train split of {source}")
     return Data(loader, val, tok, source, task, seq_len, seed)
+
+
+def _prepared_data(task: str, seq_len: int, seed: int, data: str, tok: Any) -> Data:
+    """A `slapo prepare-data` directory, mapped (see `prepared`); InputError if it is damaged
+    or was prepared with another tokenizer."""
+    prepared = open_prepared(prepared_dir(data), tok)
+    loader = PreparedLoader(task, seq_len, prepared.train, tok, seed,
+                            what=f"the train split of {data}",
+                            fingerprint=prepared.fingerprint("train"))
+    return Data(loader, prepared.val, tok, data, task, seq_len, seed)

@@ -5,6 +5,9 @@
     read_documents("rows.jsonl", text_field="body")  # one document per JSON line
     read_documents("saved_ds/")                      # `datasets.Dataset.save_to_disk` output
 
+    stream = open_documents("books/")                # the same documents, never all in memory
+    for doc_no, text, last in stream.pieces(): ...  # `slapo prepare-data` (slapo/data/prepared)
+
 Decisions (the issue is silent on them):
 - Text files and JSONL are read with the standard library, not `datasets.load_dataset`: that
   needs `datasets` for the plainest input and writes Arrow cache files under ~/.cache for every
@@ -16,19 +19,30 @@ Decisions (the issue is silent on them):
   when one exists (the dataset's own split wins over `--val-fraction`).
 - Every problem is an `InputError` naming the path and the fix, raised while reading, so a bad
   `--data` stops the run before anything is written.
+- One reader for both paths: `read_documents` (in memory, `make_data`) collects what
+  `DocumentStream.pieces` yields, so a prepared dataset and `--data SPEC` see the same documents
+  in the same order. The stream reads a text file in pieces of at most `PIECE_CHARS` characters
+  cut after a line end (a smaller file is one piece: its whole text), JSONL line by line and a
+  saved dataset in batches of rows, so memory is bounded by a piece, not by the corpus.
+- JSONL lines are the file's lines (`\\n`, `\\r\\n` or `\\r`), not `str.splitlines` (which also
+  splits at U+2028 and other separators that JSON allows inside a string).
 """
 
 from __future__ import annotations
 
 import glob
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from ..errors import SchedulingError
 
 JSONL_SUFFIXES = (".jsonl", ".ndjson")
 VAL_SPLITS = ("validation", "val", "test")
+PIECE_CHARS = 8 * 2**20  # a text file is read (and tokenised) in pieces of this many characters
+ROW_BATCH = 1024         # rows of a saved dataset read at a time
 
 
 class InputError(SchedulingError, ValueError):
@@ -50,24 +64,96 @@ class Documents:
     files: list[str] = field(default_factory=list)
 
 
-def read_documents(spec: str, text_field: str = "text") -> Documents:
-    """Every document `spec` names (see the module docstring); raises InputError."""
+# (document number, text, last piece of that document?)
+Piece = tuple[int, str, bool]
+
+
+@dataclass
+class DocumentStream:
+    """The documents a `--data` spec names, read lazily and in order (`open_documents`).
+
+    `pieces()` yields `(doc_no, text, last)`: a document is the run of pieces with one doc_no
+    (a text file larger than `PIECE_CHARS` spans several; a row is one piece). `val_pieces()`
+    does the same for the validation split the data brought (a DatasetDict's), if any."""
+
+    source: str
+    text_field: str = "text"
+    files: list[Path] = field(default_factory=list)
+    by_record: bool = False
+    dataset: Any = None       # the saved dataset's train split (a `datasets.Dataset`)
+    val_dataset: Any = None   # its own validation split, or None
+    where: str = ""           # how errors name the dataset (its path)
+    val_where: str = ""
+
+    @property
+    def has_val_split(self) -> bool:
+        return self.val_dataset is not None
+
+    def pieces(self) -> Iterator[Piece]:
+        if self.dataset is not None:
+            yield from _dataset_pieces(self.dataset, self.text_field, self.where)
+            return
+        doc_no = 0
+        for path in self.files:
+            if path.suffix.lower() in JSONL_SUFFIXES:
+                for text in _jsonl_rows(path, self.text_field):
+                    yield doc_no, text, True
+                    doc_no += 1
+            else:
+                for text, last in _text_pieces(path):
+                    yield doc_no, text, last
+                doc_no += 1
+
+    def val_pieces(self) -> Iterator[Piece]:
+        if self.val_dataset is not None:
+            yield from _dataset_pieces(self.val_dataset, self.text_field, self.val_where)
+
+    def count(self) -> int:
+        """How many documents `pieces()` yields, without tokenising (a JSONL file is read and
+        every line checked: a bad line stops here, before any work is written)."""
+        if self.dataset is not None:
+            return len(self.dataset)
+        total = 0
+        for path in self.files:
+            if path.suffix.lower() in JSONL_SUFFIXES:
+                total += sum(1 for _ in _jsonl_rows(path, self.text_field))
+            else:
+                total += 1
+        return total
+
+
+def open_documents(spec: str, text_field: str = "text") -> DocumentStream:
+    """The stream of every document `spec` names; the paths are resolved (and a saved dataset
+    opened, memory-mapped) now, the texts read when iterated. Raises InputError."""
     entries = [e.strip() for e in spec.split(",") if e.strip()]
     if not entries:
         raise InputError("--data", "no data given.", "pass --data FILE, a glob, a .jsonl file "
                          "or a dataset directory saved with `datasets`.")
     if len(entries) == 1 and is_saved_dataset(Path(entries[0])):
-        return _read_saved_dataset(Path(entries[0]), text_field)
+        return _open_saved_dataset(Path(entries[0]), text_field)
     files = [f for e in entries for f in _expand(e)]
+    by_record = any(f.suffix.lower() in JSONL_SUFFIXES for f in files)
+    return DocumentStream(spec, text_field, files, by_record)
+
+
+def read_documents(spec: str, text_field: str = "text") -> Documents:
+    """Every document `spec` names, in memory (see the module docstring); raises InputError."""
+    stream = open_documents(spec, text_field)
+    val = _join(stream.val_pieces()) if stream.has_val_split else None
+    return Documents(_join(stream.pieces()), spec, by_record=stream.by_record, val=val,
+                     files=[str(f) for f in stream.files])
+
+
+def _join(pieces: Iterator[Piece]) -> list[str]:
+    """Whole documents from their pieces."""
     texts: list[str] = []
-    by_record = False
-    for f in files:
-        if f.suffix.lower() in JSONL_SUFFIXES:
-            texts += _read_jsonl(f, text_field)
-            by_record = True
-        else:
-            texts.append(_read_text(f))
-    return Documents(texts, spec, by_record=by_record, files=[str(f) for f in files])
+    parts: list[str] = []
+    for _, text, last in pieces:
+        parts.append(text)
+        if last:
+            texts.append("".join(parts))
+            parts = []
+    return texts
 
 
 def is_saved_dataset(path: Path) -> bool:
@@ -97,40 +183,69 @@ def _expand(entry: str) -> list[Path]:
     return [path]
 
 
-def _read_text(path: Path) -> str:
+def _not_utf8(path: Path, e: UnicodeDecodeError) -> InputError:
+    return InputError(str(path), f"not UTF-8 text ({e}).",
+                      "convert it to UTF-8, or leave it out of --data.")
+
+
+def _text_pieces(path: Path, size: int | None = None) -> Iterator[tuple[str, bool]]:
+    """(piece, last) of a text file: pieces of about `size` characters, each cut after a line
+    end (a line longer than `size` is cut inside), newlines translated as `Path.read_text`
+    does; an empty file is one empty piece. The concatenation is the file's text."""
+    size = size or PIECE_CHARS
     try:
-        return path.read_text(encoding="utf-8")
+        with open(path, encoding="utf-8") as fh:
+            current = _next_piece(fh, size)
+            while True:
+                following = _next_piece(fh, size)
+                yield current, not following
+                if not following:
+                    return
+                current = following
     except UnicodeDecodeError as e:
-        raise InputError(str(path), f"not UTF-8 text ({e}).",
-                         "convert it to UTF-8, or leave it out of --data.") from None
+        raise _not_utf8(path, e) from None
 
 
-def _read_jsonl(path: Path, text_field: str) -> list[str]:
-    """The `text_field` string of every non-empty line."""
-    out = []
-    for n, line in enumerate(_read_text(path).splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise InputError(f"{path}:{n}", f"not a JSON line ({e}).",
-                             "write one JSON object per line (JSONL).") from None
-        if not isinstance(row, dict) or text_field not in row:
-            keys = ", ".join(sorted(row)) if isinstance(row, dict) else type(row).__name__
-            raise InputError(f"{path}:{n}", f"no field {text_field!r} (has: {keys}).",
-                             "pass --text-field NAME with the field that holds the text.")
-        if not isinstance(row[text_field], str):
-            raise InputError(f"{path}:{n}", f"field {text_field!r} is "
-                             f"{type(row[text_field]).__name__}, not text.",
-                             "pass --text-field NAME with a string field.")
-        out.append(row[text_field])
-    if not out:
+def _next_piece(fh, size: int) -> str:
+    piece = fh.read(size)
+    if piece and not piece.endswith("\n"):
+        piece += fh.readline(size)  # finish the line (a longer one is cut at 2 x size)
+    return piece
+
+
+def _jsonl_rows(path: Path, text_field: str) -> Iterator[str]:
+    """The `text_field` string of every non-empty line, one line in memory at a time."""
+    count = 0
+    try:
+        with open(path, encoding="utf-8") as fh:
+            for n, line in enumerate(fh, 1):
+                if line.strip():
+                    count += 1
+                    yield _row_text(line, text_field, f"{path}:{n}")
+    except UnicodeDecodeError as e:
+        raise _not_utf8(path, e) from None
+    if not count:
         raise InputError(str(path), "holds no JSON line.", "check the file.")
-    return out
 
 
-def _read_saved_dataset(path: Path, text_field: str) -> Documents:
+def _row_text(line: str, text_field: str, where: str) -> str:
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise InputError(where, f"not a JSON line ({e}).",
+                         "write one JSON object per line (JSONL).") from None
+    if not isinstance(row, dict) or text_field not in row:
+        keys = ", ".join(sorted(row)) if isinstance(row, dict) else type(row).__name__
+        raise InputError(where, f"no field {text_field!r} (has: {keys}).",
+                         "pass --text-field NAME with the field that holds the text.")
+    if not isinstance(row[text_field], str):
+        raise InputError(where, f"field {text_field!r} is "
+                         f"{type(row[text_field]).__name__}, not text.",
+                         "pass --text-field NAME with a string field.")
+    return row[text_field]
+
+
+def _open_saved_dataset(path: Path, text_field: str) -> DocumentStream:
     try:
         import datasets
     except ImportError:
@@ -141,25 +256,37 @@ def _read_saved_dataset(path: Path, text_field: str) -> Documents:
     except Exception as e:  # noqa: BLE001 - any loader failure is a bad input
         raise InputError(str(path), f"cannot be loaded with datasets.load_from_disk: {e}",
                          "pass the directory that save_to_disk wrote.") from None
-    val = None
+    val, val_where = None, ""
     if isinstance(ds, datasets.DatasetDict):
         if "train" not in ds:
             raise InputError(str(path), f"the DatasetDict has no 'train' split (has: "
                              f"{', '.join(ds)}).", "save the training split as 'train'.")
         name = next((s for s in VAL_SPLITS if s in ds), None)
-        val = _column(ds[name], text_field, f"{path}[{name}]") if name else None
+        if name:
+            val, val_where = _check_column(ds[name], text_field, f"{path}[{name}]"), \
+                f"{path}[{name}]"
         ds = ds["train"]
-    return Documents(_column(ds, text_field, str(path)), str(path), by_record=True, val=val)
+    return DocumentStream(str(path), text_field, by_record=True,
+                          dataset=_check_column(ds, text_field, str(path)), val_dataset=val,
+                          where=str(path), val_where=val_where)
 
 
-def _column(ds, text_field: str, where: str) -> list[str]:
+def _check_column(ds, text_field: str, where: str):
     if text_field not in ds.column_names:
         raise InputError(where, f"no column {text_field!r} (has: "
                          f"{', '.join(ds.column_names)}).",
                          "pass --text-field NAME with the column that holds the text.")
-    texts = ds[text_field]
-    texts = list(texts) if not isinstance(texts, list) else texts
-    if texts and not isinstance(texts[0], str):
-        raise InputError(where, f"column {text_field!r} holds {type(texts[0]).__name__}, not "
-                         "text.", "pass --text-field NAME with a string column.")
-    return texts
+    return ds.select_columns([text_field])
+
+
+def _dataset_pieces(ds, text_field: str, where: str) -> Iterator[Piece]:
+    """Rows in batches of `ROW_BATCH` (the Arrow table stays memory-mapped)."""
+    doc_no = 0
+    for batch in ds.iter(batch_size=ROW_BATCH):
+        for text in batch[text_field]:
+            if not isinstance(text, str):
+                raise InputError(where, f"column {text_field!r} holds "
+                                 f"{type(text).__name__} (row {doc_no}), not text.",
+                                 "pass --text-field NAME with a string column.")
+            yield doc_no, text, True
+            doc_no += 1

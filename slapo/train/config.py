@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from ..data import check_tokenizer_dir
+from ..data.prepared import check_prepared, prepared_dir
 from ..data.sources import is_saved_dataset
 from ..model_schedule.knobs import CKPT_POLICIES, KnobError, ScheduleKnobs, knob_fields
 from . import pretrained
@@ -60,7 +61,7 @@ class RunOptions:
     adds the schedule knobs; the CLI flags and TOML keys have the same names."""
 
     model: str = "gpt2"         # a registry name, a local HF model directory or a config.json
-    data: str | None = None     # text files / globs / .jsonl / saved dataset (None: the corpus)
+    data: str | None = None     # files / globs / .jsonl / saved or prepared dir (None: corpus)
     text_field: str = "text"    # the JSONL field / dataset column holding the text
     tokenizer: str | None = None  # a local AutoTokenizer directory (None: bytes, or the model's)
     val_fraction: float = 0.1   # share of the data held out for the val loss
@@ -181,7 +182,9 @@ class RunOptions:
             pretrained.model_source(self.model)
         else:
             get_model_spec(self.model)
-        if self.data is not None:
+        if self.data is not None and prepared_dir(self.data) is not None:
+            check_prepared(prepared_dir(self.data))  # meta.json and file sizes, no read
+        elif self.data is not None:
             from ..data.sources import _expand
 
             entries = [e.strip() for e in self.data.split(",") if e.strip()]
