@@ -5,4 +5,10 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 export HF_HUB_OFFLINE=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 .venv/bin/ruff check slapo tests benchmarks examples
-exec .venv/bin/python -m pytest -q -p no:cacheprovider --timeout=900 "$@"
+# Two workers (pytest-xdist, work stealing): many tests wait on process start-up, gloo and
+# torchrun, so two workers on the CI's two cores cut the wall time; SLAPO_TEST_WORKERS=0 runs
+# serially (e.g. to debug one test).
+workers=${SLAPO_TEST_WORKERS:-2}
+xdist=()
+if [ "$workers" != "0" ]; then xdist=(-n "$workers" --dist worksteal); fi
+exec .venv/bin/python -m pytest -q -p no:cacheprovider --timeout=900 "${xdist[@]}" "$@"
