@@ -91,6 +91,17 @@ def test_text_files_equal_in_memory(tok_dir, text_dir, tmp_path):
     assert torch.equal(torch.from_numpy(raw.astype(np.int64)), data.train.tokens.long())
 
 
+def test_text_directory_with_another_meta_json_stays_text(text_dir, tmp_path):
+    """Only a directory with .bin files or a meta.json of this format is a prepared one."""
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "a.txt").write_text(load_corpus()["poems.txt"])
+    (tmp_path / "notes" / "meta.json").write_text('{"format": "my notes", "author": "me"}')
+    data = make_data("causal", 32, 0, data=str(tmp_path / "notes"))
+    assert data.train.fingerprint == make_data("causal", 32, 0,
+                                               data=str(tmp_path / "notes" / "a.txt")
+                                               ).train.fingerprint
+
+
 @pytest.mark.parametrize("seed,val_fraction", [(0, 0.1), (3, 0.25), (0, 0.0)])
 def test_jsonl_and_mixed_record_split_equal_in_memory(tok_dir, text_dir, tmp_path, seed,
                                                       val_fraction):

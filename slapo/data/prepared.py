@@ -487,16 +487,27 @@ def _version() -> str | None:
 
 # ---- reading --------------------------------------------------------------------------------
 def prepared_dir(spec: str | Path) -> Path | None:
-    """The directory `--data spec` names if it is one prepared directory (it holds meta.json or
-    a .bin file: one with train.bin but no meta.json is a broken output, reported as such by
-    `check_prepared`), else None."""
+    """The directory `--data spec` names if it is one prepared directory, else None.
+
+    Prepared: it holds train.bin or val.bin (one without a readable meta.json is a broken
+    output, which `check_prepared` reports), or a meta.json that names `FORMAT`. A directory of
+    text files with some other meta.json stays a text directory."""
     entries = [e.strip() for e in str(spec).split(",") if e.strip()]
-    if len(entries) != 1:
+    if len(entries) != 1 or not Path(entries[0]).is_dir():
         return None
     path = Path(entries[0])
-    found = path.is_dir() and any((path / n).is_file()
-                                  for n in (META, *(f"{s}.bin" for s in SPLITS)))
-    return path if found else None
+    if any(_bin(path, s).is_file() for s in SPLITS):
+        return path
+    return path if _names_format(path / META) else None
+
+
+def _names_format(meta: Path) -> bool:
+    """Does the start of this meta.json name our format (cheap: no full parse)?"""
+    try:
+        with open(meta, "rb") as fh:
+            return FORMAT.encode() in fh.read(4096)
+    except OSError:
+        return False
 
 
 def is_prepared(spec: str | Path) -> bool:
