@@ -158,20 +158,14 @@ def test_no_tensor_of_a_sharded_full_shape_is_allocated(family):
 
 
 # ------------------------------------------------------------------- (d): the model's own init
-def _config_std(config) -> float:
-    """The std `PreTrainedModel._init_weights` resolves for a Linear/Embedding."""
-    for key in ("initializer_range", "init_std", "initializer_factor"):
-        if getattr(config, key, None):
-            return getattr(config, key)
-    return 0.02
-
-
 @pytest.mark.parametrize("family", FAMILIES)
 def test_init_is_the_models_own(family):
+    """Each merged tensor has the eager `Model(config)`'s deterministic parts exactly and its
+    random tensors' std within 10% (parents' writes included: GPT-2's scaled `c_proj`, T5's
+    per-projection stds; tests/test_init_parent_order.py checks them by name)."""
     shards = _shard_all_ranks(family, 2)
     model = _meta(family)
     eager = _tensors(getattr(models, family)(seed=0) if family != "llama" else _llama4())
-    std = _config_std(model.config)
     checked = Counter()
     for name, want in eager.items():
         ours, want = _merged(shards, name), want.detach()
@@ -185,10 +179,11 @@ def test_init_is_the_models_own(family):
         pad = getattr(_owner(model, name), "padding_idx", None)
         if pad is not None:
             assert not ours[pad].any() and not want[pad].any(), name
-            ours = torch.cat([ours[:pad], ours[pad + 1:]])
+            ours, want = (torch.cat([t[:pad], t[pad + 1:]]) for t in (ours, want))
             checked["padding"] += 1
         if ours.numel() >= 2048:
-            assert abs(ours.float().std().item() / std - 1) < 0.05, (name, ours.std(), std)
+            std = want.float().std().item()
+            assert abs(ours.float().std().item() / std - 1) < 0.1, (name, ours.std(), std)
             assert abs(ours.float().mean().item()) < 0.1 * std, name
             checked["normal"] += 1
     assert checked["exact"] >= 4 and checked["normal"] >= 8, checked

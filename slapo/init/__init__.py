@@ -6,31 +6,46 @@
     ... shard ...
     model, _ = slapo.build(sch, seed=0)    # each rank allocates and initialises its shards
 
-A rank never allocates a sharded tensor at its full shape. Per module, `materialize`:
+A rank never allocates a sharded tensor at its full shape. `materialize`:
 
-1. runs the module's init on full-size stand-ins that hold no memory (`record.StandIn`: the
-   init sees the original shapes), recording the in-place ops it applies to each tensor with
-   their resolved scalars (`record.py`: random fills, constants, copies, elementwise and index
-   writes);
-2. allocates each tensor at its local (shard) size and replays those ops on it (`replay.py`):
-   deterministic ops cut to the shard's rows/columns, random fills drawn from per-block streams
-   seeded from (seed, module path, tensor name, op index, block index), so a value depends only
-   on its position in the full tensor;
+1. puts a full-size stand-in that holds no memory (`record.StandIn`: an init sees the original
+   shapes) in the slot of every pending meta tensor of the model at once, then runs the inits
+   in Hugging Face's order (`smart_apply`, a post-order: children first, parent last) on every
+   module with a pending tensor in its subtree, recording the in-place ops each init applies to
+   any of those tensors with their resolved scalars (`record.py`: random fills, constants,
+   copies, elementwise and index writes). A tensor's ops accumulate over its owner's init and
+   then its ancestors', so a parent's write lands on top (a later `normal_` replaces an earlier
+   fill, a later `mul_` composes): GPT-2's 1/sqrt(2 * n_layer) rescaling of `c_proj` from the
+   attention/MLP module, T5's per-projection stds from `T5Attention` / `T5DenseActDense`;
+2. allocates each tensor once, at its local (shard) size, and replays its ops on it
+   (`replay.py`), from the last one that overwrites the whole tensor: deterministic ops cut to
+   the shard's rows/columns, random fills drawn from per-block streams seeded from (seed, owner
+   path, tensor name, op index, block index), so a value depends only on its position in the
+   full tensor;
 3. a tensor whose init the recorder cannot replay exactly (e.g. `orthogonal_`, which reads
-   another tensor) takes the previous path instead, for that tensor only: full size on this rank,
-   init under the module's seed `module_seed(seed, path)`, keep the slice; an
-   `InitFallbackWarning` names it once.
+   another tensor) takes the previous path instead, for that tensor only: full size on this
+   rank, the inits of its owner and ancestors rerun in the same order, each under its module's
+   seed `module_seed(seed, path)`, keep the slice; an `InitFallbackWarning` names it once. (An
+   init that raises on stand-ins sends every tensor below its module down this path.)
 
 Either way the shards merged across ranks equal the unsharded delayed build (tp=1) bit for bit,
 for any TP degree and rank, on a given device type (CPU and CUDA generators draw different
-numbers). The values are Slapo's own, not those of an eager `Model(config)` under the same
-seed, but every tensor gets its module's init: the same distributions with the same resolved
-parameters and the same deterministic parts (zero biases, padding rows, ones for norms).
+numbers); a pipeline rank (`only=` its stages' tensors) gets the same values as the whole
+model. The values are Slapo's own, not those of an eager `Model(config)` under the same
+seed, but every tensor gets the init an eager model gives it: the same distributions with the
+same resolved parameters and the same deterministic parts (zero biases, padding rows, ones for
+norms), parents' writes included (tests/test_init_parent_order.py compares every family).
 
-Initialisation per module, first that applies: `init_fn(module)` / `init_fn(module, path)`, the
-Hugging Face model's `_init_weights(module)`, `module.reset_parameters()`; tensors none of them
-touch stay zero. An init writes only the module's own tensors (a write to a child's tensor, which
-is still meta, is dropped, as before). Weights that are already materialised are never touched.
+The init of each module, first that applies: `init_fn(module)` / `init_fn(module, path)`
+(called on every module of the post-order, parents included), the `_init_weights(module)` of
+the module's nearest Hugging Face ancestor (or of the model's first HF module), then
+`module.reset_parameters()`; tensors none of them touch stay zero. HF's `_is_hf_initialized`
+flags are neither read nor set: a flag says nothing about a tensor that is still meta. A tensor
+tied under several names (an LM head tied to the embedding) is initialised once, through its
+first owner's slot: writes through its other names are dropped, as HF drops the head's own init
+when `post_init` ties it to the embedding. Weights that are already materialised are never
+touched (a stand-in takes their slot while the inits run). An init in a model's constructor
+(torchvision's ResNet) runs on meta, i.e. not at all: pass it as `init_fn`.
 """
 
 from __future__ import annotations
@@ -39,14 +54,15 @@ import contextlib
 import inspect
 import warnings
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.nn as nn
 
 from .. import sharding
-from . import replay
-from .record import Recorder, StandIn
+from . import replay, scope
+from .record import Recorder, Recording
+from .scope import Step, Target
 
 
 @contextlib.contextmanager
@@ -78,67 +94,118 @@ def _hf_root(model: nn.Module):
     return None
 
 
-def _init_callable(model: nn.Module, init_fn: Callable | None):
+Init = Callable[[Step], None]
+
+
+def _init_callable(model: nn.Module, init_fn: Callable | None) -> Init:
+    """The init of one post-order step: `init_fn(module[, path])` when given; else the
+    `_init_weights` of the module's nearest Hugging Face ancestor (or itself), as HF's
+    `smart_apply` dispatches composite models, falling back to the model's first HF module
+    for modules outside any (a wrapper's own head); else `module.reset_parameters()`.
+
+    `_init_weights` is called directly, not through `_initialize_weights`: a module's
+    `_is_hf_initialized` flag says nothing about a tensor that is still meta, and setting it
+    would stop the fallback's second run."""
     if init_fn is not None:
         n = len(inspect.signature(init_fn).parameters)
-        return (lambda m, p: init_fn(m, p)) if n >= 2 else (lambda m, p: init_fn(m))
-    hf = _hf_root(model)
+        return (lambda s: init_fn(s.module, s.path)) if n >= 2 else (lambda s: init_fn(s.module))
+    first = _hf_root(model)
 
-    def default(m: nn.Module, path: str) -> None:
+    def default(step: Step) -> None:
+        hf = step.hf or first
         if hf is not None:
-            hf._init_weights(m)
-        elif hasattr(m, "reset_parameters"):
-            m.reset_parameters()
+            hf._init_weights(step.module)
+        elif hasattr(step.module, "reset_parameters"):
+            step.module.reset_parameters()
 
     return default
 
 
 @torch.no_grad()
 def materialize(model: nn.Module, device: torch.device | str = "cpu", *,
-                init_fn: Callable | None = None, seed: int = 0) -> nn.Module:
-    """Allocate and initialise every meta tensor of `model` on `device`; a shard is allocated
-    at its local size only (see the module docstring). Tensors shared by several modules stay
-    shared and are initialised at their first owner."""
-    init = _init_callable(model, init_fn)
+                init_fn: Callable | None = None, seed: int = 0,
+                only: Iterable[torch.Tensor] | None = None) -> nn.Module:
+    """Allocate and initialise every meta tensor of `model` on `device` (see the module
+    docstring); a shard is allocated at its local size only.
+
+    `only`: materialise just these meta tensors (a pipeline rank's stages), leaving the rest
+    on meta; the inits still run over the whole `model`, so a tensor gets its ancestors'
+    writes exactly as in a full materialisation. Tensors shared by several modules stay
+    shared, initialised at their first owner."""
+    keep = None if only is None else {id(t) for t in only}
+    todo = scope.targets(model, keep)
+    if not todo:
+        return model
     device = torch.device(device)
-    gen = torch.Generator(device=device)
-    done: dict[int, torch.Tensor] = {}  # id(meta tensor) -> materialised (keeps ties tied)
-    for path, mod in model.named_modules(remove_duplicate=False):
-        metas = _pending(mod, done)
-        if metas:
-            _materialize_module(mod, path, metas, init, device, seed, gen, done)
+    init = _init_callable(model, init_fn)
+    recorder = Recorder(device)
+    # the init's own temporaries (a rotary table) go to `device`, not to an enclosing
+    # `init_empty_weights()`'s meta
+    with torch.device(device), scope.staged(model, todo, recorder):
+        order = _steps(model, todo)
+        _record(order, todo, init, recorder, device, seed)
+        values = _values(model, order, todo, init, recorder.rec, device, seed)
+    new = {}
+    for t in todo:
+        new[id(t.meta)] = scope.wrap(values[t.key], t.meta, t.kind)
+        carry_records(t.meta, new[id(t.meta)])
+    scope.repoint(model, new)
     return model
 
 
-def _slots(mod: nn.Module, kind: str) -> dict:
-    return mod._parameters if kind == "p" else mod._buffers
+def _steps(model: nn.Module, todo: list[Target]) -> list[Step]:
+    """The post-order init calls that can write a target: each module holding one, and its
+    ancestors."""
+    owners = {id(t.mod) for t in todo}
+    return scope.covering(scope.post_order(model), lambda m: id(m) in owners)
 
 
-def _pending(mod: nn.Module, done: dict[int, torch.Tensor]) -> list[tuple[str, torch.Tensor, str]]:
-    """The module's own meta tensors still to initialise, as (name, tensor, "p" | "b"); tensors
-    already materialised under another owner are re-pointed to it."""
-    metas = []
-    for kind in ("p", "b"):
-        slots = _slots(mod, kind)
-        for n, t in list(slots.items()):
-            if t is None or t.device.type != "meta":
-                continue
-            if id(t) in done:
-                slots[n] = done[id(t)]
-            else:
-                metas.append((n, t, kind))
-    return metas
+def _record(order: list[Step], todo: list[Target], init: Init, recorder: Recorder,
+            device: torch.device, seed: int) -> None:
+    """Run every step's init on the stand-ins, each under its module's seed, children first:
+    each tensor's ops accumulate over its owner's init and then its ancestors'."""
+    under = _keys_under(order, todo)
+    for step in order:
+        with _seeded(device, module_seed(seed, step.path)):
+            recorder.run(lambda step=step: init(step), under[id(step.module)])
 
 
-def _full_shape(t: torch.Tensor) -> tuple[int, ...]:
-    spec = sharding.shard_spec(t)
-    return tuple(spec.orig_shape) if spec else tuple(t.shape)
+def _keys_under(order: list[Step], todo: list[Target]) -> dict[int, list[str]]:
+    """id(module) -> keys of the targets in its subtree (what its init can write)."""
+    own: dict[int, list[str]] = {}
+    for t in todo:
+        own.setdefault(id(t.mod), []).append(t.key)
+    out: dict[int, list[str]] = {}
+    for step in order:  # post-order: children first
+        keys = list(own.get(id(step.module), []))
+        for child in step.module._modules.values():
+            if child is not None:
+                keys += out.get(id(child), [])
+        out[id(step.module)] = keys
+    return out
 
 
-def _wrap(value: torch.Tensor, like: torch.Tensor, kind: str) -> torch.Tensor:
-    return nn.Parameter(value, requires_grad=like.requires_grad) if kind == "p" else value
-
-
+def _values(model: nn.Module, order: list[Step], todo: list[Target], init: Init,
+            rec: Recording, device: torch.device, seed: int) -> dict[str, torch.Tensor]:
+    """key -> this rank's value of each target: the recorded ops replayed on the local shard,
+    or the full-size fallback for the tensors the replay cannot reproduce."""
+    gen = torch.Generator(device=device)
+    values = {}
+    for t in todo:
+        lay = replay.layout(t.full_shape, sharding.shard_spec(t.meta))
+        if t.slot() is not t.stand_in:
+            rec.fail(t.key, "the init replaced the tensor instead of writing into it")
+        elif lay.local_shape != tuple(t.meta.shape):
+            rec.fail(t.key, f"its shard layout {lay} does not give the local shape "
+                            f"{tuple(t.meta.shape)}")
+        if t.key not in rec.failed:
+            local = torch.zeros(t.meta.shape, dtype=t.meta.dtype, device=device)
+            ops = replay.live(rec.ops.get(t.key, []), t.full_shape)
+            values[t.key] = replay.replay(ops, local, lay, seed, t.key, gen)
+    failed = [t for t in todo if t.key in rec.failed]
+    if failed:
+        values.update(_full_then_slice(order, failed, rec.failed, init, device, seed))
+    return values
 @contextlib.contextmanager
 def _seeded(device: torch.device, seed: int):
     """The global RNG at `seed` for the duration, restored after (the init's own draws)."""
@@ -147,74 +214,27 @@ def _seeded(device: torch.device, seed: int):
         yield
 
 
-def _materialize_module(mod: nn.Module, path: str, metas, init, device: torch.device,
-                        seed: int, gen: torch.Generator, done: dict) -> None:
-    """Record the init on full-size stand-ins, replay it on each local shard; tensors it
-    cannot replay take the full-size path (`_full_then_slice`)."""
-    recorder = Recorder(device)
-    full = {n: _wrap(recorder.stand_in(n, _full_shape(t), t.dtype), t, k) for n, t, k in metas}
-    for n, _t, k in metas:
-        _slots(mod, k)[n] = full[n]
-    with _seeded(device, module_seed(seed, path)), _shielded(mod, recorder):
-        rec = recorder.run(lambda: init(mod, path))
-    values = {}
-    for n, t, k in metas:
-        lay = replay.layout(_full_shape(t), sharding.shard_spec(t))
-        if _slots(mod, k)[n] is not full[n]:
-            rec.fail(n, "the init replaced the tensor instead of writing into it")
-        elif lay.local_shape != tuple(t.shape):
-            rec.fail(n, f"its shard layout {lay} does not give the local shape {tuple(t.shape)}")
-        if n not in rec.failed:
-            local = torch.zeros(t.shape, dtype=t.dtype, device=device)
-            values[n] = replay.replay(rec.ops.get(n, []), local, lay, seed, f"{path}:{n}", gen)
-    failed = [(n, t, k) for n, t, k in metas if n in rec.failed]
-    if failed:
-        with _shielded(mod, recorder):
-            values.update(_full_then_slice(mod, path, failed, rec.failed, init, device, seed))
-    for n, t, k in metas:
-        new = _wrap(values[n], t, k)
-        carry_records(t, new)
-        _slots(mod, k)[n] = new
-        done[id(t)] = new
-
-
-@contextlib.contextmanager
-def _shielded(mod: nn.Module, recorder: Recorder):
-    """Already materialised tensors of the module (e.g. loaded from a checkpoint while its
-    neighbours stay meta) sit out the init: untracked stand-ins take their slots meanwhile, so
-    the init's writes to them go nowhere."""
-    kept = []
-    for kind in ("p", "b"):
-        slots = _slots(mod, kind)
-        for n, t in list(slots.items()):
-            if t is not None and t.device.type != "meta" and not isinstance(t, StandIn):
-                kept.append((slots, n, t))
-                slots[n] = _wrap(recorder.stand_in(None, _full_shape(t), t.dtype), t, kind)
-    try:
-        yield
-    finally:
-        for slots, n, t in kept:
-            slots[n] = t
-
-
-def _full_then_slice(mod: nn.Module, path: str, failed, reasons: dict[str, str], init,
-                     device: torch.device, seed: int) -> dict[str, torch.Tensor]:
+def _full_then_slice(order: list[Step], failed: list[Target], reasons: dict[str, str],
+                     init: Init, device: torch.device, seed: int) -> dict[str, torch.Tensor]:
     """The pre-replay path, for tensors the recorder could not replay: allocate them at full
-    size, run the init under the module's seed, keep this rank's slice. The module's other
-    tensors are stand-ins meanwhile, so the init leaves them alone."""
-    for n, t, k in failed:
-        _warn_fallback(mod, path, n, _full_shape(t), reasons[n])
-        _slots(mod, k)[n] = _wrap(torch.zeros(_full_shape(t), dtype=t.dtype, device=device), t, k)
-    with _seeded(device, module_seed(seed, path)):
-        init(mod, path)
+    size, rerun the inits that can write them (their owners' and ancestors', in post-order,
+    each under its module's seed), keep this rank's slice. Every other tensor is a stand-in
+    meanwhile (recording is over), so those inits leave the rest alone."""
+    for t in failed:
+        _warn_fallback(t, reasons[t.key])
+        t.put(torch.zeros(t.full_shape, dtype=t.meta.dtype, device=device))
+    owners = {id(t.mod) for t in failed}
+    for step in scope.covering(order, lambda m: id(m) in owners):
+        with _seeded(device, module_seed(seed, step.path)):
+            init(step)
     out = {}
-    for n, t, k in failed:
-        value = _slots(mod, k)[n].detach()
-        spec = sharding.shard_spec(t)
+    for t in failed:
+        value = t.slot().detach()
+        spec = sharding.shard_spec(t.meta)
         if spec is not None:
             value = sharding.local_slice(value, spec.axis, spec.world_size, spec.rank,
                                          spec.blocks).clone()
-        out[n] = value
+        out[t.key] = value
     return out
 
 
@@ -238,14 +258,14 @@ class InitFallbackWarning(UserWarning):
 _WARNED: set[tuple[str, str, str]] = set()
 
 
-def _warn_fallback(mod: nn.Module, path: str, name: str, shape, reason: str) -> None:
+def _warn_fallback(t: Target, reason: str) -> None:
     """Once per (module class, tensor, reason): a 48-layer model warns once, not 48 times."""
-    key = (type(mod).__name__, name, reason)
+    key = (type(t.mod).__name__, t.name, reason)
     if key in _WARNED:
         return
     _WARNED.add(key)
-    where = f"{path}.{name}" if path else name
-    warnings.warn(f"delayed init: {where} {tuple(shape)} (and {key[0]}.{name} elsewhere) was "
+    where = f"{t.path}.{t.name}" if t.path else t.name
+    warnings.warn(f"delayed init: {where} {t.full_shape} (and {key[0]}.{t.name} elsewhere) was "
                   f"allocated at full size and then sliced, because {reason}. Give the module "
                   "an init made of random fills, constants and elementwise ops (or "
                   "slapo.build(init_weights=...)) to initialise the shard alone.",

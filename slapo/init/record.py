@@ -172,15 +172,15 @@ class StandIn(torch.Tensor):
 
 
 class Recorder:
-    """Makes the stand-ins of one module's tensors and records, per tracked stand-in, the ops
-    that write into it (`run`)."""
+    """Makes the stand-ins of a model's tensors and records, per tracked stand-in, the ops
+    that write into it (`run`, once per module init)."""
 
     def __init__(self, device: torch.device):
         self.device = device
         self.shapes: dict[str, tuple[int, ...]] = {}
         self.names: dict[int, str] = {}
         self.rec = Recording()
-        self.closed = False
+        self.closed = True  # writes are recorded only inside `run`
 
     def stand_in(self, name: str | None, shape: tuple[int, ...], dtype) -> StandIn:
         """A stand-in of `shape`; writes into it are recorded under `name` (None: ignored)."""
@@ -191,16 +191,21 @@ class Recorder:
             self.rec.ops[name] = []
         return StandIn(inner, self.device, self)
 
-    def run(self, init: Callable[[], None]) -> Recording:
-        """Run `init()`; what it wrote. An init that raises on stand-ins (e.g. it reads values
-        in Python) fails every tracked tensor."""
+    def run(self, init: Callable[[], None], names: list[str] | None = None) -> Recording:
+        """Run `init()`, adding what it writes to what earlier runs wrote (a later run's ops
+        come after: a parent's init lands on top of its children's). An init that raises on
+        stand-ins (e.g. it reads values in Python) fails the tracked tensors it could have
+        written: `names`, or every one."""
+        self.closed = False
         try:
             init()
         except Exception as e:  # noqa: BLE001 - any failure means: initialise the old way
-            for name in self.shapes:
-                self.rec.fail(name, f"the init raised on stand-in tensors ({type(e).__name__}: "
-                                    f"{e})")
-        self.closed = True
+            for name in self.shapes if names is None else names:
+                if name in self.shapes:
+                    self.rec.fail(name, f"the init raised on stand-in tensors "
+                                        f"({type(e).__name__}: {e})")
+        finally:
+            self.closed = True
         return self.rec
 
     def dispatch(self, func, args: tuple, kwargs: dict):
@@ -209,6 +214,9 @@ class Recorder:
             for name, target in written:
                 if name is not None and name not in self.rec.failed:
                     self._record(name, target, func, args, kwargs)
+        if written and torch.Tag.inplace_view in func.tags:  # t_, squeeze_, as_strided_
+            raise RuntimeError(f"{func} changes a tensor's shape in place, which a stand-in "
+                               "cannot follow")
         if written and torch.Tag.inplace in func.tags and args and args[0] is written[0][1]:
             return args[0]  # a write into a stand-in: recorded, nothing to compute
         out = func(*pytree.tree_map(_to_meta, args), **pytree.tree_map(_to_meta, kwargs))

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .record import Box, Op
+from .record import Box, Op, whole
 
 BLOCK_ELEMS = 1 << 16
 _MASK63 = (1 << 63) - 1
@@ -188,6 +188,27 @@ def _random(op: Op, view: torch.Tensor, seg: Segment, shape, stream: int,
         else:
             view[b0:b1].copy_(block.narrow(seg.vdim, seg.lo, seg.hi - seg.lo))
         del block
+
+
+# In-place ops that set every element of their view without reading it.
+_OVERWRITES = {"aten::normal_", "aten::uniform_", "aten::random_", "aten::exponential_",
+               "aten::geometric_", "aten::cauchy_", "aten::log_normal_", "aten::bernoulli_",
+               "aten::zero_", "aten::fill_", "aten::copy_"}
+
+
+def live(ops: list[Op], shape: tuple[int, ...]) -> list[Op]:
+    """The ops from the last one that rewrites every element without reading it on.
+
+    Why: a tensor's ops accumulate over its owner's init and its ancestors' (a Linear's own
+    `normal_(0.02)`, then T5's `normal_(d_model ** -0.5)` from the attention module); drawing
+    the overwritten fill too would only cost time. Pruning is a function of the recording
+    alone, so every rank and TP degree prunes alike."""
+    full = whole(shape)
+    start = 0
+    for i, op in enumerate(ops):
+        if op.box == full and op.func._schema.name in _OVERWRITES:
+            start = i
+    return ops[start:]
 
 
 def replay(ops: list[Op], local: torch.Tensor, lay: Layout, seed: int, key: str,

@@ -377,13 +377,14 @@ def _build_pipeline(sch: Schedule, info: MeshInfo, config: StepConfig, *, pipeli
 
 def _place_stage_weights(sch: Schedule, stages: list[nn.Module], device, info: MeshInfo,
                          init_weights, seed: int) -> None:
-    """Materialise only what this rank's stages use, exactly as the whole model would be (same
-    seeds per original path, tied weights from their first owner); see `owners_union`."""
-    from .partition import owners_union
-
+    """Materialise only what this rank's stages use, exactly as the whole model would be: the
+    inits run over the whole (meta) model, so a parent's writes to a stage's tensors (GPT-2's
+    scaled `c_proj`) land too; same seeds per original path, tied weights from their first
+    owner, the other stages' tensors left on meta."""
     if any(has_meta_tensors(s) for s in stages):
-        materialize(owners_union(sch.mod, stages), device or _default_device(info),
-                    init_fn=init_weights, seed=seed)
+        used = [t for s in stages for t in [*s.parameters(), *s.buffers()]]
+        materialize(sch.mod, device or _default_device(info), init_fn=init_weights, seed=seed,
+                    only=used)
     elif device is not None:
         for s in stages:
             s.to(device)

@@ -19,7 +19,7 @@ import torch
 import torch.nn as nn
 
 from ..errors import SchedulingError
-from .stages_decoder import DecoderLayout, HFDecoderStage, graft, layer_bounds, layout_of
+from .stages_decoder import DecoderLayout, HFDecoderStage, layer_bounds, layout_of
 from .stages_encoder import BertStage, encoder_prefix
 from .stages_resnet import partition as resnet_partition
 from .stages_resnet import resnet_prefix
@@ -86,40 +86,6 @@ def _bounds(sch, layout: DecoderLayout, num_stages: int) -> list[tuple[int, int]
         raise SchedulingError(sch.path, f"{len(cuts)} cut(s) give {len(cuts) + 1} stages, not "
                               f"{num_stages}.", f"cut {num_stages - 1} layer(s).")
     return layer_bounds(cuts, layout, len(sch.mod.get_submodule(layout.layers)))
-
-
-class _Parts(nn.Module):
-    """A container of original modules under their original names (see `owners_union`)."""
-
-    def __init__(self, root: nn.Module, paths: list[str]):
-        super().__init__()
-        self._root = (root,)
-        if hasattr(root, "config") and hasattr(root, "_init_weights"):
-            self.config = root.config  # lets delayed init find the model's own `_init_weights`
-        for path in paths:
-            graft(self, root, path)
-
-    def _init_weights(self, module: nn.Module) -> None:
-        self._root[0]._init_weights(module)
-
-
-def owners_union(root: nn.Module, stages: list[nn.Module]) -> nn.Module:
-    """The modules of `root` that directly own a tensor the `stages` use, in `root`'s order and
-    under their original names.
-
-    Materialising this instead of each stage reproduces exactly what materialising the whole
-    model does for those tensors: the same modules are initialised under the same per-path
-    seeds, and a weight tied across stages (GPT-2's embedding and LM head) is initialised at
-    its first owner (the embedding), as in the full model, even on a rank that only holds the
-    head, and once when two local stages share it.
-    """
-    used = {id(t) for s in stages for t in [*s.parameters(), *s.buffers()]}
-    paths = []
-    for path, mod in root.named_modules():
-        owned = [t for t in [*mod._parameters.values(), *mod._buffers.values()] if t is not None]
-        if path and any(id(t) in used for t in owned):
-            paths.append(path)
-    return _Parts(root, paths)
 
 
 def check_stage_coverage(root: nn.Module, stages: list[nn.Module]) -> None:
