@@ -41,7 +41,7 @@ from ..errors import SchedulingError
 
 JSONL_SUFFIXES = (".jsonl", ".ndjson")
 VAL_SPLITS = ("validation", "val", "test")
-PIECE_CHARS = 8 * 2**20  # a text file is read (and tokenised) in pieces of this many characters
+PIECE_CHARS = 2**21  # characters: a text file is read and tokenised in pieces of this size
 ROW_BATCH = 1024         # rows of a saved dataset read at a time
 
 
