@@ -121,7 +121,8 @@ def _add_prepare_parser(sub: Any) -> None:
                        "train makes in memory; then `slapo train --data OUT` maps the files "
                        "instead of reading text. Written atomically; bad input stops with exit "
                        "status 2 before anything is written.")
-    p.add_argument("--data", required=True, metavar="SPEC", help="the text: files, globs, directories of *.txt, .jsonl files "
+    p.add_argument("--data", required=True, metavar="SPEC",
+                   help="the text: files, globs, directories of *.txt, .jsonl files "
                    "(comma-separated), or a dataset directory saved with `datasets` "
                    "save_to_disk")
     p.add_argument("--tokenizer", default=None, metavar="DIR",
@@ -141,6 +142,7 @@ def _add_prepare_parser(sub: Any) -> None:
 
 
 def _prepare(args: argparse.Namespace) -> int:
+    """`slapo prepare-data` (slapo/data/prepared.py): bad input is exit 2, nothing written."""
     from .data import InputError
     from .data.prepared import prepare
 
