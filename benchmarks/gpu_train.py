@@ -9,33 +9,80 @@ Every (model, variant) runs in its own process (Liger patches HF classes globall
 graphs and allocator state must not leak between variants), one after the other, in this one
 invocation, so the ratios compare like with like. Each appends one JSON line to
 `<out>/results.jsonl` as soon as it finishes (a killed run keeps the rows done), and the table is
-printed at the end.
+printed at the end. Every row of one invocation carries the same `run_id`.
 
 Setup shared by every variant (the issue-14 protocol): bf16 autocast over fp32 master weights,
 `torch.optim.AdamW(fused=True)`, random token ids (causal LMs: labels = inputs; BERT masked LM:
 15% of positions carry a label, the rest -100, as in BERT pre-training), `warmup` untimed steps
 then `steps` timed steps between synchronisations, `loss.item()` every step as a training loop
-logs it. Peak memory is `torch.cuda.max_memory_allocated()` over warm-up and timed steps.
-MFU = model FLOPs per token (6 x non-embedding params + 6 x hidden x vocab + 12 x layers x hidden
-x seq) x tokens/s over the datasheet bf16 peak (989 TFLOP/s for H100 SXM); `mfu_measured` uses a
-8192^3 bf16 matmul measured in the same process instead. "compile_s" is the first step's time
-minus a steady step (compilation, autotuning, allocator warm-up).
+logs it (`loss_last` is the loss after all warm-up and timed steps on the one batch: the
+dropout check compares it). Peak memory is `torch.cuda.max_memory_allocated()` over warm-up
+and timed steps. MFU = model FLOPs per token (6 x non-embedding params + 6 x hidden x vocab +
+12 x layers x hidden x seq) x tokens/s over the datasheet bf16 peak (989 TFLOP/s for H100 SXM);
+`mfu_measured` uses a 8192^3 bf16 matmul measured in the same process instead. "compile_s" is
+the first step's time minus a steady step (compilation, autotuning, allocator warm-up).
 
 Variants:
 - hf_eager / hf_sdpa: the HF model as loaded, eager attention / its default (SDPA);
 - hf_compile: `torch.compile(model)` (whole model, default mode);
 - hf_liger: Liger-Kernel's HF patches (LLaMA: RMSNorm, RoPE, SwiGLU, fused linear-CE), when
-  `liger_kernel` imports;
+  `liger_kernel` imports and has kernels for the family (checked before a process is started:
+  GPT-2 and BERT have none, their rows say so at no cost);
 - slapo_ready: the ready schedule as of the first measurement (`attention="sdpa", fuse=True`);
 - slapo_gpu: `attention="sdpa", compile_blocks=True, fused_loss=True` through `slapo.build`
   with `mixed_precision="bf16"`;
 - slapo_gpu_kernels: slapo_gpu + `kernels=True` (Slapo's Triton kernels);
 - slapo_gpu_sac: slapo_gpu + selective activation checkpointing of every layer;
-- slapo_gpu_ckpt: slapo_gpu + full activation checkpointing of every layer.
+- slapo_gpu_ckpt: slapo_gpu + full activation checkpointing of every layer;
+- slapo_gpu_nocudnn: slapo_gpu with cuDNN's SDPA backend off
+  (`torch.backends.cuda.enable_cudnn_sdp(False)`; `--no-cudnn-sdp` turns it off for every
+  variant of a run): the GPT-2 dropout check (docs/benchmarks.md, "Open");
+- slapo_tuned: the best schedule `slapo tune` finds, measured like every other variant (below).
+
+slapo_tuned, in its own process: the GPU space of `slapo tune --space gpu` (bf16, SDPA;
+uncapped: compile_blocks x fused_loss x kernels at the table's batch; under `--cap-gib`:
+compiled layers with the fused loss x kernels x ckpt_ratio 0/0.5/1 x ckpt_policy x the
+`--cap-batches`; `--tune-knob NAME=V1,V2` changes a knob's candidates) is ranked by the GPU cost
+model (`slapo.tune.best.predict_configs`, `--tune-workers` processes; started in the
+background when the run starts, `--tune-predict-ahead`, so the predictions are ready when the
+row's turn comes), the rows of this run whose knobs are a config of the space (e.g. slapo_gpu)
+enter the trial database as measured, and `slapo.tune.best.tune_best` (the tuner's guided
+search, `driver.tune`) measures at most `--tune-trials` new configs, `--tune-steps` steps each,
+each trial in its own process, none started after `--tune-budget-s` (also cut to what the
+deadline leaves). Under `--cap-gib` configs predicted above the cap are never tried and a trial
+peaking above it counts as OOM. The winner is then measured in the same process (its CUDA
+context is fresh: the trials ran in other processes) by the same `measure` as every other
+variant; a winner that is one of this run's rows (a seeded config) is that row, marked
+`measured_by`, since it was measured by exactly this protocol. The row adds `tuned_knobs`,
+`predicted_tokens_per_s` / `predicted_step_ms` / `predicted_peak_gib` (the cost model at
+`--tune-efficiency`), `tune_s` (predictions waited for + search) and `tune` (every trial,
+predicted vs measured). Its `compile_s` is warm: the trials compiled the same graphs.
+
+Budget of the default table on one H100 (`--deadline-s 540`), from the per-process wall times of
+`benchmarks/results/gpu_train_h100.jsonl` (each includes ~12 s of process start, imports, model
+build and matmul peak): hf_sdpa 14-18 s x 3 = 50 s; hf_compile 60 + 71..111 + 97 s = 228-268 s;
+hf_liger 22 s (LLaMA only; GPT-2/BERT rows need no process); slapo_gpu 29 + 25..39 + 30 s =
+84-98 s. Total 384-438 s, which leaves 100-155 s for three slapo_tuned rows: each is ~12 s of
+start, ~12-25 s per trial (compile 3-10 s, warm when a trial shares graphs with slapo_gpu), and
+a final measurement only when a new config wins (~20 s). Hence `--tune-trials 2` and
+`--tune-budget-s 45` by default; slapo_tuned runs last so that the baselines are never cut,
+and a row the deadline reaches is `skipped`. slapo_gpu_sac left the default list (its rows are
+in the capped table of the second call, where it matters).
+
+If time remains (a second device call; `benchmarks/gpu_session.sh 2` runs all of it):
+
+    python benchmarks/gpu_train.py --models gpt2-medium,bert-large --cap-gib 24 \
+        --cap-batches 16,32,64 --variants hf_compile,hf_sdpa,slapo_gpu_sac,slapo_gpu_ckpt,slapo_tuned \
+        --deadline-s 300 --out $OUT/cap
+    python benchmarks/gpu_train.py --models gpt2-medium --dropout 0 \
+        --variants hf_sdpa,hf_compile,slapo_gpu --out $OUT/dropout0
+    python benchmarks/gpu_train.py --models gpt2-medium \
+        --variants hf_sdpa,slapo_gpu,slapo_gpu_nocudnn --out $OUT/nocudnn
 
 `--cap-gib C` limits each process to C GiB (`torch.cuda.set_per_process_memory_fraction`) and
 tries batch sizes upward from `--cap-batches` until one does not fit: the row reports the
-largest batch that fits and its tokens/s ("what fits a 24 GiB card").
+largest batch that fits and its tokens/s ("what fits a 24 GiB card"). slapo_tuned searches
+those batches instead and measures the one it picked.
 """
 
 from __future__ import annotations
@@ -43,12 +90,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout: slapo
 
 MODELS = {
     # name: (HF config class, model class, config kwargs, batch, seq)
@@ -84,13 +133,28 @@ SLAPO_KNOBS = {
                           ckpt_ratio=1.0, ckpt_policy="selective"),
     "slapo_gpu_ckpt": dict(attention="sdpa", compile_blocks=True, fused_loss=True,
                            ckpt_ratio=1.0),
+    "slapo_gpu_nocudnn": dict(attention="sdpa", compile_blocks=True, fused_loss=True),
 }
+NOCUDNN_VARIANTS = ("slapo_gpu_nocudnn",)
+TUNED = "slapo_tuned"
 HF_VARIANTS = ("hf_eager", "hf_sdpa", "hf_compile", "hf_liger")
-# The default run, headline first (hf_eager OOMs at these batches, slapo_ready is the first
-# measurement's schedule, kernels are unmeasured: ask for them with --variants).
-VARIANTS = ("slapo_gpu", "hf_sdpa", "hf_compile", "hf_liger", "slapo_gpu_sac")
-ALL_VARIANTS = HF_VARIANTS + tuple(SLAPO_KNOBS)
+# The default run, headline first, slapo_tuned last (it seeds from slapo_gpu's rows; see the
+# budget in the module docstring). hf_eager OOMs at these batches, slapo_ready is the first
+# measurement's schedule, the others are checks: ask for them with --variants.
+VARIANTS = ("slapo_gpu", "hf_sdpa", "hf_compile", "hf_liger", TUNED)
+ALL_VARIANTS = HF_VARIANTS + tuple(SLAPO_KNOBS) + (TUNED,)
 DATASHEET_TFLOPS = 989.0
+# Dropout probabilities of each family's config (`--dropout P` sets them all).
+DROPOUT_KEYS = {"gpt2": ("resid_pdrop", "embd_pdrop", "attn_pdrop"),
+                "bert": ("hidden_dropout_prob", "attention_probs_dropout_prob"),
+                "llama": ("attention_dropout",)}
+# slapo_tuned's space: knob -> candidates (`--tune-knob` replaces an entry).
+TUNE_SPACE = {"compile_blocks": (False, True), "fused_loss": (False, True),
+              "kernels": (False, True), "ckpt_ratio": (0.0,), "ckpt_policy": ("full",)}
+TUNE_SPACE_CAPPED = {"compile_blocks": (True,), "fused_loss": (True,), "kernels": (False, True),
+                     "ckpt_ratio": (0.0, 0.5, 1.0), "ckpt_policy": ("full", "selective")}
+# Rows slapo_tuned may take as measured configs (same knobs, same protocol).
+SEED_VARIANTS = tuple(v for v in SLAPO_KNOBS if v not in NOCUDNN_VARIANTS)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -113,19 +177,32 @@ def _non_embedding_params(cfg) -> int:
     return layers * (attn + mlp)
 
 
-def make_model(name: str, variant: str, device):
+def spec_of(name: str, dropout: float | None = None):
+    """`slapo.tune.model_spaces.GPUModelSpec` of a benchmark model (the tuner's trials and
+    cost model build exactly this), its dropout set when `dropout` is given."""
+    from slapo.tune.model_spaces import GPUModelSpec
+
+    cfg_cls, model_cls, kw, batch, seq = MODELS[name]
+    kw = dict(kw)
+    if dropout is not None:
+        family = {"GPT2Config": "gpt2", "LlamaConfig": "llama", "BertConfig": "bert"}[cfg_cls]
+        kw.update(dict.fromkeys(DROPOUT_KEYS[family], float(dropout)))
+    return GPUModelSpec(name, cfg_cls, model_cls, kw, batch, seq)
+
+
+def make_model(name: str, variant: str, device, dropout: float | None = None):
     import torch
     import transformers
 
-    cfg_cls, model_cls, kw, _, _ = MODELS[name]
-    cfg = getattr(transformers, cfg_cls)(**kw)
+    spec = spec_of(name, dropout)
+    cfg = getattr(transformers, spec.config_class)(**spec.kwargs)
     if variant == "hf_eager":
         cfg._attn_implementation = "eager"
     if variant == "hf_liger":
         _apply_liger(cfg.model_type)
     torch.manual_seed(0)
     with torch.device(device):
-        model = getattr(transformers, model_cls)(cfg)
+        model = getattr(transformers, spec.model_class)(cfg)
     model.train()
     return model, cfg
 
@@ -137,6 +214,23 @@ def _apply_liger(model_type: str) -> None:
     if fn is None:
         raise RuntimeError(f"Liger-Kernel has no kernels for {model_type}")
     fn()
+
+
+def liger_problem(name: str) -> str | None:
+    """Why hf_liger cannot run for `name` (not installed, no kernels for the family), or None:
+    checked in the parent so that a row that cannot run costs no process (~10 s each)."""
+    import importlib.util
+
+    if importlib.util.find_spec("liger_kernel") is None:
+        return "No module named 'liger_kernel'"
+    model_type = spec_of(name).model_type
+    try:
+        import liger_kernel.transformers as lk
+    except Exception as e:  # noqa: BLE001 - reported as the row's failure
+        return f"{type(e).__name__}: {e}"
+    if getattr(lk, f"apply_liger_kernel_to_{model_type}", None) is None:
+        return f"RuntimeError: Liger-Kernel has no kernels for {model_type}"
+    return None
 
 
 def make_batch(name: str, cfg, batch: int, seq: int, device):
@@ -168,7 +262,9 @@ def hf_step_fn(model, variant: str, lr: float = 1e-4):
     return step
 
 
-def slapo_step_fn(model, variant: str, lr: float = 1e-4):
+def slapo_step_fn(model, variant: str, lr: float = 1e-4, knobs: dict | None = None):
+    """The variant's knobs (or `knobs`: slapo_tuned's winner) through `model_schedule.apply`
+    and `slapo.build(mixed_precision="bf16")`."""
     import inspect
 
     import torch
@@ -176,8 +272,7 @@ def slapo_step_fn(model, variant: str, lr: float = 1e-4):
     import slapo
     from slapo import model_schedule
 
-    knobs = SLAPO_KNOBS[variant]
-    sch = model_schedule.apply(model, **knobs)
+    sch = model_schedule.apply(model, **(knobs if knobs is not None else SLAPO_KNOBS[variant]))
     kwargs = dict(optimizer=torch.optim.AdamW, optimizer_kwargs=dict(lr=lr, fused=True))
     native = "mixed_precision" in inspect.signature(slapo.build).parameters
     if native:
@@ -191,8 +286,6 @@ def slapo_step_fn(model, variant: str, lr: float = 1e-4):
             return trained.train_step(batch)
 
     return step
-
-
 def matmul_tflops(n: int = 8192) -> float:
     import torch
 
@@ -223,13 +316,16 @@ def _profile(step, data, path: str) -> None:
 
 
 def measure(name: str, variant: str, batch: int, seq: int, steps: int, warmup: int,
-            profile_to: str | None = None) -> dict:
-    """Build, warm up and time one variant at one batch size (in this process)."""
+            profile_to: str | None = None, knobs: dict | None = None,
+            dropout: float | None = None) -> dict:
+    """Build, warm up and time one variant at one batch size (in this process). `knobs`
+    replaces a Slapo variant's knob set (slapo_tuned's winner)."""
     import torch
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    model, cfg = make_model(name, variant, device)
-    step = hf_step_fn(model, variant) if variant in HF_VARIANTS else slapo_step_fn(model, variant)
+    model, cfg = make_model(name, variant, device, dropout)
+    step = hf_step_fn(model, variant) if variant in HF_VARIANTS else \
+        slapo_step_fn(model, variant, knobs=knobs)
     data = make_batch(name, cfg, batch, seq, device)
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     if device == "cuda":
@@ -254,32 +350,259 @@ def measure(name: str, variant: str, batch: int, seq: int, steps: int, warmup: i
     return row
 
 
-def child(args) -> None:
-    """Run one (model, variant) and print one JSON line per batch size tried."""
+# ------------------------------------------------------------------------------------------------
+# slapo_tuned: the tuner's search, then the winner measured like every variant
+# ------------------------------------------------------------------------------------------------
+
+def tune_candidates(args) -> dict:
+    """slapo_tuned's knob candidates: the uncapped or capped default, `--tune-knob` applied."""
+    space = dict(TUNE_SPACE_CAPPED if args.cap_gib else TUNE_SPACE)
+    space.update(dict(args.tune_knob))
+    return space
+
+
+def tune_search(name: str, args):
+    """The GPU space of `name` for slapo_tuned (`slapo.tune.best.gpu_search_setup`, narrowed
+    to `tune_candidates`), with its trial evaluator."""
+    from slapo.tune.best import gpu_search_setup, restrict
+    from slapo.tune.model_spaces import GPUSpaceArgs
+
+    spec = spec_of(name, args.dropout)
+    cands = tune_candidates(args)
+    batches = _cap_batches(args) if args.cap_gib else (spec.batch,)
+    extra = tuple((k, tuple(v)) for k, v in cands.items() if k not in _SPACE_OWN)
+    space_args = GPUSpaceArgs(batch_sizes=batches, mixed_precision=("bf16",),
+                              attention=tuple(cands.get("attention", ("sdpa",))),
+                              ckpt_ratios=tuple(cands["ckpt_ratio"]),
+                              ckpt_policies=tuple(cands["ckpt_policy"]), extra=extra)
+    device = "cuda" if _cuda() else "cpu"
+    found = gpu_search_setup(spec, space_args, device=device, steps=args.tune_steps, warmup=1,
+                             mem_cap_bytes=_cap_bytes(args), trial_timeout=args.timeout,
+                             efficiency=args.tune_efficiency, start_method="forkserver",
+                             prune=False)
+    restrict(found.space, {k: v for k, v in cands.items() if k in _RESTRICTED})
+    return spec, found
+
+
+_SPACE_OWN = ("attention", "compile_blocks", "fused_loss", "kernels", "ckpt_ratio", "ckpt_policy")
+_RESTRICTED = ("compile_blocks", "fused_loss", "kernels")
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _cap_bytes(args) -> int | None:
+    return int(args.cap_gib * 2**30) if args.cap_gib else None
+
+
+def _cap_batches(args) -> tuple[int, ...]:
+    return tuple(int(b) for b in args.cap_batches.split(","))
+
+
+def predictions_path(out: Path, name: str, args) -> Path:
+    cap = f".cap{args.cap_gib:g}" if args.cap_gib else ""
+    return Path(out) / f"predictions.{name}{cap}.jsonl"
+
+
+def load_predictions(path: Path) -> dict[str, dict]:
+    """{config_key: prediction} of a predictions file (a line cut by a killed writer is
+    skipped)."""
+    out = {}
+    if path.exists():
+        for line in path.read_text().splitlines():
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            out[rec["key"]] = rec["prediction"]
+    return out
+
+
+def predict_missing(name: str, args, configs: list[dict], nice: int = 0) -> dict[str, dict]:
+    """Every config's prediction: those in the model's predictions file, the rest computed
+    (`--tune-workers` processes) and appended to it."""
+    from slapo.tune.best import predict_configs
+    from slapo.tune.space import config_key
+
+    path = predictions_path(Path(args.out), name, args)
+    have = load_predictions(path)
+    todo = [c for c in configs if config_key(c) not in have]
+
+    def append(config: dict, pred: dict) -> None:
+        with path.open("a") as f:
+            f.write(json.dumps({"key": config_key(config), "prediction": pred}) + "\n")
+
+    have.update(predict_configs(spec_of(name, args.dropout), todo, efficiency=args.tune_efficiency,
+                                workers=args.tune_workers, nice=nice, on_result=append))
+    return have
+
+
+def seed_rows(name: str, args) -> list[tuple[dict, dict]]:
+    """(config, metrics) of this run's rows of `name` whose variant is a knob set of the space,
+    measured under the same cap, seq, dropout and cuDNN setting (slapo_tuned's seeds)."""
+    path = Path(args.out) / "results.jsonl"
+    rows = [json.loads(ln) for ln in path.read_text().splitlines()] if path.exists() else []
+    out = []
+    for r in rows:
+        if (r.get("run_id") != args.run_id or r.get("model") != name or r.get("status") != "ok"
+                or r.get("variant") not in SEED_VARIANTS
+                or (r.get("cap_gib") or 0) != (args.cap_gib or 0)):
+            continue
+        config = {"mixed_precision": "bf16", **SLAPO_KNOBS[r["variant"]],
+                  "batch_size": int(r["batch"])}
+        metrics = {"throughput": r["tokens_per_s"], "step_time_s": r["step_ms"] / 1e3,
+                   "source": r["variant"]}
+        if r.get("peak_gib") is not None:
+            metrics["peak_memory_bytes"] = r["peak_gib"] * 2**30
+        out.append((config, metrics))
+    return out
+
+
+def run_tuning(name: str, args):
+    """The search of slapo_tuned (no CUDA in this process: predictions are fake steps, trials
+    run in their own processes), bounded by `--tune-budget-s` from its start (the predictions
+    it waits for included). Returns (`BestSchedule`, seconds spent, seed rows)."""
+    from slapo.tune.best import seed_database, tune_best
+    from slapo.tune.database import Database
+
+    t0 = time.perf_counter()
+    _, found = tune_search(name, args)
+    configs = found.space.configs()
+    if not configs:
+        raise ValueError("slapo_tuned: the space is empty (check --tune-knob)")
+    predictions = predict_missing(name, args, configs)
+    cap = f".cap{args.cap_gib:g}" if args.cap_gib else ""
+    db = Database(Path(args.out) / f"tune.{name}{cap}.{args.run_id}.db")
+    seeds = seed_rows(name, args)
+    seed_database(db, found.space, seeds)
+    budget = max(0.0, args.tune_budget_s - (time.perf_counter() - t0))
+    best = tune_best(found.space, predictions, found.evaluate, db, mem_cap=_cap_bytes(args),
+                     max_trials=args.tune_trials, budget_s=budget,
+                     min_trial_s=5.0 if args.tiny else 15.0)
+    return best, time.perf_counter() - t0, seeds
+
+
+def tuned_row(name: str, seq: int, args, best, tune_s: float, seeds: list) -> dict:
+    """slapo_tuned's row: the winner of `run_tuning` measured by `measure` (or, if the
+    winner is one of this run's rows, that row), with the search's record."""
+    from slapo.tune.model_spaces import schedule_knobs
+    from slapo.tune.space import config_key
+
+    info = dict(tune_s=tune_s, tune=best.to_json(), tune_trials=best.report.new_trials,
+                seeded_configs=len(seeds))
+    if best.config is None:
+        return dict(model=name, variant=TUNED, seq=seq, status="failed: no trial succeeded "
+                    f"({best.report.stopped_because})", **info)
+    knobs = {k: v for k, v in schedule_knobs(best.config).items()
+             if k in best.config or v != _default(k)}
+    batch = int(best.config["batch_size"])
+    if best.seeded:
+        row = _seed_row(name, args, best.measured.get("source"), batch)
+    else:
+        row = measure(name, TUNED, batch, seq, args.steps, args.warmup, knobs=knobs,
+                      dropout=args.dropout)
+    p = best.predicted
+    row.update(variant=TUNED, tuned_knobs=knobs, tuned_config_key=config_key(best.config),
+               predicted_tokens_per_s=p.get("throughput"),
+               predicted_step_ms=1e3 * p["step_time_s"] if "step_time_s" in p else None,
+               predicted_peak_gib=p["memory"] / 2**30 if "memory" in p else None, **info)
+    return row
+
+
+def _default(knob: str):
+    from slapo.tune.model_spaces import apply_knobs
+
+    return apply_knobs().get(knob)
+
+
+def _seed_row(name: str, args, variant: str | None, batch: int) -> dict:
+    """The latest row of this run for (name, variant, batch): what a seeded winner reports."""
+    path = Path(args.out) / "results.jsonl"
+    rows = [json.loads(ln) for ln in path.read_text().splitlines()]
+    mine = [r for r in rows if r.get("run_id") == args.run_id and r.get("model") == name
+            and r.get("variant") == variant and r.get("batch") == batch
+            and r.get("status") == "ok"]
+    row = {k: v for k, v in mine[-1].items() if k not in ("wall_s", "child_s")}
+    row["measured_by"] = variant
+    return row
+
+
+# ------------------------------------------------------------------------------------------------
+# the child process of one (model, variant)
+# ------------------------------------------------------------------------------------------------
+
+def _cap_process(args) -> None:
     import torch
 
     if args.cap_gib and torch.cuda.is_available():
         total = torch.cuda.get_device_properties(0).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, args.cap_gib * 2**30 / total))
+
+
+def _sdp_setting(args) -> bool:
+    """Turn cuDNN's SDPA off for a nocudnn variant or `--no-cudnn-sdp`; returns whether it is
+    on (torch without the switch: on)."""
+    import torch
+
+    off = args.variants in NOCUDNN_VARIANTS or args.no_cudnn_sdp
+    if off and hasattr(torch.backends.cuda, "enable_cudnn_sdp"):
+        torch.backends.cuda.enable_cudnn_sdp(False)
+    return not off
+
+
+def _stamp(row: dict, args, cudnn: bool, peak: float | None) -> dict:
+    row.setdefault("status", "ok")
+    row.update(cap_gib=args.cap_gib, dropout=args.dropout, cudnn_sdp=cudnn, run_id=args.run_id)
+    if peak and row.get("tokens_per_s"):
+        row["matmul_tflops"] = peak
+        row["mfu_measured"] = row["mfu"] * DATASHEET_TFLOPS / peak
+    return row
+
+
+def child(args) -> None:
+    """Run one (model, variant) and print one JSON line per batch size tried."""
+    import torch
+
     _, _, _, batch, seq = MODELS[args.models]
-    batches = [int(b) for b in args.cap_batches.split(",")] if args.cap_gib else [batch]
+    cudnn = _sdp_setting(args)
+    if args.variants == TUNED:  # the search first: this process's CUDA context stays fresh
+        best, tune_s, seeds = run_tuning(args.models, args)
+        _cap_process(args)
+        peak = matmul_tflops() if torch.cuda.is_available() and not args.tiny else None
+        row = tuned_row(args.models, seq, args, best, tune_s, seeds)
+        print(json.dumps(_stamp(row, args, cudnn, peak)), flush=True)
+        return
+    _cap_process(args)
+    batches = list(_cap_batches(args)) if args.cap_gib else [batch]
     peak = matmul_tflops() if torch.cuda.is_available() and not args.tiny else None
     for b in batches:
         try:
             prof = (str(Path(args.out) / f"profile.{args.models}.{args.variants}.txt")
                     if args.profile else None)
-            row = measure(args.models, args.variants, b, seq, args.steps, args.warmup, prof)
+            row = measure(args.models, args.variants, b, seq, args.steps, args.warmup, prof,
+                          dropout=args.dropout)
         except torch.OutOfMemoryError:
-            print(json.dumps(dict(model=args.models, variant=args.variants, batch=b, seq=seq,
-                                  status="OOM")), flush=True)
+            print(json.dumps(_stamp(dict(model=args.models, variant=args.variants, batch=b,
+                                         seq=seq, status="OOM"), args, cudnn, None)),
+                  flush=True)
             break
-        row["status"] = "ok"
-        row["cap_gib"] = args.cap_gib
-        if peak:
-            row["matmul_tflops"] = peak
-            row["mfu_measured"] = row["mfu"] * DATASHEET_TFLOPS / peak
-        print(json.dumps(row), flush=True)
+        print(json.dumps(_stamp(row, args, cudnn, peak)), flush=True)
         torch.cuda.empty_cache() if torch.cuda.is_available() else None
+
+
+def predict_child(args) -> None:
+    """The background predictor (`--tune-predict-ahead`): slapo_tuned's predictions of every
+    model, appended to their files, at lowered priority beside the measured variants."""
+    import warnings
+
+    warnings.simplefilter("ignore")
+    os.nice(10)
+    for name in args.models.split(","):
+        _, found = tune_search(name, args)
+        predict_missing(name, args, found.space.configs(), nice=10)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -294,31 +617,85 @@ def run_all(args) -> list[dict]:
     jsonl = out / "results.jsonl"
     rows = []
     start = time.perf_counter()
-    for variant in args.variants.split(","):
-        for name in args.models.split(","):
-            left = args.deadline_s - (time.perf_counter() - start) if args.deadline_s else None
-            if left is not None and left < 30:
-                got = [dict(model=name, variant=variant, status="skipped: --deadline-s")]
-            else:
-                timeout = args.timeout if left is None else min(args.timeout, int(left))
-                got = _run_child(args, name, variant, out, timeout)
-            for r in got:
-                r["wall_s"] = time.perf_counter() - start
-                rows.append(r)
-                with jsonl.open("a") as f:
-                    f.write(json.dumps(r) + "\n")
-                print(_line(r), flush=True)
+    predictor = _start_predictor(args, out)
+    try:
+        for variant in args.variants.split(","):
+            for name in args.models.split(","):
+                left = args.deadline_s - (time.perf_counter() - start) if args.deadline_s else None
+                got = _run_one(args, name, variant, out, left)
+                for r in got:
+                    r.setdefault("run_id", args.run_id)
+                    r["wall_s"] = time.perf_counter() - start
+                    rows.append(r)
+                    with jsonl.open("a") as f:
+                        f.write(json.dumps(r) + "\n")
+                    print(_line(r), flush=True)
+    finally:
+        _stop(predictor)
     return rows
 
 
-def _run_child(args, name: str, variant: str, out: Path, timeout: int) -> list[dict]:
-    cmd = [sys.executable, __file__, "--child", "--models", name, "--variants", variant,
-           "--steps", str(args.steps), "--warmup", str(args.warmup),
-           "--cap-gib", str(args.cap_gib), "--cap-batches", args.cap_batches, "--out", str(out)]
-    if args.profile:
-        cmd.append("--profile")
-    if args.tiny:
-        cmd.append("--tiny")
+def _run_one(args, name: str, variant: str, out: Path, left: float | None) -> list[dict]:
+    """The rows of one (model, variant): a child process, or a row that needs none (deadline
+    reached, Liger without kernels for the family)."""
+    if left is not None and left < 30:
+        return [dict(model=name, variant=variant, status="skipped: --deadline-s")]
+    if variant == "hf_liger":
+        why = liger_problem(name)
+        if why:
+            return [dict(model=name, variant=variant, status=f"failed: {why}")]
+    timeout = args.timeout if left is None else min(args.timeout, int(left))
+    t0 = time.perf_counter()
+    got = _run_child(args, name, variant, out, timeout, left)
+    for r in got:
+        r["child_s"] = time.perf_counter() - t0
+    return got
+
+
+def _start_predictor(args, out: Path):
+    """Start the background predictor when slapo_tuned is to run (`--tune-predict-ahead`)."""
+    if TUNED not in args.variants.split(",") or not args.tune_predict_ahead:
+        return None
+    cmd = [sys.executable, __file__, "--predict-child", *_shared_flags(args, args.models, TUNED)]
+    log = (out / "predict.log").open("a")
+    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def _stop(proc) -> None:
+    """End the background predictor and its workers (its own process group)."""
+    if proc is None or proc.poll() is not None:
+        return
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        proc.kill()
+    proc.wait()
+
+
+def _shared_flags(args, models: str, variant: str) -> list[str]:
+    """The options a child needs, as flags."""
+    cmd = ["--models", models, "--variants", variant, "--steps", str(args.steps),
+           "--warmup", str(args.warmup), "--cap-gib", str(args.cap_gib),
+           "--cap-batches", args.cap_batches, "--out", str(args.out), "--run-id", args.run_id,
+           "--timeout", str(args.timeout), "--tune-trials", str(args.tune_trials),
+           "--tune-steps", str(args.tune_steps), "--tune-workers", str(args.tune_workers),
+           "--tune-efficiency", str(args.tune_efficiency)]
+    for k, vals in args.tune_knob:
+        cmd += ["--tune-knob", f"{k}={','.join(str(v).lower() for v in vals)}"]
+    if args.dropout is not None:
+        cmd += ["--dropout", str(args.dropout)]
+    for flag in ("profile", "tiny", "no_cudnn_sdp"):
+        if getattr(args, flag):
+            cmd.append("--" + flag.replace("_", "-"))
+    return cmd
+
+
+def _run_child(args, name: str, variant: str, out: Path, timeout: int,
+               left: float | None) -> list[dict]:
+    cmd = [sys.executable, __file__, "--child", *_shared_flags(args, name, variant)]
+    if variant == TUNED:  # trials stop in time for the final measurement
+        budget = args.tune_budget_s if left is None else min(args.tune_budget_s, left - 60)
+        cmd += ["--tune-budget-s", str(max(budget, 0.0))]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired as e:  # keep the batch sizes that finished
@@ -336,20 +713,35 @@ def _run_child(args, name: str, variant: str, out: Path, timeout: int) -> list[d
 def _line(r: dict) -> str:
     if r.get("status") != "ok":
         return f"{r['model']:12s} {r['variant']:18s} b={r.get('batch', '-')!s:4s} {r['status']}"
-    return (f"{r['model']:12s} {r['variant']:18s} b={r['batch']:<4d} "
+    line = (f"{r['model']:12s} {r['variant']:18s} b={r['batch']:<4d} "
             f"{r['tokens_per_s'] / 1e3:8.1f}k tok/s  MFU {100 * r['mfu']:5.1f}%  "
-            f"peak {r.get('peak_gib', 0):5.1f} GiB  compile {r['compile_s']:5.1f}s  "
+            f"peak {r.get('peak_gib') or 0:5.1f} GiB  compile {r['compile_s']:5.1f}s  "
             f"loss {r['loss_first']:.4f}->{r['loss_last']:.4f}")
+    if r["variant"] == TUNED:
+        line += f"\n{'':12s} {'':18s} {_tuned_summary(r)}"
+    return line
+
+
+def _tuned_summary(r: dict) -> str:
+    """Chosen knobs, predicted vs measured, and the search's cost, in one line."""
+    knobs = " ".join(f"{k}={v}" for k, v in sorted(r.get("tuned_knobs", {}).items()))
+    pred = r.get("predicted_tokens_per_s")
+    pred_s = f"predicted {pred / 1e3:.1f}k tok/s" if pred else "no prediction"
+    if r.get("predicted_peak_gib") is not None:
+        pred_s += f", {r['predicted_peak_gib']:.1f} GiB"
+    by = f", measured by {r['measured_by']}" if r.get("measured_by") else ""
+    return (f"tuned: {knobs}; {pred_s}; {r.get('tune_trials', 0)} new trials, "
+            f"{r.get('seeded_configs', 0)} seeded, {r.get('tune_s', 0):.0f} s{by}")
 
 
 def print_table(rows: list[dict]) -> None:
-    """Per model: each variant's best row, and its ratio to the best baseline of this run."""
+    """Per model: each variant's rows, and their ratio to the best baseline of this run."""
     from rich.console import Console
     from rich.table import Table
 
     table = Table(title="training throughput, one process per variant (bf16 autocast)")
     for col in ("model", "variant", "batch", "tokens/s", "vs best HF", "MFU", "peak GiB",
-                "compile s", "status"):
+                "compile s", "loss", "status"):
         table.add_column(col)
     for name in dict.fromkeys(r["model"] for r in rows):
         mine = [r for r in rows if r["model"] == name]
@@ -358,41 +750,107 @@ def print_table(rows: list[dict]) -> None:
         for r in mine:
             if r.get("status") != "ok":
                 table.add_row(name, r["variant"], str(r.get("batch", "")), "", "", "", "", "",
-                              r["status"])
+                              "", r["status"])
                 continue
             ratio = f"{r['tokens_per_s'] / best_hf:.2f}x" if best_hf else ""
             table.add_row(name, r["variant"], str(r["batch"]), f"{r['tokens_per_s']:,.0f}",
-                          ratio, f"{100 * r['mfu']:.1f}%", f"{r.get('peak_gib', 0):.1f}",
-                          f"{r['compile_s']:.1f}", "ok")
-    Console(width=140).print(table)
+                          ratio, f"{100 * r['mfu']:.1f}%", f"{r.get('peak_gib') or 0:.1f}",
+                          f"{r['compile_s']:.1f}", f"{r['loss_last']:.4f}", "ok")
+    Console(width=150).print(table)
+    for r in rows:
+        if r.get("variant") == TUNED and r.get("status") == "ok":
+            print(f"{r['model']}: {_tuned_summary(r)}")
+
+
+def _knob_option(text: str) -> tuple[str, tuple]:
+    from slapo.tune.model_spaces import parse_knob_option
+
+    try:
+        return parse_knob_option(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    a = p.add_argument
+    a("--models", default="llama-1b,gpt2-medium,bert-large")
+    a("--variants", default=",".join(VARIANTS),
+      help=f"comma-separated, from {', '.join(ALL_VARIANTS)}")
+    a("--steps", type=int, default=10)
+    a("--warmup", type=int, default=4)
+    a("--cap-gib", type=float, default=0.0)
+    a("--cap-batches", default="8,16,32,64")
+    a("--timeout", type=int, default=240, help="seconds per variant")
+    a("--deadline-s", type=int, default=0,
+      help="stop starting variants after this many seconds (0: no limit); fits "
+      "the whole table into one device call")
+    a("--out", default="runs/gpu_train")
+    a("--tiny", action="store_true", help="CPU smoke run (tiny configs)")
+    a("--profile", action="store_true",
+      help="also write each variant's top CUDA kernels (torch.profiler)")
+    a("--dropout", type=float, default=None,
+      help="set every dropout probability of the models' configs (default: HF's, 0.1 in "
+      "GPT-2 and BERT); e.g. 0 for the GPT-2 loss check")
+    a("--no-cudnn-sdp", action="store_true",
+      help="turn cuDNN's SDPA backend off in every variant (torch.backends.cuda)")
+    a("--tune-trials", type=int, default=2, help="slapo_tuned: new measured trials at most")
+    a("--tune-budget-s", type=float, default=45.0,
+      help="slapo_tuned: seconds of search per model (predictions waited for included)")
+    a("--tune-steps", type=int, default=3, help="slapo_tuned: timed steps per trial")
+    a("--tune-workers", type=int, default=None,
+      help="slapo_tuned: prediction processes (default: half the cores, at most 8; 1 with "
+      "--tiny)")
+    a("--tune-knob", action="append", type=_knob_option, default=[], metavar="NAME=V1,V2",
+      help="slapo_tuned: candidates of a knob (e.g. compile_blocks=true, ckpt_ratio=0,1)")
+    a("--tune-efficiency", type=float, default=1.0,
+      help="slapo_tuned: the cost model's efficiency (docs/tune.md)")
+    a("--tune-predict-ahead", action=argparse.BooleanOptionalAction, default=True,
+      help="slapo_tuned: predict in the background from the start of the run")
+    a("--child", action="store_true", help=argparse.SUPPRESS)
+    a("--predict-child", action="store_true", help=argparse.SUPPRESS)
+    a("--run-id", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    _check(p, args)
+    return args
+
+
+def _check(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Usage errors (exit 2) before anything runs or is written."""
+    variants = args.variants.split(",")
+    unknown = [v for v in variants if v not in ALL_VARIANTS]
+    if unknown:
+        p.error(f"unknown variant(s) {', '.join(unknown)}; choose from {', '.join(ALL_VARIANTS)}")
+    names = [m if args.child or args.predict_child or not args.tiny
+             else f"tiny-{m.split('-')[0]}" for m in args.models.split(",")]
+    bad = [m for m in names if m not in MODELS]
+    if bad:
+        p.error(f"unknown model(s) {', '.join(bad)}; choose from "
+                f"{', '.join(m for m in MODELS if not m.startswith('tiny-'))}")
+    if args.dropout is not None and not 0.0 <= args.dropout < 1.0:
+        p.error(f"--dropout must be in [0, 1), got {args.dropout}")
+    for name in ("tune_trials", "tune_steps"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.tune_budget_s < 0 or not args.tune_efficiency > 0:
+        p.error("--tune-budget-s must be >= 0 and --tune-efficiency > 0")
+    try:
+        _cap_batches(args)
+    except ValueError:
+        p.error(f"--cap-batches must be comma-separated integers, got {args.cap_batches!r}")
+    if args.tune_workers is None:
+        args.tune_workers = 1 if args.tiny else max(1, min(8, (os.cpu_count() or 2) // 2))
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--models", default="llama-1b,gpt2-medium,bert-large")
-    p.add_argument("--variants", default=",".join(VARIANTS),
-                   help=f"comma-separated, from {', '.join(ALL_VARIANTS)}")
-    p.add_argument("--steps", type=int, default=10)
-    p.add_argument("--warmup", type=int, default=4)
-    p.add_argument("--cap-gib", type=float, default=0.0)
-    p.add_argument("--cap-batches", default="8,16,32,64")
-    p.add_argument("--timeout", type=int, default=240, help="seconds per variant")
-    p.add_argument("--deadline-s", type=int, default=0,
-                   help="stop starting variants after this many seconds (0: no limit); fits "
-                        "the whole table into one device call")
-    p.add_argument("--out", default="runs/gpu_train")
-    p.add_argument("--tiny", action="store_true", help="CPU smoke run (tiny configs)")
-    p.add_argument("--profile", action="store_true",
-                   help="also write each variant's top CUDA kernels (torch.profiler)")
-    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
-    unknown = [v for v in args.variants.split(",") if v not in ALL_VARIANTS]
-    if unknown:
-        p.error(f"unknown variant(s) {', '.join(unknown)}; choose from {', '.join(ALL_VARIANTS)}")
+    args = parse_args(argv)
     if args.child:
         return child(args)
+    if args.predict_child:
+        return predict_child(args)
     if args.tiny:
         args.models = ",".join(f"tiny-{m.split('-')[0]}" for m in args.models.split(","))
+    args.run_id = args.run_id or f"{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}"
     rows = run_all(args)
     print_table(rows)
     (Path(args.out) / "results.json").write_text(json.dumps(rows, indent=1))

@@ -1,13 +1,17 @@
-"""`benchmarks/gpu_train.py` plumbing on CPU (tiny configs): children, rows, table, deadline.
+"""`benchmarks/gpu_train.py` plumbing on CPU (tiny configs): children, rows, table, deadline,
+the `slapo_tuned` row (`slapo.tune.best`) and the device-session plan (`gpu_session.sh`).
 
 The numbers it prints on CPU mean nothing; what is checked is that every requested (variant,
 model) yields a row, that a variant that cannot run (Liger absent) is a failed row rather than a
-crash, and that `--deadline-s` skips instead of overrunning a device call.
+crash, that `--deadline-s` skips instead of overrunning a device call, that slapo_tuned measures
+the best of its trials with the predictions, seeds and cap it was given, and that bad options
+are usage errors before anything is written.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -42,3 +46,162 @@ def test_unknown_variant_is_a_usage_error(tmp_path):
 def test_deadline_skips_instead_of_overrunning(tmp_path):
     rows = _run(tmp_path, "--variants", "hf_sdpa,hf_eager", "--deadline-s", "1")
     assert [r["status"] for r in rows] == ["skipped: --deadline-s"] * 2
+
+
+# ------------------------------------------------------------------------------------------------
+# slapo_tuned: the tuner's search inside the benchmark
+# ------------------------------------------------------------------------------------------------
+
+def test_tuned_row_measures_the_best_trial(tmp_path):
+    """A `--tiny` slapo_tuned run on CPU: the cost model predicts both configs of a narrowed
+    space, both are measured as trials, the faster one is measured again by the protocol and
+    its row carries the chosen knobs, the prediction and the search. It trains the same model
+    on the same batch as the HF row (same first loss: same init, same tokens)."""
+    rows = _run(tmp_path, "--variants", "hf_sdpa,slapo_tuned", "--tune-knob",
+                "compile_blocks=false", "--tune-knob", "kernels=false", "--tune-trials", "2",
+                "--tune-budget-s", "600")
+    hf, tuned = rows
+    assert tuned["variant"] == "slapo_tuned" and tuned["status"] == "ok", tuned
+    assert tuned["tokens_per_s"] > 0 and tuned["batch"] == 2
+    trials = tuned["tune"]["trials"]
+    assert [t["status"] for t in trials] == ["ok", "ok"] and tuned["tune_trials"] == 2
+    assert {t["config"]["fused_loss"] for t in trials} == {False, True}
+    fastest = max(trials, key=lambda t: t["throughput"])
+    assert tuned["tune"]["config"] == fastest["config"] and not tuned["tune"]["seeded"]
+    assert tuned["tuned_knobs"]["fused_loss"] == fastest["config"]["fused_loss"]
+    assert tuned["tuned_knobs"]["compile_blocks"] is False
+    assert tuned["predicted_tokens_per_s"] == fastest["predicted_throughput"] > 0
+    assert tuned["predicted_peak_gib"] > 0 and tuned["tune_s"] > 0
+    assert abs(tuned["loss_first"] - hf["loss_first"]) < 2e-2
+    preds = (tmp_path / "predictions.tiny-llama.jsonl").read_text().splitlines()
+    assert {json.loads(p)["key"] for p in preds} == {
+        json.dumps(t["config"], sort_keys=True, separators=(",", ":")) for t in trials}
+
+
+def _gpu_train():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_train", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_seed_rows_take_only_this_runs_comparable_rows(tmp_path):
+    """slapo_tuned seeds from rows of the same invocation, model and cap whose variant is a
+    knob set of the space; nocudnn rows (another backend), other runs and failures stay out."""
+    gt = _gpu_train()
+    ok = dict(model="llama-1b", status="ok", batch=8, tokens_per_s=7e4, step_ms=230.0,
+              peak_gib=35.0, cap_gib=0.0, run_id="A")
+    rows = [dict(ok, variant="slapo_gpu"), dict(ok, variant="slapo_gpu", run_id="B"),
+            dict(ok, variant="slapo_gpu_nocudnn"), dict(ok, variant="slapo_gpu", cap_gib=24.0),
+            dict(ok, variant="hf_sdpa"), dict(ok, variant="slapo_gpu_sac", status="OOM"),
+            dict(ok, variant="slapo_gpu", model="gpt2-medium")]
+    (tmp_path / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    args = gt.parse_args(["--out", str(tmp_path), "--run-id", "A"])
+    seeds = gt.seed_rows("llama-1b", args)
+    assert seeds == [({"mixed_precision": "bf16", "attention": "sdpa", "compile_blocks": True,
+                       "fused_loss": True, "batch_size": 8},
+                      {"throughput": 7e4, "step_time_s": 0.23, "source": "slapo_gpu",
+                       "peak_memory_bytes": 35.0 * 2**30})]
+
+
+def _space_and_predictions(cap: bool = False):
+    """The real GPU space of the tiny LLaMA narrowed like slapo_tuned's, with made-up
+    predictions (compiled and fused faster; memory grows with batch and shrinks with ckpt)."""
+    from slapo.tune.best import restrict
+    from slapo.tune.model_spaces import GPUSpaceArgs, gpu_space
+    from slapo.tune.space import config_key
+
+    spec = _gpu_train().spec_of("tiny-llama")
+    space = gpu_space(spec, GPUSpaceArgs(batch_sizes=(2, 4) if cap else (2,),
+                                         mixed_precision=("bf16",), ckpt_ratios=(0.0, 1.0),
+                                         ckpt_policies=("full",)))
+    restrict(space, {"kernels": (False,)})
+    preds = {}
+    for c in space.configs():
+        speed = 100.0 * (1 + c["compile_blocks"]) * (1 + 0.5 * c["fused_loss"]) \
+            * (1 - 0.2 * c["ckpt_ratio"]) * (1 + 0.1 * c["batch_size"])
+        mem = c["batch_size"] * (10.0 - 6.0 * c["ckpt_ratio"])
+        preds[config_key(c)] = {"throughput": speed, "step_time_s": 1 / speed, "memory": mem}
+    return space, preds
+
+
+def test_tune_best_prunes_by_the_cap_and_stops_at_max_trials():
+    from slapo.tune.best import tune_best
+    from slapo.tune.database import Database
+
+    space, preds = _space_and_predictions(cap=True)
+    calls = []
+
+    def evaluate(config):  # peaks as predicted (a measured peak rescales the memory model)
+        calls.append(config)
+        mem = preds[json.dumps(config, sort_keys=True, separators=(",", ":"))]["memory"]
+        return {"throughput": 50.0 + len(calls), "peak_memory_bytes": mem}
+
+    best = tune_best(space, preds, evaluate, Database(), mem_cap=25.0, max_trials=3)
+    assert len(calls) == 3 and best.report.new_trials == 3
+    assert all(c["batch_size"] * (10.0 - 6.0 * c["ckpt_ratio"]) <= 25.0 for c in calls)
+    assert best.config == calls[-1] and not best.seeded
+    assert best.predicted == preds[json.dumps(best.config, sort_keys=True,
+                                              separators=(",", ":"))]
+    assert {t["status"] for t in best.to_json()["trials"]} == {"ok"}
+
+
+def test_tune_best_budget_and_seeds():
+    """A spent budget starts no trial: the seeded measurement is the winner. A row whose knob
+    set the space lacks (fuse=True) or whose knob values differ is not seeded."""
+    from slapo.tune.best import seed_database, tune_best
+    from slapo.tune.database import Database
+
+    space, preds = _space_and_predictions()
+    db = Database()
+    gpu = {"mixed_precision": "bf16", "attention": "sdpa", "compile_blocks": True,
+           "fused_loss": True, "batch_size": 2}
+    entered = seed_database(db, space, [
+        (gpu, {"throughput": 123.0}),
+        ({"mixed_precision": "bf16", "attention": "sdpa", "fuse": True, "batch_size": 2},
+         {"throughput": 1.0}),
+        ({**gpu, "batch_size": 64}, {"throughput": 1.0})])
+    assert entered == [{**gpu, "kernels": False, "ckpt_ratio": 0.0}]
+
+    def evaluate(config):
+        raise AssertionError("no trial may start after the budget")
+
+    best = tune_best(space, preds, evaluate, db, max_trials=3, budget_s=0.0)
+    assert best.seeded and best.measured["throughput"] == 123.0
+    assert best.report.new_trials == 0 and "budget" in best.report.stopped_because
+
+
+def test_bad_options_are_usage_errors(tmp_path):
+    for argv, text in ((["--tiny", "--models", "falcon"], "unknown model(s) tiny-falcon"),
+                       (["--models", "llama-7b"], "unknown model(s) llama-7b"),
+                       (["--tune-knob", "compile_blocks=maybe"], "compile_blocks"),
+                       (["--tune-knob", "warp_speed=true"], "warp_speed"),
+                       (["--dropout", "1.5"], "--dropout must be in [0, 1)"),
+                       (["--tune-trials", "0"], "--tune-trials must be >= 1")):
+        proc = subprocess.run([sys.executable, str(SCRIPT), *argv, "--out", str(tmp_path)],
+                              capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 2 and text in proc.stderr, (argv, proc.stderr[-400:])
+    assert not any(tmp_path.iterdir())
+
+
+def test_session_plan_dry_form(tmp_path):
+    """`gpu_session.sh N --tiny`: every planned gpu_train.py command parses and runs (each
+    variant skipped by a 1 s deadline), and $OUT gets at most 8 files (the device's limit)."""
+    script = SCRIPT.parent / "gpu_session.sh"
+    out = tmp_path / "out"
+    for mode in ("1", "2"):
+        env = {**os.environ, "OUT": str(out), "WORK": str(tmp_path / f"work{mode}"),
+               "PYTHON": sys.executable}
+        proc = subprocess.run(["bash", str(script), mode, "--tiny"], env=env,
+                              capture_output=True, text=True, timeout=240)
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+        rows = [json.loads(x) for x in (out / f"results.{mode}.jsonl").read_text().splitlines()]
+        assert rows and all(r["status"] == "skipped: --deadline-s" for r in rows)
+        log = (out / f"call.{mode}.log").read_text()
+        assert "Traceback" not in log and "error:" not in log, log[-2000:]
+    assert {r["run"] for r in rows} == {"gpt2_cudnn", "gpt2_dropout0", "cap24", "kernels"}
+    assert sorted(p.name for p in out.iterdir()) == sorted(
+        f"{k}.{m}.{e}" for m in "12" for k, e in (("call", "log"), ("env", "txt"),
+                                                    ("results", "jsonl"), ("work", "tar.gz")))

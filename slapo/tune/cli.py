@@ -266,34 +266,26 @@ def _check_precisions(precisions: tuple) -> None:
 
 
 def _gpu_setup(args: argparse.Namespace) -> tuple[Space, Any, Any, dict]:
-    """The GPU space, its cost model and its evaluator (`--space gpu`)."""
-    from dataclasses import replace
-
-    from .evaluators import GPUTrialEvaluator, GPUTrialSettings
-    from .model_spaces import GPU_MODELS, GPUSpaceArgs, gpu_space
-    from .predict_gpu import GPUCostModel
+    """The GPU space, its cost model and its evaluator (`--space gpu`), through
+    `best.gpu_search_setup` (the setup `benchmarks/gpu_train.py`'s tuned row uses too)."""
+    from .best import gpu_search_setup
+    from .model_spaces import GPU_MODELS, GPUSpaceArgs
 
     name = args.model or "llama-1b"
     if name not in GPU_MODELS:
         raise ValueError(f"no GPU model {name!r}; use one of {', '.join(GPU_MODELS)}.")
     spec = GPU_MODELS[name]
     cap = None if not args.mem_cap_gib else int(args.mem_cap_gib * 2**30)
-    predict = GPUCostModel(spec, efficiency=args.efficiency)
     batches = tuple(args.batch_sizes) if args.batch_sizes != (2, 4, 8) else \
         (max(spec.batch // 2, 1), spec.batch, 2 * spec.batch)
     given = tuple(args.attention) != _schema.tune_candidates("attention")
     attention = tuple(args.attention) if given else ("sdpa",)
     space_args = GPUSpaceArgs(batch_sizes=batches, mixed_precision=tuple(args.precisions),
-                              attention=attention, ckpt_ratios=tuple(args.ckpt_ratios),
-                              fits=None if cap is None else
-                              (lambda c: predict(c)["memory"] <= cap))
-    settings = GPUTrialSettings(model=name, device=args.device, steps=args.steps,
-                                warmup=max(args.warmup, 1), mem_cap_bytes=cap, seed=args.seed)
-    space = gpu_space(spec, replace(space_args))
-    evaluate = GPUTrialEvaluator(settings, args.trial_timeout)
-    meta = {"model": name, "space": "gpu", "settings": settings.to_json(),
-            "calibration": predict.device.to_json(), "efficiency": args.efficiency}
-    return space, predict, evaluate, meta
+                              attention=attention, ckpt_ratios=tuple(args.ckpt_ratios))
+    found = gpu_search_setup(spec, space_args, device=args.device, steps=args.steps,
+                             warmup=args.warmup, mem_cap_bytes=cap, seed=args.seed,
+                             trial_timeout=args.trial_timeout, efficiency=args.efficiency)
+    return found.space, found.predict, found.evaluate, found.meta
 
 
 def run_tune(args: argparse.Namespace) -> int:

@@ -284,10 +284,14 @@ class GPUTrialEvaluator:
     """`evaluate(config)`: `gpu_train_trial` in a fresh process (a CUDA OOM or a crash
     costs one trial; no allocator or compiled-graph state leaks into the next)."""
 
-    def __init__(self, settings: GPUTrialSettings, timeout_s: float):
+    def __init__(self, settings: GPUTrialSettings, timeout_s: float,
+                 start_method: str = "spawn", spec: Any = None, preload: tuple = ()):
+        """`start_method="forkserver"` with `preload` (modules the server imports once, none
+        of which initialises CUDA) starts each trial without re-importing torch; `spec`
+        overrides `settings.model`'s `GPU_MODELS` entry (e.g. a tiny model)."""
         self.settings = settings
-        self.inner = CallableEvaluator(functools.partial(gpu_train_trial, settings), timeout_s,
-                                       start_method="spawn")
+        self.inner = CallableEvaluator(functools.partial(gpu_train_trial, settings, spec=spec),
+                                       timeout_s, start_method=start_method, preload=preload)
 
     def __call__(self, config: Config) -> TrialResult:
         return _check_peak(self.inner(config), "peak_memory_bytes", self.settings.mem_cap_bytes)
