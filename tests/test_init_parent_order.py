@@ -340,3 +340,29 @@ def test_materialize_inside_init_empty_weights_still_initialises():
     ours = _tensors(model)
     assert all(t.device.type == "cpu" for t in ours.values())
     assert torch.equal(ours["model.rotary_emb.inv_freq"], want["model.rotary_emb.inv_freq"])
+
+
+def reading_init(mod: nn.Module, path: str) -> None:
+    """The root reads a value in Python (impossible on a stand-in): every tensor below it
+    takes the full-size path, where the same post-order reruns on real tensors."""
+    if path:
+        parent_init(mod, path)
+    else:
+        scale = 1.0 + float(mod.blocks[0].norm.weight[0])  # 4.0 + 1
+        mod.blocks[1].fc.weight.mul_(scale)
+
+
+def test_a_parent_init_that_raises_on_stand_ins_falls_back_for_its_subtree():
+    reset_init_warnings()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ref = materialize(_net(), "cpu", seed=SEED, init_fn=reading_init)
+        shards = [_tensors(materialize(_net(VirtualGroup(2, r)), "cpu", seed=SEED,
+                                       init_fn=reading_init)) for r in range(2)]
+    assert any("raised on stand-in" in str(w.message) for w in caught)
+    assert (ref.blocks[1].fc.weight == 0.5 * 5.0).all() and (ref.blocks[0].fc.weight == 0.5).all()
+    for name, value in _tensors(ref).items():
+        spec = sharding.shard_spec(shards[0][name])
+        got = shards[0][name].detach() if spec is None else sharding.assemble(
+            [s[name].detach() for s in shards], spec.axis, spec.blocks)
+        assert torch.equal(got, value.detach()), name

@@ -144,7 +144,7 @@ def materialize(model: nn.Module, device: torch.device | str = "cpu", *,
     with torch.device(device), scope.staged(model, todo, recorder):
         order = _steps(model, todo)
         _record(order, todo, init, recorder, device, seed)
-        values = _values(model, order, todo, init, recorder.rec, device, seed)
+        values = _values(order, todo, init, recorder.rec, device, seed)
     new = {}
     for t in todo:
         new[id(t.meta)] = scope.wrap(values[t.key], t.meta, t.kind)
@@ -185,27 +185,39 @@ def _keys_under(order: list[Step], todo: list[Target]) -> dict[int, list[str]]:
     return out
 
 
-def _values(model: nn.Module, order: list[Step], todo: list[Target], init: Init,
-            rec: Recording, device: torch.device, seed: int) -> dict[str, torch.Tensor]:
+def _values(order: list[Step], todo: list[Target], init: Init, rec: Recording,
+            device: torch.device, seed: int) -> dict[str, torch.Tensor]:
     """key -> this rank's value of each target: the recorded ops replayed on the local shard,
     or the full-size fallback for the tensors the replay cannot reproduce."""
     gen = torch.Generator(device=device)
     values = {}
     for t in todo:
-        lay = replay.layout(t.full_shape, sharding.shard_spec(t.meta))
-        if t.slot() is not t.stand_in:
-            rec.fail(t.key, "the init replaced the tensor instead of writing into it")
-        elif lay.local_shape != tuple(t.meta.shape):
-            rec.fail(t.key, f"its shard layout {lay} does not give the local shape "
-                            f"{tuple(t.meta.shape)}")
-        if t.key not in rec.failed:
-            local = torch.zeros(t.meta.shape, dtype=t.meta.dtype, device=device)
-            ops = replay.live(rec.ops.get(t.key, []), t.full_shape)
-            values[t.key] = replay.replay(ops, local, lay, seed, t.key, gen)
+        value = _replayed(t, rec, device, seed, gen)
+        if value is not None:
+            values[t.key] = value
     failed = [t for t in todo if t.key in rec.failed]
     if failed:
         values.update(_full_then_slice(order, failed, rec.failed, init, device, seed))
     return values
+
+
+def _replayed(t: Target, rec: Recording, device: torch.device, seed: int,
+              gen: torch.Generator) -> torch.Tensor | None:
+    """The target's local shard with its recorded ops replayed (None: it fails over to the
+    full-size path, the reason in `rec.failed`)."""
+    lay = replay.layout(t.full_shape, sharding.shard_spec(t.meta))
+    if t.slot() is not t.stand_in:
+        rec.fail(t.key, "the init replaced the tensor instead of writing into it")
+    elif lay.local_shape != tuple(t.meta.shape):
+        rec.fail(t.key, f"its shard layout {lay} does not give the local shape "
+                        f"{tuple(t.meta.shape)}")
+    if t.key in rec.failed:
+        return None
+    local = torch.zeros(t.meta.shape, dtype=t.meta.dtype, device=device)
+    ops = replay.live(rec.ops.get(t.key, []), t.full_shape)
+    return replay.replay(ops, local, lay, seed, t.key, gen)
+
+
 @contextlib.contextmanager
 def _seeded(device: torch.device, seed: int):
     """The global RNG at `seed` for the duration, restored after (the init's own draws)."""
