@@ -68,20 +68,30 @@ def split_by_tail(texts: list[str], tokenizer, val_fraction: float
     return _stream(train, tokenizer), _stream(val, tokenizer)
 
 
+def val_draw(n: int, val_fraction: float, seed: int) -> torch.Tensor | None:
+    """Which of `n` documents go to val: a seeded `val_fraction` of them, at least one (None: no
+    val rows). One rule for in-memory data and `slapo prepare-data`, which streams documents
+    and so needs the draw before it has read them."""
+    if val_fraction == 0 or n < 2:
+        return None
+    n_val = max(1, round(n * val_fraction))
+    g = torch.Generator().manual_seed(seed * 1_000_003 + 17)
+    is_val = torch.zeros(n, dtype=torch.bool)
+    is_val[torch.randperm(n, generator=g)[:n_val]] = True
+    return is_val
+
+
 def split_by_record(texts: list[str], tokenizer, val_fraction: float, seed: int,
                     val_texts: list[str] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Many small documents (JSONL rows, dataset rows): a seeded `val_fraction` of the
     documents (at least one) go to val, the rest to train, each packed in its original order
     with EOS between documents. `val_texts` (a split the data brought) replaces the draw."""
+    is_val = None if val_texts is not None else val_draw(len(texts), val_fraction, seed)
     if val_texts is not None:
         train_docs, val_docs = texts, val_texts
-    elif val_fraction == 0 or len(texts) < 2:
+    elif is_val is None:
         train_docs, val_docs = texts, []
     else:
-        n_val = max(1, round(len(texts) * val_fraction))
-        g = torch.Generator().manual_seed(seed * 1_000_003 + 17)
-        is_val = torch.zeros(len(texts), dtype=torch.bool)
-        is_val[torch.randperm(len(texts), generator=g)[:n_val]] = True
         train_docs = [t for t, v in zip(texts, is_val.tolist()) if not v]
         val_docs = [t for t, v in zip(texts, is_val.tolist()) if v]
 

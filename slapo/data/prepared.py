@@ -63,7 +63,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .dataset import TokenLoader
+from .dataset import TokenLoader, val_draw
 from .sources import PIECE_CHARS, DocumentStream, InputError, open_documents
 from .tokenizer import ByteTokenizer, load_tokenizer
 
@@ -259,17 +259,6 @@ class _RecordPacker:
             writer.documents += 1
 
 
-def _val_mask(n: int, val_fraction: float, seed: int) -> torch.Tensor | None:
-    """Which of `n` rows go to val: `split_by_record`'s seeded draw (None: no val rows)."""
-    if val_fraction == 0 or n < 2:
-        return None
-    n_val = max(1, round(n * val_fraction))
-    g = torch.Generator().manual_seed(seed * 1_000_003 + 17)
-    is_val = torch.zeros(n, dtype=torch.bool)
-    is_val[torch.randperm(n, generator=g)[:n_val]] = True
-    return is_val
-
-
 def _feed(pieces: Iterator[tuple[int, str, bool]], tok: Any, packer: Any,
           progress: Callable[[int], None]) -> None:
     """Tokenise pieces in batches (`encode_many`: HF's fast tokenizer runs them in Rust) and
@@ -305,7 +294,7 @@ def _plan(stream: DocumentStream, val_fraction: float, seed: int) -> _Plan:
     if stream.has_val_split:
         return _Plan("dataset")
     if stream.by_record:
-        return _Plan("record", _val_mask(stream.count(), val_fraction, seed)
+        return _Plan("record", val_draw(stream.count(), val_fraction, seed)
                      if val_fraction > 0 else None)
     return _Plan("tail")
 
