@@ -29,7 +29,8 @@ the identity/downsample path carries the rest of that gradient whole on every ra
 each of layer1..layer4 (the first ones; compat's "uniform" spaces them evenly), so every
 resolution saves the same share. Recomputing a block re-runs its BatchNorms in training mode,
 which would update their running statistics a second time (plain torch.utils.checkpoint does:
-a known trap); `guard_batchnorm_stats` keeps them as the real forward left them.
+a known trap); the `checkpoint` primitive itself keeps them as the real forward left them, for
+any checkpointed module (`slapo.primitives.checkpoint.running_stats_kept`).
 
 **Pipeline**: `pp_stages` cuts at evenly spaced block boundaries over the 4 stages' blocks; the
 2023 form `apply_schedule(..., pipeline_cuts=[[..], [..], [..], [..]])` cuts after
@@ -53,15 +54,12 @@ from __future__ import annotations
 
 import math
 
-import torch
 import torch.nn as nn
 
-from .. import module_patch
 from ..errors import SchedulingError
 from ..runtime.stages_resnet import (
     STAGES,
     ResNetStage,
-    is_a,
     join_path,
     partition,
     resnet_prefix,
@@ -161,48 +159,12 @@ def checkpoint_stages(stages: list[list[Schedule]], ratio: float, policy=None,
 
 
 def _checkpoint(block: Schedule, policy) -> None:
+    """The `checkpoint` primitive keeps the block's BatchNorm statistics through the
+    recomputation (`slapo.primitives.checkpoint.running_stats_kept`)."""
     if policy is None:
         block.checkpoint()
     else:
         block.checkpoint(policy=policy)
-    guard_batchnorm_stats(block)
-
-
-def _in_backward() -> bool:
-    """Whether autograd is running a backward pass on this thread: a module called then is
-    being recomputed by a checkpoint (the test torch's own module tracker and FSDP2 use)."""
-    return torch._C._current_graph_task_id() != -1
-
-
-class BatchNormRecomputeGuard(module_patch.ForwardWrapper):
-    """Run a BatchNorm without touching its running statistics when it is called during
-    backward (a checkpoint recomputing it): the real forward already updated them once. The
-    recomputed *output* is unaffected (training-mode BN normalises with the batch's own
-    statistics)."""
-
-    name = "bn_recompute_guard"
-
-    def __call__(self, module, fn, args, kwargs):
-        if not (module.training and _in_backward()):
-            return fn(*args, **kwargs)
-        saved = [(n, b.detach().clone()) for n, b in module._buffers.items() if b is not None]
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            with torch.no_grad():
-                for n, value in saved:
-                    module._buffers[n].copy_(value)
-
-
-def guard_batchnorm_stats(node: Schedule) -> int:
-    """Install `BatchNormRecomputeGuard` on every BatchNorm inside `node` (once each)."""
-    n = 0
-    for mod in node.mod.modules():
-        if is_a(mod, nn.modules.batchnorm._BatchNorm) and not any(
-                isinstance(w, BatchNormRecomputeGuard) for w in module_patch.wrappers(mod)):
-            module_patch.add_wrapper(mod, BatchNormRecomputeGuard())
-            n += 1
-    return n
 
 
 # ---- pipeline cuts ----------------------------------------------------------------------------
@@ -244,6 +206,5 @@ FAMILY = Family(name="wideresnet", model_types=(), layer_lists=STAGES, tp_plan=T
                 matches=matches, schedule=schedule,
                 notes="torchvision ResNet/WideResNet (Bottleneck blocks), detected by layout")
 
-__all__ = ["FAMILY", "TP_PLAN", "BatchNormRecomputeGuard", "ResNetStage", "checkpoint_stages",
-           "cut_lists", "guard_batchnorm_stats", "matches", "partition", "resnet_prefix",
-           "schedule"]
+__all__ = ["FAMILY", "TP_PLAN", "ResNetStage", "checkpoint_stages", "cut_lists", "matches",
+           "partition", "resnet_prefix", "schedule"]

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
+import torch.nn as nn
+from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils.checkpoint import checkpoint as _torch_checkpoint
+from torch.utils.checkpoint import noop_context_fn
 
 from .. import module_patch
 from ..distributed.rng import get_rng_tracker
@@ -20,8 +24,11 @@ class CheckpointWrapper(module_patch.ForwardWrapper):
     """Non-reentrant torch.utils.checkpoint around the module's forward.
 
     Keyword arguments pass through untouched (no flattening). The default RNG state is preserved
-    by torch, and the tensor-parallel RNG streams (`fork_rng`) are snapshotted here, so dropout
-    draws the same masks during recomputation.
+    by torch; two more kinds of state are handled here, because recomputation runs the forward
+    a second time: the tensor-parallel RNG streams (`fork_rng`) are snapshotted so dropout
+    draws the same masks (`_rng_replaying`), and the running statistics of BatchNorms in the
+    subtree are kept as the real forward left them (`_context_fn`), so they are updated once
+    per forward, not twice, for full and selective policies alike.
     """
 
     name = "checkpoint"
@@ -39,30 +46,103 @@ class CheckpointWrapper(module_patch.ForwardWrapper):
         args, kwargs = _drop_empty_caches(module, args, kwargs)
         if self.order_args_fn is not None:
             args, kwargs = tuple(self.order_args_fn(*args, **kwargs)), {}
-        extra = {}
-        if self.policy is not None:
-            extra["context_fn"] = selective_context_fn(self.policy)
-        if not _forks_rng(module):  # nothing to replay: no Python side effects, so
-            # torch.compile traces the checkpoint as one region
-            return _torch_checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=True,
-                                     **extra, **kwargs)
-        tracker = get_rng_tracker()
-        snapshot = tracker.get_states()
-        first = [True]
-
-        def run(*a, **k):
-            if first[0]:
-                first[0] = False
-                return fn(*a, **k)
-            current = tracker.get_states()
-            tracker.set_states(snapshot)
-            try:
-                return fn(*a, **k)
-            finally:
-                tracker.set_states(current)
-
+        context_fn = _context_fn(module, self.policy)
+        extra = {} if context_fn is None else {"context_fn": context_fn}
+        # with nothing to replay there are no Python side effects, so torch.compile traces
+        # the checkpoint as one region
+        run = _rng_replaying(module, fn) or fn
         return _torch_checkpoint(run, *args, use_reentrant=False, preserve_rng_state=True,
                                  **extra, **kwargs)
+
+
+def _rng_replaying(module: nn.Module, fn: Callable) -> Callable | None:
+    """`fn` whose second and later calls (the recomputation in backward; the first call is the
+    real forward) draw from the tensor-parallel RNG streams as the real forward did; None when
+    no dropout in the subtree forks them (then `fn` itself is checkpointed)."""
+    if not _forks_rng(module):
+        return None
+    snapshot = get_rng_tracker().get_states()
+    first = [True]
+
+    def run(*a, **k):
+        if first[0]:
+            first[0] = False
+            return fn(*a, **k)
+        with _rng_replayed(snapshot):
+            return fn(*a, **k)
+
+    return run
+
+
+def _context_fn(module: nn.Module, policy: str | Callable | None) -> Callable | None:
+    """torch's `context_fn` for this call: the selective policy's contexts (if any), and, when
+    BatchNorms in the subtree update running statistics, a recompute context that keeps them
+    (`running_stats_kept`). Under torch.compile no guard is needed (AOTAutograd applies a
+    buffer mutation once, after the graph; its recomputation is functional) and torch accepts
+    only dispatch modes there."""
+    sac = selective_context_fn(policy) if policy is not None else None
+    compiling = torch.compiler.is_compiling()
+    norms = [] if compiling else batchnorms_updating(module)
+    if not norms:
+        return sac
+    return functools.partial(_stats_kept_contexts, norms, sac)
+
+
+def _stats_kept_contexts(norms: list[nn.Module], sac: Callable | None) -> tuple:
+    """(forward, recompute) contexts; the statistics are saved and restored *outside* the
+    selective policy's recompute context, whose dispatch mode requires the recomputation to
+    issue exactly the forward's ops (a `clone` inside it is refused)."""
+    forward, recompute = sac() if sac is not None else noop_context_fn()
+    return forward, _nested(running_stats_kept(norms), recompute)
+
+
+@contextlib.contextmanager
+def _nested(outer: contextlib.AbstractContextManager,
+            inner: contextlib.AbstractContextManager) -> Iterator[None]:
+    with outer, inner:
+        yield
+
+
+def batchnorms_updating(module: nn.Module) -> list[nn.Module]:
+    """The BatchNorms in `module`'s subtree whose forward updates running statistics now: any
+    `_BatchNorm` (BatchNorm1d/2d/3d, SyncBatchNorm, the lazy ones, user subclasses) in training
+    mode with `track_running_stats`. Found at each call, so modules swapped in after
+    `checkpoint` (`replace`) and `train()`/`eval()` switches are seen."""
+    return [m for m in module.modules()
+            if isinstance(m, _BatchNorm) and m.training and m.track_running_stats]
+
+
+@contextlib.contextmanager
+def running_stats_kept(norms: list[nn.Module]) -> Iterator[None]:
+    """Run the body, then put every buffer of `norms` (running mean/var, num_batches_tracked)
+    back as it was before: a recomputed BatchNorm in training mode would otherwise update its
+    statistics a second time (plain `torch.utils.checkpoint` does). The recomputed *output* is
+    unaffected: training-mode BN normalises with the batch's own statistics. Restored even when
+    the body raises (torch stops a recomputation early by raising once it has what backward
+    needs)."""
+    saved = [(b, b.detach().clone()) for m in norms for b in m._buffers.values()
+             if b is not None]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for b, value in saved:
+                b.copy_(value)
+
+
+@contextlib.contextmanager
+def _rng_replayed(snapshot: dict | None) -> Iterator[None]:
+    """Run the body with the tensor-parallel RNG streams as they were at the real forward."""
+    if snapshot is None:
+        yield
+        return
+    tracker = get_rng_tracker()
+    current = tracker.get_states()
+    tracker.set_states(snapshot)
+    try:
+        yield
+    finally:
+        tracker.set_states(current)
 
 
 # Ops whose outputs selective checkpointing keeps: the matmuls and attention kernels (costly to
