@@ -97,6 +97,9 @@ import time
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# slapo_tuned's trials fork from a server that imported torch: `torch.cuda.is_available()` in an
+# import must not initialise the CUDA driver there (NVML answers it without that).
+os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout: slapo
 
 MODELS = {
@@ -378,7 +381,8 @@ def tune_search(name: str, args):
     device = "cuda" if _cuda() else "cpu"
     found = gpu_search_setup(spec, space_args, device=device, steps=args.tune_steps, warmup=1,
                              mem_cap_bytes=_cap_bytes(args), trial_timeout=args.timeout,
-                             efficiency=args.tune_efficiency, start_method="forkserver",
+                             efficiency=args.tune_efficiency,
+                             start_method=args.tune_start_method,
                              prune=False)
     restrict(found.space, {k: v for k, v in cands.items() if k in _RESTRICTED})
     return spec, found
@@ -464,7 +468,7 @@ def seed_rows(name: str, args) -> list[tuple[dict, dict]]:
 def run_tuning(name: str, args):
     """The search of slapo_tuned (no CUDA in this process: predictions are fake steps, trials
     run in their own processes), bounded by `--tune-budget-s` from its start (the predictions
-    it waits for included). Returns (`BestSchedule`, seconds spent, seed rows)."""
+    it waits for included). Returns (`BestSchedule`, seconds spent, `_calibration`)."""
     from slapo.tune.best import seed_database, tune_best
     from slapo.tune.database import Database
 
@@ -477,22 +481,38 @@ def run_tuning(name: str, args):
     cap = f".cap{args.cap_gib:g}" if args.cap_gib else ""
     db = Database(Path(args.out) / f"tune.{name}{cap}.{args.run_id}.db")
     seeds = seed_rows(name, args)
-    seed_database(db, found.space, seeds)
+    entered = seed_database(db, found.space, seeds)
     budget = max(0.0, args.tune_budget_s - (time.perf_counter() - t0))
     best = tune_best(found.space, predictions, found.evaluate, db, mem_cap=_cap_bytes(args),
                      max_trials=args.tune_trials, budget_s=budget,
-                     min_trial_s=5.0 if args.tiny else 15.0)
-    return best, time.perf_counter() - t0, seeds
+                     min_trial_s=5.0 if args.tiny else 25.0)
+    return best, time.perf_counter() - t0, _calibration(db, entered, predictions)
 
 
-def tuned_row(name: str, seq: int, args, best, tune_s: float, seeds: list) -> dict:
+def _calibration(db, entered: list[dict], predictions: dict) -> dict:
+    """measured / predicted step time of the first seeded row (slapo_gpu in the default run):
+    the factor that calibrates the cost model's time on this device, as
+    `GPUCostModel.calibrate` would. Empty when nothing was seeded."""
+    from slapo.tune.space import config_key
+
+    for config in entered:
+        rec, pred = db.get(config), predictions.get(config_key(config), {})
+        if rec is not None and rec.metrics.get("step_time_s") and pred.get("step_time_s"):
+            return {"seeded_configs": len(entered), "calibrated_on": rec.metrics.get("source"),
+                    "time_ratio": rec.metrics["step_time_s"] / pred["step_time_s"]}
+    return {"seeded_configs": len(entered)}
+
+
+def tuned_row(name: str, seq: int, args, best, tune_s: float, cal: dict) -> dict:
     """slapo_tuned's row: the winner of `run_tuning` measured by `measure` (or, if the
-    winner is one of this run's rows, that row), with the search's record."""
+    winner is one of this run's rows, that row), with the search's record. With a seeded row,
+    `predicted_step_ms_calibrated` is the prediction times that row's measured/predicted
+    ratio (the cost model calibrated on this device, in this run)."""
     from slapo.tune.model_spaces import schedule_knobs
     from slapo.tune.space import config_key
 
     info = dict(tune_s=tune_s, tune=best.to_json(), tune_trials=best.report.new_trials,
-                seeded_configs=len(seeds))
+                seeded_configs=cal["seeded_configs"])
     if best.config is None:
         return dict(model=name, variant=TUNED, seq=seq, status="failed: no trial succeeded "
                     f"({best.report.stopped_because})", **info)
@@ -509,6 +529,9 @@ def tuned_row(name: str, seq: int, args, best, tune_s: float, seeds: list) -> di
                predicted_tokens_per_s=p.get("throughput"),
                predicted_step_ms=1e3 * p["step_time_s"] if "step_time_s" in p else None,
                predicted_peak_gib=p["memory"] / 2**30 if "memory" in p else None, **info)
+    if "time_ratio" in cal and row["predicted_step_ms"] is not None:
+        row.update(predicted_step_ms_calibrated=row["predicted_step_ms"] * cal["time_ratio"],
+                   calibrated_on=cal["calibrated_on"])
     return row
 
 
@@ -569,10 +592,10 @@ def child(args) -> None:
     _, _, _, batch, seq = MODELS[args.models]
     cudnn = _sdp_setting(args)
     if args.variants == TUNED:  # the search first: this process's CUDA context stays fresh
-        best, tune_s, seeds = run_tuning(args.models, args)
+        best, tune_s, cal = run_tuning(args.models, args)
         _cap_process(args)
         peak = matmul_tflops() if torch.cuda.is_available() and not args.tiny else None
-        row = tuned_row(args.models, seq, args, best, tune_s, seeds)
+        row = tuned_row(args.models, seq, args, best, tune_s, cal)
         print(json.dumps(_stamp(row, args, cudnn, peak)), flush=True)
         return
     _cap_process(args)
@@ -679,7 +702,8 @@ def _shared_flags(args, models: str, variant: str) -> list[str]:
            "--cap-batches", args.cap_batches, "--out", str(args.out), "--run-id", args.run_id,
            "--timeout", str(args.timeout), "--tune-trials", str(args.tune_trials),
            "--tune-steps", str(args.tune_steps), "--tune-workers", str(args.tune_workers),
-           "--tune-efficiency", str(args.tune_efficiency)]
+           "--tune-efficiency", str(args.tune_efficiency),
+           "--tune-start-method", args.tune_start_method]
     for k, vals in args.tune_knob:
         cmd += ["--tune-knob", f"{k}={','.join(str(v).lower() for v in vals)}"]
     if args.dropout is not None:
@@ -729,6 +753,9 @@ def _tuned_summary(r: dict) -> str:
     pred_s = f"predicted {pred / 1e3:.1f}k tok/s" if pred else "no prediction"
     if r.get("predicted_peak_gib") is not None:
         pred_s += f", {r['predicted_peak_gib']:.1f} GiB"
+    if r.get("predicted_step_ms_calibrated") is not None:
+        pred_s += (f", {r['predicted_step_ms_calibrated']:.1f} ms calibrated on "
+                   f"{r['calibrated_on']} vs {r['step_ms']:.1f} ms measured")
     by = f", measured by {r['measured_by']}" if r.get("measured_by") else ""
     return (f"tuned: {knobs}; {pred_s}; {r.get('tune_trials', 0)} new trials, "
             f"{r.get('seeded_configs', 0)} seeded, {r.get('tune_s', 0):.0f} s{by}")
@@ -805,6 +832,9 @@ def parse_args(argv=None) -> argparse.Namespace:
       help="slapo_tuned: candidates of a knob (e.g. compile_blocks=true, ckpt_ratio=0,1)")
     a("--tune-efficiency", type=float, default=1.0,
       help="slapo_tuned: the cost model's efficiency (docs/tune.md)")
+    a("--tune-start-method", choices=("forkserver", "spawn"), default="forkserver",
+      help="slapo_tuned: how trial processes start (forkserver: no imports per trial; spawn: "
+      "the CLI's, ~10 s more per trial)")
     a("--tune-predict-ahead", action=argparse.BooleanOptionalAction, default=True,
       help="slapo_tuned: predict in the background from the start of the run")
     a("--child", action="store_true", help=argparse.SUPPRESS)

@@ -16,6 +16,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_train.py"
 
 
@@ -59,7 +61,7 @@ def test_tuned_row_measures_the_best_trial(tmp_path):
     on the same batch as the HF row (same first loss: same init, same tokens)."""
     rows = _run(tmp_path, "--variants", "hf_sdpa,slapo_tuned", "--tune-knob",
                 "compile_blocks=false", "--tune-knob", "kernels=false", "--tune-trials", "2",
-                "--tune-budget-s", "600")
+                "--tune-budget-s", "600", "--no-tune-predict-ahead")
     hf, tuned = rows
     assert tuned["variant"] == "slapo_tuned" and tuned["status"] == "ok", tuned
     assert tuned["tokens_per_s"] > 0 and tuned["batch"] == 2
@@ -173,17 +175,20 @@ def test_tune_best_budget_and_seeds():
     assert best.report.new_trials == 0 and "budget" in best.report.stopped_because
 
 
-def test_bad_options_are_usage_errors(tmp_path):
-    for argv, text in ((["--tiny", "--models", "falcon"], "unknown model(s) tiny-falcon"),
-                       (["--models", "llama-7b"], "unknown model(s) llama-7b"),
-                       (["--tune-knob", "compile_blocks=maybe"], "compile_blocks"),
-                       (["--tune-knob", "warp_speed=true"], "warp_speed"),
-                       (["--dropout", "1.5"], "--dropout must be in [0, 1)"),
-                       (["--tune-trials", "0"], "--tune-trials must be >= 1")):
-        proc = subprocess.run([sys.executable, str(SCRIPT), *argv, "--out", str(tmp_path)],
-                              capture_output=True, text=True, timeout=60)
-        assert proc.returncode == 2 and text in proc.stderr, (argv, proc.stderr[-400:])
-    assert not any(tmp_path.iterdir())
+@pytest.mark.parametrize("argv,text", [
+    (["--tiny", "--models", "falcon"], "unknown model(s) tiny-falcon"),
+    (["--models", "llama-7b"], "unknown model(s) llama-7b"),
+    (["--variants", "slapo_tuned,slapo_best"], "unknown variant(s) slapo_best"),
+    (["--tune-knob", "compile_blocks=maybe"], "compile_blocks"),
+    (["--tune-knob", "warp_speed=true"], "warp_speed"),
+    (["--dropout", "1.5"], "--dropout must be in [0, 1)"),
+    (["--tune-trials", "0"], "--tune-trials must be >= 1"),
+    (["--cap-batches", "8,sixteen"], "--cap-batches must be comma-separated integers")])
+def test_bad_options_are_usage_errors(argv, text, capsys):
+    """Checked when the options are parsed, before the first child or file (exit 2)."""
+    with pytest.raises(SystemExit) as e:
+        _gpu_train().parse_args(argv)
+    assert e.value.code == 2 and text in capsys.readouterr().err
 
 
 def test_session_plan_dry_form(tmp_path):
@@ -205,3 +210,31 @@ def test_session_plan_dry_form(tmp_path):
     assert sorted(p.name for p in out.iterdir()) == sorted(
         f"{k}.{m}.{e}" for m in "12" for k, e in (("call", "log"), ("env", "txt"),
                                                     ("results", "jsonl"), ("work", "tar.gz")))
+
+
+def test_a_seeded_winner_is_that_row(tmp_path):
+    """When no trial beats the run's slapo_gpu row, slapo_tuned reports that row (measured by
+    the same protocol), marked `measured_by`, with the knobs, the prediction and the
+    calibrated step time (measured/predicted of the seed)."""
+    from slapo.tune.best import seed_database, tune_best
+    from slapo.tune.database import Database
+
+    gt = _gpu_train()
+    row = dict(model="tiny-llama", variant="slapo_gpu", status="ok", batch=2, seq=64,
+               tokens_per_s=123.0, step_ms=1040.0, compile_s=1.0, loss_first=6.2,
+               loss_last=6.1, mfu=0.0, cap_gib=0.0, run_id="A")
+    (tmp_path / "results.jsonl").write_text(json.dumps(row) + "\n")
+    args = gt.parse_args(["--tiny", "--out", str(tmp_path), "--run-id", "A"])
+    space, preds = _space_and_predictions()
+    db = Database()
+    entered = seed_database(db, space, gt.seed_rows("tiny-llama", args))
+    best = tune_best(space, preds, lambda c: {"throughput": 1.0}, db, max_trials=2)
+    assert best.seeded and best.report.new_trials == 2
+    out = gt.tuned_row("tiny-llama", 64, args, best, 1.5, gt._calibration(db, entered, preds))
+    assert out["variant"] == "slapo_tuned" and out["measured_by"] == "slapo_gpu"
+    assert out["tokens_per_s"] == 123.0 and out["seeded_configs"] == 1
+    assert out["tuned_knobs"] == {"attention": "sdpa", "compile_blocks": True,
+                                  "fused_loss": True, "kernels": False, "ckpt_ratio": 0.0}
+    key = json.dumps(best.config, sort_keys=True, separators=(",", ":"))
+    assert out["predicted_step_ms_calibrated"] == pytest.approx(1040.0)  # the seed itself
+    assert out["predicted_tokens_per_s"] == preds[key]["throughput"]
