@@ -5,6 +5,10 @@
   optimizer step is taken, and after a failure past the first step the pipeline steps again
   (2 ranks of the in-process pool, which does not exit on an error: so nothing but the
   mechanism can end the step early).
+- The same for an exception inside a stage's *backward* (a custom autograd Function raising),
+  under every pipeline schedule the runner accepts, after which the same batch steps to the
+  single-process reference; and through `slapo train` with `SLAPO_FAULT=raise:pp_backward=...`
+  under torchrun with `--dist-timeout 600`: every rank exits with the named error.
 - A rank killed mid-step (SIGKILL from outside), mid-checkpoint-save and mid-pipeline-step
   (`SLAPO_FAULT`): `torchrun` exits within a bound far below `--dist-timeout`, the survivor's
   output names the dead rank, and `--resume` continues with losses bit-identical to an
@@ -37,6 +41,8 @@ TINY_PP = dict(hidden_size=64, num_layers=2, num_heads=4, seq_len=32, batch_size
 def test_fault_spec_parses_and_bad_specs_say_how():
     assert faults.parse("kill:step=3:rank=1") == faults.Fault("kill", "step", 3, 1)
     assert faults.parse("raise:pp=1:rank=0") == faults.Fault("raise", "pp", 1, 0)
+    assert faults.parse("raise:pp_backward=2:rank=1") == faults.Fault("raise", "pp_backward",
+                                                                      2, 1)
     assert faults.planned({}) is None
     assert faults.planned({faults.ENV: "kill:save=2:rank=0"}).point == "save"
     for bad in ("kill", "kill:step=3", "boom:step=3:rank=1", "kill:step=x:rank=1",
@@ -233,6 +239,125 @@ def test_exception_in_one_stage_forward_reaches_every_rank(dist2, fail_rank, fai
         assert last["retried"] == clean[1]  # the failed step left nothing behind
 
 
+# ---- an exception in one stage's backward reaches every rank, under every schedule ------------
+# (schedule, cuts of a 4-layer GPT-2): one stage per rank, or two (the multi-stage schedules)
+ONE_PER_RANK, TWO_PER_RANK = ["transformer.h.1"], [f"transformer.h.{k}" for k in range(3)]
+BACKWARD_CASES = [("GPipe", ONE_PER_RANK), ("1F1B", ONE_PER_RANK)] + [
+    (name, TWO_PER_RANK) for name in ("Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble",
+                                      "ZBVZeroBubble", "DualPipeV")]
+
+
+class _FailsInBackward(torch.autograd.Function):
+    """Identity forward; its backward raises, as a NaN check or a buggy custom op would."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        import torch.distributed as dist
+
+        raise ValueError(f"planted failure in a stage backward on rank {dist.get_rank()}")
+
+
+def _planted_block(original, armed_on: dict):
+    """GPT2Block.forward whose output passes through `_FailsInBackward` on the armed rank."""
+    import torch.distributed as dist
+
+    def forward(self, *args, **kwargs):
+        out = original(self, *args, **kwargs)
+        if armed_on.get("rank") != dist.get_rank():
+            return out
+        if isinstance(out, tuple):
+            return (_FailsInBackward.apply(out[0]), *out[1:])
+        return _FailsInBackward.apply(out)
+
+    return forward
+
+
+def _fail_then_retry(tm, batch, armed_on: dict, fail_rank: int) -> dict:
+    """One step with the planted backward failure on `fail_rank`, then the same batch again."""
+    before = [p.detach().clone() for st in tm.stages for p in st.parameters()]
+    armed_on["rank"] = fail_rank
+    t0 = time.monotonic()
+    try:
+        tm.train_step(batch)
+        error = None
+    except Exception as e:  # noqa: BLE001 - what each rank raised is the result
+        error = f"{type(e).__name__}: {e}"
+    seconds = time.monotonic() - t0
+    armed_on["rank"] = None
+    after = [p.detach() for st in tm.stages for p in st.parameters()]
+    unchanged = all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
+    return {"error": error, "seconds": seconds, "unchanged": unchanged,
+            "retried": tm.train_step(batch)}
+
+
+def job_stage_backward_raises() -> dict:
+    """Each schedule: build a pipelined 4-layer GPT-2, fail a backward on one rank (alternating),
+    retry the batch; the retry's loss and parameters must equal one single-process step."""
+    import copy
+
+    import models
+    from reference import LR, make_batches, reference_losses
+    from transformers.models.gpt2 import modeling_gpt2
+
+    import slapo
+    import slapo.runtime
+
+    torch.set_num_threads(1)
+    mesh = slapo.runtime.init_mesh(dp=1, pp=2, tp=1)
+    batch = make_batches()[0]
+    original, armed_on = modeling_gpt2.GPT2Block.forward, {"rank": None}
+    modeling_gpt2.GPT2Block.forward = _planted_block(original, armed_on)
+    out = {}
+    try:
+        for i, (name, cuts) in enumerate(BACKWARD_CASES):
+            model = models.gpt2(seed=0, layers=4)
+            ref = copy.deepcopy(model)
+            sch = slapo.create_schedule(model, mesh=mesh)
+            for path in cuts:
+                sch[path].cut_pipeline_stage()
+            tm, _ = slapo.build(sch, optimizer=torch.optim.AdamW, optimizer_kwargs={"lr": LR},
+                                pipeline=name, num_microbatches=4)
+            res = _fail_then_retry(tm, batch, armed_on, fail_rank=i % 2)
+            res["reference"] = reference_losses(ref, [batch])[0]
+            ref_params = dict(ref.named_parameters(remove_duplicate=False))
+            res["params_match"] = all(
+                torch.allclose(p, ref_params[n], rtol=1e-4, atol=1e-5)
+                for st in tm.stages for n, p in st.named_parameters())
+            out[name] = res
+    finally:
+        modeling_gpt2.GPT2Block.forward = original
+    return out
+
+
+@pytest.mark.dist
+def test_exception_in_one_stage_backward_reaches_every_rank(dist2):
+    """Without the backward guard the failing rank leaves the schedule at once and its peer
+    blocks on a receive until the pool's gloo timeout, failing this job."""
+    ranks = dist2.run(job_stage_backward_raises, timeout=POOL_TIMEOUT_S * 5)
+    for i, (name, _) in enumerate(BACKWARD_CASES):
+        fail_rank = i % 2
+        planted = f"ValueError: planted failure in a stage backward on rank {fail_rank}"
+        for rank, by_schedule in enumerate(ranks):
+            res = by_schedule[name]
+            where = f"{name}, rank {rank}: {res}"
+            if rank == fail_rank:
+                assert res["error"] == planted, where
+            else:  # names the failing rank, its message and the stage's backward
+                assert res["error"].startswith("SchedulingError"), where
+                assert f"failed on rank {fail_rank}" in res["error"], where
+                assert f"rank {fail_rank}: {planted} (stage " in res["error"], where
+                assert " backward)" in res["error"], where
+            assert res["seconds"] < POOL_TIMEOUT_S / 2, where  # the step ended, no timeout
+            assert res["unchanged"], where  # no optimizer step
+            # the failed step left nothing behind: the retry is the reference's first step
+            assert res["retried"] == pytest.approx(res["reference"], rel=1e-5), where
+            assert res["params_match"], where
+
+
 # ---- torchrun: a rank killed mid-step, mid-save, mid-pipeline-step ------------------------------
 KILL_BOUND_S = 60      # every rank gone this soon after the kill, with --dist-timeout 600
 FLAGS = ["--hidden-size", "64", "--num-layers", "2", "--num-heads", "4", "--seq-len", "32",
@@ -394,3 +519,31 @@ def _announced(launch: Launch, timeout: float = 300) -> float:
         assert time.monotonic() < deadline, launch.text[-3000:]
         time.sleep(0.05)
     return t
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_backward_fault_under_torchrun_stops_every_rank_with_the_named_error(tmp_path):
+    """`SLAPO_FAULT=raise:pp_backward=2:rank=1` in a 2-stage `slapo train` with --dist-timeout
+    600: rank 1 raises its InjectedFault (noting the stage), rank 0 the SchedulingError that
+    names rank 1, the stage's backward and the message (not a PeerFailure: the peer stopped
+    by the step's own agreement, not by a dead socket), and torchrun exits well before the
+    timeout."""
+    launch = Launch(tmp_path / "run", "--steps", "3", "--pp-stages", "2",
+                    fault="raise:pp_backward=2:rank=1")
+    try:
+        t0 = time.monotonic()
+        end = launch.wait(KILL_BOUND_S + 120)
+    finally:
+        launch.stop()
+    text = launch.text
+    assert launch.proc.returncode != 0, text[-3000:]
+    injected = "SLAPO_FAULT: injected failure at the pp_backward of step 2 on rank 1"
+    assert f"InjectedFault: {injected}" in text, text[-3000:]
+    assert "slapo: raised in pipeline stage 1 backward on rank 1" in text, text[-3000:]
+    assert ("slapo train: error: [<root>] the pipeline train_step failed on rank 1 while "
+            "running the stages and the loss: rank 1: InjectedFault: "
+            f"{injected} (stage 1 backward)") in text, text[-3000:]
+    assert "stopped: rank 1" not in text, text[-3000:]  # no PeerFailure: nobody died
+    assert end - t0 < KILL_BOUND_S, (end - t0, text[-3000:])
+    assert [ckpt.step_of(p) for p in ckpt.candidates(tmp_path / "run")] == [1]

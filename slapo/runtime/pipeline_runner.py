@@ -22,10 +22,12 @@ runs under autocast, and the loss handed to the schedule's backward is `loss_for
 (fp32, scaled for fp16).
 
 Errors: what fails on one rank only (preparing the first stage's inputs; a stage's forward; the
-loss, e.g. a user `loss_fn` bug or a stage without a loss of its own) is recorded, the schedule
+loss, e.g. a user `loss_fn` bug or a stage without a loss of its own; a stage's backward, e.g. a
+custom autograd Function or a NaN-check hook raising, or out of memory) is recorded, the schedule
 runs to its end, and one all-reduced flag makes every rank raise (`raise_on_every_rank`): the
 rank of the first failure in pipeline order its own exception, the others a `SchedulingError`
-naming that rank and its message, and no rank takes an optimizer step. A stage whose forward
+naming that rank, its message and the stage (`(stage 1 backward)`), and no rank takes an
+optimizer step. A stage whose forward
 raised (or that runs after a failure on its rank) returns zeros shaped like its last good
 output, connected to its inputs (`_fallback`), so its peers receive what they wait for and the
 schedule ends promptly instead of at the collective timeout. Downstream stages then compute on
@@ -33,6 +35,15 @@ zeros and may fail in turn; those are secondary and reported after the first. If
 on its very first forward there is no good output yet: the zeros take the shape of its first
 input, so the shapes torch infers on that first step are wrong and the model must be rebuilt
 (`slapo.build`) before another step; after a later failure the pipeline can step again.
+
+A stage whose backward raised (or that runs a backward after a failure on its rank) skips it
+and hands torch zero gradients for its inputs (`_zero_input_grads`), which the schedule sends
+upstream as it would the real ones, so every rank's schedule ends within the step for every
+schedule (GPipe, 1F1B, the interleaved, looped and zero-bubble ones, whose split input/weight
+backwards go through the same guarded call, `guard_stage_backward`). Its forwards for the
+rest of the step return `_fallback` zeros, as after a forward failure. A backward failure
+leaves no stale state (the next step zeroes the gradients and re-infers nothing), so the same
+pipeline can step again, on the first step too.
 """
 
 from __future__ import annotations
@@ -58,8 +69,12 @@ V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
 # The runner whose `schedule.step` is running in this thread: stage forwards report to it.
 _ACTIVE: contextvars.ContextVar[PipelineRunner | None] = contextvars.ContextVar(
     "slapo_pipeline_runner", default=None)
-# Error order inside one step: preparing < stage 0 forward < ... < last stage < the loss.
+# Error order inside one step: preparing < stage 0 forward < ... < last stage < the loss <
+# last stage backward < ... < stage 0 backward (`backward_order`).
 PREPARE_ORDER = -1
+# Called with the stage id at the start of every guarded stage backward inside a step (the
+# `SLAPO_FAULT` test hook's `pp_backward` point registers here: `register_stage_backward_hook`).
+_BACKWARD_HOOKS: list[Callable[[int], None]] = []
 
 
 # ------------------------------------------------------------------------------------------------
@@ -292,6 +307,7 @@ class PipelineRunner:
         self._losses: list[torch.Tensor] = []
         self._error: BaseException | None = None
         self._error_order = 0
+        self._error_phase: str | None = None  # e.g. "stage 1 backward"
         self._templates: dict[int, Any] = {}  # stage id -> its last good output's structure
 
     def schedule_loss(self, output: Any, index: torch.Tensor) -> torch.Tensor:
@@ -313,15 +329,16 @@ class PipelineRunner:
                 else:
                     loss = compute_loss(outputs, mb, self.loss_fn)
         except Exception as e:  # noqa: BLE001 - re-raised on every rank after the step
-            self._fail(e, self.plan.num_stages)
+            self._fail(e, self.plan.num_stages, "the loss")
             return _zero_loss(output)
         self._losses.append(loss.detach())
         return self.precision.loss_for_backward(loss) * (self._scale / self.plan.num_microbatches)
 
-    def _fail(self, error: BaseException, order: int) -> None:
-        """Record the first error of this step on this rank (`order`: where in the pipeline)."""
+    def _fail(self, error: BaseException, order: int, phase: str | None = None) -> None:
+        """Record the first error of this step on this rank (`order`: where in the pipeline;
+        `phase`: the same in words, for the message the other ranks raise)."""
         if self._error is None:
-            self._error, self._error_order = error, order
+            self._error, self._error_order, self._error_phase = error, order, phase
 
     def stage_forward(self, stage_id: int, inner: Callable, args: tuple, kwargs: dict) -> Any:
         """A stage's forward inside `schedule.step`: run it; if it raises (or this rank already
@@ -331,13 +348,33 @@ class PipelineRunner:
             try:
                 out = inner(*args, **kwargs)
             except Exception as e:  # noqa: BLE001 - re-raised on every rank after the step
-                self._fail(e, stage_id)
+                self._fail(e, stage_id, f"stage {stage_id} forward")
             else:
                 self._templates[stage_id] = _template(out)
                 return out
         out = _fallback(self._templates.get(stage_id), args)
         self._templates.setdefault(stage_id, _template(out))
         return out
+
+    def stage_backward(self, stage_id: int, inner: Callable[[], Any], kind: str,
+                       bwd_kwargs: dict) -> Any:
+        """A stage's backward inside `schedule.step` (`kind`: torch's "full", "input" or
+        "weight"): run it; if it raises (or this rank already failed this step), record the
+        error and return zero input gradients instead, so the stage upstream, waiting on this
+        stage's gradient send, is served and the schedule ends on every rank."""
+        if self._error is None:
+            try:
+                for hook in list(_BACKWARD_HOOKS):
+                    hook(stage_id)
+                return inner()
+            except Exception as e:  # noqa: BLE001 - re-raised on every rank after the step
+                self._fail(_unwrap_stage_error(e), self.backward_order(stage_id),
+                           f"stage {stage_id} backward")
+        return _zero_input_grads(kind, bwd_kwargs)
+
+    def backward_order(self, stage_id: int) -> int:
+        """Backward runs after the loss, from the last stage to the first."""
+        return 2 * self.plan.num_stages - stage_id
 
     def forward_backward(self, batch: Batch, scale: float, sync_grads: bool) -> torch.Tensor:
         return self._run(batch, scale, self.schedule.step, "running the stages and the loss",
@@ -361,7 +398,8 @@ class PipelineRunner:
 
     def _run(self, batch: Batch, scale: float, run: Callable, where: str,
              **run_kwargs: Any) -> torch.Tensor:
-        self._batch, self._scale, self._losses, self._error = batch, scale, [], None
+        self._batch, self._scale, self._losses = batch, scale, []
+        self._error, self._error_phase = None, None
         args, target = (), None
         try:  # what can fail before the step fails on its rank only: agree first
             check_no_padding_mask(batch)
@@ -376,7 +414,8 @@ class PipelineRunner:
         finally:
             _ACTIVE.reset(token)
         self._batch = None
-        raise_on_every_rank(self._error, self.info, where, order=self._error_order)
+        raise_on_every_rank(self._error, self.info, where, order=self._error_order,
+                            phase=self._error_phase)
         if not self.holds_last:
             return torch.zeros(())
         # torch's first step also calls the loss once on uninitialised tensors to infer
@@ -408,22 +447,27 @@ def _error_group(info: MeshInfo):
 
 
 def raise_on_every_rank(error: BaseException | None, info: MeshInfo, where: str,
-                        order: int = 0) -> None:
+                        order: int = 0, phase: str | None = None) -> None:
     """One all-reduced flag: if any rank failed, every rank raises. The first failure in
-    pipeline order (`order`, then rank) is the cause: its rank raises its own exception, every
-    other rank a `SchedulingError` naming that rank and its message (then any later failures,
-    e.g. a downstream stage that choked on the zeros it was sent)."""
+    pipeline order (`order`, then rank) is the cause: its rank raises its own exception (with
+    a note naming the `phase`, e.g. "stage 1 backward"), every other rank a `SchedulingError`
+    naming that rank, its message and the phase (then any later failures, e.g. a downstream
+    stage that choked on the zeros it was sent)."""
     group = _error_group(info)
     flag = torch.tensor([0 if error is None else 1], dtype=torch.int32, device=_dev(info))
     dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
     if int(flag.item()) == 0:
         return
-    mine = None if error is None else f"{type(error).__name__}: {error}"
+    mine = None if error is None else f"{type(error).__name__}: {error}" + \
+        (f" ({phase})" if phase else "")
     msgs: list = [None] * dist.get_world_size(group)
     dist.all_gather_object(msgs, (order, dist.get_rank(), mine), group=group)
     failed = sorted((o, r, m) for o, r, m in msgs if m is not None)
     first_rank = failed[0][1]
     if error is not None and first_rank == dist.get_rank():
+        if phase and hasattr(error, "add_note"):  # Python 3.11+
+            error.add_note(f"slapo: raised in pipeline {phase} on rank {first_rank}; every "
+                           "rank stopped this step (no optimizer step was taken).")
         raise error
     detail = "; ".join(f"rank {r}: {m}" for _, r, m in failed)
     raise SchedulingError("", f"the pipeline train_step failed on rank {first_rank} while "
@@ -433,16 +477,18 @@ def raise_on_every_rank(error: BaseException | None, info: MeshInfo, where: str,
 
 def make_stages(modules: list[nn.Module], stage_ids: list[int], plan: PipelinePlan,
                 info: MeshInfo, device: torch.device) -> list:
-    """torch `PipelineStage`s over this rank's stage modules, each forward guarded
-    (`guard_stage_forward`) so that an exception in it reaches every rank promptly."""
+    """torch `PipelineStage`s over this rank's stage modules, each forward and backward guarded
+    (`guard_stage_forward`, `guard_stage_backward`) so that an exception in either reaches
+    every rank promptly."""
     from torch.distributed.pipelining import PipelineStage
 
     for m, s in zip(modules, stage_ids, strict=True):
         guard_stage_forward(m, s)
     stages = [PipelineStage(m, s, plan.num_stages, device, group=info.group("pp"))
               for m, s in zip(modules, stage_ids, strict=True)]
-    for stage in stages:
+    for stage, s in zip(stages, stage_ids, strict=True):
         keep_buffers_through_shape_inference(stage)
+        guard_stage_backward(stage, s)
     return stages
 
 
@@ -485,6 +531,93 @@ def guard_stage_forward(module: nn.Module, stage_id: int) -> None:
 
     module.forward = forward
     module.slapo_pipeline_stage = stage_id
+
+
+def guard_stage_backward(stage, stage_id: int) -> None:
+    """Route the `PipelineStage`'s backward through the running
+    `PipelineRunner.stage_backward` (outside a pipeline step it runs unguarded).
+
+    The hook point is `backward_maybe_with_nosync(backward_type, bwd_kwargs, ...)`: the one
+    method every torch schedule's backward goes through (full backward, and the input and
+    weight halves of the zero-bubble schedules), in torch 2.5 to 2.13. A torch without it
+    keeps the unguarded backward (then a backward error reaches the other ranks only at the
+    collective timeout, as before). torch 2.13's first step also runs each stage's backward
+    once on real tensors to infer the gradient shapes (`_compute_input_grads`): guarded too
+    (`guard_metadata_backward`)."""
+    guard_metadata_backward(stage, stage_id)
+    inner = getattr(stage, "backward_maybe_with_nosync", None)
+    if inner is None or getattr(stage, "slapo_backward_guarded", False):
+        return
+
+    @functools.wraps(inner)
+    def backward(backward_type, bwd_kwargs, *args, **kwargs):
+        runner = _ACTIVE.get()
+        call = functools.partial(inner, backward_type, bwd_kwargs, *args, **kwargs)
+        if runner is None:
+            return call()
+        return runner.stage_backward(stage_id, call, backward_type, bwd_kwargs)
+
+    stage.backward_maybe_with_nosync = backward
+    stage.slapo_backward_guarded = True
+
+
+def guard_metadata_backward(stage, stage_id: int) -> None:
+    """torch 2.13 infers a stage's input-gradient shapes on the first step by a real backward
+    (`_compute_input_grads(outputs, inputs, grad_outputs)`, which returns one gradient or None
+    per input). If it raises, record the error and return Nones: torch then derives each
+    gradient's shape from its input's (as it does for any input without a gradient) and still
+    sends the shapes upstream, so the stage before it does not wait for them."""
+    inner = getattr(stage, "_compute_input_grads", None)
+    if inner is None:
+        return
+
+    @functools.wraps(inner)
+    def compute(outputs, all_fwd_inputs, *args, **kwargs):
+        runner = _ACTIVE.get()
+        call = functools.partial(inner, outputs, all_fwd_inputs, *args, **kwargs)
+        if runner is None:
+            return call()
+        return runner.stage_backward(stage_id, call, "metadata", {"inputs": all_fwd_inputs})
+
+    stage._compute_input_grads = compute
+
+
+def register_stage_backward_hook(hook: Callable[[int], None]) -> Callable[[], None]:
+    """Call `hook(stage_id)` at the start of every guarded stage backward inside a pipeline
+    step; what it raises is handled like an error of that backward. Returns a function that
+    removes the hook. (The `SLAPO_FAULT` test hook's `pp_backward` point uses it.)"""
+    _BACKWARD_HOOKS.append(hook)
+
+    def remove() -> None:
+        if hook in _BACKWARD_HOOKS:
+            _BACKWARD_HOOKS.remove(hook)
+
+    return remove
+
+
+def _unwrap_stage_error(error: BaseException) -> BaseException:
+    """torch wraps an exception in a stage's full backward in a `RuntimeError("Failed to run
+    stage backward: ...")` that lists the stage's tensors; the user's own exception (e.g. the
+    ValueError their autograd Function raised) is its cause, and is what every rank reports."""
+    while isinstance(error, RuntimeError) and error.__cause__ is not None and \
+            "Failed to run stage backward" in str(error):
+        error = error.__cause__
+    return error
+
+
+def _zero_input_grads(kind: str, bwd_kwargs: dict) -> tuple:
+    """What `backward_maybe_with_nosync` returns, as if every input gradient were zero:
+    (input grads, param groups) for "full" and "input"; nothing for "weight" (whose result
+    torch ignores); for "metadata" (`guard_metadata_backward`), None per input. Zeros (dense, contiguous: gloo sends only those) for each input tensor that
+    requires grad, None for the others, as torch's own `stage_backward` gives."""
+    if kind == "weight":
+        return (), None
+    if kind == "metadata":  # `_compute_input_grads`: None per input, shapes derived by torch
+        return tuple(None for _ in bwd_kwargs["inputs"])
+    grads = tuple(torch.zeros_like(v, memory_format=torch.contiguous_format)
+                  if isinstance(v, torch.Tensor) and v.requires_grad else None
+                  for v in bwd_kwargs.get("input_values", ()))
+    return grads, None
 
 
 # ------------------------------------------------------------------------------------------------

@@ -23,9 +23,11 @@ launched by torchrun); a caller's group (tests, notebooks) is left alone.
 `SLAPO_FAULT` is a **test hook**, read only by `planned()`: `ACTION:POINT=STEP:rank=R` with
 ACTION `kill` (SIGKILL this process) or `raise` (an `InjectedFault`), and POINT `step` (training
 step STEP, after its backward, before the optimizer update), `save` (the checkpoint of step STEP,
-after the tensors and RNG files are written, before the completion marker) or `pp` (the first
-pipeline-stage forward of training step STEP). Steps are counted as the run counts them
-(1-based, continued across `--resume`). Example: `SLAPO_FAULT=kill:save=3:rank=1`.
+after the tensors and RNG files are written, before the completion marker), `pp` (the first
+pipeline-stage forward of training step STEP) or `pp_backward` (the first pipeline-stage
+backward of training step STEP, raised inside the guarded backward, as a failing autograd
+Function would be). Steps are counted as the run counts them (1-based, continued across
+`--resume`). Example: `SLAPO_FAULT=kill:save=3:rank=1`.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ from ..errors import SlapoError
 
 ENV = "SLAPO_FAULT"
 ACTIONS = ("kill", "raise")
-POINTS = ("step", "save", "pp")
+POINTS = ("step", "save", "pp", "pp_backward")
 HEARTBEAT_S = 0.25   # how often a rank heartbeats (and checks its peers)
 SILENT_S = 1.5       # a peer silent this long, with no exit recorded, is reported as dead
 DIAGNOSE_S = 3.0     # the longest a failing rank waits to learn who failed
@@ -138,7 +140,9 @@ def _fire(fault: Fault) -> None:
 def install(rank: int, environ: dict[str, str] | None = None) -> Fault | None:
     """Arm the fault `SLAPO_FAULT` plans (if any) for this rank: optimizer hooks count steps and
     fire `step`; a global forward pre-hook fires `pp` in pipeline stage modules (marked by
-    `slapo.runtime.pipeline_runner.make_stages`); `save` fires from `run_state.save`."""
+    `slapo.runtime.pipeline_runner.make_stages`); a stage backward hook
+    (`pipeline_runner.register_stage_backward_hook`) fires `pp_backward`; `save` fires from
+    `run_state.save`."""
     fault = planned(environ)
     _PLAN.update(fault=fault, rank=rank, done=0)
     if fault is None or fault.rank != rank or _PLAN.get("hooked"):
@@ -149,11 +153,14 @@ def install(rank: int, environ: dict[str, str] | None = None) -> Fault | None:
         register_optimizer_step_pre_hook,
     )
 
+    from ..runtime.pipeline_runner import register_stage_backward_hook
+
     register_optimizer_step_pre_hook(lambda *a: point("step"))
     register_optimizer_step_post_hook(lambda *a: note_step(_PLAN["done"] + 1))
     register_module_forward_pre_hook(
         lambda m, a: point("pp") if getattr(m, "slapo_pipeline_stage", None) is not None
         else None)
+    register_stage_backward_hook(lambda stage_id: point("pp_backward"))
     _PLAN["hooked"] = True
     return fault
 
