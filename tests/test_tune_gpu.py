@@ -166,3 +166,136 @@ def test_gpu_trial_trains_through_build_on_cpu():
                            "fused_loss": True, "ckpt_ratio": 1.0, "ckpt_policy": "selective"},
                           spec=spec)
     assert out["throughput"] > 0 and out["loss"] == out["loss"]
+
+
+# ------------------------------------------------------------------------------------------------
+# compiled layers: the partitioner's real saved set; the launch term; the masked-LM head
+# ------------------------------------------------------------------------------------------------
+
+TINY_GPT2 = GPUModelSpec("tiny-gpt2", "GPT2Config", "GPT2LMHeadModel", dict(
+    n_embd=64, n_layer=1, n_head=4, vocab_size=256, n_positions=64), 2, 64)
+TINY_LLAMA_1 = GPUModelSpec("tiny-llama-1", "LlamaConfig", "LlamaForCausalLM", dict(
+    hidden_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+    intermediate_size=128, vocab_size=256, max_position_embeddings=64), 2, 64)
+
+
+def _real_compiled_saved(model, layer, args, kwargs):
+    """Bytes a real `torch.compile(layer, backend="aot_eager")` forward keeps for backward:
+    the tensors its compiled autograd node holds, each storage once, minus parameters and the
+    layer's inputs."""
+    import torch
+    from torch.utils._pytree import tree_flatten
+
+    out = torch.compile(layer, backend="aot_eager", dynamic=False)(*args, **kwargs)
+    node = tree_flatten(out)[0][0].grad_fn
+    while "Compiled" not in type(node).__name__:
+        node = node.next_functions[0][0]
+    free = {t.untyped_storage()._cdata for t in list(layer.parameters()) +
+            [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]}
+    kept = {t.untyped_storage()._cdata: t.untyped_storage().nbytes()
+            for t in node.saved_tensors if isinstance(t, torch.Tensor)}
+    return sum(n for k, n in kept.items() if k not in free)
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("spec", [TINY_LLAMA_1, TINY_GPT2], ids=["llama", "gpt2"])
+def test_recorded_partition_is_what_a_real_compile_keeps(spec):
+    """The saved set recorded on fake tensors (as the cost model does, bf16 autocast) is the one
+    a real aot_eager compile of the same layer keeps on real tensors: same partitioner."""
+    import torch
+
+    from slapo.tune.capture import record_partition
+    from slapo.tune.predict_gpu import _autocast, _fake_batch, _fake_model, _layer_call, fake_mode
+
+    warnings.simplefilter("ignore")
+    cfg = {"batch_size": spec.batch, "mixed_precision": "bf16"}
+    with fake_mode():
+        model = _fake_model(spec)
+        data = _fake_batch(model, spec.batch, spec.seq)
+        args, kwargs = _layer_call(model, _first_layer(model), cfg, data)
+        with _autocast(cfg):
+            plan = record_partition(_first_layer(model), args, kwargs, partition="aot_eager")
+    torch.manual_seed(0)
+    model = _fake_model(spec)  # the same builder, outside fake mode: real weights
+    data = _fake_batch(model, spec.batch, spec.seq)
+    args, kwargs = _layer_call(model, _first_layer(model), cfg, data)
+    with _autocast(cfg):
+        real = _real_compiled_saved(model, _first_layer(model), args, kwargs)
+    assert real > 0
+    assert plan.saved_bytes == pytest.approx(real, rel=0.01)
+
+
+def _first_layer(model):
+    base = getattr(model, "model", None) or getattr(model, "transformer", None)
+    return base.layers[0] if hasattr(base, "layers") else base.h[0]
+
+
+@pytest.mark.compile
+def test_partition_costs_count_fused_kernels():
+    """A matmul and the elementwise chain after it: two forward kernels (the chain is one
+    fused kernel); the chain's intermediate never reaches memory."""
+    import torch
+
+    from slapo.tune.capture import record_partition
+
+    w = torch.randn(32, 32, requires_grad=True)
+    x = torch.randn(16, 32, requires_grad=True)
+    plan = record_partition(lambda x: ((x @ w).relu() * 2 + 1).sum(), (x,))
+    assert plan.fwd_flops == 2 * 16 * 32 * 32
+    assert plan.bwd_flops == 2 * plan.fwd_flops  # dX and dW
+    assert plan.fwd_kernels == 2  # mm + one fused relu*2+1+sum
+    assert plan.saved_bytes == 16 * 32  # the min cut keeps relu's bool mask, not the fp32 mm
+    # the fused kernel reads the mm output once, writes the mask and the sum: nothing else
+    assert plan.fwd_bytes == 16 * 32 * 4 + plan.saved_bytes + 4
+
+
+def test_kernel_count_is_one_per_launching_op():
+    """Views and allocations launch nothing; every other op (in-place ones too) one kernel."""
+    import torch
+
+    from slapo.tune.capture import _CostCounter
+
+    a, b = torch.randn(8, 8), torch.randn(8, 8)
+    with _CostCounter() as c:
+        x = (a @ b).relu()  # 2
+        y = x.view(64)  # 0
+        y.add_(1)  # 1
+        torch.empty(4)  # 0
+    assert c.kernels == 3
+
+
+def test_launch_term_is_kernels_times_the_device_constant(tiny):
+    from dataclasses import replace
+
+    from slapo.tune.predict_gpu import H100
+
+    base = {"batch_size": 4, "mixed_precision": "bf16", "attention": "sdpa"}
+    eager = tiny.step_cost(base)
+    compiled = tiny.step_cost({**base, "compile_blocks": True})
+    assert 0 < compiled.kernels < eager.kernels  # a compiled layer launches fused kernels
+    silent = GPUCostModel(TINY_LLAMA, device=replace(H100, kernel_launch_s=0.0))
+    launches = tiny.roofline_s(eager) - silent.roofline_s(eager)
+    assert launches == pytest.approx(eager.kernels * H100.kernel_launch_s)
+    assert H100.kernel_launch_s == 5e-6  # a device property (docs/tune.md), never fitted
+
+
+TINY_BERT = GPUModelSpec("tiny-bert", "BertConfig", "BertForMaskedLM", dict(
+    hidden_size=64, num_hidden_layers=1, num_attention_heads=4, intermediate_size=128,
+    vocab_size=256, max_position_embeddings=64), 2, 64)
+
+
+def test_fused_mlm_loss_counts_only_the_labelled_rows(monkeypatch):
+    """Under fake tensors the fused masked-LM head runs on MLM_LABELLED of the positions (as
+    the real step on the benchmark's batches), not on all of them."""
+    from slapo.tune import predict_gpu
+
+    warnings.simplefilter("ignore")
+    cfg = {"batch_size": 2, "mixed_precision": "bf16", "attention": "sdpa", "fused_loss": True}
+    labelled = simulate_step(TINY_BERT, cfg)
+    monkeypatch.setattr(predict_gpu, "MLM_LABELLED", 1.0)
+    every = simulate_step(TINY_BERT, cfg)
+    h, v, n = 64, 256, 2 * 64
+    rows = n - round(0.15 * n)
+    per_row = 6 * h * v + 6 * h * h  # decoder and transform dense: forward + both gradients
+    assert every.mm_flops - labelled.mm_flops == pytest.approx(rows * per_row, rel=0.02)
+    assert labelled.peak_bytes < every.peak_bytes

@@ -4,10 +4,14 @@ from one fake training step (`GPUCostModel`, `simulate_step`; the CPU space's pr
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from .capture import _MM_FLOPS, _CostCounter
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from .capture import PartitionPlan, _CostCounter, record_partition
 from .model_spaces import schedule_knobs
 from .space import Config
 from .timing import DeviceConstants, roofline_time
@@ -23,8 +27,8 @@ class StepCost:
     peak_bytes: float  # forward + backward peak, incl. weights and grads, excl. AdamW state
     params: int
     mm_flops: float  # matmul and attention FLOPs: forward, recomputation, backward
-    mem_bytes: float  # bytes moved by every other op, fused regions counted as one kernel
-    eager_bytes: float  # the same bytes if nothing were fused
+    mem_bytes: float  # bytes moved by every other op, a compiled layer's fused kernels as such
+    kernels: int = 0  # kernels launched: eager ops, and a compiled layer's fused + extern kernels
 
     def memory(self) -> float:
         """Peak allocated bytes of a steady step: AdamW's fp32 moments exist from step 2 on; the
@@ -71,8 +75,10 @@ class GPUCostModel:
         return self._cache[key]
 
     def roofline_s(self, cost: StepCost) -> float:
+        """Matmul FLOPs + bytes of the other ops + one launch per kernel + the AdamW step."""
         opt = _FUSED_ADAMW_TRAFFIC * cost.params / self.device.mem_bandwidth
-        return float(roofline_time(cost.mm_flops, cost.mem_bytes, self.device)) + opt
+        launches = cost.kernels * self.device.kernel_launch_s
+        return float(roofline_time(cost.mm_flops, cost.mem_bytes, self.device)) + launches + opt
 
     def calibrate(self, config: Config, step_time_s: float, schedule: bool = True) -> float:
         """Set `efficiency` so that `config` is predicted at the measured step time."""
@@ -84,15 +90,19 @@ class GPUCostModel:
         step = self.roofline_s(cost) / self.efficiency
         tokens = int(config["batch_size"]) * self.spec.seq
         return {"throughput": tokens / step, "step_time_s": step, "memory": cost.memory(),
-                "mm_flops": cost.mm_flops, "mem_bytes": cost.mem_bytes}
+                "mm_flops": cost.mm_flops, "mem_bytes": cost.mem_bytes,
+                "kernels": float(cost.kernels)}
 
     __call__ = predict
 
 
 # An H100 SXM as the benchmark measured it: an 8192^3 bf16 matmul at ~780 TFLOP/s
 # (benchmarks/results/gpu_train_h100.jsonl, `matmul_tflops`), HBM3 at ~3 TB/s of 3.35 peak.
+# One kernel launch costs 5 us: the middle of the 4-6 us an eager PyTorch op takes on an H100
+# host from Python through the dispatcher to cudaLaunchKernel (CUDA's own launch latency is
+# 2-4 us of it). A device property, not fitted to any measured row (docs/tune.md).
 H100 = DeviceConstants("H100-SXM-80GB (measured matmul)", peak_flops=780e12,
-                       mem_bandwidth=3.0e12, memory_bytes=80 * 2**30)
+                       mem_bandwidth=3.0e12, memory_bytes=80 * 2**30, kernel_launch_s=5e-6)
 
 
 _ATTN_DROPOUT = ("attn_pdrop", "attention_probs_dropout_prob", "attention_dropout")
@@ -124,7 +134,7 @@ def _fake_batch(model: Any, batch: int, seq: int) -> dict:
     return {"input_ids": ids, "labels": labels}
 
 
-def _autocast(config: Config, cache: bool) -> Any:
+def _autocast(config: Config, cache: bool = True) -> Any:
     import contextlib
 
     import torch
@@ -136,149 +146,243 @@ def _autocast(config: Config, cache: bool) -> Any:
     return torch.autocast("cpu", dtype=dtype, cache_enabled=cache)
 
 
+def fake_mode() -> Any:
+    """FakeTensorMode, and HF told that the batch is not packed. HF looks for packed
+    sequences in `position_ids` (a data-dependent check); on fake tensors it cannot, keeps
+    the packing mask and so materialises a (batch, 1, seq, seq) attention mask that the real
+    step (mask None, `is_causal=True`) never builds. The benchmark's batches are not packed."""
+    import contextlib
+    from unittest import mock
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    stack = contextlib.ExitStack()
+    try:
+        from transformers import masking_utils
+    except ImportError:  # an older transformers: no packing detection to tell
+        masking_utils = None
+    if hasattr(masking_utils, "find_packed_sequence_indices"):
+        stack.enter_context(mock.patch.object(masking_utils, "find_packed_sequence_indices",
+                                              lambda *a, **k: None))
+    stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
+    return stack
+
+
+# benchmarks/gpu_train.make_batch labels 15% of a masked LM's positions (BERT pre-training)
+MLM_LABELLED = 0.15
+
+
+def _labelled_rows(spec: Any, config: Config) -> Any:
+    """The fused masked-LM loss computes only the labelled rows, a data-dependent count that
+    fake tensors cannot give: here its `nonzero` returns `MLM_LABELLED` of the positions (the
+    fraction the benchmark's batches label). The fused loss takes every row when it sees fake
+    tensors (`fused_loss._is_fake`); inside this context it takes the labelled-row path."""
+    import contextlib
+    from unittest import mock
+
+    if not (config.get("fused_loss") and spec.model_type in ("bert", "roberta")):
+        return contextlib.nullcontext()
+    from ..model_schedule import fused_loss
+
+    if not callable(getattr(fused_loss, "_is_fake", None)):
+        raise RuntimeError("slapo.model_schedule.fused_loss._is_fake is gone: the cost model's "
+                           "labelled-row path (predict_gpu._labelled_rows) must follow it.")
+    stack = contextlib.ExitStack()
+    stack.enter_context(mock.patch.object(fused_loss, "_is_fake", lambda t: False))
+    stack.enter_context(_FractionNonzero(MLM_LABELLED))
+    return stack
+
+
+class _FractionNonzero(TorchDispatchMode):
+    """`nonzero(x)` under fake tensors: `fraction` of x's elements, as a fake index tensor."""
+
+    def __init__(self, fraction: float) -> None:
+        super().__init__()
+        self.fraction = fraction
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        import torch
+
+        if func is torch.ops.aten.nonzero.default:
+            x = args[0]
+            rows = int(round(self.fraction * x.numel()))
+            return torch.empty((rows, x.dim()), dtype=torch.long, device=x.device)
+        return func(*args, **(kwargs or {}))
+
+
 def simulate_step(spec: Any, config: Config, schedule: bool = True) -> StepCost:
     """One fake forward + backward of `spec` under `config` (see `GPUCostModel`).
 
     `schedule=False` runs the HF model as loaded (the benchmark's HF baselines).
     """
-    from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.mem_tracker import MemTracker
     from torch.utils.checkpoint import set_checkpoint_early_stop
 
     knobs = schedule_knobs(config)
     compiled = bool(knobs.pop("compile_blocks", False)) and schedule
-    with FakeTensorMode(allow_non_fake_inputs=True):
+    counter = _StepCounter()
+    with fake_mode():
         model = _fake_model(spec)
         data = _fake_batch(model, int(config["batch_size"]), spec.seq)
-        regions, ratio, keep, flops = _schedule(model, knobs, compiled, config, data) \
-            if schedule else ([], 1.0, 0.0, 0.0)
-        counter = _RegionCounter(regions, ratio)
+        if schedule:
+            _schedule(model, knobs, compiled, config, data, counter)
         tracker = MemTracker()
         tracker.track_external(model)
-        with tracker, counter, set_checkpoint_early_stop(False):
-            with _autocast(config, cache=not compiled):
+        # (a dispatch mode active while a layer is recorded would make dynamo skip it)
+        with _labelled_rows(spec, config), tracker, counter, set_checkpoint_early_stop(False):
+            with _autocast(config):
                 loss = model(**data).loss
             loss.float().backward()
         peak = tracker.get_tracker_snapshot("peak")
         total = sum(v.get("Total", 0) for v in peak.values())
         params = sum(p.numel() for p in model.parameters())
-    return StepCost(float(total) + keep, params, float(counter.flops) + flops,
-                    counter.fused_bytes(), float(counter.bytes))
+    return StepCost(float(total), params, float(counter.flops), float(counter.bytes),
+                    int(counter.kernels))
 
 
-def _schedule(model: Any, knobs: dict, compiled: bool, config: Config,
-              data: dict) -> tuple[list, float, float, float]:
-    """Apply the config's schedule. Returns the compiled layers, their fused/eager bytes ratio,
-    and what the emulation of compiled layers must add: saved bytes and (negative) FLOPs."""
+def _schedule(model: Any, knobs: dict, compiled: bool, config: Config, data: dict,
+              counter: _StepCounter) -> None:
+    """Apply the config's schedule. Compiled layers become stand-ins of their recorded
+    partition (`_install_standins`), each with its checkpoint mode (none, full, selective)."""
     from .. import model_schedule
     from ..model_schedule._registry import detect, layers_of
 
     ratio, policy = float(knobs.get("ckpt_ratio", 0.0)), knobs.get("ckpt_policy", "full")
-    if compiled:
+    if compiled:  # the checkpoint wrapper goes into the recorded (compiled) call instead
         knobs = {**knobs, "ckpt_ratio": 0.0}
     sch = model_schedule.apply(model, **knobs)
-    layers = layers_of(sch, detect(model))
     if not compiled:
-        return [], 1.0, 0.0, 0.0
-    plan = _compiled_plan(model, layers[0].mod, config, data)
+        return
+    layers = [node.mod for node in layers_of(sch, detect(model))]
     n = int(ratio * len(layers) + 0.5)  # as model_schedule.apply rounds
-    keep = 0.0
-    for i, node in enumerate(layers):
-        node.checkpoint()  # emulation: recompute in backward, then add back what is kept
-        if not (i < n and policy == "full"):
-            keep += plan["selective" if i < n else "inductor"]
-    kept_layers = len(layers) - (n if policy == "full" else 0)
-    return [node.mod for node in layers], plan["ratio"], keep, -kept_layers * plan["flops"]
+    modes = [(policy if i < n else "none") for i in range(len(layers))]
+    _install_standins(model, layers, modes, config, data, counter)
 
 
-def _compiled_plan(model: Any, layer: Any, config: Config, data: dict) -> dict[str, float]:
-    """What a compiled layer keeps (inductor's min cut; under SAC, the matmul outputs its
-    backward needs), its forward's matmul FLOPs and fused/eager bytes, from one recorded
-    forward of `layer` (the first; every layer runs the same graph)."""
+def _install_standins(model: Any, layers: list, modes: list[str], config: Config, data: dict,
+                      counter: _StepCounter) -> None:
+    """Record the partition of the first layer once per checkpoint mode (`record_partition`:
+    torch.compile with inductor's partitioner, at the step's full shapes, on fake tensors) and
+    make every compiled layer a stand-in that holds exactly what that partition keeps."""
+    args, kwargs = _layer_call(model, layers[0], config, data)
+    plans = {}
+    for mode in dict.fromkeys(modes):
+        with _autocast(config):
+            plans[mode] = record_partition(_layer_fn(layers[0], mode), args, kwargs)
+    for layer, mode in zip(layers, modes):
+        layer.forward = functools.partial(_standin_forward, layer, layer.forward, plans[mode],
+                                          counter, config)
+
+
+def _layer_fn(layer: Any, mode: str) -> Callable:
+    """The call `compile_blocks` compiles: the layer, inside its checkpoint wrapper if any
+    (the product's own `CheckpointWrapper`, so a selective policy is the product's)."""
+    from ..primitives.checkpoint import CheckpointWrapper
+
+    if mode == "none":
+        return layer
+    wrap = CheckpointWrapper(policy=None if mode == "full" else mode)
+    return lambda *a, **k: wrap(layer, layer.forward, a, k)
+
+
+class _Stop(Exception):
+    pass
+
+
+def _layer_call(model: Any, layer: Any, config: Config, data: dict) -> tuple[tuple, dict]:
+    """The arguments the step passes to `layer` (one forward, stopped at the layer)."""
     import torch
-    from torch.utils.flop_counter import flop_registry
 
-    from .capture import OpGraphRecorder, saved_ops
+    got: dict = {}
 
-    rec = OpGraphRecorder()
-    state = {"on": False, "flops": 0}
-    h1 = layer.register_forward_pre_hook(lambda *a: state.update(on=True))
-    h2 = layer.register_forward_hook(lambda *a: state.update(on=False))
+    def grab(_mod: Any, args: tuple, kwargs: dict) -> None:
+        got["call"] = (args, kwargs)
+        raise _Stop
 
-    class _Gate(torch.utils._python_dispatch.TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if not state["on"]:
-                return func(*args, **(kwargs or {}))
-            out = rec.__torch_dispatch__(func, types, args, kwargs)
-            if func.overloadpacket in flop_registry:
-                state["flops"] += flop_registry[func.overloadpacket](*args, **(kwargs or {}),
-                                                                      out_val=out)
-            elif str(func) in _MM_FLOPS:
-                state["flops"] += _MM_FLOPS[str(func)](args, out)
-            return out
-
-    pack = lambda t: rec.pack(t) if state["on"] else t  # noqa: E731
+    hook = layer.register_forward_pre_hook(grab, with_kwargs=True)
     try:
-        with torch.autograd.graph.saved_tensors_hooks(pack, rec.unpack), _Gate():
-            with _autocast(config, cache=False):
-                model(**data)
+        with _autocast(config):
+            model(**data)
+    except _Stop:
+        pass
     finally:
-        h1.remove()
-        h2.remove()
-    produced = {s for op in rec.ops for s in op.outputs}
-    free = {p.untyped_storage()._cdata for p in layer.parameters()}
-    free |= {s for op in rec.ops for s in op.inputs if s not in produced}
-    out = {"flops": float(state["flops"]),
-           "ratio": rec.fused_bytes() / max(rec.eager_bytes(), 1)}
-    for mode in ("inductor", "selective"):
-        keep = saved_ops(rec.ops, rec.saved, free, mode)
-        out[mode] = float(sum(rec.ops[i].out_bytes for i in keep))
-    return out
+        hook.remove()
+    args, kwargs = got["call"]
+    lift = lambda t: t.detach().requires_grad_(t.requires_grad) \
+        if isinstance(t, torch.Tensor) else t  # noqa: E731
+    return tuple(lift(a) for a in args), {k: lift(v) for k, v in kwargs.items()}
 
 
-class _RegionCounter(_CostCounter):
-    """FLOPs and bytes of a step. Bytes moved inside a compiled layer (its forward, and in
-    backward every autograd node its forward created, recomputation included) are counted
-    apart: `fused_bytes` scales them by the fused/eager ratio of the layer's forward."""
+def _standin_forward(layer: Any, forward: Callable, plan: PartitionPlan,
+                     counter: _StepCounter, config: Config, *args: Any, **kwargs: Any) -> Any:
+    """A compiled layer in the fake step: its outputs come from the eager forward (without
+    autograd), and autograd holds what the recorded partition keeps (`plan.saved_bytes`, one
+    buffer) until backward, which allocates the backward graph's own peak and returns
+    gradients of every input and parameter. Its costs are the partition's, not the eager ops'."""
+    import torch
+    from torch.utils._pytree import tree_flatten, tree_unflatten
 
-    def __init__(self, regions: list, ratio: float = 1.0) -> None:
+    params = [p for p in layer.parameters() if p.requires_grad]
+    flat, spec = tree_flatten((args, kwargs))
+    grad_in = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
+    counter.add_plan(plan)
+    shapes: dict = {}
+
+    class StandIn(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, *tensors: Any) -> Any:
+            a, k = tree_unflatten(flat, spec)
+            with counter.paused(), _autocast(config, cache=False):
+                out = forward(*a, **k)
+            leaves, ospec = tree_flatten(out)
+            shapes["out"] = (leaves, ospec)
+            ctx.keep = torch.empty(plan.saved_bytes, dtype=torch.uint8)
+            return tuple(t for t in leaves if isinstance(t, torch.Tensor))
+
+        @staticmethod
+        def backward(ctx: Any, *grads: Any) -> Any:
+            with counter.paused():
+                ins = [torch.empty_like(flat[i]) for i in grad_in]
+                ps = [torch.empty_like(p) for p in params]
+                made = sum(t.numel() * t.element_size() for t in ins + ps)
+                transient = torch.empty(max(plan.bwd_peak - made, 0), dtype=torch.uint8)
+                del transient
+            ctx.keep = None
+            return (*ins, *ps)
+
+    outs = StandIn.apply(*[flat[i] for i in grad_in], *params)
+    leaves, ospec = shapes["out"]
+    it = iter(outs)
+    return tree_unflatten([next(it) if isinstance(t, torch.Tensor) else t for t in leaves], ospec)
+
+
+class _StepCounter(_CostCounter):
+    """FLOPs, bytes and kernels of a step. Compiled layers (stand-ins) pause it and add their
+    recorded partition's costs instead (`add_plan`)."""
+
+    def __init__(self) -> None:
         super().__init__()
-        self.ratio = ratio
-        self.region_bytes = 0
-        self._depth = 0
-        self._nodes: set = set()
-        self._inputs: list = []
-        for m in regions:
-            m.register_forward_pre_hook(self._enter)
-            m.register_forward_hook(self._exit)
+        self._paused = 0
 
-    def _enter(self, module: Any, args: tuple) -> None:
-        self._depth += 1
-        self._inputs = [a.grad_fn for a in args if getattr(a, "grad_fn", None) is not None]
+    def add_plan(self, plan: PartitionPlan) -> None:
+        self.flops += plan.fwd_flops + plan.bwd_flops
+        self.bytes += plan.fwd_bytes + plan.bwd_bytes
+        self.kernels += plan.kernels
 
-    def _exit(self, module: Any, args: tuple, out: Any) -> None:
-        from torch.utils._pytree import tree_flatten
+    def paused(self) -> Any:
+        import contextlib
 
-        self._depth -= 1
-        stop = set(self._inputs) | self._nodes
-        todo = [t.grad_fn for t in tree_flatten(out)[0] if getattr(t, "grad_fn", None)]
-        while todo:  # the layer's autograd nodes: its backward runs (and recomputes) in them
-            node = todo.pop()
-            if node is None or node in stop or type(node).__name__ == "AccumulateGrad":
-                continue
-            stop.add(node)
-            self._nodes.add(node)
-            todo += [n for n, _ in node.next_functions]
+        @contextlib.contextmanager
+        def off() -> Any:
+            self._paused += 1
+            try:
+                yield
+            finally:
+                self._paused -= 1
+
+        return off()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        import torch
-
-        inside = self._depth > 0 or torch._C._current_autograd_node() in self._nodes
-        before = self.bytes
-        out = super().__torch_dispatch__(func, types, args, kwargs)
-        if inside:
-            self.region_bytes += self.bytes - before
-        return out
-
-    def fused_bytes(self) -> float:
-        return float(self.bytes - self.region_bytes * (1.0 - self.ratio))
+        if self._paused:
+            return func(*args, **(kwargs or {}))
+        return super().__torch_dispatch__(func, types, args, kwargs)

@@ -46,6 +46,7 @@ class DeviceConstants:
     intra: AlphaBeta = field(default_factory=lambda: AlphaBeta(5e-6, 1 / 300e9))
     inter: AlphaBeta = field(default_factory=lambda: AlphaBeta(2e-5, 1 / 25e9))
     gpus_per_node: int = 8
+    kernel_launch_s: float = 0.0  # per launched kernel (launch + dispatch); 0: not modelled
 
     def to_json(self) -> dict:
         return asdict(self)
