@@ -407,8 +407,10 @@ def _cap_batches(args) -> tuple[int, ...]:
 
 
 def predictions_path(out: Path, name: str, args) -> Path:
+    """One file per (model, invocation): the background predictor and the tuned child of one
+    run share it; another run (other dropout, knobs or code) never reads it."""
     cap = f".cap{args.cap_gib:g}" if args.cap_gib else ""
-    return Path(out) / f"predictions.{name}{cap}.jsonl"
+    return Path(out) / f"predictions.{name}{cap}.{args.run_id}.jsonl"
 
 
 def load_predictions(path: Path) -> dict[str, dict]:
@@ -522,8 +524,7 @@ def tuned_row(name: str, seq: int, args, best, tune_s: float, cal: dict) -> dict
     if best.seeded:
         row = _seed_row(name, args, best.measured.get("source"), batch)
     else:
-        row = measure(name, TUNED, batch, seq, args.steps, args.warmup, knobs=knobs,
-                      dropout=args.dropout)
+        row = _measure_tuned(name, batch, seq, args, knobs)
     p = best.predicted
     row.update(variant=TUNED, tuned_knobs=knobs, tuned_config_key=config_key(best.config),
                predicted_tokens_per_s=p.get("throughput"),
@@ -533,6 +534,19 @@ def tuned_row(name: str, seq: int, args, best, tune_s: float, cal: dict) -> dict
         row.update(predicted_step_ms_calibrated=row["predicted_step_ms"] * cal["time_ratio"],
                    calibrated_on=cal["calibrated_on"])
     return row
+
+
+def _measure_tuned(name: str, batch: int, seq: int, args, knobs: dict) -> dict:
+    """The winner by `measure`; out of memory (under `--cap-gib`) is the row's status, as for
+    the other variants' batch sizes."""
+    import torch
+
+    prof = str(Path(args.out) / f"profile.{name}.{TUNED}.txt") if args.profile else None
+    try:
+        return measure(name, TUNED, batch, seq, args.steps, args.warmup, prof, knobs=knobs,
+                       dropout=args.dropout)
+    except torch.OutOfMemoryError:
+        return dict(model=name, variant=TUNED, batch=batch, seq=seq, status="OOM")
 
 
 def _default(knob: str):
