@@ -241,3 +241,24 @@ def test_a_seeded_winner_is_that_row(tmp_path):
     key = json.dumps(best.config, sort_keys=True, separators=(",", ":"))
     assert out["predicted_step_ms_calibrated"] == pytest.approx(1040.0)  # the seed itself
     assert out["predicted_tokens_per_s"] == preds[key]["throughput"]
+
+
+def test_cli_gpu_setup_goes_through_best():
+    """`slapo tune --space gpu` builds its space, cost model and evaluator with
+    `slapo.tune.best.gpu_search_setup`, as the benchmark's tuned row does."""
+    import argparse
+
+    from slapo.tune.cli import _gpu_setup, add_tune_parser
+    from slapo.tune.evaluators import GPUTrialEvaluator
+    from slapo.tune.predict_gpu import GPUCostModel
+
+    parser = argparse.ArgumentParser()
+    add_tune_parser(parser.add_subparsers())
+    args = parser.parse_args(["tune", "--space", "gpu", "--model", "gpt2-medium",
+                              "--device", "cpu", "--precisions", "bf16", "--steps", "2"])
+    space, predict, evaluate, meta = _gpu_setup(args)
+    assert isinstance(predict, GPUCostModel) and isinstance(evaluate, GPUTrialEvaluator)
+    assert evaluate.inner.start_method == "spawn" and evaluate.settings.steps == 2
+    assert space.candidates("batch_size") == [8, 16, 32]
+    assert {"compile_blocks", "fused_loss", "kernels", "ckpt_ratio"} <= set(space.names())
+    assert meta["model"] == "gpt2-medium" and meta["settings"]["device"] == "cpu"
