@@ -97,7 +97,7 @@ case "$MODE" in
     step gpt2_dropout0 60 --models gpt2-medium --dropout 0 --variants hf_sdpa,slapo_gpu
     # "what fits a 24 GiB card" for GPT-2 and BERT (LLaMA's was measured)
     step cap24 250 --models gpt2-medium,bert-large --cap-gib 24 --cap-batches 8,16,32,64 \
-      --variants slapo_gpu_sac,hf_sdpa,slapo_tuned,slapo_gpu_ckpt,hf_compile
+      --variants slapo_gpu_sac,hf_compile,hf_sdpa,slapo_tuned,slapo_gpu_ckpt
     # Slapo's Triton kernels in the step, never measured on a GPU yet
     step kernels 100 --variants slapo_gpu_kernels
     if [ -n "$TINY" ]; then

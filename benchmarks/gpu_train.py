@@ -69,15 +69,18 @@ a final measurement only when a new config wins (~20 s). Hence `--tune-trials 2`
 and a row the deadline reaches is `skipped`. slapo_gpu_sac left the default list (its rows are
 in the capped table of the second call, where it matters).
 
-If time remains (a second device call; `benchmarks/gpu_session.sh 2` runs all of it):
+If time remains (a second device call; `benchmarks/gpu_session.sh 2` runs all of it, in the
+order below, then the kernels row and `benchmarks/kernels.py`; under the cap hf_compile comes
+second because it is GPT-2's best baseline, and its sweep recompiles per batch size, so the
+deadline may leave slapo_gpu_ckpt out):
 
-    python benchmarks/gpu_train.py --models gpt2-medium,bert-large --cap-gib 24 \
-        --cap-batches 16,32,64 --variants hf_compile,hf_sdpa,slapo_gpu_sac,slapo_gpu_ckpt,slapo_tuned \
-        --deadline-s 300 --out $OUT/cap
-    python benchmarks/gpu_train.py --models gpt2-medium --dropout 0 \
-        --variants hf_sdpa,hf_compile,slapo_gpu --out $OUT/dropout0
     python benchmarks/gpu_train.py --models gpt2-medium \
         --variants hf_sdpa,slapo_gpu,slapo_gpu_nocudnn --out $OUT/nocudnn
+    python benchmarks/gpu_train.py --models gpt2-medium --dropout 0 \
+        --variants hf_sdpa,slapo_gpu --out $OUT/dropout0
+    python benchmarks/gpu_train.py --models gpt2-medium,bert-large --cap-gib 24 \
+        --cap-batches 8,16,32,64 --variants slapo_gpu_sac,hf_compile,hf_sdpa,slapo_tuned,slapo_gpu_ckpt \
+        --deadline-s 250 --out $OUT/cap
 
 `--cap-gib C` limits each process to C GiB (`torch.cuda.set_per_process_memory_fraction`) and
 tries batch sizes upward from `--cap-batches` until one does not fit: the row reports the
