@@ -41,8 +41,8 @@ Variants:
 
 slapo_tuned, in its own process: the GPU space of `slapo tune --space gpu` (bf16, SDPA;
 uncapped: compile_blocks x fused_loss x kernels at the table's batch; under `--cap-gib`:
-compiled layers with the fused loss x kernels x ckpt_ratio 0/0.5/1 x ckpt_policy x the
-`--cap-batches`; `--tune-knob NAME=V1,V2` changes a knob's candidates) is ranked by the GPU cost
+compiled layers with the fused loss x ckpt_ratio 0/0.5/1 x ckpt_policy x the `--cap-batches`;
+`--tune-knob NAME=V1,V2` changes a knob's candidates) is ranked by the GPU cost
 model (`slapo.tune.best.predict_configs`, `--tune-workers` processes; started in the
 background when the run starts, `--tune-predict-ahead`, so the predictions are ready when the
 row's turn comes), the rows of this run whose knobs are a config of the space (e.g. slapo_gpu)
@@ -154,10 +154,13 @@ DATASHEET_TFLOPS = 989.0
 DROPOUT_KEYS = {"gpt2": ("resid_pdrop", "embd_pdrop", "attn_pdrop"),
                 "bert": ("hidden_dropout_prob", "attention_probs_dropout_prob"),
                 "llama": ("attention_dropout",)}
-# slapo_tuned's space: knob -> candidates (`--tune-knob` replaces an entry).
+# slapo_tuned's space: knob -> candidates (`--tune-knob` replaces an entry). Uncapped, the
+# speed knobs at the table's batch (8 configs); under a cap, the memory knobs x the cap batches
+# (5 x 4 = 20 configs: each prediction is a fake step of 10-60 s of CPU, and kernels barely
+# move memory).
 TUNE_SPACE = {"compile_blocks": (False, True), "fused_loss": (False, True),
               "kernels": (False, True), "ckpt_ratio": (0.0,), "ckpt_policy": ("full",)}
-TUNE_SPACE_CAPPED = {"compile_blocks": (True,), "fused_loss": (True,), "kernels": (False, True),
+TUNE_SPACE_CAPPED = {"compile_blocks": (True,), "fused_loss": (True,), "kernels": (False,),
                      "ckpt_ratio": (0.0, 0.5, 1.0), "ckpt_policy": ("full", "selective")}
 # Rows slapo_tuned may take as measured configs (same knobs, same protocol).
 SEED_VARIANTS = tuple(v for v in SLAPO_KNOBS if v not in NOCUDNN_VARIANTS)
