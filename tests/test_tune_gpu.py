@@ -299,3 +299,25 @@ def test_fused_mlm_loss_counts_only_the_labelled_rows(monkeypatch):
     per_row = 6 * h * v + 6 * h * h  # decoder and transform dense: forward + both gradients
     assert every.mm_flops - labelled.mm_flops == pytest.approx(rows * per_row, rel=0.02)
     assert labelled.peak_bytes < every.peak_bytes
+
+
+def test_cpu_simulation_follows_cuda_autocast_lists(monkeypatch):
+    """HF GPT-2's tanh-GELU calls pow, an fp32 op of CUDA autocast (bf16 on CPU): on CUDA the
+    chain after it is fp32, so autograd saves pow's input, tanh's output and (1 + tanh) in fp32
+    (2 bytes more each) and the 0.5x product's input twice as large: 6 bytes per element of the
+    b x s x 4h MLP activation per layer over CPU autocast. The simulation must see CUDA's."""
+    import torch
+
+    from slapo.tune import predict_gpu
+
+    warnings.simplefilter("ignore")
+    spec = GPUModelSpec("tiny-gpt2-2", "GPT2Config", "GPT2LMHeadModel", dict(
+        n_embd=64, n_layer=2, n_head=4, vocab_size=256, n_positions=64), 4, 64)
+    cfg = {"batch_size": 4, "mixed_precision": "bf16"}
+    cuda = simulate_step(spec, cfg, schedule=False)
+    monkeypatch.setattr(predict_gpu, "_CUDA_FP32_OPS", ())
+    monkeypatch.setattr(predict_gpu, "_CUDA_FP32_OPT_DTYPE", ())
+    cpu = simulate_step(spec, cfg, schedule=False)
+    assert cuda.peak_bytes - cpu.peak_bytes == 6 * 4 * 64 * (4 * 64) * 2
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # the override is gone after the step
+        assert torch.pow(torch.ones(2, dtype=torch.bfloat16), 2).dtype == torch.bfloat16

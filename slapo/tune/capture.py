@@ -8,6 +8,11 @@ eager autograd would keep, which a hand-written formula or an AOT re-partition i
 
 `measure_saved_bytes` is the same accounting on a real eager forward; it is the ground
 truth the cost model is tested against.
+
+A compiled layer keeps what torch.compile's partitioner decides, not what eager autograd
+saves: `record_partition` compiles a layer call with inductor's AOTAutograd front half (no
+code generation, so it runs on fake tensors too) and reads the forward/backward graphs the
+partitioner returned (`PartitionPlan`: saved bytes, FLOPs, fused bytes, kernels, peaks).
 """
 
 from __future__ import annotations

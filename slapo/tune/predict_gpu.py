@@ -44,19 +44,21 @@ class GPUCostModel:
     (`model_schedule.apply`) and runs one forward under the config's autocast and one backward,
     while torch's `MemTracker` follows every tensor's lifetime. Eager, SAC, full checkpointing,
     fused loss, kernels and autocast's cached bf16 weights are therefore what the product runs.
-    A compiled layer (`compile_blocks`) cannot run under fake tensors, so it is emulated: its
-    forward graph is recorded once, the tensors inductor's partitioner would keep are found by
-    the same min cut it solves (`saved_ops`), and every layer then
-    runs as a selective checkpoint that keeps exactly those (so it also recomputes the rest in
-    backward, as the compiled backward does). AdamW's state is added analytically
-    (`StepCost.memory`).
+    A compiled layer (`compile_blocks`) is not emulated by a formula: the first layer is
+    compiled once per checkpoint mode with inductor's own AOTAutograd front half
+    (`capture.record_partition`: its decompositions, joint-graph passes and min-cut
+    partitioner, no code generation) on the fake tensors of the step, at full shape, and every
+    compiled layer then runs as a stand-in that holds exactly the bytes that partition keeps
+    for backward and allocates its backward graph's peak (`_standin_forward`). AdamW's state
+    is added analytically (`StepCost.memory`).
 
     **Time** is a roofline per op class over the same step: matmul/attention FLOPs (forward,
     recomputation, backward) at `device.peak_flops`, the bytes every other op moves at
-    `device.mem_bandwidth` (inside a compiled layer or a fused kernel an elementwise chain
-    reads its inputs and writes its outputs once), and the fused AdamW step; times
-    `1 / efficiency`. `efficiency` is the one constant fitted to a measurement
-    (`calibrate`, on one configuration per model family).
+    `device.mem_bandwidth` (a compiled layer's from its partitioned graphs, one fused kernel
+    per elementwise/reduction region: `capture.graph_costs`), one `device.kernel_launch_s` per
+    launched kernel (eager ops one each; a compiled layer its fused and matmul kernels), and
+    the fused AdamW step; times `1 / efficiency`. `efficiency` is the one constant fitted to a
+    measurement (`calibrate`, on one configuration per model family).
     """
 
     def __init__(self, spec: Any, device: DeviceConstants | None = None,
@@ -168,6 +170,59 @@ def fake_mode() -> Any:
     return stack
 
 
+# CUDA autocast's fp32 ops (aten/src/ATen/autocast_mode.cpp: the "fp32" and
+# "fp32_set_opt_dtype" lists) that CPU autocast leaves in the input's dtype. The benchmark runs
+# autocast on CUDA; the fake step runs on CPU, so these run in fp32 here as they do there (HF
+# GPT-2's tanh-GELU calls pow: on CUDA its chain and what autograd saves of it are fp32).
+_CUDA_FP32_OPS = ("pow.Tensor_Scalar", "pow.Tensor_Tensor", "pow.Scalar", "exp", "log", "log1p",
+                  "expm1", "rsqrt", "reciprocal", "softplus", "tan", "sinh", "cosh", "acos",
+                  "asin", "erfinv", "layer_norm", "group_norm", "logsumexp")
+_CUDA_FP32_OPT_DTYPE = ("softmax.int", "log_softmax.int", "sum", "sum.dim_IntList", "cumsum")
+
+
+def cuda_autocast_lists(config: Config) -> Any:
+    """While active, CPU autocast casts the inputs of CUDA's fp32 ops to fp32 (a kernel on the
+    AutocastCPU dispatch key, as CUDA's autocast does on its key; removed on exit). Process-
+    wide while active: the simulation is the only CPU autocast user then."""
+    import contextlib
+
+    import torch
+
+    if (config.get("mixed_precision") or "fp32") == "fp32":
+        return contextlib.nullcontext()
+    lib = torch.library.Library("aten", "IMPL")  # noqa: TOR901 - scoped, destroyed on exit
+    for name in _CUDA_FP32_OPS + _CUDA_FP32_OPT_DTYPE:
+        if torch._C._dispatch_has_kernel_for_dispatch_key(f"aten::{name}", "AutocastCPU"):
+            continue  # CPU autocast has a policy for it already
+        packet, _, overload = name.partition(".")
+        op = getattr(getattr(torch.ops.aten, packet), overload or "default")
+        lib.impl(name, _fp32_kernel(op, name in _CUDA_FP32_OPT_DTYPE), "AutocastCPU")
+    stack = contextlib.ExitStack()
+    stack.callback(lib._destroy)
+    return stack
+
+
+def _fp32_kernel(op: Any, opt_dtype: bool) -> Callable:
+    import torch
+    from torch.utils._pytree import tree_map
+
+    keys = torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCPU)
+    low = (torch.bfloat16, torch.float16)
+
+    def widen(t: Any) -> Any:
+        return t.float() if isinstance(t, torch.Tensor) and t.dtype in low else t
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        explicit = kwargs.get("dtype") is not None or any(isinstance(a, torch.dtype)
+                                                          for a in args)
+        with torch._C._ExcludeDispatchKeyGuard(keys):
+            if not (opt_dtype and explicit):  # an explicit dtype wins, as on CUDA
+                args, kwargs = tree_map(widen, (args, kwargs))
+            return op(*args, **kwargs)
+
+    return run
+
+
 # benchmarks/gpu_train.make_batch labels 15% of a masked LM's positions (BERT pre-training)
 MLM_LABELLED = 0.15
 
@@ -221,7 +276,7 @@ def simulate_step(spec: Any, config: Config, schedule: bool = True) -> StepCost:
     knobs = schedule_knobs(config)
     compiled = bool(knobs.pop("compile_blocks", False)) and schedule
     counter = _StepCounter()
-    with fake_mode():
+    with cuda_autocast_lists(config), fake_mode():
         model = _fake_model(spec)
         data = _fake_batch(model, int(config["batch_size"]), spec.seq)
         if schedule:
