@@ -171,11 +171,12 @@ def apply(model_or_sch: nn.Module | Schedule, *, tp: int | None = None, ckpt_rat
         from ..op import apply_tempo
 
         if compile_blocks:
-            warnings.warn("tempo=True inside compiled blocks: inductor cannot fuse through "
-                          "Tempo's custom ops (measured on one H100 BERT-large layer: +32% step "
-                          "time and a higher peak than the compiled layer without Tempo; "
-                          "docs/tempo.md). Selective checkpointing trades memory for less time "
-                          "there.", stacklevel=2)
+            warnings.warn("tempo=True inside compiled blocks: Tempo's LayerNorm is now traced "
+                          "so inductor fuses it, the GELU keeps a code-byte custom op; this path "
+                          "saves more than the compiled plain layer (CPU-measured) but its GPU "
+                          "time is not yet measured (the earlier opaque path: +32% on one H100 "
+                          "BERT-large layer; benchmarks/tempo_gpu.py, docs/tempo.md). Selective "
+                          "checkpointing trades memory for time there.", stacklevel=2)
 
         apply_tempo(sch, attention=attention in (None, "eager"))  # an explicit core wins;
         # fused activations are already inside compiled regions, so Tempo takes the rest

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import SchedulingError
+from . import tempo_kernels
 from .hf_attention import is_hf_attention, use_attention_core
 from .tempo_attention import TempoAttentionCore
 from .tempo_gelu import TempoGELU
@@ -42,11 +43,27 @@ class TempoReport(list):
     `TempoAttentionCore`: the model runs eager attention) or "kept <implementation>" (SDPA/flash
     or a core a schedule installed before: faster and already free of s*s tensors), or "off"
     when `attention=False`.
+    `.compiled` says how each part runs inside a `torch.compile`d region (`compiled_plan`).
     """
 
     def __init__(self, items=(), attention: dict[str, str] | None = None):
         super().__init__(items)
         self.attention: dict[str, str] = dict(attention or {})
+        self.compiled: dict[str, str] = compiled_plan()
+
+
+def compiled_plan() -> dict[str, str]:
+    """How each Tempo part runs inside `torch.compile` on the current path (docs/tempo.md).
+
+    Every part is installed in compiled layers too: measured on CPU with inductor (BERT and
+    GPT-2 layers, fp32 and bf16 autocast), each still saves bytes over inductor's own
+    partitioner, which keeps both the GELU's input and output and the LayerNorm's fp32 input.
+    """
+    if tempo_kernels.compiled_path() == "opaque":
+        return {"layernorm": "custom op slapo_tempo::ln_fwd/ln_bwd (opaque to inductor)",
+                "gelu": "custom op slapo_tempo::gelu_fwd/gelu_bwd (opaque to inductor)"}
+    return {"layernorm": "traced: inductor fuses it; saves y (bf16 copy under autocast), rstd",
+            "gelu": "y by inductor; code byte slapo_tempo::gelu_code, backward gelu_bwd"}
 
 
 def attention_choice(module: nn.Module, enabled: bool = True) -> str | None:

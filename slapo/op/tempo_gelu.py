@@ -25,10 +25,12 @@ fp32 (equal up to the last bit of the storage dtype).
 
 Execution: one fused kernel each way. CUDA tensors with `triton` installed run Triton kernels
 (`slapo.op.tempo_kernels`); everything else runs the PyTorch reference below, which computes the
-same math (chunked, so its temporaries stay small). Under `torch.compile` the pair is a
-`torch.library.custom_op` (`slapo_tempo::gelu_fwd` / `gelu_bwd`) with registered autograd and fake
-kernels, so a compiled block neither graph-breaks nor falls back on it; in eager mode a plain
-`autograd.Function` calls the same kernels without the custom-op dispatch overhead.
+same math (chunked, so its temporaries stay small). In eager mode a plain `autograd.Function`
+calls the kernels. Under `torch.compile` (`CompiledGELUFunction`) inductor computes y itself, fused
+with FC1's bias add and casts, and only the code byte (`slapo_tempo::gelu_code`, from x and that
+stored y) and the backward (`slapo_tempo::gelu_bwd`) are custom ops: traced, the code was
+recomputed by AOTAutograd's partitioner, which then saved x and y (docs/tempo.md). The whole-op
+`slapo_tempo::gelu_fwd` stays for `SLAPO_TEMPO_COMPILED=opaque`, to measure against.
 """
 
 from __future__ import annotations
@@ -224,16 +226,21 @@ def _forward_chunk(x, y, approximate: str, scale: float) -> torch.Tensor:
     return (q + 64).to(torch.uint8) | (right.to(torch.uint8) * RIGHT_BIT)
 
 
-def gelu_forward_reference(x: torch.Tensor, approximate: str = "none"):
-    """(y, code): y = F.gelu(x) (bit-identical) and the 1-byte code; PyTorch, any device."""
-    y = F.gelu(x, approximate=approximate)
+def gelu_code_reference(x: torch.Tensor, y: torch.Tensor, approximate: str = "none"):
+    """The 1-byte code of x given the stored y = GELU(x) (any rounding of it); PyTorch, chunked."""
     code = torch.empty(x.shape, dtype=torch.uint8, device=x.device)
-    scale = correction_scale(x.dtype)
+    scale = correction_scale(y.dtype)
     fx, fy, fc = x.reshape(-1), y.reshape(-1), code.view(-1)
     for i in range(0, fx.numel(), CHUNK):
         part = slice(i, i + CHUNK)
         fc[part] = _forward_chunk(fx[part], fy[part], approximate, scale)
-    return y, code
+    return code
+
+
+def gelu_forward_reference(x: torch.Tensor, approximate: str = "none"):
+    """(y, code): y = F.gelu(x) (bit-identical) and the 1-byte code; PyTorch, any device."""
+    y = F.gelu(x, approximate=approximate)
+    return y, gelu_code_reference(x, y, approximate)
 
 
 def gelu_derivative_from_output(
@@ -264,6 +271,13 @@ def gelu_forward(x: torch.Tensor, approximate: str = "none"):
     if tempo_kernels.use_triton(x):
         return tempo_kernels.gelu_fwd(x, approximate)
     return gelu_forward_reference(x, approximate)
+
+
+def gelu_code(x: torch.Tensor, y: torch.Tensor, approximate: str = "none") -> torch.Tensor:
+    """The code byte for a y computed elsewhere, by the fastest available kernel."""
+    if tempo_kernels.use_triton(x) and tempo_kernels.use_triton(y):
+        return tempo_kernels.gelu_code(x, y, approximate)
+    return gelu_code_reference(x.contiguous(), y.contiguous(), approximate)
 
 
 def gelu_backward(dy, y, code, approximate: str = "none") -> torch.Tensor:
@@ -325,6 +339,42 @@ def _gelu_grad(ctx, dy, _dcode):
 _gelu_fwd_op.register_autograd(_gelu_grad, setup_context=_gelu_setup)
 
 
+@torch.library.custom_op("slapo_tempo::gelu_code", mutates_args=())
+def _gelu_code_op(x: torch.Tensor, y: torch.Tensor, approximate: str) -> torch.Tensor:
+    return gelu_code(x, y, approximate)
+
+
+@_gelu_code_op.register_fake
+def _(x, y, approximate):
+    return torch.empty_like(x, dtype=torch.uint8)
+
+
+class CompiledGELUFunction(torch.autograd.Function):
+    """The GELU inside `torch.compile` ("fused" path): y by inductor, code and backward opaque.
+
+    Why this split (measured, docs/tempo.md): with y = F.gelu(x) traced, inductor fuses it with
+    FC1's bias add and the autocast cast as in a plain compiled layer. The code byte is a custom
+    op on purpose: when the code was traced too, AOTAutograd's min-cut partitioner re-decided what
+    to save and kept x *and* y (recomputing the code in backward), dropping Tempo's saving. An
+    opaque op's output cannot be recomputed, so the partitioner saves (y, code) -- or (x, code)
+    and recomputes y, the same bytes -- never x and y. The backward is the fused custom kernel
+    (`slapo_tempo::gelu_bwd`), which also keeps the derivative table out of the traced graph.
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, approximate: str = "none"):
+        y = F.gelu(x, approximate=approximate)
+        code = _gelu_code_op(x, y, approximate)
+        ctx.approximate = approximate
+        ctx.save_for_backward(y, code)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):
+        y, code = ctx.saved_tensors
+        return _gelu_bwd_op(dy, y, code, ctx.approximate), None
+
+
 def _check(approximate: str) -> None:
     if approximate not in X_MIN:
         raise ValueError(f"Tempo GELU: approximate must be 'none' or 'tanh', got {approximate!r}")
@@ -339,7 +389,9 @@ def tempo_gelu(x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
     if not (torch.is_grad_enabled() and x.requires_grad):
         return F.gelu(x, approximate=approximate)
     if torch.compiler.is_compiling():
-        return _gelu_fwd_op(x, approximate)[0]
+        if tempo_kernels.compiled_path() == "opaque":
+            return _gelu_fwd_op(x, approximate)[0]
+        return CompiledGELUFunction.apply(x, approximate)
     return TempoGELUFunction.apply(x, approximate)
 
 

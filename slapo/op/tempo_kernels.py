@@ -41,6 +41,21 @@ def use_triton(t: torch.Tensor) -> bool:
     return t.device.type == "cpu" and flag == "1" and interpreting()
 
 
+def compiled_path() -> str:
+    """How Tempo runs inside `torch.compile`: "fused" (default) or "opaque".
+
+    "fused": the LayerNorm is a pure-PyTorch autograd.Function that dynamo traces, so inductor
+    fuses it with the residual adds, dropouts and casts around it; the GELU's y is computed by
+    inductor and only its code byte and backward are custom ops (docs/tempo.md says why).
+    "opaque" (`SLAPO_TEMPO_COMPILED=opaque`): the earlier whole-op custom ops, kept to measure
+    against on GPU (benchmarks/tempo_gpu.py). Read at trace time.
+    """
+    mode = os.environ.get("SLAPO_TEMPO_COMPILED", "fused")
+    if mode not in ("fused", "opaque"):
+        raise ValueError(f"SLAPO_TEMPO_COMPILED must be 'fused' or 'opaque', got {mode!r}")
+    return mode
+
+
 def _k() -> Any:
     from . import tempo_triton
 
@@ -88,6 +103,23 @@ def gelu_fwd(x: torch.Tensor, approximate: str = "none") -> tuple[torch.Tensor, 
                                    c["inv_hr"], 1.0 / c["scale"], TANH=c["TANH"],
                                    BF16=x.dtype == torch.bfloat16, TAB_N=c["TAB_N"], BLOCK=_BLOCK)
     return y, code
+
+
+def gelu_code(x: torch.Tensor, y: torch.Tensor, approximate: str = "none") -> torch.Tensor:
+    """One pass: the 1-byte code of x for a y = GELU(x) already stored (by inductor's kernel)."""
+    tg = _gelu_module()
+
+    x, y = x.contiguous(), y.contiguous()
+    code = torch.empty(x.shape, dtype=torch.uint8, device=x.device)
+    n = x.numel()
+    if n:
+        table = tg.derivative_table(approximate, x.device)
+        c = _gelu_consts(approximate, y.dtype)
+        grid = (triton_cdiv(n, _BLOCK),)
+        _k().gelu_code_kernel[grid](x, y, code, table, n, c["xm"], c["ym"], c["inv_hl"],
+                                    c["inv_hr"], 1.0 / c["scale"], TANH=c["TANH"],
+                                    TAB_N=c["TAB_N"], BLOCK=_BLOCK)
+    return code
 
 
 def gelu_bwd(dy: torch.Tensor, y: torch.Tensor, code: torch.Tensor,

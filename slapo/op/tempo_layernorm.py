@@ -10,8 +10,10 @@ normalised input is x_hat = (y - beta) / gamma and the backward needs nothing el
 
 Kernels: one fused pass each way -- Triton on CUDA (`slapo.op.tempo_kernels`: per-row forward
 writing y and rstd; per-row backward with dgamma/dbeta accumulated per program), the PyTorch
-reference below elsewhere (same math). Under `torch.compile` the pair is a custom op
-(`slapo_tempo::ln_fwd` / `ln_bwd`), so compiled blocks neither graph-break nor fall back on it.
+reference below elsewhere (same math). Under `torch.compile` the LayerNorm is a pure-PyTorch
+`TracedLayerNormFunction` that dynamo traces, so inductor fuses it with the residual add, dropout
+and casts around it (the earlier custom ops `slapo_tempo::ln_fwd` / `ln_bwd` stay for
+`SLAPO_TEMPO_COMPILED=opaque`, to measure against; docs/tempo.md).
 
 Mixed precision: under autocast, PyTorch runs LayerNorm in fp32 and the next Linear saves its own
 bf16 copy of y, so saving the fp32 y would save nothing. Tempo then returns the same fp32 y (same
@@ -205,6 +207,47 @@ def _ln_grad(ctx, dy, _dextra, _drstd):
 _ln_fwd_op.register_autograd(_ln_grad, setup_context=_ln_setup)
 
 
+class TracedLayerNormFunction(torch.autograd.Function):
+    """The LayerNorm inside `torch.compile` ("fused" path): pure PyTorch, traced by dynamo.
+
+    Why: a custom op is opaque to inductor, which then cannot fuse the residual add, dropout and
+    casts around the LayerNorm (measured on an H100: +32% step time and a higher peak). Traced,
+    inductor fuses the forward and the backward math with their neighbours. AOTAutograd's
+    partitioner still chooses what to save; for this Function it keeps Tempo's choice (y or its
+    half copy and rstd, never x: x cannot be rebuilt from them by recomputation), measured by
+    the forward graph's saved outputs in tests/test_tempo_compiled.py.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, normalized_shape, eps, save_dtype):
+        y, _mean, rstd = torch.native_layer_norm(x, normalized_shape, weight, bias, eps)
+        ys = y if save_dtype == y.dtype else y.to(save_dtype)
+        ctx.dims = tuple(range(-len(normalized_shape), 0))
+        ctx.save_for_backward(ys, weight, bias, rstd)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        ys, weight, bias, rstd = ctx.saved_tensors
+        dims, ct = ctx.dims, rstd.dtype
+        xhat = ys.to(ct)
+        if bias is not None:
+            xhat = xhat - bias.to(ct)
+        if weight is not None:
+            xhat = xhat / weight.to(ct)
+        dyc = dy.to(ct)
+        g = dyc * weight.to(ct) if weight is not None else dyc
+        dx = rstd * (g - g.mean(dims, keepdim=True)
+                     - xhat * (g * xhat).mean(dims, keepdim=True))
+        rows = tuple(range(dy.dim() - len(dims)))
+        dw = db = None
+        if weight is not None and ctx.needs_input_grad[1]:
+            dw = (dyc * xhat).sum(rows).to(weight.dtype)
+        if bias is not None and ctx.needs_input_grad[2]:
+            db = dyc.sum(rows).to(bias.dtype)
+        return dx.to(dy.dtype), dw, db, None, None, None
+
+
 def _autocast_dtype(device_type: str) -> torch.dtype | None:
     """The autocast dtype when autocast is on for `device_type` (LayerNorm then runs in fp32)."""
     try:
@@ -224,7 +267,9 @@ def _output_saving(x, weight, bias, normalized_shape: list[int], eps: float) -> 
         weight = weight.float() if weight is not None else None
         bias = bias.float() if bias is not None else None
     if torch.compiler.is_compiling():
-        return _ln_fwd_op(x, weight, bias, normalized_shape, eps, save_dtype)[0]
+        if tempo_kernels.compiled_path() == "opaque":
+            return _ln_fwd_op(x, weight, bias, normalized_shape, eps, save_dtype)[0]
+        return TracedLayerNormFunction.apply(x, weight, bias, normalized_shape, eps, save_dtype)
     return TempoLayerNormFunction.apply(x, weight, bias, normalized_shape, eps, save_dtype)
 
 

@@ -91,6 +91,23 @@ def gelu_fwd_kernel(x_ptr, y_ptr, code_ptr, tab_ptr, n, xm, ym, inv_hl, inv_hr, 
 
 
 @triton.jit
+def gelu_code_kernel(x_ptr, y_ptr, code_ptr, tab_ptr, n, xm, ym, inv_hl, inv_hr, inv_scale,
+                     TANH: tl.constexpr, TAB_N: tl.constexpr, BLOCK: tl.constexpr):
+    """The code byte alone, from x and a y computed elsewhere (inside a compiled layer inductor
+    computes y fused with its neighbours; the estimate must use that stored y)."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    y = tl.load(y_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    _y, d = _gelu_and_grad(x, TANH)
+    right = x >= xm
+    est = _estimate(y, right, tab_ptr, ym, inv_hl, inv_hr, TAB_N)
+    q = tl.floor(tl.minimum(tl.maximum((d - est) * inv_scale, -63.0), 63.0) + 0.5)
+    code = (q + 64.0).to(tl.int32) + tl.where(right, 128, 0)
+    tl.store(code_ptr + offs, code.to(tl.uint8), mask=mask)
+
+
+@triton.jit
 def gelu_bwd_kernel(dy_ptr, y_ptr, code_ptr, dx_ptr, tab_ptr, n, ym, inv_hl, inv_hr, scale,
                     TAB_N: tl.constexpr, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
