@@ -154,3 +154,25 @@ def test_report_says_how_each_part_runs_compiled(monkeypatch):
     monkeypatch.setenv("SLAPO_TEMPO_COMPILED", "opaque")
     report = apply_tempo(slapo.create_schedule(_layer("bert")))
     assert "ln_fwd" in report.compiled["layernorm"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_traced_layernorm_matches_eager_tempo_in_any_dtype(dtype):
+    """A model cast to bf16 (no autocast) or fp64: the traced backward computes in fp32 / fp64
+    whatever precision the statistics came in (CPU keeps bf16 statistics for bf16 inputs)."""
+    from slapo.op import TempoLayerNorm
+
+    torch.manual_seed(0)
+    ln = TempoLayerNorm(24).to(dtype)
+    with torch.no_grad():
+        ln.weight.uniform_(0.5, 1.5)
+        ln.bias.uniform_(-0.5, 0.5)
+    x = (torch.randn(3, 5, 24) * 2 + 1).to(dtype).requires_grad_()
+    torch._dynamo.reset()
+    compiled = torch.compile(ln, fullgraph=True, backend="aot_eager")
+    out_c, out_e = compiled(x * 1.0), ln(x * 1.0)
+    g = torch.randn_like(out_e)
+    tol = 1e-10 if dtype == torch.float64 else 2e-2
+    assert (out_c - out_e).abs().max() <= tol * out_e.abs().max()
+    for a, b in zip(_grads(out_c, ln, x, g), _grads(out_e, ln, x, g)):
+        assert (a.double() - b.double()).abs().max() <= tol * b.double().abs().max()

@@ -229,7 +229,9 @@ class TracedLayerNormFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         ys, weight, bias, rstd = ctx.saved_tensors
-        dims, ct = ctx.dims, rstd.dtype
+        dims = ctx.dims
+        ct = torch.float64 if ys.dtype == torch.float64 else torch.float32
+        rstd = rstd.to(ct)  # CPU keeps half-precision statistics for half inputs
         xhat = ys.to(ct)
         if bias is not None:
             xhat = xhat - bias.to(ct)
