@@ -230,6 +230,9 @@ class CheckpointPrimitive(Primitive):
     activations, dropout, adds) are recomputed: most of the memory of full checkpointing for a
     fraction of its recompute cost. A callable `(ctx, op, *args, **kwargs) -> CheckpointPolicy`
     is used as torch's SAC policy as it is.
+
+    BatchNorms in the subtree update their running statistics once per forward, as without
+    checkpointing (the recomputation restores them), under either policy.
     """
 
     name = "checkpoint"
