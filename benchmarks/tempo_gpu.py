@@ -147,15 +147,26 @@ def _compare(row: dict, rows: list[dict]) -> None:
             row[key.replace("_mib", "_drop_mib")] = ref[key] - row[key]
 
 
+def _selected(args) -> list[tuple[str, str]]:
+    """VARIANTS in order, filtered by --variants ("mode:tempo,...") and --no-compile."""
+    chosen = VARIANTS
+    if args.variants:
+        wanted = [tuple(v.split(":", 1)) for v in args.variants.split(",")]
+        unknown = [":".join(v) for v in wanted if v not in VARIANTS]
+        if unknown:
+            raise SystemExit(f"tempo_gpu.py: unknown variants {unknown}; choose from "
+                             f"{[':'.join(v) for v in VARIANTS]}")
+        chosen = [v for v in VARIANTS if v in wanted]
+    return [v for v in chosen if not (args.no_compile and v[0] == "compiled")]
+
+
 def run(args) -> list[dict]:
     torch.manual_seed(0)
     base = _layer(args)
     x = torch.randn(args.batch, args.seq, args.hidden, device=args.device, requires_grad=True)
     g = torch.randn(args.batch, args.seq, args.hidden, device=args.device)
     rows: list[dict] = []
-    for mode, tempo in VARIANTS:
-        if mode == "compiled" and args.no_compile:
-            continue
+    for mode, tempo in _selected(args):
         row = measure(args, mode, tempo, base, x, g)
         _compare(row, rows)
         rows.append(row)
@@ -202,6 +213,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--attention", default="sdpa", choices=["sdpa", "eager"])
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--no-compile", action="store_true")
+    p.add_argument("--variants", default=None,
+                   help="comma-separated mode:tempo pairs, e.g. compiled:off,compiled:fused")
     p.add_argument("--reference", action="store_true", help="Tempo's PyTorch reference kernels")
     p.add_argument("--out", default=None, help="JSON output path")
     return p.parse_args(argv)
