@@ -208,3 +208,24 @@ def test_model_schedule_tempo_with_compiled_blocks_equals_eager_tempo():
     for name, p in exp.items():
         scale = p.grad.abs().max().clamp_min(1e-2)
         assert (got[name].grad - p.grad).abs().max() <= 1e-4 * scale, name
+
+
+def test_compiled_gelu_on_a_transposed_input():
+    """The custom ops' fake outputs are contiguous like the real ones: a transposed graph input
+    to the compiled GELU gives eager Tempo's output and gradient (with `empty_like` fakes the
+    code byte's fake strides were the input's, and inductor's stride check failed)."""
+    from slapo.op import tempo_gelu
+
+    torch.manual_seed(0)
+    x = (torch.randn(24, 40) * 2).requires_grad_()
+
+    def fn(t):
+        return tempo_gelu(t.t()) * torch.arange(24.0)
+
+    torch._dynamo.reset()
+    out_c = torch.compile(fn, fullgraph=True, backend="inductor")(x)
+    out_e = fn(x)
+    assert torch.allclose(out_c, out_e, atol=1e-5)
+    g = torch.randn_like(out_e)
+    (gc,), (ge,) = torch.autograd.grad(out_c, x, g), torch.autograd.grad(out_e, x, g)
+    assert torch.allclose(gc, ge, rtol=1e-4, atol=1e-4)

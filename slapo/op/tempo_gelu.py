@@ -309,21 +309,28 @@ def _gelu_fwd_op(x: torch.Tensor, approximate: str) -> tuple[torch.Tensor, torch
     return gelu_forward(x.contiguous(), approximate)
 
 
+def _dense(like: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A contiguous tensor shaped like `like`: the real kernels return contiguous outputs, so the
+    fake ones must too (`empty_like` would copy a transposed input's strides, and inductor would
+    then read the real output with the wrong strides)."""
+    return torch.empty(like.shape, dtype=dtype or like.dtype, device=like.device)
+
+
 @_gelu_fwd_op.register_fake
 def _(x, approximate):
-    return torch.empty_like(x), torch.empty_like(x, dtype=torch.uint8)
+    return _dense(x), _dense(x, torch.uint8)
 
 
 @torch.library.custom_op("slapo_tempo::gelu_bwd", mutates_args=())
 def _gelu_bwd_op(
     dy: torch.Tensor, y: torch.Tensor, code: torch.Tensor, approximate: str
 ) -> torch.Tensor:
-    return gelu_backward(dy.contiguous(), y, code, approximate)
+    return gelu_backward(dy.contiguous(), y.contiguous(), code.contiguous(), approximate)
 
 
 @_gelu_bwd_op.register_fake
 def _(dy, y, code, approximate):
-    return torch.empty_like(dy)
+    return _dense(dy)
 
 
 def _gelu_setup(ctx, inputs, output):
@@ -346,7 +353,7 @@ def _gelu_code_op(x: torch.Tensor, y: torch.Tensor, approximate: str) -> torch.T
 
 @_gelu_code_op.register_fake
 def _(x, y, approximate):
-    return torch.empty_like(x, dtype=torch.uint8)
+    return _dense(x, torch.uint8)
 
 
 class CompiledGELUFunction(torch.autograd.Function):
