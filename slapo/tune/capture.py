@@ -305,7 +305,7 @@ class PartitionPlan:
     fwd_kernels: int
     bwd_kernels: int
     fwd_peak: int  # most bytes the forward graph's own buffers hold at once (outputs included)
-    bwd_peak: int  # the same for the backward graph (the gradients it returns included)
+    bwd_peak: int  # the backward graph's: its buffers + the saved tensors not yet read last
     graphs: int = 1
 
     @property
@@ -421,7 +421,7 @@ class _Groups:
         return self.find(n) if self.kind.get(n) == "fused" else n
 
 
-def graph_costs(gm: Any) -> dict[str, int]:
+def graph_costs(gm: Any, saved: dict[str, tuple[str, int]] | None = None) -> dict[str, int]:
     """FLOPs, bytes moved, kernels and peak live bytes of an aten graph as inductor runs it.
 
     A buffer is a graph input, a matmul/attention output, or a fused node some other kernel
@@ -469,7 +469,8 @@ def graph_costs(gm: Any) -> dict[str, int]:
     kernels = len({g.group(n) for n in g.nodes if g.kind[n] == "fused"})
     kernels += sum(1 for n in g.nodes if g.kind[n] == "extern")
     return {"flops": flops, "bytes": moved, "kernels": kernels,
-            **_liveness(gm, buffers, last, outputs, order)}
+            **_liveness(gm, buffers, last, outputs, order),
+            "held_peak": _held_peak(gm, g, buffers, last, outputs, order, saved or {})}
 
 
 def _liveness(gm: Any, buffers: dict, last: dict, outputs: set, order: dict) -> dict[str, int]:
@@ -499,12 +500,39 @@ def _liveness(gm: Any, buffers: dict, last: dict, outputs: set, order: dict) -> 
             "output_bytes": out_bytes}
 
 
-def _saved_bytes(fw: Any, bw: Any) -> int:
-    """Bytes of the forward values the backward graph takes (its non-tangent inputs), each
-    base tensor once; graph inputs (parameters, the layer's inputs) are free."""
+def _held_peak(gm: Any, g: _Groups, buffers: dict, last: dict, outputs: set, order: dict,
+               saved: dict[str, tuple[str, int]]) -> int:
+    """Peak of the saved tensors not yet read for the last time plus the buffers the graph
+    allocates: a compiled backward frees each saved tensor after its last reader."""
+    ends: dict[str, int] = {}
+    size: dict[str, int] = {}
+    for node in gm.graph.nodes:
+        if node.op == "placeholder" and node.name in saved:
+            base, nbytes = saved[node.name]
+            size[base] = nbytes
+            ends[base] = max(ends.get(base, 0), last.get(node, 0))
+    frees: dict[int, int] = {}
+    for base, end in ends.items():
+        frees[end] = frees.get(end, 0) + size[base]
+    for b, n in buffers.items():
+        if b.op != "placeholder" and b not in outputs and b in last:
+            frees[last[b]] = frees.get(last[b], 0) + n
+    live = peak = sum(size.values())
+    for node in gm.graph.nodes:
+        if node in buffers and node.op != "placeholder":
+            live += buffers[node]
+        peak = max(peak, live)
+        live -= frees.get(order[node], 0)
+    return peak
+
+
+def _saved_bases(fw: Any, bw: Any) -> dict[str, tuple[str, int]]:
+    """{backward input name: (its forward base tensor, that base's bytes)} of the forward
+    values the backward graph takes (its non-tangent inputs); graph inputs (parameters, the
+    layer's inputs) are free and left out."""
     kinds = _Groups(fw)
     by_name = {n.name: n for n in fw.graph.nodes}
-    bases = {}
+    out = {}
     for p in bw.graph.nodes:
         if p.op != "placeholder" or p.name.startswith("tangents") or p.name not in by_name:
             continue
@@ -512,8 +540,13 @@ def _saved_bytes(fw: Any, bw: Any) -> int:
             continue
         b = kinds.base(by_name[p.name])
         if b.op != "placeholder":
-            bases[b] = _val_bytes(b.meta.get("val"))
-    return sum(bases.values())
+            out[p.name] = (b.name, _val_bytes(b.meta.get("val")))
+    return out
+
+
+def _saved_bytes(fw: Any, bw: Any) -> int:
+    """Bytes kept for backward, each base tensor once."""
+    return sum(dict(_saved_bases(fw, bw).values()).values())
 
 
 def _partitioner(partition: str) -> tuple[Callable, Any]:
@@ -584,7 +617,7 @@ def record_partition(fn: Callable, args: tuple, kwargs: dict | None = None,
 
 
 def _plan(pairs: list) -> PartitionPlan:
-    costs = [(graph_costs(fw), graph_costs(bw)) for fw, bw in pairs]
+    costs = [(graph_costs(fw), graph_costs(bw, _saved_bases(fw, bw))) for fw, bw in pairs]
     return PartitionPlan(
         saved_bytes=sum(_saved_bytes(fw, bw) for fw, bw in pairs),
         fwd_flops=sum(f["flops"] for f, _ in costs), bwd_flops=sum(b["flops"] for _, b in costs),
@@ -592,4 +625,4 @@ def _plan(pairs: list) -> PartitionPlan:
         fwd_kernels=sum(f["kernels"] for f, _ in costs),
         bwd_kernels=sum(b["kernels"] for _, b in costs),
         fwd_peak=max(f["made_peak"] for f, _ in costs),
-        bwd_peak=max(b["made_peak"] for _, b in costs), graphs=len(pairs))
+        bwd_peak=max(b["held_peak"] for _, b in costs), graphs=len(pairs))

@@ -373,7 +373,9 @@ def _standin_forward(layer: Any, forward: Callable, plan: PartitionPlan,
     """A compiled layer in the fake step: its outputs come from the eager forward (without
     autograd), and autograd holds what the recorded partition keeps (`plan.saved_bytes`, one
     buffer) until backward, which allocates the backward graph's own peak and returns
-    gradients of every input and parameter. Its costs are the partition's, not the eager ops'."""
+    gradients of every input and parameter; the saved buffer is released as the backward's
+    peak (saved tensors until their last reader + its own buffers) is allocated. Its costs are
+    the partition's, not the eager ops'."""
     import torch
     from torch.utils._pytree import tree_flatten, tree_unflatten
 
@@ -396,13 +398,13 @@ def _standin_forward(layer: Any, forward: Callable, plan: PartitionPlan,
 
         @staticmethod
         def backward(ctx: Any, *grads: Any) -> Any:
+            ctx.keep = None  # bwd_peak counts the saved tensors while the graph still reads them
             with counter.paused():
                 ins = [torch.empty_like(flat[i]) for i in grad_in]
                 ps = [torch.empty_like(p) for p in params]
                 made = sum(t.numel() * t.element_size() for t in ins + ps)
                 transient = torch.empty(max(plan.bwd_peak - made, 0), dtype=torch.uint8)
                 del transient
-            ctx.keep = None
             return (*ins, *ps)
 
     outs = StandIn.apply(*[flat[i] for i in grad_in], *params)
