@@ -164,7 +164,9 @@ def _(x, weight, bias, normalized_shape, eps, save_dtype):
     rows = x.numel() // math.prod(normalized_shape)
     extra = x.new_empty((rows, math.prod(normalized_shape)), dtype=save_dtype) \
         if save_dtype != x.dtype else x.new_empty(0)
-    return torch.empty_like(x), extra, x.new_empty((rows,), dtype=_compute_dtype(x.dtype))
+    # contiguous like the real output (empty_like would copy a transposed input's strides)
+    y = x.new_empty(x.shape)
+    return y, extra, x.new_empty((rows,), dtype=_compute_dtype(x.dtype))
 
 
 @torch.library.custom_op("slapo_tempo::ln_bwd", mutates_args=())
@@ -188,7 +190,7 @@ def _ln_bwd_op(
 def _(dy, ys, weight, bias, rstd):
     dw = torch.empty_like(weight) if weight is not None else dy.new_empty(0)
     db = torch.empty_like(bias) if bias is not None else dy.new_empty(0)
-    return torch.empty_like(dy), dw, db
+    return dy.new_empty(dy.shape), dw, db
 
 
 def _ln_setup(ctx, inputs, output):
