@@ -215,6 +215,22 @@ def test_session_plan_dry_form(tmp_path):
                                                     ("results", "jsonl"), ("work", "tar.gz")))
 
 
+def test_session_plan_call_3_dry_form(tmp_path):
+    """`gpu_session.sh 3 --tiny`: the owed checks are listed and skipped, 4 files in $OUT."""
+    script = SCRIPT.parent / "gpu_session.sh"
+    out = tmp_path / "out"
+    env = {**os.environ, "OUT": str(out), "WORK": str(tmp_path / "work3"),
+           "PYTHON": sys.executable}
+    proc = subprocess.run(["bash", str(script), "3", "--tiny"], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    log = (out / "call.3.log").read_text()
+    for name in ("tempo", "tempo_eager", "rnn", "wideresnet", "tests"):
+        assert f"== {name}: skipped (dry form)" in log, log[-2000:]
+    assert sorted(p.name for p in out.iterdir()) == sorted(
+        ["call.3.log", "env.3.txt", "results.3.jsonl", "work.3.tar.gz"])
+
+
 def test_a_seeded_winner_is_that_row(tmp_path):
     """When no trial beats the run's slapo_gpu row, slapo_tuned reports that row (measured by
     the same protocol), marked `measured_by`, with the knobs, the prediction and the
