@@ -104,3 +104,25 @@ def test_plain_torch_checkpoint_counts_twice_and_eval_mode_is_untouched(one_thre
     torch.testing.assert_close(out, ref_out, rtol=0, atol=0)
     for (n, b), rb in zip(model.named_buffers(), ref.buffers(), strict=True):
         assert torch.equal(b, rb), n
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("policy", [None, "selective"], ids=["full", "selective"])
+def test_compiled_checkpointed_batchnorm_updates_statistics_once(one_thread, policy):
+    """Under torch.compile the primitive adds no guard (the compiled graph applies the buffer
+    update once); checked, so a torch change that recomputes it is caught."""
+    model = resnet()
+    ref = copy.deepcopy(model)
+    sch = slapo.create_schedule(model)
+    sch["resnet.encoder.stages.0"].checkpoint(policy=policy)
+    stage = model.resnet.encoder.stages[0]
+    compiled = torch.compile(stage, backend="aot_eager", fullgraph=False)
+    x, _ = batch(0)
+    h = model.resnet.embedder(x).detach()
+    compiled(h).sum().backward()
+    ref.resnet.encoder.stages[0](h).sum().backward()
+    bn, ref_bn = stage.layers[0].layer[0].normalization, \
+        ref.resnet.encoder.stages[0].layers[0].layer[0].normalization
+    assert int(bn.num_batches_tracked) == 1
+    torch.testing.assert_close(bn.running_mean, ref_bn.running_mean)
+    torch.testing.assert_close(bn.running_var, ref_bn.running_var)

@@ -91,6 +91,22 @@ def test_text_files_equal_in_memory(tok_dir, text_dir, tmp_path):
     assert torch.equal(torch.from_numpy(raw.astype(np.int64)), data.train.tokens.long())
 
 
+def test_flags_a_prepared_dir_ignores_are_warned(tok_dir, text_dir, tmp_path):
+    """The split is fixed when preparing: asking another one warns (naming the flag and the
+    prepared value); asking the prepared one is silent."""
+    import warnings
+
+    spec = str(text_dir / "*.txt")
+    prepare(spec, tmp_path / "p", str(tok_dir), val_fraction=0.1, log=quiet)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        make_data("causal", 32, 0, data=str(tmp_path / "p"), tokenizer=str(tok_dir),
+                  val_fraction=0.1)
+    with pytest.warns(UserWarning, match=r"--val-fraction 0\.2 is ignored.*prepared with 0\.1"):
+        make_data("causal", 32, 0, data=str(tmp_path / "p"), tokenizer=str(tok_dir),
+                  val_fraction=0.2)
+
+
 def test_text_directory_with_another_meta_json_stays_text(text_dir, tmp_path):
     """Only a directory with .bin files or a meta.json of this format is a prepared one."""
     (tmp_path / "notes").mkdir()

@@ -108,9 +108,12 @@ def test_computed_order_visits_every_block_and_resumes_exactly():
         s.next_starts(8)
     state = s.state_dict()
     expected = [s.next_starts(8) for _ in range(40)]
-    r = BlockSampler(10_000, 64, seed=3, stored_max=10)
+    r = BlockSampler(10_000, 64, seed=3)  # the rule travels with the state
     r.load_state_dict(state)
     assert all(torch.equal(x, y) for x, y in zip(expected, [r.next_starts(8) for _ in range(40)]))
+    old = BlockSampler(10_000, 64, seed=3, stored_max=10)  # a state saved before the rule existed
+    old.load_state_dict({k: v for k, v in state.items() if k != "stored_max"})
+    assert old.stored_max > 10 and isinstance(old._epoch(old.state.epoch)[1], torch.Tensor)
 
 
 def test_causal_masked_and_seq2seq_batches():

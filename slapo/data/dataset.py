@@ -228,10 +228,14 @@ class BlockSampler:
 
     def state_dict(self) -> dict[str, int]:
         return {"seed": self.state.seed, "epoch": self.state.epoch,
-                "position": self.state.position}
+                "position": self.state.position, "stored_max": self.stored_max}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
+        """Resume exactly, with the order rule the state was saved under: a state without
+        `stored_max` predates the computed order, so every epoch was a stored randperm."""
         self.state = SamplerState(int(state["seed"]), int(state["epoch"]), int(state["position"]))
+        self.stored_max = int(state.get("stored_max", 2**63 - 1))
+        self._epoch_cache = None
 
 
 def gather_blocks(tokens: torch.Tensor, starts: torch.Tensor, length: int) -> torch.Tensor:

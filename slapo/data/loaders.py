@@ -15,6 +15,7 @@ the one it was prepared with.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,7 +53,8 @@ def make_data(task: str, seq_len: int, seed: int = 0, *, data: str | None = None
     """Read, tokenize, split and pack; raises InputError for a bad path or field."""
     tok = load_tokenizer(tokenizer)
     if data is not None and prepared_dir(data) is not None:
-        return _prepared_data(task, seq_len, seed, data, tok)
+        return _prepared_data(task, seq_len, seed, data, tok, val_fraction=val_fraction,
+                              text_field=text_field)
     if data is None:
         texts = load_corpus()
         train, val = split_by_tail([texts[n] for n in sorted(texts)], tok, val_fraction)
@@ -68,11 +70,26 @@ def make_data(task: str, seq_len: int, seed: int = 0, *, data: str | None = None
     return Data(loader, val, tok, source, task, seq_len, seed)
 
 
-def _prepared_data(task: str, seq_len: int, seed: int, data: str, tok: Any) -> Data:
+def _prepared_data(task: str, seq_len: int, seed: int, data: str, tok: Any, *,
+                   val_fraction: float = 0.1, text_field: str = "text") -> Data:
     """A `slapo prepare-data` directory, mapped (see `prepared`); InputError if it is damaged
-    or was prepared with another tokenizer."""
+    or was prepared with another tokenizer. The split was fixed when preparing: a
+    `--val-fraction` or `--text-field` other than the prepared one is ignored, with a warning
+    (silently training on another split than asked would be worse)."""
     prepared = open_prepared(prepared_dir(data), tok)
+    _warn_ignored(data, prepared.meta, val_fraction=val_fraction, text_field=text_field)
     loader = PreparedLoader(task, seq_len, prepared.train, tok, seed,
                             what=f"the train split of {data}",
                             fingerprint=prepared.fingerprint("train"))
     return Data(loader, prepared.val, tok, data, task, seq_len, seed)
+
+
+def _warn_ignored(data: str, meta: dict, *, val_fraction: float, text_field: str) -> None:
+    split, source = meta.get("split", {}), meta.get("source", {})
+    asked = {"--val-fraction": (val_fraction, split.get("val_fraction")),
+             "--text-field": (text_field, source.get("text_field"))}
+    for flag, (value, prepared) in asked.items():
+        if prepared is not None and value != prepared:
+            warnings.warn(f"{data}: {flag} {value!r} is ignored: this directory was prepared with "
+                          f"{prepared!r} (slapo prepare-data fixes the split); prepare again to "
+                          "change it.", stacklevel=3)

@@ -539,8 +539,11 @@ def guard_stage_backward(stage, stage_id: int) -> None:
 
     The hook point is `backward_maybe_with_nosync(backward_type, bwd_kwargs, ...)`: the one
     method every torch schedule's backward goes through (full backward, and the input and
-    weight halves of the zero-bubble schedules), in torch 2.5 to 2.13. A torch without it
-    keeps the unguarded backward (then a backward error reaches the other ranks only at the
+    weight halves of the zero-bubble schedules); tested on torch 2.13. With FSDP over more
+    than one data-parallel rank, a torch whose last-micro-batch gradient reduce-scatter runs
+    inside that method (older releases; 2.13 reduces separately) would leave the failing rank's
+    peers in that reduce-scatter until the collective timeout: untested. A torch without the
+    method keeps the unguarded backward (then a backward error reaches the other ranks only at the
     collective timeout, as before). torch 2.13's first step also runs each stage's backward
     once on real tensors to infer the gradient shapes (`_compute_input_grads`): guarded too
     (`guard_metadata_backward`)."""

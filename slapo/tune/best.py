@@ -216,9 +216,14 @@ def _bounded(evaluate: Callable[[Config], Any], deadline: float | None,
         if left < min_trial_s:
             raise TrialBudgetExhausted(f"tuning budget ({left:.0f} s left)")
         inner = getattr(evaluate, "inner", evaluate)
-        if hasattr(inner, "timeout_s"):
-            inner.timeout_s = min(inner.timeout_s, left)
-        return evaluate(config)
+        if not hasattr(inner, "timeout_s"):
+            return evaluate(config)
+        full = inner.timeout_s
+        inner.timeout_s = min(full, left)
+        try:
+            return evaluate(config)
+        finally:  # the evaluator may be reused: its own limit is lowered for this trial only
+            inner.timeout_s = full
 
     return run
 
