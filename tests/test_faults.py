@@ -510,10 +510,11 @@ def test_sigkill_from_outside_mid_step(tmp_path, ddp_reference):
 # slowest part without checking anything the soak does not.
 
 
-def _announced(launch: Launch, timeout: float = 300) -> float:
-    """When the killed rank printed its SLAPO_FAULT line (just before SIGKILLing itself)."""
+def _announced(launch: Launch, timeout: float = 300, what: str = "killing rank") -> float:
+    """When the faulty rank printed its SLAPO_FAULT line (just before SIGKILLing itself, or
+    before raising with `what="raising on rank"`)."""
     deadline = time.monotonic() + timeout
-    while (t := launch.when(f"{faults.ENV}: killing rank")) is None:
+    while (t := launch.when(f"{faults.ENV}: {what}")) is None:
         assert launch.proc.poll() is None or launch.when(faults.ENV) is not None, \
             launch.text[-3000:]
         assert time.monotonic() < deadline, launch.text[-3000:]
@@ -532,7 +533,7 @@ def test_backward_fault_under_torchrun_stops_every_rank_with_the_named_error(tmp
     launch = Launch(tmp_path / "run", "--steps", "3", "--pp-stages", "2",
                     fault="raise:pp_backward=2:rank=1")
     try:
-        t0 = time.monotonic()
+        t0 = _announced(launch, what="raising on rank")  # the bound starts at the fault
         end = launch.wait(KILL_BOUND_S + 120)
     finally:
         launch.stop()

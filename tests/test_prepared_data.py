@@ -97,12 +97,13 @@ def test_flags_a_prepared_dir_ignores_are_warned(tok_dir, text_dir, tmp_path):
     import warnings
 
     spec = str(text_dir / "*.txt")
-    prepare(spec, tmp_path / "p", str(tok_dir), val_fraction=0.1, log=quiet)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        make_data("causal", 32, 0, data=str(tmp_path / "p"), tokenizer=str(tok_dir),
-                  val_fraction=0.1)
-    with pytest.warns(UserWarning, match=r"--val-fraction 0\.2 is ignored.*prepared with 0\.1"):
+    prepare(spec, tmp_path / "p", str(tok_dir), val_fraction=0.05, log=quiet)
+    for silent in (0.05, 0.1):  # the prepared value, and the default (not asked for)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            make_data("causal", 32, 0, data=str(tmp_path / "p"), tokenizer=str(tok_dir),
+                      val_fraction=silent)
+    with pytest.warns(UserWarning, match=r"--val-fraction 0\.2 is ignored.*prepared with 0\.05"):
         make_data("causal", 32, 0, data=str(tmp_path / "p"), tokenizer=str(tok_dir),
                   val_fraction=0.2)
 

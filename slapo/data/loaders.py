@@ -85,11 +85,14 @@ def _prepared_data(task: str, seq_len: int, seed: int, data: str, tok: Any, *,
 
 
 def _warn_ignored(data: str, meta: dict, *, val_fraction: float, text_field: str) -> None:
+    """Warn for a value that differs from both the prepared one and the default (a default is
+    what the user did not ask for: no warning on every run of a directory prepared with
+    another fraction)."""
     split, source = meta.get("split", {}), meta.get("source", {})
-    asked = {"--val-fraction": (val_fraction, split.get("val_fraction")),
-             "--text-field": (text_field, source.get("text_field"))}
-    for flag, (value, prepared) in asked.items():
-        if prepared is not None and value != prepared:
+    asked = {"--val-fraction": (val_fraction, split.get("val_fraction"), 0.1),
+             "--text-field": (text_field, source.get("text_field"), "text")}
+    for flag, (value, prepared, default) in asked.items():
+        if prepared is not None and value not in (prepared, default):
             warnings.warn(f"{data}: {flag} {value!r} is ignored: this directory was prepared with "
                           f"{prepared!r} (slapo prepare-data fixes the split); prepare again to "
                           "change it.", stacklevel=3)

@@ -134,6 +134,7 @@ def _fire(fault: Fault) -> None:
         print(f"{ENV}: killing rank {fault.rank} (SIGKILL) at the {where}", file=sys.stderr,
               flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
+    print(f"{ENV}: raising on rank {fault.rank} at the {where}", file=sys.stderr, flush=True)
     raise InjectedFault(f"{ENV}: injected failure at the {where}")
 
 
