@@ -76,44 +76,20 @@ def recorded(spec, mode: str) -> int:
             return record_partition(_layer_fn(layer, mode), args, kwargs).saved_bytes
 
 
-def _grab_call(model, layer, data, device: str):
-    import torch
-
-    got: dict = {}
-
-    class Stop(Exception):
-        pass
-
-    def grab(_m, args, kwargs):
-        got["call"] = (args, kwargs)
-        raise Stop
-
-    hook = layer.register_forward_pre_hook(grab, with_kwargs=True)
-    try:
-        with torch.autocast(device, dtype=torch.bfloat16):
-            model(**data)
-    except Stop:
-        pass
-    finally:
-        hook.remove()
-    args, kwargs = got["call"]
-    lift = lambda t: t.detach().requires_grad_(t.requires_grad) \
-        if isinstance(t, torch.Tensor) else t  # noqa: E731
-    return tuple(lift(a) for a in args), {k: lift(v) for k, v in kwargs.items()}
-
-
 def real(spec, mode: str, device: str) -> dict:
     """What inductor's compiled layer keeps on `device` (real tensors, bf16 autocast)."""
     import torch
     from torch.utils._pytree import tree_flatten
 
-    from slapo.tune.predict_gpu import _fake_batch, _fake_model, _layer_fn
+    from slapo.tune.predict_gpu import _fake_batch, _fake_model, _layer_call, _layer_fn
 
     torch.manual_seed(0)
     model = _fake_model(spec).to(device)
     data = {k: v.to(device) for k, v in _fake_batch(model, spec.batch, spec.seq).items()}
     layer = _first_layer(model)
-    args, kwargs = _grab_call(model, layer, data, device)
+    cfg = {"batch_size": spec.batch, "mixed_precision": "bf16"}
+    args, kwargs = _layer_call(model, layer, cfg, data,
+                               autocast=torch.autocast(device, dtype=torch.bfloat16))
     fn = torch.compile(_layer_fn(layer, mode), dynamic=False)
     with torch.autocast(device, dtype=torch.bfloat16):
         fn(*args, **kwargs)  # compile and warm up

@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[1] / "slapo"
 
 # Bottom to top; a module may import its own layer and the layers below (docs/architecture.md).
 LAYERS: list[tuple[str, ...]] = [
-    ("errors", "notices", "distributed", "module_patch", "sharding", "init"),
+    ("errors", "notices", "files", "distributed", "module_patch", "sharding", "init"),
     ("graph", "op", "primitives", "schedule"),
     ("runtime", "pipeline", "verify", "profile", "consolidate"),
     ("model_schedule",),

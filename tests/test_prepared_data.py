@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from user_data import bpe_tokenizer, user_files
 
 from slapo.cli import main
 from slapo.data import InputError, load_corpus, make_data, open_prepared, prepare, sources
@@ -34,36 +35,17 @@ def quiet(*args, **kwargs) -> None:
 
 @pytest.fixture(scope="module")
 def tok_dir(tmp_path_factory) -> Path:
-    """A 300-token byte-level BPE tokenizer trained on part of the shipped corpus."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    special = ["[PAD]", "[UNK]", "[BOS]", "[EOS]", "[MASK]"]
-    tok = Tokenizer(models.BPE(unk_token="[UNK]"))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    """A 300-token BPE tokenizer (two corpus files), saved like any HF tokenizer."""
     texts = load_corpus()
-    tok.train_from_iterator([texts["essays.txt"], texts["poems.txt"]], trainers.BpeTrainer(
-        vocab_size=300, special_tokens=special,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="[PAD]", unk_token="[UNK]",
-                                   bos_token="[BOS]", eos_token="[EOS]", mask_token="[MASK]")
-    out = tmp_path_factory.mktemp("tok")
-    fast.save_pretrained(out)
-    return out
+    return bpe_tokenizer(tmp_path_factory.mktemp("tok"),
+                         [texts["essays.txt"], texts["poems.txt"]], 300)
 
 
 @pytest.fixture(scope="module")
 def text_dir(tmp_path_factory) -> Path:
-    """The corpus as the user's files: .txt files and a .jsonl of paragraphs."""
-    out = tmp_path_factory.mktemp("text")
-    texts = load_corpus()
-    for name in ("essays.txt", "poems.txt", "aesop_fables.txt"):
-        (out / name).write_text(texts[name], encoding="utf-8")
-    paras = [p for t in texts.values() for p in t.split("\n\n") if len(p) > 40]
-    with open(out / "paras.jsonl", "w", encoding="utf-8") as fh:
-        for p in paras:
-            fh.write(json.dumps({"id": len(p), "body": p}) + "\n")
-    return out
+    """The corpus as the user's files: three .txt files and a .jsonl of paragraphs."""
+    return user_files(tmp_path_factory.mktemp("text"),
+                      ("essays.txt", "poems.txt", "aesop_fables.txt"))
 
 
 def same_streams(prepared_dir: Path, data, tokenizer=None) -> dict:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from user_data import bpe_tokenizer, user_files
 
 from slapo.cli import main
 from slapo.data import (
@@ -34,35 +35,13 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 @pytest.fixture(scope="module")
 def tok_dir(tmp_path_factory) -> Path:
     """A 400-token BPE tokenizer trained on the shipped corpus, saved like any HF tokenizer."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    special = ["[PAD]", "[UNK]", "[BOS]", "[EOS]", "[MASK]"]
-    tok = Tokenizer(models.BPE(unk_token="[UNK]"))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.train_from_iterator(load_corpus().values(),
-                            trainers.BpeTrainer(vocab_size=400, special_tokens=special,
-                                                initial_alphabet=pre_tokenizers.ByteLevel
-                                                .alphabet()))
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="[PAD]", unk_token="[UNK]",
-                                   bos_token="[BOS]", eos_token="[EOS]", mask_token="[MASK]")
-    out = tmp_path_factory.mktemp("tok")
-    fast.save_pretrained(out)
-    return out
+    return bpe_tokenizer(tmp_path_factory.mktemp("tok"), load_corpus().values(), 400)
 
 
 @pytest.fixture(scope="module")
 def text_dir(tmp_path_factory) -> Path:
     """The corpus as the user's files: .txt files and a .jsonl of paragraphs."""
-    out = tmp_path_factory.mktemp("text")
-    texts = load_corpus()
-    for name in ("essays.txt", "poems.txt"):
-        (out / name).write_text(texts[name], encoding="utf-8")
-    paras = [p for t in texts.values() for p in t.split("\n\n") if len(p) > 40]
-    with open(out / "paras.jsonl", "w", encoding="utf-8") as fh:
-        for p in paras:
-            fh.write(json.dumps({"id": len(p), "body": p}) + "\n")
-    return out
+    return user_files(tmp_path_factory.mktemp("text"), ("essays.txt", "poems.txt"))
 
 
 def run(out: Path, *flags: str) -> dict:

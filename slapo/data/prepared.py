@@ -63,6 +63,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..files import fsync_dir
 from .dataset import TokenLoader, val_draw
 from .sources import PIECE_CHARS, DocumentStream, InputError, open_documents
 from .tokenizer import ByteTokenizer, load_tokenizer
@@ -425,22 +426,9 @@ def _publish(tmp: Path, out: Path) -> None:
         else:
             out.rmdir()
     os.rename(tmp, out)
-    _fsync_dir(out.parent)
+    fsync_dir(out.parent)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 def _write_json(path: Path, obj: dict[str, Any]) -> None:

@@ -230,26 +230,19 @@ class TracedLayerNormFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
+        """`layer_norm_backward_reference` on the rows (the same math as the eager ops; all
+        views and elementwise ops, so inductor fuses it)."""
         ys, weight, bias, rstd = ctx.saved_tensors
-        dims = ctx.dims
-        ct = torch.float64 if ys.dtype == torch.float64 else torch.float32
-        rstd = rstd.to(ct)  # CPU keeps half-precision statistics for half inputs
-        xhat = ys.to(ct)
-        if bias is not None:
-            xhat = xhat - bias.to(ct)
-        if weight is not None:
-            xhat = xhat / weight.to(ct)
-        dyc = dy.to(ct)
-        g = dyc * weight.to(ct) if weight is not None else dyc
-        dx = rstd * (g - g.mean(dims, keepdim=True)
-                     - xhat * (g * xhat).mean(dims, keepdim=True))
-        rows = tuple(range(dy.dim() - len(dims)))
-        dw = db = None
-        if weight is not None and ctx.needs_input_grad[1]:
-            dw = (dyc * xhat).sum(rows).to(weight.dtype)
-        if bias is not None and ctx.needs_input_grad[2]:
-            db = dyc.sum(rows).to(bias.dtype)
-        return dx.to(dy.dtype), dw, db, None, None, None
+        n = math.prod(ys.shape[len(ys.shape) - len(ctx.dims):])
+        flat = lambda t: None if t is None else t.reshape(n)  # noqa: E731
+        dx, dw, db = layer_norm_backward_reference(dy.reshape(-1, n), ys.reshape(-1, n),
+                                                   flat(weight), flat(bias), rstd.reshape(-1),
+                                                   dy.dtype)
+        dw = dw.reshape(weight.shape).to(weight.dtype) \
+            if weight is not None and ctx.needs_input_grad[1] else None
+        db = db.reshape(bias.shape).to(bias.dtype) \
+            if bias is not None and ctx.needs_input_grad[2] else None
+        return dx.reshape(dy.shape), dw, db, None, None, None
 
 
 def _autocast_dtype(device_type: str) -> torch.dtype | None:

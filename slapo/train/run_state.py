@@ -40,7 +40,6 @@ import contextlib
 import hashlib
 import io
 import json
-import os
 import pickle
 import random
 import shutil
@@ -63,6 +62,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from .. import sharding
 from ..errors import SlapoError
+from ..files import fsync_dir, write_synced
 from . import faults
 
 CHECKPOINTS = "checkpoints"
@@ -151,28 +151,6 @@ def _broadcast(obj: Any) -> Any:
 
 
 # ---- files ------------------------------------------------------------------------------------
-def _fsync_dir(path: Path) -> None:
-    """Make a rename or a new file in `path` durable (no-op where directories cannot be
-    opened, e.g. Windows)."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def _write_synced(path: Path, text: str) -> None:
-    with open(path, "w", encoding="utf-8") as fh:
-        fh.write(text)
-        fh.flush()
-        os.fsync(fh.fileno())
-
-
 def sha256(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as fh:
@@ -461,8 +439,8 @@ def _hash_share(tmp: Path, names: list[str], rank: int, world: int) -> dict[str,
 def _write_marker(tmp: Path, step: int, world: int, files: dict[str, dict]) -> None:
     manifest = {"format": FORMAT, "version": VERSION, "step": step, "world_size": world,
                 "hash": "sha256", "files": dict(sorted(files.items()))}
-    _write_synced(tmp / MARKER, json.dumps(manifest, indent=1))
-    _fsync_dir(tmp)
+    write_synced(tmp / MARKER, json.dumps(manifest, indent=1))
+    fsync_dir(tmp)
 
 
 def read_manifest(path: Path) -> dict[str, Any]:
@@ -541,7 +519,7 @@ def _publish(tmp: Path, path: Path) -> None:
     if path.exists():
         path.rename(old)
     tmp.rename(path)
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
     if old.exists():
         shutil.rmtree(old)
 
@@ -579,9 +557,9 @@ def save(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
     state, _, _ = _state(model, optimizer)
     with _quiet_single_process():
         dcp.save(state, checkpoint_id=str(tmp), no_dist=not dist.is_initialized())
-    _write_synced(tmp / rng_file(rank), json.dumps(rng_state()))
+    write_synced(tmp / rng_file(rank), json.dumps(rng_state()))
     if rank == 0:
-        _write_synced(tmp / TRAINER_FILE, json.dumps(trainer))
+        write_synced(tmp / TRAINER_FILE, json.dumps(trainer))
     faults.point("save", int(trainer["step"]))  # test hook: die mid-save (SLAPO_FAULT)
     _barrier()
     names = _broadcast(sorted(p.name for p in tmp.iterdir() if p.name != MARKER))

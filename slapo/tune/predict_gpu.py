@@ -344,8 +344,10 @@ class _Stop(Exception):
     pass
 
 
-def _layer_call(model: Any, layer: Any, config: Config, data: dict) -> tuple[tuple, dict]:
-    """The arguments the step passes to `layer` (one forward, stopped at the layer)."""
+def _layer_call(model: Any, layer: Any, config: Config, data: dict,
+                autocast: Any = None) -> tuple[tuple, dict]:
+    """The arguments the step passes to `layer` (one forward, stopped at the layer), under
+    `autocast` (default: the config's CPU autocast, as the fake step runs)."""
     import torch
 
     got: dict = {}
@@ -356,7 +358,7 @@ def _layer_call(model: Any, layer: Any, config: Config, data: dict) -> tuple[tup
 
     hook = layer.register_forward_pre_hook(grab, with_kwargs=True)
     try:
-        with _autocast(config):
+        with _autocast(config) if autocast is None else autocast:
             model(**data)
     except _Stop:
         pass
