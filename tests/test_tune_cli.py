@@ -38,10 +38,17 @@ def test_cli_runs_a_space_and_writes_table_json_png(tmp_path, calibration, capsy
     assert res["best"]["config"] == res["top"][0]["config"]
     # the best 3 were measured twice more and ranked by their median
     assert res["confirm_runs"] == 6
-    for t in res["top"][:3]:
+    # the 3 confirmed are the 3 best first measurements; ranked by their median afterwards, an
+    # unconfirmed config may overtake one of them on a noisy machine (so no fixed positions)
+    confirmed = [t for t in res["top"] if "throughput_samples" in t["metrics"]]
+    assert len(confirmed) == 3
+    for t in confirmed:
         samples = t["metrics"]["throughput_samples"]
         assert len(samples) == 3 and t["metrics"]["throughput"] == sorted(samples)[1]
-    assert "throughput_samples" not in res["top"][3]["metrics"]
+        assert t["metrics"]["throughput_first"] == samples[0]
+    first = sorted((t["metrics"].get("throughput_first", t["metrics"]["throughput"])
+                    for t in res["top"]), reverse=True)
+    assert sorted(t["metrics"]["throughput_first"] for t in confirmed) == sorted(first[:3])
     assert all(t["predicted"]["throughput"] > 0 and t["predicted"]["memory"] > 0
                for t in res["trials"])
     assert res["settings"]["fuse_compiler"] == "aot_eager"
