@@ -12,7 +12,7 @@ from .schedule import Schedule
 def consolidate(model_or_sch: nn.Module | Schedule) -> dict[str, torch.Tensor]:
     """Full state dict (same keys as the unscheduled model) with every shard gathered.
 
-    A collective on each shard's group: call it on every rank. The result can be loaded into the
+    A collective on each shard's group (FSDP2's data-parallel group too): call it on every rank. The result can be loaded into the
     original, unscheduled model with `load_state_dict`.
     """
     model = model_or_sch.mod if isinstance(model_or_sch, Schedule) else model_or_sch
@@ -24,6 +24,8 @@ def consolidate(model_or_sch: nn.Module | Schedule) -> dict[str, torch.Tensor]:
             specs[name] = spec
     out = {}
     for key, value in model.state_dict().items():
+        if hasattr(value, "full_tensor"):  # an FSDP2 shard: whole over dp first (of a TP shard)
+            value = value.full_tensor()
         spec = specs.get(key)
         out[key] = sharding.gather_full(value, spec).clone() if spec else value.detach().clone()
     return out

@@ -62,12 +62,21 @@ def deepcopy_model(model: nn.Module) -> nn.Module:
                 [*new.named_parameters(remove_duplicate=False),
                  *new.named_buffers(remove_duplicate=False)])
     for (_, src), (_, dst) in pairs:
-        for attr in _TENSOR_ATTRS:
-            if hasattr(src, attr) and not hasattr(dst, attr):
-                setattr(dst, attr, getattr(src, attr))
-        for key, value in (getattr(src, "_slapo_tags", None) or {}).items():
-            setattr(dst, key, value)
+        copy_records(src, dst)
     return new
+
+
+def copy_records(src: torch.Tensor, dst: torch.Tensor) -> None:
+    """Give `dst` the per-tensor records of `src` (shard spec, annotations) it lacks.
+
+    For every place torch replaces a parameter object: `copy.deepcopy`, and FSDP2's
+    `fully_shard` (whose DTensor parameters are TP shards too, which checkpoints and
+    consolidation must know)."""
+    for attr in _TENSOR_ATTRS:
+        if hasattr(src, attr) and not hasattr(dst, attr):
+            setattr(dst, attr, getattr(src, attr))
+    for key, value in (getattr(src, "_slapo_tags", None) or {}).items():
+        setattr(dst, key, value)
 
 
 def local_slice(t: torch.Tensor, axis: int, world_size: int, rank: int, blocks: int = 1):

@@ -115,7 +115,7 @@ TRAIN_CASES: dict[str, CliCase] = {
     "pp_schedule_unknown": CliCase(["--pp-schedule", "zigzag"], ("--pp-schedule",)),
     "pp_schedule_without_pipeline": CliCase(["--pp-schedule", "GPipe"],
                                             ("--pp-schedule needs --pp-stages",)),
-    "dp_shard_with_tp": CliCase(["--dp-shard", "--tp", "2"], ("--dp-shard",)),
+    "dp_shard_with_value": CliCase(["--dp-shard", "yes"], ("unrecognized arguments: yes",)),
     "progress_with_value": CliCase(["--progress", "yes"], ("unrecognized arguments: yes",)),
     "unknown_flag": CliCase(["--warp", "9"], ("unrecognized arguments: --warp",)),
     "model_unknown": CliCase(["--model", "resnet"], ("unknown model 'resnet'",)),

@@ -124,7 +124,8 @@ def test_crafted_pickle_in_a_checkpoint_file_is_refused(runs, tmp_path, capsys, 
     assert not marker.exists()
 
 
-@pytest.mark.parametrize("fqn", ["optim.param_groups.0.lr", "model.transformer.wte.weight"])
+@pytest.mark.parametrize("fqn", ["optim.param_groups.transformer.wte.weight.lr",
+                                 "model.transformer.wte.weight"])
 def test_crafted_pickle_in_a_distcp_item_is_refused(runs, tmp_path, capsys, fqn):
     """A non-tensor item (our planner) and a tensor item (DCP's own weights-only load)."""
     out = _copy(runs, tmp_path)

@@ -56,6 +56,24 @@ def _auto(task: str):
 
 
 @pytest.mark.dist
+@pytest.mark.parametrize("model,task", [("gpt2", "causal"), ("llama", "causal")])
+def test_export_of_tp_inside_fsdp2_reproduces_the_trained_models_logits(dist4, tmp_path, model,
+                                                                         task):
+    """--tp 2 --dp-shard on 4 ranks: the checkpoint's reshaped 2-D layout (GPT-2's Conv1D and
+    fused q|k|v, LLaMA's Linear rows and columns) exports to the model the run resumes."""
+    opts = {**TINY, "model": model, "tp": 2, "dp_shard": True, "out": str(tmp_path / "run"),
+            "save_every": 3}
+    res = dist4.run(job_train_then_logits, opts)
+    result = export_run(tmp_path / "run", tmp_path / "hf", log=lambda *a: None)
+    assert result.step == 3 and result.max_logit_diff == 0.0
+    reloaded = _auto(task).from_pretrained(str(tmp_path / "hf"), local_files_only=True).eval()
+    with torch.no_grad():
+        got = reloaded(input_ids=PROBE).logits
+    for r in res:  # every rank resumed the same model
+        torch.testing.assert_close(got, torch.tensor(r["logits"]), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.dist
 @pytest.mark.parametrize("model,task,knobs", [
     ("gpt2", "causal", {"tp": 2}),            # fused c_attn shards (blocks=3), vocab-parallel head
     ("llama", "causal", {"pp_stages": 2}),    # each rank saved its own stage
@@ -133,8 +151,9 @@ def test_slapo_export_command(tmp_path, one_thread, capsys):
 
 
 def job_save_pretrained(out: str, how: str) -> dict:
-    """Build a sharded GPT-2 (TP=2 or FSDP2 over 2 ranks), take a step, save_pretrained on
-    every rank; return what a whole model must hold (gathered here independently)."""
+    """Build a sharded GPT-2 (TP=2, FSDP2 over 2 ranks, or both on 4), take a step,
+    save_pretrained on every rank; return what a whole model must hold (gathered here
+    independently) and the sharded model's logits."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
     import slapo
@@ -150,6 +169,11 @@ def job_save_pretrained(out: str, how: str) -> dict:
         sch = model_schedule.apply(model, tp=2, mesh=mesh)
         built, _ = slapo.build(sch, mesh=mesh, optimizer=torch.optim.SGD,
                                optimizer_kwargs={"lr": 0.1})
+    elif how == "tp_fsdp":  # 4 ranks: FSDP2 shards of TP shards
+        mesh = slapo.init_mesh(dp=2, tp=2)
+        sch = model_schedule.apply(model, tp=2, mesh=mesh)
+        built, _ = slapo.build(sch, mesh=mesh, data_parallel="fsdp", optimizer=torch.optim.SGD,
+                               optimizer_kwargs={"lr": 0.1})
     else:
         mesh = slapo.init_mesh(dp=2)
         built, _ = slapo.build(slapo.create_schedule(model, mesh=mesh), mesh=mesh,
@@ -159,17 +183,27 @@ def job_save_pretrained(out: str, how: str) -> dict:
     built.train_step({"input_ids": ids, "labels": ids})
     built.save_pretrained(out)
     whole = full_state_dict(built)
-    return {k: v.detach().clone() for k, v in whole.items()}
+    built.eval()
+    with torch.no_grad():
+        logits = built(input_ids=ids).logits
+    return {"logits": logits, **{k: v.detach().clone() for k, v in whole.items()}}
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("how", ["tp", "fsdp"])
-def test_save_pretrained_of_a_sharded_model_writes_whole_tensors(dist2, tmp_path, how):
+@pytest.mark.parametrize("how", ["tp", "fsdp", "tp_fsdp"])
+def test_save_pretrained_of_a_sharded_model_writes_whole_tensors(request, tmp_path, how):
     from transformers import GPT2LMHeadModel
 
-    res = dist2.run(job_save_pretrained, str(tmp_path / "hf"), how)
+    pool = request.getfixturevalue("dist4" if how == "tp_fsdp" else "dist2")
+    res = pool.run(job_save_pretrained, str(tmp_path / "hf"), how)
+    assert all(r.keys() == res[0].keys() and all(torch.equal(r[k], res[0][k]) for k in r)
+               for r in res)  # every rank consolidated the same whole model
     loaded = GPT2LMHeadModel.from_pretrained(str(tmp_path / "hf"), local_files_only=True)
     for name, value in loaded.state_dict().items():
         if name in res[0]:
             assert torch.equal(value, res[0][name]), name
+    ids = torch.randint(0, 128, (4, 16), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():  # the whole model computes what the sharded one did
+        got = loaded.eval()(input_ids=ids).logits
+    torch.testing.assert_close(got, res[0]["logits"], rtol=1e-4, atol=1e-4)
     assert loaded.transformer.h[0].attn.c_attn.weight.shape == (32, 96)  # whole, not (32, 48)

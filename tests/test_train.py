@@ -62,6 +62,32 @@ def test_resume_gives_identical_losses(tmp_path):
     assert len(resumed["step_times_s"]) == 10
 
 
+def test_checkpoint_with_group_index_optimizer_keys_still_resumes(tmp_path, monkeypatch):
+    """Checkpoints written before optimizer hyper-parameters were keyed by parameter name
+    (`optim.param_groups.0.lr`) resume exactly; new ones use names."""
+    import functools
+
+    import torch.distributed.checkpoint as dcp
+
+    flags = ["--steps", "4", "--dropout", "0.1", "--no-plot", "--eval-batches", "0",
+             "--weight-decay", "0.05"]
+    straight = train(tmp_path / "straight", *flags)["losses"]
+    with monkeypatch.context() as m:
+        m.setattr(ckpt, "_state", functools.partial(ckpt._state, flat=False))
+        train(tmp_path / "old", *flags, "--save-every", "2")
+    step2 = tmp_path / "old" / "checkpoints" / "step_000002"
+    keys = dcp.FileSystemReader(str(step2)).read_metadata().state_dict_metadata
+    assert "optim.param_groups.0.lr" in keys and not ckpt._flat_optimizer(
+        dcp.FileSystemReader(str(step2)).read_metadata())
+    resumed = train(tmp_path / "resumed", *flags, "--resume", str(step2))
+    assert resumed["losses"] == straight
+    new = train(tmp_path / "new", *flags, "--save-every", "2")  # today's format
+    keys = dcp.FileSystemReader(str(tmp_path / "new" / "checkpoints" / "step_000002")
+                                ).read_metadata().state_dict_metadata
+    assert "optim.param_groups.transformer.wte.weight.lr" in keys, sorted(keys)[:5]
+    assert new["losses"] == straight
+
+
 def test_resume_latest_continues_the_run_in_out(tmp_path):
     flags = ["--no-plot", "--eval-batches", "0", "--min-lr-ratio", "1"]
     train(tmp_path, *flags, "--steps", "6", "--save-every", "3")

@@ -149,3 +149,60 @@ def test_sequence_and_vocab_parallel_flags_shard_on_two_ranks(dist2):
     assert whole["schedule"] == "applied: tp=2, vocab_parallel=False"
     assert whole["wte"][0] == 2 * tp["wte"][0]  # vocab-parallel: each rank holds half the rows
     assert whole["losses"] == pytest.approx(tp["losses"], rel=1e-4, abs=1e-5)
+
+
+@pytest.mark.dist
+def test_tp_inside_fsdp2_trains_like_tp_with_ddp_and_resumes_exactly(dist4, tmp_path):
+    """--tp 2 --dp-shard on 4 ranks (dp=2 x tp=2): FSDP2 shards the TP shards. Same losses as
+    TP with DDP (same dropout streams); the checkpoint resumes bit for bit; it holds each
+    tensor whole, as a reshape of the HF shape (see slapo.train.shard_layout)."""
+    _need_model_schedule()
+    import torch.distributed.checkpoint as dcp
+
+    knobs = {**TINY, "tp": 2, "attention": "sdpa"}
+    straight = dist4.run(job_train, {**knobs, "dp_shard": True, "out": str(tmp_path / "a"),
+                                     "save_every": 3})
+    step3 = tmp_path / "a" / "checkpoints" / "step_000003"
+    resumed = dist4.run(job_train, {**knobs, "dp_shard": True, "out": str(tmp_path / "b"),
+                                    "resume": str(step3)})
+    ddp = dist4.run(job_train, knobs)
+    assert all(r["losses"] == straight[0]["losses"] for r in straight)
+    assert resumed[0]["losses"][3:] == straight[0]["losses"][3:]
+    assert straight[0]["losses"] == pytest.approx(ddp[0]["losses"], rel=1e-5)
+    assert straight[0]["params"] < 0.6 * ddp[0]["params"]  # FSDP2 halves each TP shard
+    meta = dcp.FileSystemReader(str(step3)).read_metadata().state_dict_metadata
+    for key, shape in {"transformer.h.0.mlp.c_fc.weight": (64, 256),  # FSDP rows, TP columns
+                       "transformer.h.0.mlp.c_proj.weight": (2, 128, 64),  # both on rows
+                       "transformer.h.0.attn.c_attn.weight": (64, 3, 64),  # fused q|k|v
+                       "transformer.h.0.attn.c_attn.bias": (3, 64)}.items():  # gathered
+        assert tuple(meta[f"model.{key}"].size) == shape, key
+        assert tuple(meta[f"optim.state.{key}.exp_avg"].size) == shape, key
+
+
+def job_refused(options: dict) -> str:
+    from slapo.train import TrainConfig, train
+
+    try:
+        train(TrainConfig(**options))
+    except ValueError as e:
+        return str(e)
+    return "trained"
+
+
+@pytest.mark.dist
+def test_pipeline_with_fsdp2_trains_like_one_process_and_resumes_exactly(dist4, tmp_path):
+    """--pp-stages 2 --dp-shard on 4 ranks (dp=2 x pp=2): each stage FSDP2-sharded over its 2
+    data-parallel ranks. Losses equal one process's; the checkpoint (each stage's dp shards,
+    optimizer hyper-parameters keyed by parameter name) resumes bit for bit. Without
+    --dp-shard the job is refused before anything is built (DDP cannot hold a stage)."""
+    _need_model_schedule()
+    knobs = {**TINY, "pp_stages": 2, "dropout": 0.0, "dp_shard": True}
+    straight = dist4.run(job_train, {**knobs, "out": str(tmp_path / "a"), "save_every": 3})
+    step3 = tmp_path / "a" / "checkpoints" / "step_000003"
+    resumed = dist4.run(job_train, {**knobs, "out": str(tmp_path / "b"), "resume": str(step3)})
+    assert all(r["losses"] == straight[0]["losses"] for r in straight)
+    assert resumed[0]["losses"][3:] == straight[0]["losses"][3:]
+    assert straight[0]["losses"] == pytest.approx(_single({**TINY, "dropout": 0.0}), rel=1e-4,
+                                                  abs=1e-5)
+    refused = dist4.run(job_refused, {**knobs, "dp_shard": False})
+    assert all("DDP cannot hold a pipeline stage: add --dp-shard" in r for r in refused), refused

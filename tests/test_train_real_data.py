@@ -344,14 +344,6 @@ def test_train_step_accepts_a_batch_encoding():
     assert losses[0] == losses[1]
 
 
-@pytest.mark.parametrize("knob", [["--tp", "2"], ["--pp-stages", "2"]])
-def test_dp_shard_with_tp_or_pp_is_refused(knob, capsys):
-    """Not silently wrong: these checkpoints would not resume exactly (see docs/train.md)."""
-    with pytest.raises(SystemExit) as e:
-        main(["train", *TINY, "--dp-shard", *knob])
-    assert e.value.code == 2 and "--dp-shard combines with neither" in capsys.readouterr().err
-
-
 @pytest.mark.dist
 def test_finetune_own_text_bf16_tp2_resumes_exactly(dist2, gpt2_dir, text_dir, tmp_path):
     """The issue's journey on 2 ranks: a saved GPT-2, the user's text files and tokenizer,

@@ -4,7 +4,8 @@ Both wrap whatever module they are given: the whole model, or one pipeline stage
 parameters are plain local shards (see `slapo.sharding`), so to DDP and FSDP2 they are ordinary
 tensors: each TP rank data-parallelises its own shard with the ranks holding the same shard,
 which is exactly the dp group of the mesh. FSDP2 thus shards the TP shard further along dim 0
-(a 2-D dp x tp layout) without knowing about TP.
+(a 2-D dp x tp layout) without knowing about TP. Its new DTensor parameters get the TP shard
+specs of the ones they replace, so checkpoints and consolidation still see the TP layout.
 
 FSDP2 changes the module's class in place; DDP returns a wrapper, which `build` keeps in the
 step's runner (`TrainState.wrapper`), never as a child of the model it returns, so the model's
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import torch.nn as nn
 
+from .. import sharding
 from ..errors import SchedulingError
 from .mesh import MeshInfo
 
@@ -62,10 +64,20 @@ def apply_fsdp(model: nn.Module, info: MeshInfo, *, reshard_after_forward: bool 
 
     dp_mesh = info.submesh("dp")
     kwargs = {"mesh": dp_mesh, "mp_policy": mp_policy or MixedPrecisionPolicy()}
+    before = _parameters(model)
     for block in fsdp_blocks(model):
         fully_shard(block, reshard_after_forward=reshard_after_forward, **kwargs)
     fully_shard(model, reshard_after_forward=False, **kwargs)
+    for (mod, name), old in before.items():  # FSDP2's new DTensor parameters keep TP specs
+        new = mod._parameters.get(name)
+        if new is not None and new is not old:
+            sharding.copy_records(old, new)
     return model
+
+
+def _parameters(model: nn.Module) -> dict[tuple[nn.Module, str], nn.Parameter]:
+    return {(mod, name): p for mod in model.modules() for name, p in mod._parameters.items()
+            if p is not None}
 
 
 def apply_ddp(model: nn.Module, info: MeshInfo) -> nn.Module:

@@ -209,12 +209,6 @@ class RunOptions:
                                  f"got {self.pp_schedule!r}")
             if (self.pp_stages or 1) < 2:
                 raise ValueError("--pp-schedule needs --pp-stages 2 or more (a pipeline)")
-        if self.dp_shard and ((self.tp or 1) > 1 or (self.pp_stages or 1) > 1):
-            raise ValueError("--dp-shard combines with neither --tp > 1 nor --pp-stages > 1 in "
-                             "slapo train yet: checkpoints of TP shards inside FSDP2 shards "
-                             "would not hold the full tensors, and pipelined FSDP2 optimizer "
-                             "state does not resume; drop --dp-shard for TP runs (DDP), and "
-                             "run pipelines without data parallelism")
         if self.batch_size % self.grad_accum:
             raise ValueError(f"--batch-size {self.batch_size} is not divisible by --grad-accum "
                              f"{self.grad_accum}")

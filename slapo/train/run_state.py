@@ -30,7 +30,8 @@ Safety against attacks is the loaders': nothing read back can run code.
 
 Tensor-parallel parameters are local shards (see `slapo.sharding`), identical in name and shape
 on every rank; DCP would take them for replicas and keep one. They are handed to DCP as DTensors
-over their TP group, so each rank's shard is saved (and could be resharded on load).
+of the full tensor, over their TP group, or over the (dp, tp) mesh when FSDP2 shards them
+further (`--dp-shard` with `--tp`): see `shard_layout`.
 """
 
 from __future__ import annotations
@@ -60,10 +61,9 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from .. import sharding
 from ..errors import SlapoError
 from ..files import fsync_dir, write_synced
-from . import faults
+from . import faults, shard_layout
 
 CHECKPOINTS = "checkpoints"
 TRAINER_FILE = "trainer.json"
@@ -364,69 +364,34 @@ def _first_checkpoint_error(e: BaseException) -> BaseException:
     return next((x for x in inner if isinstance(x, CheckpointError)), inner[0] if inner else e)
 
 
-# ---- TP shards as DTensors --------------------------------------------------------------------
-def _shard_specs(model: nn.Module) -> dict[str, sharding.ShardSpec]:
-    specs = {}
-    for name, t in [*model.named_parameters(remove_duplicate=False),  # tied: every name
-                    *model.named_buffers(remove_duplicate=False)]:
-        spec = sharding.shard_spec(t)
-        if spec is not None and spec.world_size > 1:
-            specs[name] = spec
-    return specs
+# ---- the state handed to DCP ------------------------------------------------------------------
+def _state(model: nn.Module, optimizer: torch.optim.Optimizer, flat: bool = True
+           ) -> tuple[dict, dict, bool, shard_layout.Layout]:
+    """{"model", "optim"} state dicts to hand DCP (TP shards as DTensors of the full tensors:
+    `shard_layout`), the shard specs, whether the model part is partial, and the layout that
+    restores loaded values. Only the parameters this rank trains (those in its optimizer) are
+    included: with a pipeline, a rank also holds other stages' untrained copies, which must not
+    be saved. A collective (the layout may gather over data-parallel ranks).
 
-
-def _to_dtensor(local: torch.Tensor, spec: sharding.ShardSpec, meshes: dict) -> torch.Tensor:
-    """View a local shard as a DTensor of the full tensor over the TP group. A shard of a fused
-    parameter (`blocks` > 1: the local piece is one slice of each block) becomes a regular shard
-    after splitting the axis into (blocks, rest)."""
-    from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.tensor import DTensor, Shard
-
-    key = id(spec.group)
-    if key not in meshes:
-        device = "cuda" if local.is_cuda else "cpu"
-        meshes[key] = DeviceMesh.from_group(spec.group or dist.group.WORLD, device)
-    shape, axis = list(spec.orig_shape), spec.axis
-    if spec.blocks > 1:
-        shape[axis:axis + 1] = [spec.blocks, shape[axis] // spec.blocks]
-        local = local.unflatten(axis, (spec.blocks, -1))
-        axis += 1
-    stride = torch.empty(shape, device="meta").stride()
-    return DTensor.from_local(local, meshes[key], [Shard(axis)], run_check=False,
-                              shape=torch.Size(shape), stride=stride)
-
-
-def _from_dtensor(value: torch.Tensor, spec: sharding.ShardSpec) -> torch.Tensor:
-    local = value.to_local()
-    return local.flatten(spec.axis, spec.axis + 1) if spec.blocks > 1 else local
-
-
-def _wrap(state: dict[str, Any], specs: dict[str, sharding.ShardSpec], fn) -> dict[str, Any]:
-    """Apply fn(tensor, spec) to every model entry and optimizer moment of a sharded tensor."""
-    model_sd = {k: fn(v, specs[k]) if k in specs else v for k, v in state["model"].items()}
-    optim_state = {}
-    for fqn, entry in state["optim"].get("state", {}).items():
-        spec = specs.get(fqn)
-        optim_state[fqn] = {k: fn(v, spec) if spec is not None and isinstance(v, torch.Tensor)
-                            and v.dim() > 0 else v for k, v in entry.items()}
-    return {"model": model_sd, "optim": {**state["optim"], "state": optim_state}}
-
-
-def _state(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict, bool]:
-    """{"model", "optim"} state dicts to hand DCP, the shard specs, and whether the model part
-    is partial. Only the parameters this rank trains (those in its optimizer) are included: with
-    a pipeline, a rank also holds other stages' untrained copies, which must not be saved."""
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    `flat`: the optimizer's hyper-parameters keyed by parameter name (`param_groups.<fqn>.lr`,
+    as torchtitan saves them), not by group index. Pipeline stages hold different parameters
+    under the same group index, and DCP keeps one rank's copy of an equal key: with index keys
+    a stage resumed another stage's group (its parameter list and all), which FSDP2 turned into
+    a group without hyper-parameters. Checkpoints written before this (index keys) still load
+    (`_flat_optimizer`)."""
+    model_sd, optim_sd = get_state_dict(
+        model, optimizer, options=StateDictOptions(flatten_optimizer_state_dict=flat))
     owned = {id(p) for group in optimizer.param_groups for p in group["params"]}
     foreign = {name for name, p in model.named_parameters(remove_duplicate=False)
                if id(p) not in owned}
     model_sd = {k: v for k, v in model_sd.items() if k not in foreign}
-    specs = _shard_specs(model)
+    specs = shard_layout.shard_specs(model)
     state = {"model": model_sd, "optim": optim_sd}
+    layout = shard_layout.Layout()
     if specs:
-        meshes: dict = {}
-        state = _wrap(state, specs, lambda t, s: _to_dtensor(t, s, meshes))
-    return state, specs, bool(foreign)
+        with torch.no_grad():
+            state = shard_layout.convert(state, specs, layout.to_saved)
+    return state, specs, bool(foreign), layout
 
 
 # ---- completion marker and verification -------------------------------------------------------
@@ -554,7 +519,7 @@ def save(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
             shutil.rmtree(tmp)
         tmp.mkdir(parents=True)
     _barrier()
-    state, _, _ = _state(model, optimizer)
+    state, _, _, _ = _state(model, optimizer)
     with _quiet_single_process():
         dcp.save(state, checkpoint_id=str(tmp), no_dist=not dist.is_initialized())
     write_synced(tmp / rng_file(rank), json.dumps(rng_state()))
@@ -595,11 +560,19 @@ def check_world(path: Path, world: int) -> None:
                               "launcher as the run that wrote it).")
 
 
+def _flat_optimizer(metadata) -> bool:
+    """Whether a checkpoint keys optimizer hyper-parameters by parameter name (see `_state`);
+    those written before that key them by group index (`optim.param_groups.0.params`)."""
+    return not any(k.startswith("optim.param_groups.") and k.endswith(".params")
+                   and k.split(".")[2].isdigit() for k in metadata.state_dict_metadata)
+
+
 def load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, rank: int) -> None:
     """Collective. Load weights, optimizer state and this rank's RNG streams from a verified
     checkpoint, with loaders that run no code from the files (see the module docstring)."""
-    _SafeReader(str(path)).read_metadata()  # a refused .metadata: our error, before DCP's
-    state, specs, partial = _state(model, optimizer)
+    metadata = _SafeReader(str(path)).read_metadata()  # a refused one: our error, before DCP's
+    flat = _flat_optimizer(metadata)
+    state, specs, partial, layout = _state(model, optimizer, flat)
     try:
         with _quiet_single_process():
             dcp.load(state, storage_reader=_SafeReader(str(path)), planner=_SafeLoadPlanner(path),
@@ -613,11 +586,13 @@ def load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, rank: i
         raise CheckpointError(path, "could not load the model/optimizer state: "
                               f"{_reason(inner)}") from None
     if specs:
-        state = _wrap(state, specs, _from_dtensor)
+        with torch.no_grad():
+            state = shard_layout.convert(state, specs, layout.restore)
     try:
         set_state_dict(model, optimizer, model_state_dict=state["model"],
                        optim_state_dict=state["optim"],
-                       options=StateDictOptions(strict=not partial))
+                       options=StateDictOptions(strict=not partial,
+                                                flatten_optimizer_state_dict=flat))
     except (RuntimeError, KeyError, ValueError) as e:
         raise CheckpointError(path, f"does not fit this model/optimizer: {_reason(e)}") from None
     load_rng(Path(path) / rng_file(rank))

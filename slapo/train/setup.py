@@ -154,15 +154,15 @@ def teardown(env: Env) -> None:
 def data_parallel(cfg: Any, env: Env) -> str | None:
     """"fsdp" (--dp-shard) or "ddp" over more than one data-parallel rank, else None.
 
-    A pipeline with several data-parallel ranks is refused here, before anything is built:
-    `slapo.build` refuses DDP under a pipeline, and `--dp-shard` with one does not resume."""
+    A pipeline with several data-parallel ranks needs --dp-shard, refused here before anything
+    is built: DDP cannot hold a pipeline stage (see `slapo.build`)."""
     if env.dp == 1:
         return None
-    if (cfg.pp_stages or 1) > 1:
+    if (cfg.pp_stages or 1) > 1 and not cfg.dp_shard:
         raise ValueError(f"--pp-stages {cfg.pp_stages} on {env.world} processes leaves "
-                         f"{env.dp} data-parallel ranks, which slapo train cannot combine with "
-                         "a pipeline yet (DDP cannot hold a stage; pipelined FSDP2 does not "
-                         "resume); run pp_stages x tp processes, or drop --pp-stages")
+                         f"{env.dp} data-parallel ranks, and DDP cannot hold a pipeline "
+                         "stage: add --dp-shard (FSDP2 over the data-parallel ranks of each "
+                         "stage), or run pp_stages x tp processes")
     return "fsdp" if cfg.dp_shard else "ddp"
 
 
