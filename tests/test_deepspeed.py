@@ -274,8 +274,14 @@ def test_build_again_after_the_process_group_was_destroyed(deepspeed_one_rank, o
                             optimizer=torch.optim.AdamW, optimizer_kwargs={"lr": LR},
                             target="deepspeed", grad_accum=2)
         got = [tm.train_step(b) for b in batches[:2]]
+        # DeepSpeed's CPU shared-memory all-reduce (inference only) was not JIT-built: a 2-min
+        # C++ compile per fresh install (see slapo.runtime.deepspeed._no_inference_shm_build)
+        assert __import__("deepspeed").comm.comm.cdb.shm_comm_op is None
         dist.destroy_process_group()
         torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-5, atol=0)
+    import importlib  # the builder is DeepSpeed's own again after initialize
+
+    assert importlib.import_module("deepspeed.comm.torch").build_shm_op.__name__ == "build_shm_op"
 
 
 @needs_ds

@@ -52,7 +52,7 @@ def test_saved_bytes_match_eager_over_grid(make, hidden, impl, dropout):
     example = (torch.randn(2, 16, hidden, requires_grad=True),)
     shards = {tp: shard_block(block, tp) for tp in (1, 2)}  # the runtime's plan, one rank
     worst = 0.0
-    for batch, seq, tp, ckpt in itertools.product((1, 2, 4), (16, 48, 128), (1, 2), (False, True)):
+    for batch, seq, tp, ckpt in itertools.product((1, 4), (16, 48, 128), (1, 2), (False, True)):
         x = torch.randn(batch, seq, hidden, requires_grad=True)
         for include in (False, True):
             measured = measure_saved_bytes(shards[tp], (x,), checkpoint=ckpt, include_inputs=include)

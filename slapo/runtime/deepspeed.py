@@ -27,6 +27,7 @@ accelerator and the mesh's / `device`'s type is refused.
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -320,6 +321,34 @@ def build_deepspeed(sch, info: MeshInfo, config: StepConfig, *, optimizer, optim
     opt = optimizer(params, **(optimizer_kwargs or {})) if optimizer is not None else None
     forget_stale_groups()
     # With tp = pp = 1 the data-parallel group is the whole world, which is DeepSpeed's default.
-    engine, ds_opt, _, _ = ds.initialize(model=model, optimizer=opt, model_parameters=params,
-                                         config=cfg, dist_init_required=not dist.is_initialized())
+    with _no_inference_shm_build():
+        engine, ds_opt, _, _ = ds.initialize(model=model, optimizer=opt, model_parameters=params,
+                                             config=cfg,
+                                             dist_init_required=not dist.is_initialized())
     return DeepSpeedModule(engine, config, loss_fn), ds_opt
+
+
+@contextlib.contextmanager
+def _no_inference_shm_build():
+    """On DeepSpeed's CPU accelerator, skip the JIT build of its shared-memory all-reduce.
+
+    DeepSpeed's comm backend compiles `deepspeed_shm_comm` (C++, ninja) when it is first made:
+    about 2 minutes on 2 cores, again for every new install path (a fresh virtualenv, CI),
+    with every rank of the job waiting on the build lock. The op serves only
+    `inference_all_reduce` (DeepSpeed's inference kernels); training all-reduces through
+    torch.distributed either way, so a training run gains nothing from it. On CUDA nothing
+    is changed."""
+    import importlib
+
+    from deepspeed.accelerator import get_accelerator
+
+    comm_torch = importlib.import_module("deepspeed.comm.torch")  # not ds.comm.torch: torch
+    if get_accelerator().device_name() != "cpu" or not hasattr(comm_torch, "build_shm_op"):
+        yield
+        return
+    built = comm_torch.build_shm_op
+    comm_torch.build_shm_op = lambda: None
+    try:
+        yield
+    finally:
+        comm_torch.build_shm_op = built
