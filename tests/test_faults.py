@@ -148,6 +148,29 @@ def test_finish_watch_turns_a_comm_error_into_a_peer_failure(store_env):
     assert w2.exit_record(0) == "error own: ValueError: its own bug"
 
 
+def test_a_comm_error_wrapped_by_torch_pipelining_is_still_a_comm_error():
+    """torch's PipelineStage re-raises a forward's error as `RuntimeError(...) from e`: the
+    rank whose FSDP2 all-gather lost its peer must not report itself as the failing one."""
+    gloo = RuntimeError("[pair.cc:553] Connection closed by peer [127.0.0.1]:40088")
+    try:
+        try:
+            raise gloo
+        except RuntimeError as e:
+            raise RuntimeError("\n  [Stage 1] failed to run forward:\n  args: (...)") from e
+    except RuntimeError as wrapped:
+        assert faults.is_comm_failure(wrapped)
+    try:
+        try:
+            raise ValueError("its own bug")
+        except ValueError as e:
+            raise RuntimeError("[Stage 1] failed to run forward") from e
+    except RuntimeError as wrapped:
+        assert not faults.is_comm_failure(wrapped)
+        # what the peers are told: the original error, not torch's empty first line
+        assert faults.describe(wrapped) == ("ValueError: its own bug ([Stage 1] failed to run "
+                                            "forward)")
+
+
 # ---- an exception in one stage's forward reaches every rank ------------------------------------
 def job_stage_raises(fail_rank: int, fail_step: int, retry: bool) -> dict:
     """Build a 2-stage GPT-2 pipeline run; make the decoder block on `fail_rank` raise during
@@ -370,7 +393,7 @@ class Launch:
     """`torchrun --standalone --nproc-per-node 2 -m slapo.cli train ...`, its output read line
     by line with arrival times (to time the exit from the moment a rank announced its death)."""
 
-    def __init__(self, out: Path, *flags: str, fault: str | None = None):
+    def __init__(self, out: Path, *flags: str, fault: str | None = None, nproc: int = 2):
         import threading
 
         env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
@@ -379,7 +402,7 @@ class Launch:
         if fault:
             env[faults.ENV] = fault
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               "--nproc-per-node", "2", "-m", "slapo.cli", "train", *FLAGS,
+               "--nproc-per-node", str(nproc), "-m", "slapo.cli", "train", *FLAGS,
                "--dist-timeout", "600", "--out", str(out), *flags]
         self.proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, text=True,
@@ -548,3 +571,26 @@ def test_backward_fault_under_torchrun_stops_every_rank_with_the_named_error(tmp
     assert "stopped: rank 1" not in text, text[-3000:]  # no PeerFailure: nobody died
     assert end - t0 < KILL_BOUND_S, (end - t0, text[-3000:])
     assert [ckpt.step_of(p) for p in ckpt.candidates(tmp_path / "run")] == [1]
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_backward_fault_with_fsdp2_replicas_stops_the_job_at_once(tmp_path):
+    """dp=2 x pp=2 with --dp-shard (4 ranks): a stage backward that raises cannot keep its
+    FSDP2 replica's all-gathers and reduce-scatters in step (the job hung until the collective
+    timeout), so it is raised at once: every rank exits well before --dist-timeout 600, the
+    failing rank with its own error and a note saying why, the others naming it."""
+    launch = Launch(tmp_path / "run", "--steps", "3", "--pp-stages", "2", "--dp-shard",
+                    fault="raise:pp_backward=2:rank=1", nproc=4)
+    try:
+        t0 = _announced(launch, what="raising on rank")
+        end = launch.wait(KILL_BOUND_S + 120)
+    finally:
+        launch.stop()
+    text = launch.text
+    assert launch.proc.returncode != 0, text[-3000:]
+    assert end - t0 < KILL_BOUND_S, (end - t0, text[-3000:])
+    assert "slapo: raised in pipeline stage 1 backward on rank 1. With FSDP2" in text, text[-3000:]
+    injected = "InjectedFault: SLAPO_FAULT: injected failure at the pp_backward of step 2 on rank 1"
+    peers = [line for line in text.splitlines() if line.startswith("slapo train: error: rank")]
+    assert peers and all(f"stopped: rank 1 failed: {injected}" in line for line in peers), peers

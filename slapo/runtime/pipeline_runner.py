@@ -44,6 +44,11 @@ backwards go through the same guarded call, `guard_stage_backward`). Its forward
 rest of the step return `_fallback` zeros, as after a forward failure. A backward failure
 leaves no stale state (the next step zeroes the gradients and re-infers nothing), so the same
 pipeline can step again, on the first step too.
+
+Not so under FSDP2 over more than one data-parallel rank: a stage's replicas all-gather its
+parameters in every forward and backward, together, and a stage that skipped the rest of its
+step would leave them waiting. There a stage's error is raised at once on its rank
+(`PipelineRunner._replicas_in_lockstep`) and the job stops.
 """
 
 from __future__ import annotations
@@ -336,9 +341,36 @@ class PipelineRunner:
 
     def _fail(self, error: BaseException, order: int, phase: str | None = None) -> None:
         """Record the first error of this step on this rank (`order`: where in the pipeline;
-        `phase`: the same in words, for the message the other ranks raise)."""
+        `phase`: the same in words, for the message the other ranks raise).
+
+        Under FSDP2 over more than one data-parallel rank the error is raised at once instead
+        (`_replicas_in_lockstep`)."""
         if self._error is None:
             self._error, self._error_order, self._error_phase = error, order, phase
+        if self._replicas_in_lockstep():
+            if hasattr(error, "add_note"):
+                error.add_note(f"slapo: raised in pipeline {phase} on rank {dist.get_rank()}. "
+                               "With FSDP2 over more than one data-parallel rank a failed "
+                               "stage cannot keep its replicas' parameter all-gathers and "
+                               "gradient reduce-scatters in step, so it is raised at once: "
+                               "the job stops (the other ranks fail on their next collective "
+                               "when this process exits), and resumes from a checkpoint.")
+            raise error
+
+    def _replicas_in_lockstep(self) -> bool:
+        """Whether this rank's stages are FSDP2-sharded over more than one data-parallel rank.
+
+        Then every forward and backward of a stage all-gathers parameters (and the step's
+        end reduce-scatters gradients, per parameter group that got one) together with the
+        stage's replicas. A stage that skips the rest of its step after a failure, as the
+        guards do, calls fewer of them, and its replicas would wait in theirs until the
+        collective timeout (seen: dp=2 x pp=2, torch 2.13, gloo; the whole job hung). No
+        stand-in can replay them, so the error is raised where it happened."""
+        if self.info.dp <= 1:
+            return False
+        from torch.distributed.fsdp import FSDPModule
+
+        return any(isinstance(m, FSDPModule) for s in self.modules for m in s.modules())
 
     def stage_forward(self, stage_id: int, inner: Callable, args: tuple, kwargs: dict) -> Any:
         """A stage's forward inside `schedule.step`: run it; if it raises (or this rank already

@@ -172,9 +172,34 @@ _COMM_HINTS = ("connection closed", "connection reset", "broken pipe", "timed ou
 
 
 def is_comm_failure(exc: BaseException | None) -> bool:
-    """Did this rank stop because talking to another rank failed (not for its own reason)?"""
-    if exc is None:
-        return False
+    """Did this rank stop because talking to another rank failed (not for its own reason)?
+
+    The exception's causes count too: torch's pipeline stage re-raises whatever its forward
+    hit (e.g. FSDP2's parameter all-gather finding its peer gone) as a bare
+    `RuntimeError("[Stage 1] failed to run forward ...") from e`, and without looking at
+    `e` this rank would report itself as the failing one."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if _is_comm_error(exc):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+def describe(exc: BaseException) -> str:
+    """`Type: message` of the error a peer should read: the original one when torch's
+    pipeline stage wrapped it (`RuntimeError("\n[Stage 1] failed to run forward: args ...")
+    from e`, whose first line is empty), with the stage it came from."""
+    text = str(exc).strip()
+    cause = exc.__cause__
+    if isinstance(exc, RuntimeError) and cause is not None and "] failed to run " in text:
+        stage = text.splitlines()[0].rstrip(":").strip()
+        return f"{type(cause).__name__}: {cause} ({stage})"
+    return f"{type(exc).__name__}: {exc}"
+
+
+def _is_comm_error(exc: BaseException) -> bool:
     if isinstance(exc, Terminated):
         return True
     import torch.distributed as dist
@@ -356,7 +381,7 @@ def finish_watch(watch: PeerWatch | None, exc: BaseException | None) -> None:
         watch.record_exit("done")
     else:
         kind = "comm" if comm else "own"
-        watch.record_exit(f"error {kind}: {type(exc).__name__}: {exc}")
+        watch.record_exit(f"error {kind}: {describe(exc)}")
     culprits: list[tuple[int, str]] = []
     if comm:
         with contextlib.suppress(Exception):  # the store may be gone with the job
