@@ -12,8 +12,8 @@ from .schedule import Schedule
 def consolidate(model_or_sch: nn.Module | Schedule) -> dict[str, torch.Tensor]:
     """Full state dict (same keys as the unscheduled model) with every shard gathered.
 
-    A collective on each shard's group (FSDP2's data-parallel group too): call it on every rank. The result can be loaded into the
-    original, unscheduled model with `load_state_dict`.
+    A collective on each shard's group (FSDP2's data-parallel group too): call it on every
+    rank. The result can be loaded into the original, unscheduled model with `load_state_dict`.
     """
     model = model_or_sch.mod if isinstance(model_or_sch, Schedule) else model_or_sch
     specs = {}

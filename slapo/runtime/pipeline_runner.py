@@ -334,28 +334,33 @@ class PipelineRunner:
                 else:
                     loss = compute_loss(outputs, mb, self.loss_fn)
         except Exception as e:  # noqa: BLE001 - re-raised on every rank after the step
-            self._fail(e, self.plan.num_stages, "the loss")
+            self._fail_in_schedule(e, self.plan.num_stages, "the loss")
             return _zero_loss(output)
         self._losses.append(loss.detach())
         return self.precision.loss_for_backward(loss) * (self._scale / self.plan.num_microbatches)
 
     def _fail(self, error: BaseException, order: int, phase: str | None = None) -> None:
         """Record the first error of this step on this rank (`order`: where in the pipeline;
-        `phase`: the same in words, for the message the other ranks raise).
-
-        Under FSDP2 over more than one data-parallel rank the error is raised at once instead
-        (`_replicas_in_lockstep`)."""
+        `phase`: the same in words, for the message the other ranks raise)."""
         if self._error is None:
             self._error, self._error_order, self._error_phase = error, order, phase
-        if self._replicas_in_lockstep():
-            if hasattr(error, "add_note"):
-                error.add_note(f"slapo: raised in pipeline {phase} on rank {dist.get_rank()}. "
-                               "With FSDP2 over more than one data-parallel rank a failed "
-                               "stage cannot keep its replicas' parameter all-gathers and "
-                               "gradient reduce-scatters in step, so it is raised at once: "
-                               "the job stops (the other ranks fail on their next collective "
-                               "when this process exits), and resumes from a checkpoint.")
-            raise error
+
+    def _fail_in_schedule(self, error: BaseException, order: int, phase: str) -> None:
+        """`_fail` for an error inside the schedule (a stage's forward or backward, the loss):
+        from then on this rank's stages skip their work for the step. Under FSDP2 over more
+        than one data-parallel rank that would leave the replicas waiting
+        (`_replicas_in_lockstep`), so there the error is raised at once instead."""
+        self._fail(error, order, phase)
+        if not self._replicas_in_lockstep():
+            return
+        if hasattr(error, "add_note"):
+            error.add_note(f"slapo: raised in pipeline {phase} on rank {dist.get_rank()}. With "
+                           "FSDP2 over more than one data-parallel rank a failed stage cannot "
+                           "keep its replicas' parameter all-gathers and gradient "
+                           "reduce-scatters in step, so it is raised at once: the job stops "
+                           "(the other ranks fail on their next collective when this process "
+                           "exits), and resumes from a checkpoint.")
+        raise error
 
     def _replicas_in_lockstep(self) -> bool:
         """Whether this rank's stages are FSDP2-sharded over more than one data-parallel rank.
@@ -365,7 +370,8 @@ class PipelineRunner:
         stage's replicas. A stage that skips the rest of its step after a failure, as the
         guards do, calls fewer of them, and its replicas would wait in theirs until the
         collective timeout (seen: dp=2 x pp=2, torch 2.13, gloo; the whole job hung). No
-        stand-in can replay them, so the error is raised where it happened."""
+        stand-in can replay them, so the error is raised where it happened. (A failure while
+        preparing the step happens before any stage runs: the usual agreement serves it.)"""
         if self.info.dp <= 1:
             return False
         from torch.distributed.fsdp import FSDPModule
@@ -380,7 +386,7 @@ class PipelineRunner:
             try:
                 out = inner(*args, **kwargs)
             except Exception as e:  # noqa: BLE001 - re-raised on every rank after the step
-                self._fail(e, stage_id, f"stage {stage_id} forward")
+                self._fail_in_schedule(e, stage_id, f"stage {stage_id} forward")
             else:
                 self._templates[stage_id] = _template(out)
                 return out
@@ -400,7 +406,7 @@ class PipelineRunner:
                     hook(stage_id)
                 return inner()
             except Exception as e:  # noqa: BLE001 - re-raised on every rank after the step
-                self._fail(_unwrap_stage_error(e), self.backward_order(stage_id),
+                self._fail_in_schedule(_unwrap_stage_error(e), self.backward_order(stage_id),
                            f"stage {stage_id} backward")
         return _zero_input_grads(kind, bwd_kwargs)
 
@@ -571,12 +577,11 @@ def guard_stage_backward(stage, stage_id: int) -> None:
 
     The hook point is `backward_maybe_with_nosync(backward_type, bwd_kwargs, ...)`: the one
     method every torch schedule's backward goes through (full backward, and the input and
-    weight halves of the zero-bubble schedules); tested on torch 2.13. With FSDP over more
-    than one data-parallel rank, a torch whose last-micro-batch gradient reduce-scatter runs
-    inside that method (older releases; 2.13 reduces separately) would leave the failing rank's
-    peers in that reduce-scatter until the collective timeout: untested. A torch without the
-    method keeps the unguarded backward (then a backward error reaches the other ranks only at the
-    collective timeout, as before). torch 2.13's first step also runs each stage's backward
+    weight halves of the zero-bubble schedules); tested on torch 2.13. (Under FSDP2 over more
+    than one data-parallel rank the error is raised at once instead: see
+    `PipelineRunner._fail_in_schedule`.) A torch without the method keeps the unguarded
+    backward (then a backward error reaches the other ranks only at the collective timeout,
+    as before). torch 2.13's first step also runs each stage's backward
     once on real tensors to infer the gradient shapes (`_compute_input_grads`): guarded too
     (`guard_metadata_backward`)."""
     guard_metadata_backward(stage, stage_id)

@@ -171,7 +171,7 @@ class Layout:
                   ) -> torch.Tensor:
         """The TP-local tensor gathered over dp, saved as a TP-only shard; restore copies this
         rank's FSDP2 chunk back."""
-        full = value.full_tensor().detach().clone()
+        full = value.full_tensor().detach()  # a fresh all-gather output
         saved = self._tp_dtensor(full, spec)
         mesh = value.device_mesh
 
