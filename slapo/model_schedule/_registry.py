@@ -236,6 +236,9 @@ def _validate_plan(sch, family, tp, attention, fuse, kernels, pp_stages, sp) -> 
 
 
 def _check_pipeline(sch: Schedule, layers: list[Schedule], stages: int) -> None:
+    from ..runtime.partition import check_partitionable
+
+    check_partitionable(sch.mod)  # the model kind `build` could not partition, before any cut
     if len(layers) < stages:
         raise SchedulingError(sch.path, f"{len(layers)} layers cannot make {stages} stages.",
                               "use fewer pipeline stages.")

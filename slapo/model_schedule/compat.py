@@ -15,7 +15,7 @@ Each 2023 key maps onto a knob of `apply` (or a primitive call after it):
 | `attn_op_name` | "cuda"/"triton" -> `attention="flash"` when flash-attn and CUDA exist, else "sdpa"; "auto"/"cutlass" -> "sdpa"; "native_*" (reference einsum) -> "eager" |
 | `disable_fuse_bias_gelu` / `disable_fusion` | `fuse = not ...` (default: no fusion, as 2023) |
 | `ckpt_ratio`, `checkpoint_method` | n = round(ratio * L) layers: "head" the first n, "uniform" n evenly spaced |
-| `pipeline_cuts` | `cut_pipeline_stage()` after each listed layer; T5 takes [[encoder], [decoder]] |
+| `pipeline_cuts` | `cut_pipeline_stage()` after each listed layer (T5 and ALBERT are refused: no stages) |
 | `sequence_parallel` | `sequence_parallel` |
 | `disable_shard_embedding` | `vocab_parallel = not ...` |
 | `bcast_input` | a forward pre-hook broadcasting tensor inputs from the group's first rank |
@@ -134,6 +134,10 @@ def _validated(model: nn.Module, key: str, cfg: dict) -> dict:
         raise SchedulingError("", f"{', '.join(given)} mean nothing for the wideresnet "
                               "schedule (a CNN has no attention, embedding or sequence).",
                               "drop them.")
+    if cfg.get("pipeline_cuts") and key != "wideresnet":
+        from ..runtime.partition import check_partitionable
+
+        check_partitionable(model)  # T5, ALBERT: refused here, not at build after the cuts
     if cfg.get("bf16") and cfg.get("fp16"):
         raise SchedulingError("", "bf16 and fp16 are both set.", "choose one.")
     if cfg.get("checkpoint_method", "uniform") not in CHECKPOINT_METHODS:

@@ -8,6 +8,8 @@ checkpoint, traced/fused graphs) comes along and parameter names stay those of t
 Decoder LMs (GPT-2, LLaMA, ...) get `stages_decoder.HFDecoderStage`; encoders (BERT, RoBERTa:
 the base model, or `*ForMaskedLM` with its head on the last stage) `stages_encoder.BertStage`;
 torchvision-layout ResNets `stages_resnet.ResNetStage`.
+Only model types whose forward the stages are checked to reproduce are partitioned
+(`check_partitionable`, also called by `model_schedule.apply(pp_stages=...)` before it cuts).
 Other head classes (sequence classification, pre-training) are not partitioned: `build` refuses
 them, naming the parameters no stage holds (`check_stage_coverage`), instead of training
 without them. `slapo.pipeline` is the public (and 2023) name of this module's functions.
@@ -20,7 +22,7 @@ import torch.nn as nn
 
 from ..errors import SchedulingError
 from .stages_decoder import DecoderLayout, HFDecoderStage, layer_bounds, layout_of
-from .stages_encoder import BertStage, encoder_prefix
+from .stages_encoder import BertStage, check_encoder, encoder_prefix
 from .stages_resnet import partition as resnet_partition
 from .stages_resnet import resnet_prefix
 
@@ -28,6 +30,16 @@ from .stages_resnet import resnet_prefix
 def cuts_of(sch) -> list[str]:
     """The recorded stage boundaries, in model order."""
     return list(sch.pipeline_cuts)
+
+
+def check_partitionable(model: nn.Module) -> None:
+    """Raise the error `partition` would raise for this model's kind, before anything is cut."""
+    if resnet_prefix(model) is not None:
+        return
+    if encoder_prefix(model) is not None:
+        check_encoder(model)
+    else:
+        layout_of(model)
 
 
 def partition(sch_or_model, num_stages: int | None = None) -> list[nn.Module]:
@@ -48,7 +60,8 @@ def partition(sch_or_model, num_stages: int | None = None) -> list[nn.Module]:
     prefix = encoder_prefix(model)
     if prefix is None:
         return _decoder_stages(sch, n)
-    bounds = _bounds(sch, DecoderLayout("bert", prefix + "encoder.layer", (), ()), n)
+    check_encoder(model)
+    bounds = _bounds(sch, DecoderLayout("bert", (), prefix + "encoder.layer", (), ()), n)
     return [BertStage(model, prefix, lo, hi, s == 0, s == n - 1)
             for s, (lo, hi) in enumerate(bounds)]
 

@@ -27,34 +27,98 @@ from ..errors import SchedulingError
 
 @dataclass(frozen=True)
 class DecoderLayout:
-    """Where a decoder LM keeps its parts (paths relative to the root)."""
+    """Where a decoder LM keeps its parts (paths relative to the root), and which HF model types
+    it covers.
 
-    family: str
+    A stage re-implements what the model's `forward` does between its layers (embedding,
+    positions, masks, final norm). That code is only right for the model types listed in
+    `model_types`, each checked against the model's own forward by a test
+    (`tests/test_pipeline_families.py`); another model with the same module names (Gemma,
+    Cohere, Granite scale their embeddings or logits) would train silently wrong, so it is
+    refused by `layout_of`."""
+
+    family: str  # how stages embed and call layers: "gpt2", "llama" or "opt"
+    model_types: tuple[str, ...]
     layers: str
     embed: tuple[str, ...]
     final: tuple[str, ...]
     shared: tuple[str, ...] = ()  # parameter-free modules every stage needs (rotary embedding)
+    optional: tuple[str, ...] = ()  # parts some configs leave out (None in the model)
 
 
-GPT2 = DecoderLayout("gpt2", "transformer.h", ("transformer.wte", "transformer.wpe",
-                                               "transformer.drop"), ("transformer.ln_f", "lm_head"))
-LLAMA = DecoderLayout("llama", "model.layers", ("model.embed_tokens",), ("model.norm", "lm_head"),
-                      ("model.rotary_emb",))
+GPT2 = DecoderLayout("gpt2", ("gpt2", "gpt_neo"), "transformer.h",
+                     ("transformer.wte", "transformer.wpe", "transformer.drop"),
+                     ("transformer.ln_f", "lm_head"))
+LLAMA = DecoderLayout("llama", ("llama", "mistral", "qwen2", "qwen3"), "model.layers",
+                      ("model.embed_tokens",), ("model.norm", "lm_head"), ("model.rotary_emb",))
+OPT = DecoderLayout("opt", ("opt",), "model.decoder.layers",
+                    ("model.decoder.embed_tokens", "model.decoder.embed_positions",
+                     "model.decoder.project_in"),
+                    ("model.decoder.final_layer_norm", "model.decoder.project_out", "lm_head"),
+                    optional=("model.decoder.project_in", "model.decoder.final_layer_norm",
+                              "model.decoder.project_out"))
+LAYOUTS = (GPT2, LLAMA, OPT)
+
+# How each model type's forward picks a layer's attention mask: "causal" (one causal mask),
+# "window" (Mistral, Phi-3: a sliding-window mask for every layer when `config.sliding_window`
+# is set) or "layer_types" (Qwen2/3: `config.layer_types[i]` names full or sliding attention).
+MASK_RULE = {"mistral": "window", "qwen2": "layer_types", "qwen3": "layer_types"}
+
+# Model types whose stages are not built, and why (named in the refusal).
+UNSUPPORTED = {
+    "albert": "ALBERT applies one shared layer at every depth, so its depth cannot be split "
+              "into stages that own their layers",
+    "t5": "encoder-decoder models need both stacks' hidden states (and T5's relative position "
+          "bias from the first block of each) in every stage; those stages are not built",
+}
+
+
+def _has(model: nn.Module, path: str) -> bool:
+    try:
+        model.get_submodule(path)
+    except AttributeError:
+        return False
+    return True
 
 
 def layout_of(model: nn.Module) -> DecoderLayout:
-    for layout in (GPT2, LLAMA):
-        try:
-            model.get_submodule(layout.layers)
-            for p in layout.embed + layout.final + layout.shared:
-                model.get_submodule(p)
-        except AttributeError:
+    """The layout of `model`, refused unless its model type is one whose forward the stages are
+    known to reproduce (see `DecoderLayout`)."""
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    name = type(model).__name__
+    if model_type in UNSUPPORTED:
+        raise SchedulingError("", f"pipeline stages of {name}: {UNSUPPORTED[model_type]}.",
+                              "train it without pp_stages (tensor or data parallelism), or "
+                              "pipeline a decoder LM (" + ", ".join(supported_types()) + ").")
+    for layout in LAYOUTS:
+        parts = layout.embed + layout.final + layout.shared
+        if not _has(model, layout.layers) or not all(
+                _has(model, p) for p in parts if p not in layout.optional):
             continue
+        if model_type not in layout.model_types:
+            raise SchedulingError("", f"{name} (model_type={model_type!r}) is laid out like "
+                                  f"{layout.family} ({layout.layers}), but pipeline stages "
+                                  "re-implement the model's forward between layers and are "
+                                  f"checked for {', '.join(supported_types())} only; another "
+                                  "model type may scale or mask differently and train wrong.",
+                                  "use one of those model types, or train without pp_stages.")
+        _check_config(model, layout)
         return layout
-    raise SchedulingError("", f"pipeline stages are built for HF decoder LMs laid out like "
-                          f"GPT-2 (transformer.h) or LLaMA (model.layers); {type(model).__name__} "
-                          "is neither.", "use a GPT-2/LLaMA-style model (or a BERT-like encoder: "
-                          "slapo.runtime.partition covers both).")
+    raise SchedulingError("", f"pipeline stages are built for HF decoder LMs "
+                          f"({', '.join(supported_types())}) and BERT-like encoders; "
+                          f"{name} is neither.", "use one of those models, or train without "
+                          "pp_stages.")
+
+
+def supported_types() -> list[str]:
+    return [t for lay in LAYOUTS for t in lay.model_types]
+
+
+def _check_config(model: nn.Module, layout: DecoderLayout) -> None:
+    if layout.family == "opt" and getattr(model.config, "layerdrop", 0.0) > 0.0:
+        raise SchedulingError("", f"OPT's layerdrop={model.config.layerdrop} skips random "
+                              "layers in training; pipeline stages run every layer.",
+                              "set config.layerdrop = 0.0.")
 
 
 def layer_bounds(cuts: list[str], layout: DecoderLayout, n_layers: int) -> list[tuple[int, int]]:
@@ -112,48 +176,79 @@ class HFDecoderStage(nn.Module):
         out = list(lay.embed) if self.first else []
         out += [f"{lay.layers}.{i}" for i in range(self.lo, self.hi)]
         out += list(lay.final) if self.last else []
-        return out + list(lay.shared)
+        out += list(lay.shared)
+        root = self._root[0]
+        return [p for p in out if p not in lay.optional or _has(root, p)]
 
     def _init_weights(self, module: nn.Module) -> None:  # delayed init uses the model's own
         self._root[0]._init_weights(module)
 
-    def _get(self, path: str) -> nn.Module:
+    def _get(self, path: str) -> nn.Module | None:
+        """The stage's module at `path`; None for an optional part this model leaves out."""
+        if path in self.layout.optional and not _has(self, path):
+            return None
         return self.get_submodule(path)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lay = self.layout
-        if self.first:
-            h = self._embed(x)
-        else:
-            h = x
+        h = self._embed(x) if self.first else x
         pos = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
-        mask = self._causal_mask(h, pos)
+        masks = self._masks(h, pos)
         extra = {}
         if lay.family == "llama":
             extra["position_embeddings"] = self._get("model.rotary_emb")(h, position_ids=pos)
         for i in range(self.lo, self.hi):
             layer = self._get(f"{lay.layers}.{i}")
+            mask = masks[self._attention_type(i)]
             if lay.family == "gpt2":
-                h = layer(h, None, mask, None, use_cache=False, position_ids=pos)
+                out = layer(h, attention_mask=mask, use_cache=False)
             else:
-                h = layer(h, attention_mask=mask, position_ids=pos, use_cache=False, **extra)
+                out = layer(h, attention_mask=mask, position_ids=pos, use_cache=False, **extra)
+            h = out[0] if isinstance(out, tuple) else out  # GPT-Neo's blocks return tuples
         if self.last:
             for path in lay.final:
-                h = self._get(path)(h)
+                module = self._get(path)
+                h = h if module is None else module(h)
         return h
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
-        if self.layout.family == "gpt2":
-            pos = torch.arange(ids.shape[1], device=ids.device).unsqueeze(0)
+        pos = torch.arange(ids.shape[1], device=ids.device).unsqueeze(0)
+        family = self.layout.family
+        if family == "gpt2":
             h = self._get("transformer.wte")(ids) + self._get("transformer.wpe")(pos)
             return self._get("transformer.drop")(h)
+        if family == "opt":  # learned positions (offset 2), then project_in if the model has it
+            h = self._get("model.decoder.embed_tokens")(ids)
+            ones = torch.ones(ids.shape, device=ids.device)
+            p = self._get("model.decoder.embed_positions")(ones, 0, position_ids=pos)
+            project_in = self._get("model.decoder.project_in")
+            h = h if project_in is None else project_in(h)
+            return h + p.to(h.device)
         return self._get("model.embed_tokens")(ids)
 
-    def _causal_mask(self, h: torch.Tensor, pos: torch.Tensor):
-        from transformers.masking_utils import create_causal_mask
+    def _attention_type(self, i: int) -> str:
+        rule = MASK_RULE.get(self.config.model_type, "causal")
+        if rule == "window" and getattr(self.config, "sliding_window", None) is not None:
+            return "sliding_attention"
+        if rule == "layer_types" and getattr(self.config, "layer_types", None):
+            return self.config.layer_types[i]
+        return "full_attention"
 
-        return create_causal_mask(config=self.config, inputs_embeds=h, attention_mask=None,
-                                  past_key_values=None, position_ids=pos)
+    def _masks(self, h: torch.Tensor, pos: torch.Tensor) -> dict:
+        """The masks this stage's layers use, made as the model's forward makes them."""
+        from transformers import masking_utils
+
+        kw = {"config": self.config, "inputs_embeds": h, "attention_mask": None,
+              "past_key_values": None, "position_ids": pos}
+        kinds = {self._attention_type(i) for i in range(self.lo, self.hi)}
+        make = {"full_attention": masking_utils.create_causal_mask,
+                "sliding_attention": masking_utils.create_sliding_window_causal_mask}
+        unknown = kinds - set(make)
+        if unknown:
+            raise SchedulingError(self.layout.layers, f"attention types {sorted(unknown)} of "
+                                  f"{type(self._root[0]).__name__} have no pipeline mask.",
+                                  "use full or sliding attention layers, or no pp_stages.")
+        return {k: make[k](**kw) for k in kinds}
 
     # ---- what the pipeline runtime asks the last stage ----------------------------------------
     def pipeline_outputs(self, logits: torch.Tensor):

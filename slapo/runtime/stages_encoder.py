@@ -16,6 +16,10 @@ ENCODER_PREFIXES = ("", "bert.", "roberta.")
 # RobertaForMaskedLM: `lm_head`); other head classes are refused at build, naming the
 # parameters no stage would hold (`slapo.runtime.partition.check_stage_coverage`)
 MLM_HEADS = ("cls", "lm_head")
+# the model types whose forward `BertStage` reproduces (checked by tests against the model's
+# own): another encoder with BERT's module names (DeBERTa, ELECTRA-style) embeds or attends
+# differently, so it is refused rather than pipelined wrong
+ENCODER_TYPES = ("bert", "roberta")
 
 
 def encoder_prefix(model: nn.Module) -> str | None:
@@ -27,6 +31,17 @@ def encoder_prefix(model: nn.Module) -> str | None:
         except AttributeError:
             continue
     return None
+
+
+def check_encoder(model: nn.Module) -> None:
+    """Refuse an encoder whose forward `BertStage` is not known to reproduce."""
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if model_type not in ENCODER_TYPES:
+        raise SchedulingError("", f"{type(model).__name__} (model_type={model_type!r}) is laid "
+                              "out like BERT, but encoder pipeline stages are checked for "
+                              f"{', '.join(ENCODER_TYPES)} only; another encoder may embed or "
+                              "attend differently and train wrong.", "use BERT or RoBERTa, or "
+                              "train without pp_stages.")
 
 
 def mlm_head(model: nn.Module) -> str | None:
