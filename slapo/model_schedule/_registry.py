@@ -133,7 +133,8 @@ def apply(model_or_sch: nn.Module | Schedule, *, tp: int | None = None, ckpt_rat
     - `fused_loss`: the LM head and cross-entropy as one chunked op (no logits; see
       `model_schedule.fused_loss`); needs an unsharded head (`vocab_parallel=False` under TP);
     - `kernels`: swap in Slapo's fused GPU kernels (RMSNorm, LayerNorm, SwiGLU, GELU; see
-      `model_schedule.kernels`), exact PyTorch fallbacks on CPU.
+      `model_schedule.kernels`), exact PyTorch fallbacks on CPU. With `fuse=True` too, the
+      LLaMA family's MLPs take the SwiGLU kernel instead of `fuse`'s compiled SwiGLU.
     """
     sch = model_or_sch if isinstance(model_or_sch, Schedule) else \
         create_schedule(model_or_sch, group=group, mesh=mesh)
@@ -161,7 +162,7 @@ def apply(model_or_sch: nn.Module | Schedule, *, tp: int | None = None, ckpt_rat
             _sp.split_and_gather(sch, family, vocab_parallel)
         elif vocab_parallel:
             _common.vocab_parallel(sch)
-    if fuse:
+    if fuse and not (kernels and _kernel_fuses_mlp(family)):
         _fuse_mlps(sch, family, fuse_compiler)
     if kernels:
         from .kernels import apply_kernels
@@ -336,6 +337,15 @@ def _check_fusable(sch: Schedule, family: Family) -> None:
 def _mlps(sch: Schedule, family: Family) -> list[Schedule]:
     return [layer[rel] for layer in layers_of(sch, family) for rel in family.mlp_paths
             if rel in layer]
+
+
+def _kernel_fuses_mlp(family: Family) -> bool:
+    """With `kernels=True`, the LLaMA family's whole gated MLP becomes `FusedLlamaMLP` (its
+    SwiGLU kernel), which supersedes `fuse`'s compiler-fused `silu(gate) * up` of the same MLP;
+    both at once would trace the MLP and then find no SiLU module left to swap."""
+    from .kernels import PLANS
+
+    return "swiglu_mlp" in PLANS.get(family.name, ())
 
 
 def _fuse_mlps(sch: Schedule, family: Family, compiler: str) -> None:
