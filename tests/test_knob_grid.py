@@ -67,6 +67,15 @@ def all_pairs(factors: dict[str, list]) -> list[dict]:
 ROWS = all_pairs(FACTORS)
 
 
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    """Each family compiles its layer class's forward once per compiled row: leave no compiled
+    code behind, or a later test in this worker may find the recompile limit reached."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
 def _knobs(row: dict) -> dict:
     ratio, policy = row["ckpt"]
     knobs = {k: v for k, v in row.items() if k != "ckpt"}

@@ -186,6 +186,9 @@ def _real_compiled_saved(model, layer, args, kwargs):
     import torch
     from torch.utils._pytree import tree_flatten
 
+    # a fresh dynamo: earlier tests in this worker may have used up the recompile limit of
+    # this layer class's forward, and dynamo then runs it eagerly (no compiled node)
+    torch._dynamo.reset()
     out = torch.compile(layer, backend="aot_eager", dynamic=False)(*args, **kwargs)
     node = tree_flatten(out)[0][0].grad_fn
     while "Compiled" not in type(node).__name__:

@@ -68,6 +68,7 @@ from ..errors import SchedulingError
 from .batch import Batch, batch_size, index_batch
 from .mesh import MeshInfo
 from .precision import Precision
+from .token_mean import TokenMean
 from .train_step import LossFn, compute_loss
 
 V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
@@ -309,6 +310,7 @@ class PipelineRunner:
         self.precision = precision or Precision()
         self._batch: Batch | None = None
         self._scale = 1.0
+        self._tokens: TokenMean | None = None
         self._losses: list[torch.Tensor] = []
         self._error: BaseException | None = None
         self._error_order = 0
@@ -336,8 +338,10 @@ class PipelineRunner:
         except Exception as e:  # noqa: BLE001 - re-raised on every rank after the step
             self._fail_in_schedule(e, self.plan.num_stages, "the loss")
             return _zero_loss(output)
-        self._losses.append(loss.detach())
-        return self.precision.loss_for_backward(loss) * (self._scale / self.plan.num_microbatches)
+        weight = self._scale / self.plan.num_microbatches if self._tokens is None \
+            else self._tokens.weight(mb)
+        self._losses.append(loss.detach().double() * weight)
+        return self.precision.loss_for_backward(loss) * weight
 
     def _fail(self, error: BaseException, order: int, phase: str | None = None) -> None:
         """Record the first error of this step on this rank (`order`: where in the pipeline;
@@ -414,11 +418,14 @@ class PipelineRunner:
         """Backward runs after the loss, from the last stage to the first."""
         return 2 * self.plan.num_stages - stage_id
 
-    def forward_backward(self, batch: Batch, scale: float, sync_grads: bool) -> torch.Tensor:
-        return self._run(batch, scale, self.schedule.step, "running the stages and the loss",
-                         return_outputs=False)
+    def forward_backward(self, batch: Batch, scale: float, sync_grads: bool,
+                         tokens: TokenMean | None = None) -> torch.Tensor:
+        """The slice's loss, each micro-batch's weighted by `scale / num_microbatches` or by its
+        share of the step's supervised tokens (`tokens`); returns their sum."""
+        return self._run(batch, scale, tokens, self.schedule.step,
+                         "running the stages and the loss", return_outputs=False)
 
-    def evaluate(self, batch: Batch) -> torch.Tensor:
+    def evaluate(self, batch: Batch, tokens: TokenMean | None = None) -> torch.Tensor:
         """Forward only (the schedule's `eval`), every stage in eval mode: the mean loss over
         the micro-batches on the last stage's rank (zero elsewhere: `reduce_loss` sums over
         the pp group)."""
@@ -429,14 +436,14 @@ class PipelineRunner:
         for m, _ in modes:
             m.eval()
         try:
-            return self._run(batch, 1.0, self.schedule.eval, "evaluating")
+            return self._run(batch, 1.0, tokens, self.schedule.eval, "evaluating")
         finally:
             for m, training in modes:
                 m.train(training)
 
-    def _run(self, batch: Batch, scale: float, run: Callable, where: str,
-             **run_kwargs: Any) -> torch.Tensor:
-        self._batch, self._scale, self._losses = batch, scale, []
+    def _run(self, batch: Batch, scale: float, tokens: TokenMean | None, run: Callable,
+             where: str, **run_kwargs: Any) -> torch.Tensor:
+        self._batch, self._scale, self._tokens, self._losses = batch, scale, tokens, []
         self._error, self._error_phase = None, None
         args, target = (), None
         try:  # what can fail before the step fails on its rank only: agree first
@@ -459,7 +466,7 @@ class PipelineRunner:
         # torch's first step also calls the loss once on uninitialised tensors to infer
         # gradient shapes; the real micro-batches are the last `num_microbatches` calls
         real = self._losses[-self.plan.num_microbatches:]
-        return torch.stack(real).double().mean().cpu()
+        return torch.stack(real).sum().cpu()
 
     def finish_grads(self) -> None:
         self.tied.sync_grads(self.info)

@@ -11,6 +11,10 @@ The step is the same sequence whatever `build` composed:
     -> clip -> optimizer.step (fp16: skipped on inf/NaN) -> the loss, averaged over samples, as a
     float on every rank
 
+An HF language model's own loss is averaged over the supervised tokens of the whole global
+batch, not over slices, ranks or micro-batches (`slapo.runtime.token_mean`), so masked-LM and
+padded batches train like one process however the batch is split.
+
 Only the *runner* differs: `LocalRunner` runs the module (plain, DDP or FSDP2) on the slice;
 `slapo.runtime.pipeline_runner.PipelineRunner` runs a torch.distributed.pipelining schedule. Both get
 the step's `Precision` (`slapo.runtime.precision`): forward and loss under its `autocast()`,
@@ -48,6 +52,7 @@ from .batch import (
 )
 from .mesh import MeshInfo
 from .precision import Precision
+from .token_mean import TokenMean, token_mean
 
 LossFn = Callable[[Any, Batch], torch.Tensor]
 
@@ -73,8 +78,10 @@ def compute_loss(outputs: Any, batch: Batch, loss_fn: LossFn | None) -> torch.Te
 class Runner(Protocol):
     """Forward and backward of one slice of the batch; gradients accumulate in `.grad`."""
 
-    def forward_backward(self, batch: Batch, scale: float, sync_grads: bool) -> torch.Tensor:
-        """Return the slice's mean loss (detached; zero on ranks that do not compute it)."""
+    def forward_backward(self, batch: Batch, scale: float, sync_grads: bool,
+                         tokens: TokenMean | None = None) -> torch.Tensor:
+        """Backward of the slice's loss x its weight (`scale`, or each unit's `tokens.weight`);
+        return that weighted loss, detached (zero on ranks that do not compute it)."""
 
     def finish_grads(self) -> None:
         """Complete gradients after the last slice (before clipping)."""
@@ -94,29 +101,33 @@ class LocalRunner:
             return self.module.no_sync()  # skip the all-reduce of this slice's gradients
         return nullcontext()
 
-    def forward_backward(self, batch: Batch, scale: float, sync_grads: bool) -> torch.Tensor:
+    def forward_backward(self, batch: Batch, scale: float, sync_grads: bool,
+                         tokens: TokenMean | None = None) -> torch.Tensor:
         if isinstance(self.module, FSDPModule):  # reduce-scatter only on the last slice
             self.module.set_requires_gradient_sync(sync_grads)
+        weight = scale if tokens is None else tokens.weight(batch)
         with self._no_sync(sync_grads):
             with self.precision.autocast():  # forward and loss; backward outside autocast
                 loss = compute_loss(call(self.module, batch), batch, self.loss_fn)
             grad_loss = self.precision.loss_for_backward(loss)  # fp32 (x the fp16 scale)
-            (grad_loss * scale if scale != 1 else grad_loss).backward()
-        return loss.detach()
+            (grad_loss * weight if tokens is not None or scale != 1 else grad_loss).backward()
+        return loss.detach().double() * weight
 
     def finish_grads(self) -> None:
         pass
 
-    def evaluate(self, batch: Batch) -> torch.Tensor:
-        """Forward and loss only, in eval mode, under the training precision."""
+    def evaluate(self, batch: Batch, tokens: TokenMean | None = None) -> torch.Tensor:
+        """Forward and loss only, in eval mode, under the training precision (x the batch's
+        token weight when given)."""
         model = self.module
         was_training = model.training
         model.eval()
         try:
             with self.precision.autocast():
-                return compute_loss(call(model, batch), batch, self.loss_fn).detach()
+                loss = compute_loss(call(model, batch), batch, self.loss_fn).detach()
         finally:
             model.train(was_training)
+        return loss if tokens is None else loss.double() * tokens.weight(batch)
 
 
 @dataclass
@@ -181,6 +192,8 @@ class StepConfig:
     grad_clip: float | None = None
     num_microbatches: int = 1
     batch_is_global: bool = True
+    # how the model's own loss shifts labels (`token_mean.label_shift`); None: mean over units
+    label_shift: int | None = None
 
 
 @dataclass
@@ -293,10 +306,12 @@ class TrainModule:
         state.optimizer.zero_grad(set_to_none=True)
         state.precision.begin_step()
         k = cfg.grad_accum
+        parts = split_batch(batch, k) if k > 1 else [batch]
+        tokens = token_mean(cfg.label_shift, parts, cfg.info)
         loss = None  # stays on the loss's device: no host sync before the optimizer step
-        for i, part in enumerate(split_batch(batch, k) if k > 1 else [batch]):
-            part_loss = state.runner.forward_backward(part, 1.0 / k, sync_grads=i == k - 1)
-            part_loss = part_loss.detach().double() / k
+        for i, part in enumerate(parts):
+            part_loss = state.runner.forward_backward(part, 1.0 / k, sync_grads=i == k - 1,
+                                                      tokens=tokens).double()
             loss = part_loss if loss is None else loss + part_loss
         state.runner.finish_grads()
         state.precision.unscale_(state.optimizer)
@@ -312,8 +327,10 @@ class TrainModule:
         changes nothing. Works with a pipeline too (the schedule's forward-only `eval`): the
         one way `slapo train` computes its val loss. Collective: every rank calls it."""
         state = self._slapo
+        cfg = state.step_config
         batch = self.local_batch(as_batch(batch))
-        return reduce_loss(state.runner.evaluate(batch), state.step_config.info)
+        tokens = token_mean(cfg.label_shift, [batch], cfg.info)
+        return reduce_loss(state.runner.evaluate(batch, tokens), cfg.info)
 
 
 # ------------------------------------------------------------------------------------------------

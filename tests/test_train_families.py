@@ -1,0 +1,49 @@
+"""`slapo train` on 2 gloo ranks for every model of its registry, not the first two: each
+parallel layout the model supports trains to the losses of one process (dropout off, so the
+only difference is the summation order), and a layout it does not support stops with the
+reason before anything trains."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from slapo.train import MODELS
+
+pytestmark = pytest.mark.dist
+
+TINY = dict(hidden_size=32, num_layers=2, num_heads=4, seq_len=32, batch_size=8, steps=3,
+            progress=False, plot=False, eval_batches=0, dropout=0.0)
+LAYOUTS = {"tp": {"tp": 2}, "dp_shard": {"dp_shard": True}, "pp": {"pp_stages": 2}}
+# what each layout cannot do, and the words its refusal uses
+REFUSED = {("albert", "pp"): "one shared layer", ("t5", "pp"): "encoder-decoder"}
+
+
+def job_losses(options: dict) -> list[float]:
+    from slapo.train import TrainConfig, train
+
+    torch.set_num_threads(1)
+    return train(TrainConfig(**options))["losses"]
+
+
+def job_refusal(options: dict) -> str:
+    from slapo.train import TrainConfig, train
+
+    torch.set_num_threads(1)
+    with pytest.raises(Exception) as e:
+        train(TrainConfig(**options))
+    return str(e.value)
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+@pytest.mark.parametrize("model", sorted(MODELS))
+def test_every_model_and_layout_trains_like_one_process(dist2, model, layout):
+    opts = {**TINY, "model": model, **LAYOUTS[layout]}
+    if (model, layout) in REFUSED:
+        msgs = dist2.run(job_refusal, opts)
+        assert all(REFUSED[model, layout] in m for m in msgs), msgs
+        return
+    ranks = dist2.run(job_losses, opts)
+    one = job_losses({**TINY, "model": model})
+    assert ranks[0] == ranks[1]
+    assert ranks[0] == pytest.approx(one, rel=1e-4, abs=1e-5), (ranks[0], one)
