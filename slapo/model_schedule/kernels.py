@@ -22,7 +22,9 @@ Plans (what is replaced, per family):
 Order with the other concerns of `model_schedule.apply`: run this before `checkpoint`,
 sequence parallelism's `reduce_param_grads` and Tempo; a target that a primitive has already
 patched (its class was swapped by checkpoint / sync / fork_rng ...) is refused, since replacing
-it would drop that behaviour. TP sharding of the MLP projections is fine (the Linear objects,
+it would drop that behaviour. The one exception is `reduce_param_grads` alone (TP's rows for
+Qwen3's per-head `q_norm`/`k_norm`): its wrapper is moved onto the fused module, which holds the
+same parameters under the same names. TP sharding of the MLP projections is fine (the Linear objects,
 their shards and hooks are kept).
 """
 
@@ -33,6 +35,7 @@ from collections.abc import Callable
 import torch.nn.functional as F
 from torch import nn
 
+from .. import module_patch
 from ..errors import SchedulingError
 from ..module_patch import original_class
 from ..schedule import Schedule
@@ -102,10 +105,26 @@ _RULES = {"rms_norm": _rms_norm, "swiglu_mlp": _swiglu_mlp, "layer_norm": _layer
           "gelu": _gelu}
 
 
+def _carried_wrappers(mod: nn.Module) -> list | None:
+    """The primitives' forward wrappers a replacement can take over, or None when `mod` was
+    changed in a way replacing it would undo. Only `reduce_param_grads` is carried: it names
+    parameters, and the fused module holds the same parameter objects under the same names
+    (Qwen3's per-head `q_norm`/`k_norm` under TP sum their gradients over the group)."""
+    from ..primitives.reduce_param_grads import ReduceParamGradsWrapper
+
+    if not getattr(type(mod), "_slapo_patched", False):
+        return []
+    held = module_patch.wrappers(mod)
+    extra = set(mod.__dict__) & {"_slapo_kernel", "_slapo_meta"}
+    if extra or not held or not all(isinstance(w, ReduceParamGradsWrapper) for w in held):
+        return None
+    return held
+
+
 def _problem(node: Schedule, kind: str) -> str | None:
     """Why a matched target cannot be replaced (checked for all targets before any change)."""
     mod = node.mod
-    if getattr(type(mod), "_slapo_patched", False):
+    if _carried_wrappers(mod) is None:
         return (f"{type(mod).__name__} at {node.path or '<root>'} was already changed by a "
                 "primitive (checkpoint, sync, fork_rng, ...), which replacing it would undo")
     if kind == "swiglu_mlp":
@@ -157,5 +176,9 @@ def apply_kernels(sch: Schedule, family_name: str, *, backend: str = "auto") -> 
                               f"{type(sch).__name__}.", "use slapo.create_schedule(model).")
     targets = plan_targets(sch, family_name, backend)
     for node, factory in targets:
-        node.replace(factory())
+        carried = _carried_wrappers(node.mod)
+        new = factory()
+        node.replace(new)
+        for wrapper in carried:
+            module_patch.add_wrapper(new, wrapper)
     return len(targets)
