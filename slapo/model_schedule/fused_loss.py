@@ -82,6 +82,7 @@ class FusedLossKernel(module_patch.Kernel):
     """The root model's forward with the head and loss fused (see module docstring)."""
 
     name = "fused_loss"
+    dropped_outputs = ("logits",)  # by design; `Verify` compares the loss instead
 
     def __init__(self, plan: LossPlan, original_forward: Callable):
         self.plan = plan

@@ -389,12 +389,11 @@ class Verify:
             self._close(name, items[name], r, floor, base_items.get(name))
 
     def _not_computed_by_design(self) -> set[str]:
-        """Outputs a schedule drops on purpose: the fused linear + cross-entropy loss
-        (`model_schedule.fused_loss`) never materialises the logits when labels are given."""
-        from ..model_schedule.fused_loss import FusedLossKernel
-
+        """Outputs a schedule drops on purpose, as the root's kernel declares them
+        (`dropped_outputs`): the fused linear + cross-entropy loss (`model_schedule.fused_loss`)
+        never materialises the logits when labels are given."""
         kernel = module_patch.kernel(self.sch.mod)
-        return {"output.logits"} if isinstance(kernel, FusedLossKernel) else set()
+        return {f"output.{name}" for name in getattr(kernel, "dropped_outputs", ())}
 
     def _compare_grads(self, model: nn.Module, ref: nn.Module, base: nn.Module | None) -> None:
         params = dict(model.named_parameters())
