@@ -37,6 +37,7 @@ import torch.nn as nn
 from ..errors import SchedulingError
 from .batch import Batch, batch_size, call, check_divisible, slice_batch
 from .mesh import MeshInfo
+from .token_mean import token_mean_over
 from .train_step import LossFn, StepConfig, compute_loss
 
 _LAUNCH_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -237,13 +238,18 @@ class DeepSpeedModule(nn.Module):
         batch = self.local_batch(batch)
         k = self.accumulation_steps()
         size = batch_size(batch) // k
+        parts = [slice_batch(batch, i * size, (i + 1) * size) for i in range(k)]
+        tokens = token_mean_over(self.step_config.label_shift, parts, self.world, None,
+                                 torch.device(self.engine.device))
         total = 0.0
-        for i in range(k):
-            part = slice_batch(batch, i * size, (i + 1) * size)
+        for part in parts:
             loss = compute_loss(call(self.engine, part), part, self.loss_fn)
-            self.engine.backward(loss)
+            # DeepSpeed scales each backward by 1/k: x k gives the part its token weight
+            weight = None if tokens is None else tokens.weight(part)
+            self.engine.backward(loss if weight is None else loss * (weight * k))
             self.engine.step()
-            total += float(loss.detach()) / k
+            total += float(loss.detach()) / k if weight is None else \
+                float(loss.detach().double() * weight)
         return self._mean_over_ranks(total)
 
     def _mean_over_ranks(self, value: float) -> float:

@@ -18,7 +18,8 @@ without padding) get weight 1/(units per rank) exactly, as before.
 It applies only to the model's own loss of the HF heads whose denominator is known
 (`*ForCausalLM` / `*LMHeadModel`: labels shifted by one; `*ForMaskedLM`, encoder-decoder
 `*ForConditionalGeneration`: not shifted). A user `loss_fn`, or any other model, keeps the
-mean over units: its reduction is the user's to define.
+mean over units: its reduction is the user's to define. The DeepSpeed target weights its
+micro-steps the same way (`runtime/deepspeed.py`).
 """
 
 from __future__ import annotations
@@ -80,18 +81,26 @@ class TokenMean:
 def token_mean(shift: int | None, parts: list[Batch], info: MeshInfo) -> TokenMean | None:
     """The step's `TokenMean` for these accumulation slices of this rank's batch, or None
     (unknown loss, no labels, or no supervised token anywhere: the unit mean is kept)."""
+    device = torch.device("cuda", torch.cuda.current_device()) \
+        if info.device_type == "cuda" else torch.device("cpu")
+    return token_mean_over(shift, parts, info.dp, info.group("dp") if info.dp > 1 else None,
+                           device)
+
+
+def token_mean_over(shift: int | None, parts: list[Batch], dp: int, group,
+                    device: torch.device) -> TokenMean | None:
+    """`token_mean` over an explicit data-parallel group (`group` None: the default group;
+    DeepSpeed's data parallelism spans the world)."""
     if shift is None:
         return None
     counts = [supervised_tokens(p, shift) for p in parts]
     if any(c is None for c in counts):
         return None
     total = torch.stack(counts).sum().double()
-    if info.dp > 1:
-        device = torch.device("cuda", torch.cuda.current_device()) \
-            if info.device_type == "cuda" else torch.device("cpu")
+    if dp > 1:
         total = total.to(device)
-        dist.all_reduce(total, group=info.group("dp"))
+        dist.all_reduce(total, group=group)
         total = total.cpu()
     if total.item() == 0:
         return None
-    return TokenMean(total, info.dp, shift)
+    return TokenMean(total, dp, shift)
