@@ -243,9 +243,10 @@ class DeepSpeedModule(nn.Module):
                                  torch.device(self.engine.device))
         total = 0.0
         for part in parts:
-            loss = compute_loss(call(self.engine, part), part, self.loss_fn)
             # DeepSpeed scales each backward by 1/k: x k gives the part its token weight
             weight = None if tokens is None else tokens.weight(part)
+            part = part if tokens is None else tokens.guard(part)
+            loss = compute_loss(call(self.engine, part), part, self.loss_fn)
             self.engine.backward(loss if weight is None else loss * (weight * k))
             self.engine.step()
             total += float(loss.detach()) / k if weight is None else \

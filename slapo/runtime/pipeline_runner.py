@@ -329,6 +329,9 @@ class PipelineRunner:
             return _zero_loss(output)
         try:
             mb = index_batch(self._batch, index)
+            weight = self._scale / self.plan.num_microbatches if self._tokens is None \
+                else self._tokens.weight(mb)
+            mb = mb if self._tokens is None else self._tokens.guard(mb)
             with self.precision.autocast():
                 outputs = stage_outputs(self.last, output)
                 if self.loss_fn is None:
@@ -338,8 +341,6 @@ class PipelineRunner:
         except Exception as e:  # noqa: BLE001 - re-raised on every rank after the step
             self._fail_in_schedule(e, self.plan.num_stages, "the loss")
             return _zero_loss(output)
-        weight = self._scale / self.plan.num_microbatches if self._tokens is None \
-            else self._tokens.weight(mb)
         self._losses.append(loss.detach().double() * weight)
         return self.precision.loss_for_backward(loss) * weight
 

@@ -77,6 +77,21 @@ class TokenMean:
         n = supervised_tokens(unit, self.shift)
         return (n.double() * self.dp / self.total).float()
 
+    def guard(self, unit: Batch) -> Batch:
+        """The unit, or, when none of its labels is supervised, a copy with one label made a
+        real target. HF's mean over no token is 0/0 = NaN, and its NaN gradient would poison
+        the step even at weight 0; the copy's loss is finite, and its weight stays 0 (`weight`
+        counts the original labels), so the unit adds exactly nothing, as in one process."""
+        labels = unit.get("labels") if isinstance(unit, dict) else None
+        if not isinstance(labels, torch.Tensor) or labels.numel() == 0 or \
+                supervised_tokens(unit, self.shift).item() > 0:
+            return unit
+        if labels.shape[-1] <= self.shift:
+            return unit
+        fixed = labels.clone()
+        fixed[(0,) * (fixed.dim() - 1) + (self.shift,)] = 0
+        return {**unit, "labels": fixed}
+
 
 def token_mean(shift: int | None, parts: list[Batch], info: MeshInfo) -> TokenMean | None:
     """The step's `TokenMean` for these accumulation slices of this rank's batch, or None

@@ -106,6 +106,7 @@ class LocalRunner:
         if isinstance(self.module, FSDPModule):  # reduce-scatter only on the last slice
             self.module.set_requires_gradient_sync(sync_grads)
         weight = scale if tokens is None else tokens.weight(batch)
+        batch = batch if tokens is None else tokens.guard(batch)
         with self._no_sync(sync_grads):
             with self.precision.autocast():  # forward and loss; backward outside autocast
                 loss = compute_loss(call(self.module, batch), batch, self.loss_fn)
@@ -122,12 +123,14 @@ class LocalRunner:
         model = self.module
         was_training = model.training
         model.eval()
+        weight = None if tokens is None else tokens.weight(batch)
+        batch = batch if tokens is None else tokens.guard(batch)
         try:
             with self.precision.autocast():
                 loss = compute_loss(call(model, batch), batch, self.loss_fn).detach()
         finally:
             model.train(was_training)
-        return loss if tokens is None else loss.double() * tokens.weight(batch)
+        return loss if weight is None else loss.double() * weight
 
 
 @dataclass
