@@ -89,7 +89,8 @@ def layout_of(model: nn.Module) -> DecoderLayout:
     if model_type in UNSUPPORTED:
         raise SchedulingError("", f"pipeline stages of {name}: {UNSUPPORTED[model_type]}.",
                               "train it without pp_stages (tensor or data parallelism), or "
-                              "pipeline a decoder LM (" + ", ".join(supported_types()) + ").")
+                              "pipeline a supported model (" + ", ".join(supported_types()) +
+                              ", bert, roberta).")
     for layout in LAYOUTS:
         parts = layout.embed + layout.final + layout.shared
         if not _has(model, layout.layers) or not all(
