@@ -1,4 +1,5 @@
-"""Pipeline stage modules for Hugging Face decoder LMs (GPT-2, LLaMA-like), built from the cuts.
+"""Pipeline stage modules for Hugging Face decoder LMs (GPT-2, GPT-Neo, OPT, LLaMA, Mistral,
+Qwen2/3), built from the cuts.
 
 This is the minimum the pipeline runtime needs (the torchtitan approach, not tracing: the tracer
 fails on LLaMA's RoPE): each stage keeps references to its own decoder layers, the first stage
@@ -60,7 +61,7 @@ OPT = DecoderLayout("opt", ("opt",), "model.decoder.layers",
 LAYOUTS = (GPT2, LLAMA, OPT)
 
 # How each model type's forward picks a layer's attention mask: "causal" (one causal mask),
-# "window" (Mistral, Phi-3: a sliding-window mask for every layer when `config.sliding_window`
+# "window" (Mistral: a sliding-window mask for every layer when `config.sliding_window`
 # is set) or "layer_types" (Qwen2/3: `config.layer_types[i]` names full or sliding attention).
 MASK_RULE = {"mistral": "window", "qwen2": "layer_types", "qwen3": "layer_types"}
 
