@@ -16,7 +16,7 @@ if [ "${gpus:-0}" -gt 0 ]; then
   size=(--hidden-size 768 --num-layers 12 --num-heads 12 --seq-len 512 --batch-size 8)
 else
   nproc=2
-  size=()
+  size=(--tp 2)  # the last step shards the model over the 2 ranks (README's table)
 fi
 exec .venv/bin/torchrun --nproc-per-node "$nproc" -m slapo.cli train --progressive --steps 8 \
   ${size[@]+"${size[@]}"} --out runs/progressive "$@"
