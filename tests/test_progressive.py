@@ -276,3 +276,18 @@ def test_two_precision_spellings_at_once_are_refused():
         progressive.run(lambda: built.append(1), [], mixed_precision="fp16",
                         autocast_dtype=torch.bfloat16, log=lambda s: None)
     assert not built
+
+
+def test_readme_demo_command_ends_with_the_tensor_parallel_step():
+    """`bash scripts/demo.sh` on CPU launches 2 ranks with `--tp 2`, so the progression ends
+    with '+ tensor parallel x2', the row the README's example table shows (without `--tp` the
+    two ranks are data-parallel replicas and the TP step is left out)."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    script = (root / "scripts" / "demo.sh").read_text()
+    cpu = script[script.index("else"):script.index("fi")]
+    nproc = re.search(r"nproc=(\d+)", cpu).group(1)
+    assert re.search(rf"--tp {nproc}\b", cpu), cpu
+    assert "+ tensor parallel x2" in (root / "README.md").read_text()
