@@ -287,7 +287,7 @@ def test_readme_demo_command_ends_with_the_tensor_parallel_step():
 
     root = Path(__file__).resolve().parents[1]
     script = (root / "scripts" / "demo.sh").read_text()
-    cpu = script[script.index("else"):script.index("fi")]
+    cpu = script[script.index("\nelse\n"):script.index("\nfi\n")]  # no GPU: the CPU branch
     nproc = re.search(r"nproc=(\d+)", cpu).group(1)
     assert re.search(rf"--tp {nproc}\b", cpu), cpu
     assert "+ tensor parallel x2" in (root / "README.md").read_text()
