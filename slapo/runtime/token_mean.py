@@ -84,12 +84,13 @@ class TokenMean:
         counts the original labels), so the unit adds exactly nothing, as in one process."""
         labels = unit.get("labels") if isinstance(unit, dict) else None
         if not isinstance(labels, torch.Tensor) or labels.numel() == 0 or \
-                supervised_tokens(unit, self.shift).item() > 0:
+                labels.shape[-1] <= self.shift:
             return unit
-        if labels.shape[-1] <= self.shift:
-            return unit
+        # decided on the device (no host sync per micro-batch inside a pipeline schedule)
+        empty = supervised_tokens(unit, self.shift) == 0
         fixed = labels.clone()
-        fixed[(0,) * (fixed.dim() - 1) + (self.shift,)] = 0
+        at = (0,) * (fixed.dim() - 1) + (self.shift,)
+        fixed[at] = torch.where(empty, torch.zeros_like(fixed[at]), fixed[at])
         return {**unit, "labels": fixed}
 
 
