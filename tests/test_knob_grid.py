@@ -42,10 +42,10 @@ def exclusive(row: dict) -> bool:
     return bool(row.get("fuse")) and bool(row.get("compile_blocks"))
 
 
-def all_pairs(factors: dict[str, list]) -> list[dict]:
+def all_pairs(factors: dict[str, list], exclusive=exclusive) -> list[dict]:
     """A small set of rows covering every pair of values of every two factors that may meet
-    (greedy: each new row is the allowed full-product row covering the most uncovered pairs;
-    deterministic)."""
+    (`exclusive(row)`: a combination refused by design; greedy: each new row is the allowed
+    full-product row covering the most uncovered pairs; deterministic)."""
     names = list(factors)
     pairs = list(itertools.combinations(names, 2))
     product = [dict(zip(names, values, strict=True))
@@ -121,15 +121,25 @@ def _apply_or_refuse_untouched(family: str, knobs: dict):
     return model, ref, sch
 
 
-def family_factors(family: str) -> dict[str, list]:
-    """The factor values this family takes (each alone); the others must be refused cleanly,
-    and are left out of the family's design so its rows exercise what it supports."""
-    default = {name: values[0] for name, values in FACTORS.items()}
+def _alone(factors: dict[str, list], name: str, value, exclusive) -> dict:
+    """The row nearest the defaults (each factor's first value) with `name=value` that is not
+    refused by design (fused_loss=True needs vocab_parallel=False under TP)."""
+    others = [factors[n] if n != name else [value] for n in factors]
+    return next(row for values in itertools.product(*others)
+                if not exclusive(row := dict(zip(factors, values, strict=True))))
+
+
+def family_factors(family: str, factors: dict[str, list] = FACTORS, exclusive=exclusive,
+                   **fixed) -> dict[str, list]:
+    """The factor values this family takes (each alone, with the `fixed` knobs, e.g. tp=2);
+    the others must be refused cleanly, and are left out of the family's design so its rows
+    exercise what it supports."""
     out = {}
-    for name, values in FACTORS.items():
+    for name, values in factors.items():
         out[name] = [v for v in values
                      if v == values[0] or _apply_or_refuse_untouched(
-                         family, _knobs({**default, name: v})) is not None]
+                         family, {**_knobs(_alone(factors, name, v, exclusive)), **fixed})
+                     is not None]
     return out
 
 
