@@ -2,11 +2,13 @@
 
 1. Every family with a ready schedule, cut by `model_schedule.apply(pp_stages=...)` and run on
    2 gloo ranks, trains like one process (losses, every parameter, every parameter held by
-   exactly one rank's stages); ALBERT and T5 are refused before anything is cut.
+   exactly one rank's stages); ALBERT is refused before anything is cut.
 2. The stage modules reproduce each supported model type's own forward (logits and every
    gradient), sliding-window attention included: Mistral and Qwen2/3 with a window shorter than
    the sequence trained silently wrong before the stages made the model's own masks.
 3. Model types with the same module names but a forward the stages do not reproduce are refused.
+4. T5 (and mT5): encoder then decoder blocks, cut anywhere, the stages equal the model's forward
+   with its own loss; 2023's two-list `pipeline_cuts` always cut between the stacks.
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ import slapo
 from slapo import model_schedule
 from slapo.runtime.partition import partition, run_stages
 
-PIPELINED = ["bert_mlm", "roberta", "gpt2", "gpt_neo", "opt", "llama", "qwen2", "qwen3"]
+PIPELINED = ["bert_mlm", "roberta", "gpt2", "gpt_neo", "opt", "llama", "qwen2", "qwen3", "t5",
+             "t5_gated"]
 
 
 def _batches(family: str) -> list[dict]:
@@ -51,14 +54,24 @@ def job_family_pipeline(family: str, schedule: str):
     held = []
     for stage in tm.stages:
         for n, p in stage.named_parameters(remove_duplicate=False):
-            torch.testing.assert_close(p.detach(), ref_params[n].detach(), rtol=1e-4, atol=1e-5,
-                                       msg=lambda m, n=n: f"{n}: {m}")
+            assert_adam_close(p.detach(), ref_params[n].detach(), n)
             held.append(n)
     everyone = [None, None]
     torch.distributed.all_gather_object(everyone, held)
     together = everyone[0] + everyone[1]
     assert sorted(together) == sorted(ref_params), set(ref_params) ^ set(together)
     return losses
+
+
+def assert_adam_close(got: torch.Tensor, want: torch.Tensor, name: str) -> None:
+    """Parameters after a few AdamW steps agree element by element, except a few elements
+    whose gradient was ~0: Adam's first steps move an element by ~lr * sign(grad), so float
+    noise of 1e-8 in a gradient that small flips a whole step (seen on T5's cross-attention
+    `q`, gradients equal to 6e-8). A real error (a missing term, a dropped or doubled gradient)
+    moves whole rows or tensors, so at most 0.1% of elements may differ, each by < 2 steps."""
+    off = ~torch.isclose(got, want, rtol=1e-4, atol=1e-5)
+    assert off.float().mean() <= 1e-3, f"{name}: {int(off.sum())} of {off.numel()} elements differ"
+    assert (got - want).abs().max() <= 2 * LR * 4, f"{name}: differs by more than 2 Adam steps"
 
 
 @pytest.mark.dist
@@ -69,14 +82,13 @@ def test_every_family_pipelined_matches_one_process(dist2, family):
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("family", ["gpt_neo", "opt"])
+@pytest.mark.parametrize("family", ["gpt_neo", "opt", "t5"])
 def test_new_layouts_interleaved_match_one_process(dist2, family):
     res = dist2.run(job_family_pipeline, family, "Interleaved1F1B", timeout=300)
     assert res[0] == res[1]
 
 
-@pytest.mark.parametrize("family,needle", [("albert", "one shared layer"),
-                                           ("t5", "encoder-decoder")])
+@pytest.mark.parametrize("family,needle", [("albert", "one shared layer")])
 def test_unpipelinable_families_are_refused_before_any_cut(family, needle):
     import models
 
@@ -197,14 +209,133 @@ def test_unverified_model_types_are_refused(case):
         partition(sch)
 
 
-def test_2023_pipeline_cuts_refuse_t5_before_changing_the_model():
+# ------------------------------------------------------------------------------------------------
+# 4. T5: encoder blocks, then decoder blocks, cut anywhere (the encoder's last block too)
+# ------------------------------------------------------------------------------------------------
+
+def _mt5():
+    return tf.MT5ForConditionalGeneration(tf.MT5Config(
+        d_model=64, d_kv=16, d_ff=128, num_layers=3, num_decoder_layers=3, num_heads=4,
+        vocab_size=128, decoder_start_token_id=0, pad_token_id=0, dropout_rate=0.0))
+
+
+T5_MODELS = {"t5": lambda: __import__("models").t5(layers=3),
+             "t5_gated": lambda: __import__("models").t5_gated(layers=3), "mt5": _mt5}
+T5_CUTS = {  # inside the encoder, at the boundary, inside the decoder, every kind at once
+    "encoder": ["encoder.block.0"], "boundary": ["encoder.block.2"],
+    "decoder": ["decoder.block.0"],
+    "all": ["encoder.block.0", "encoder.block.2", "decoder.block.1"],
+    "every_block": [f"encoder.block.{i}" for i in range(3)] + ["decoder.block.0",
+                                                               "decoder.block.1"]}
+
+
+@pytest.mark.parametrize("cuts", sorted(T5_CUTS))
+@pytest.mark.parametrize("case", sorted(T5_MODELS))
+def test_t5_stages_reproduce_the_models_forward_and_gradients(case, cuts):
+    """Position biases (made by each stack's first block only) and the encoder output cross
+    the boundaries; a stage that recomputed them, or dropped one, would differ here."""
+    import models
+
+    torch.manual_seed(0)
+    model = T5_MODELS[case]().eval()
+    ref = copy.deepcopy(model)
+    sch = slapo.create_schedule(model)
+    for c in T5_CUTS[cuts]:
+        sch[c].cut_pipeline_stage()
+    stages = partition(sch)
+    assert len(stages) == len(T5_CUTS[cuts]) + 1
+    batch = models.batch_for("t5", batch=2, seq=16)  # 16 input, 8 target tokens
+    want = ref(**batch)
+    got = run_stages(stages, *stages[0].first_args(batch))
+    torch.testing.assert_close(got, want.logits, rtol=1e-5, atol=1e-5)
+    loss = stages[-1].default_loss(stages[-1].pipeline_outputs(got), batch)
+    torch.testing.assert_close(loss, want.loss)
+    loss.backward()
+    want.loss.backward()
+    ref_grads = dict(ref.named_parameters())
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, ref_grads[name].grad, rtol=1e-4, atol=1e-5,
+                                   msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_t5_stages_send_the_position_bias():
+    """Without the bias handed on, a later stage's blocks would add zeros: the test above
+    would be vacuous if the bias did not matter, so check that it does."""
+    import models
+
+    model = models.t5(layers=3).eval()
+    batch = models.batch_for("t5", batch=2, seq=16)
+    want = model(**batch).logits
+    with torch.no_grad():
+        model.encoder.block[0].layer[0].SelfAttention.relative_attention_bias.weight.mul_(3)
+    assert (model(**batch).logits - want).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("make,needle", [
+    (lambda: tf.UMT5ForConditionalGeneration(tf.UMT5Config(
+        d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4, vocab_size=128,
+        decoder_start_token_id=0, pad_token_id=0)), "laid out like T5"),
+    (lambda: tf.T5Model(tf.T5Config(d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4,
+                                    vocab_size=128)), "ForConditionalGeneration"),
+])
+def test_t5_look_alikes_and_other_heads_are_refused(make, needle):
+    sch = slapo.create_schedule(make())
+    sch["encoder.block.0"].cut_pipeline_stage()
+    with pytest.raises(slapo.SchedulingError, match=needle):
+        partition(sch)
+
+
+def test_t5_cut_after_the_decoders_last_block_is_refused():
+    import models
+
+    sch = slapo.create_schedule(models.t5(layers=2))
+    with pytest.raises(slapo.SchedulingError, match="last layer"):
+        sch["decoder.block.1"].cut_pipeline_stage()
+    sch["encoder.block.1"].cut_pipeline_stage()  # the encoder's last block: the boundary
+    assert list(sch.pipeline_cuts) == ["encoder.block.1"]
+
+
+def test_2023_pipeline_cuts_cut_t5_between_encoder_and_decoder():
+    """2023's `[[encoder cuts], [decoder cuts]]`, plus the encoder/decoder boundary."""
     import models
 
     from slapo.model_schedule.compat import apply_schedule
 
-    model = models.t5(layers=2)
+    sch = apply_schedule(models.t5(layers=3), "t5", pipeline_cuts=[[0], [1]])
+    assert list(sch.pipeline_cuts) == ["encoder.block.0", "encoder.block.2", "decoder.block.1"]
+    assert [s.lo for s in partition(sch)] == [0, 1, 3, 5]
+
+
+@pytest.mark.parametrize("cuts", [[[0], [2]], [[5], []], [[0], [0], [0]]])
+def test_2023_bad_t5_pipeline_cuts_change_nothing(cuts):
+    import models
+
+    from slapo.model_schedule.compat import apply_schedule
+
+    model = models.t5(layers=3)
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    with pytest.raises(slapo.SchedulingError, match="encoder-decoder"):
-        apply_schedule(model, "t5", pipeline_cuts=[[0], [0]], bf16=True)
+    with pytest.raises(slapo.SchedulingError, match="pipeline_cuts|pipeline cut"):
+        apply_schedule(model, "t5", pipeline_cuts=cuts, bf16=True)
     after = model.state_dict()
     assert all(after[k].dtype == v.dtype and torch.equal(after[k], v) for k, v in before.items())
+
+
+def job_t5_zero_bubble_refused(schedule: str) -> str:
+    import models
+
+    import slapo.runtime
+
+    mesh = slapo.runtime.init_mesh(dp=1, pp=2, tp=1)
+    sch = slapo.create_schedule(models.t5(layers=2), mesh=mesh)
+    model_schedule.apply(sch, pp_stages=4)
+    with pytest.raises(slapo.SchedulingError, match="splits each stage's backward") as e:
+        slapo.build(sch, optimizer=torch.optim.AdamW, pipeline=schedule, num_microbatches=2)
+    return str(e.value)
+
+
+@pytest.mark.dist
+def test_t5_zero_bubble_schedules_are_refused_at_build(dist2):
+    """torch's split weight-gradient pass fails on stages whose several inputs mix; refused
+    before any weight is placed, naming the schedules that work."""
+    msgs = dist2.run(job_t5_zero_bubble_refused, "ZBVZeroBubble")
+    assert all("1F1B" in m for m in msgs)

@@ -15,7 +15,7 @@ Each 2023 key maps onto a knob of `apply` (or a primitive call after it):
 | `attn_op_name` | "cuda"/"triton" -> `attention="flash"` when flash-attn and CUDA exist, else "sdpa"; "auto"/"cutlass" -> "sdpa"; "native_*" (reference einsum) -> "eager" |
 | `disable_fuse_bias_gelu` / `disable_fusion` | `fuse = not ...` (default: no fusion, as 2023) |
 | `ckpt_ratio`, `checkpoint_method` | n = round(ratio * L) layers: "head" the first n, "uniform" n evenly spaced |
-| `pipeline_cuts` | `cut_pipeline_stage()` after each listed layer (T5 and ALBERT are refused: no stages) |
+| `pipeline_cuts` | `cut_pipeline_stage()` after each listed layer; T5 takes `[[encoder cuts], [decoder cuts]]` and is always cut between encoder and decoder, as in 2023 (ALBERT is refused: one shared layer) |
 | `sequence_parallel` | `sequence_parallel` |
 | `disable_shard_embedding` | `vocab_parallel = not ...` |
 | `bcast_input` | a forward pre-hook broadcasting tensor inputs from the group's first rank |
@@ -137,7 +137,8 @@ def _validated(model: nn.Module, key: str, cfg: dict) -> dict:
     if cfg.get("pipeline_cuts") and key != "wideresnet":
         from ..runtime.partition import check_partitionable
 
-        check_partitionable(model)  # T5, ALBERT: refused here, not at build after the cuts
+        check_partitionable(model)  # ALBERT: refused here, not at build after the cuts
+        _cut_paths(model, detect(model), cfg["pipeline_cuts"])
     if cfg.get("bf16") and cfg.get("fp16"):
         raise SchedulingError("", "bf16 and fp16 are both set.", "choose one.")
     if cfg.get("checkpoint_method", "uniform") not in CHECKPOINT_METHODS:
@@ -175,20 +176,38 @@ def _checkpoint_uniform(layers: list[Schedule], ratio: float) -> None:
         layers[i].checkpoint()
 
 
-def _cut(sch: Schedule, family, cuts: list) -> None:
-    """Cut after layer k of each layer list (one list of ints, or one list per layer list)."""
+def _cut_paths(model: nn.Module, family, cuts: list) -> list[str]:
+    """The layer paths 2023's `pipeline_cuts` cut after (one list of ints, or one list per
+    layer list), checked before anything changes. T5 is always cut between its encoder and
+    decoder too, as 2023's T5 schedule did."""
     per_list = cuts if cuts and isinstance(cuts[0], (list, tuple)) else [cuts]
     if len(per_list) > len(family.layer_lists):
-        raise SchedulingError(sch.path, f"pipeline_cuts has {len(per_list)} lists but the "
+        raise SchedulingError("", f"pipeline_cuts has {len(per_list)} lists but the "
                               f"{family.name} model has {len(family.layer_lists)} layer list(s).",
                               "pass one list of layer indices per layer list.")
-    for suffix, ks in zip(family.layer_lists, per_list):
-        layers = list(sch[_common.require_path(sch, suffix, family.name)])
+    paths = []
+    for n, (suffix, ks) in enumerate(zip(family.layer_lists, per_list)):
+        base = _common.find_path(model, suffix)
+        if base is None:
+            raise SchedulingError("", f"the {family.name} schedule expects a submodule "
+                                  f"'{suffix}', which this model does not have.",
+                                  "check the model class.")
+        count = len(model.get_submodule(base))
+        final = n == len(family.layer_lists) - 1
         for k in ks:
-            if not 0 <= k < len(layers):
-                raise SchedulingError(sch.path, f"pipeline cut {k} is outside 0..{len(layers) - 1}"
-                                      f" of '{suffix}'.", "cut after an existing layer.")
-            layers[k].cut_pipeline_stage()
+            if not 0 <= k < count - final:
+                raise SchedulingError("", f"pipeline cut {k} is outside 0..{count - 1 - final} "
+                                      f"of '{suffix}' (a cut after the model's last layer leaves "
+                                      "the next stage empty).", "cut after an existing layer.")
+        paths += [f"{base}.{k}" for k in ks]
+        if family.name == "t5" and not final and f"{base}.{count - 1}" not in paths:
+            paths.append(f"{base}.{count - 1}")
+    return paths
+
+
+def _cut(sch: Schedule, family, cuts: list) -> None:
+    for path in _cut_paths(sch.mod, family, cuts):
+        sch[path].cut_pipeline_stage()
 
 
 def _broadcast_hook(group):

@@ -23,6 +23,17 @@ def _crossing_values(gm: fx.GraphModule, target: str) -> tuple[list[str], bool]:
     return live, True
 
 
+def _ends_encoder(sch) -> bool:
+    """The last block of an encoder-decoder model's encoder (T5's `encoder.block.{E-1}`): the
+    stage boundary between encoder and decoder, where the next stage holds decoder blocks
+    (`runtime.stages_seq2seq` builds the stages and checks the model type)."""
+    stack = sch.parent.parent  # the container's owner (validate checked sch.parent exists)
+    owner = stack.parent if stack is not None else None
+    return (owner is not None and stack.name == "encoder" and
+            isinstance(getattr(owner.mod, "decoder", None), nn.Module) and
+            bool(getattr(getattr(owner.mod, "config", None), "is_encoder_decoder", False)))
+
+
 @register_primitive
 class CutPipelineStagePrimitive(Primitive):
     """End a pipeline stage after this module. The cut is recorded, in model order, in
@@ -30,7 +41,8 @@ class CutPipelineStagePrimitive(Primitive):
     build the stage modules from it.
 
     The module must be a layer of a sequential container (nn.ModuleList / nn.Sequential), where
-    only its output crosses the boundary, or a `call_module` of a traced parent whose graph
+    only its output crosses the boundary (not the last layer of a ModuleList, which would leave
+    the next stage without layers of it, except an encoder-decoder model's last encoder layer), or a `call_module` of a traced parent whose graph
     passes nothing else across it. A cut inside a residual branch (the residual would have to
     cross the boundary too) is an error.
     """
@@ -50,7 +62,8 @@ class CutPipelineStagePrimitive(Primitive):
         parent = sch.parent.mod
         if isinstance(parent, (nn.ModuleList, nn.Sequential)):
             names = list(parent._modules)
-            if names and names[-1] == sch.name and not isinstance(parent, nn.Sequential):
+            if names and names[-1] == sch.name and not isinstance(parent, nn.Sequential) \
+                    and not _ends_encoder(sch):
                 raise SchedulingError(sch.path, "this is the last layer of its container; a cut "
                                       "here leaves the next stage without layers of it.",
                                       f"cut an earlier layer (e.g. {names[-2] if len(names) > 1 else '0'}).")

@@ -35,6 +35,7 @@ from .pipeline_runner import (
     PipelineRunner,
     TiedWeights,
     check_cuts,
+    check_split_backward,
     find_tied,
     make_schedule,
     make_stages,
@@ -358,6 +359,7 @@ def _build_pipeline(sch: Schedule, info: MeshInfo, config: StepConfig, *, pipeli
     check_cuts(sch, plan)
     all_stages = partition(sch, plan.num_stages)
     check_stage_coverage(sch.mod, all_stages)  # every parameter trained, by exactly one stage
+    check_split_backward(all_stages, plan)
     ids = plan.stage_ids(info.pp_rank)
     mine = [all_stages[i] for i in ids]
     tied = find_tied(all_stages, plan, info.pp_rank)  # before weights are replaced

@@ -7,7 +7,8 @@ the final norm and head. Sharing means every primitive applied to a layer (shard
 checkpoint, traced/fused graphs) comes along and parameter names stay those of the full model.
 Decoder LMs (GPT-2, LLaMA, ...) get `stages_decoder.HFDecoderStage`; encoders (BERT, RoBERTa:
 the base model, or `*ForMaskedLM` with its head on the last stage) `stages_encoder.BertStage`;
-torchvision-layout ResNets `stages_resnet.ResNetStage`.
+torchvision-layout ResNets `stages_resnet.ResNetStage`; T5/mT5 conditional generation
+`stages_seq2seq.T5Stage`.
 Only model types whose forward the stages are checked to reproduce are partitioned
 (`check_partitionable`, also called by `model_schedule.apply(pp_stages=...)` before it cuts).
 Other head classes (sequence classification, pre-training) are not partitioned: `build` refuses
@@ -25,6 +26,8 @@ from .stages_decoder import DecoderLayout, HFDecoderStage, layer_bounds, layout_
 from .stages_encoder import BertStage, check_encoder, encoder_prefix
 from .stages_resnet import partition as resnet_partition
 from .stages_resnet import resnet_prefix
+from .stages_seq2seq import check_seq2seq, is_seq2seq
+from .stages_seq2seq import partition as seq2seq_partition
 
 
 def cuts_of(sch) -> list[str]:
@@ -36,7 +39,9 @@ def check_partitionable(model: nn.Module) -> None:
     """Raise the error `partition` would raise for this model's kind, before anything is cut."""
     if resnet_prefix(model) is not None:
         return
-    if encoder_prefix(model) is not None:
+    if is_seq2seq(model):
+        check_seq2seq(model)
+    elif encoder_prefix(model) is not None:
         check_encoder(model)
     else:
         layout_of(model)
@@ -57,6 +62,8 @@ def partition(sch_or_model, num_stages: int | None = None) -> list[nn.Module]:
     model = sch.mod
     if resnet_prefix(model) is not None:
         return resnet_partition(sch, n)
+    if is_seq2seq(model):
+        return seq2seq_partition(sch, n)
     prefix = encoder_prefix(model)
     if prefix is None:
         return _decoder_stages(sch, n)
@@ -75,11 +82,15 @@ def build_stage(sch, stage_idx: int) -> nn.Module:
     return stages[stage_idx]
 
 
-def run_stages(stages: list[nn.Module], input_ids: torch.Tensor):
-    """Run the stages one after the other (the reference a pipeline schedule must reproduce)."""
-    x = input_ids
-    for stage in stages:
-        x = stage(x)
+def run_stages(stages: list[nn.Module], *inputs: torch.Tensor):
+    """Run the stages one after the other (the reference a pipeline schedule must reproduce):
+    stage 0 takes `inputs` (`input_ids`; T5: `input_ids, decoder_input_ids`), every later
+    stage the previous one's output (a tuple is spread over its arguments)."""
+    x = inputs
+    for i, stage in enumerate(stages):
+        x = stage(*x)
+        if i < len(stages) - 1 and not isinstance(x, tuple):
+            x = (x,)
     return x
 
 
@@ -123,7 +134,8 @@ def check_stage_coverage(root: nn.Module, stages: list[nn.Module]) -> None:
         raise SchedulingError("", f"{len(orphans)} parameter(s) of {type(root).__name__} belong "
                               f"to no pipeline stage and would never be trained: {shown}.",
                               "use a model class whose head the pipeline stages cover (decoder "
-                              "LMs, BertModel/RobertaModel, *ForMaskedLM), or pipeline the base "
+                              "LMs, BertModel/RobertaModel, *ForMaskedLM, T5ForConditional"
+                              "Generation), or pipeline the base "
                               "model and apply the head in loss_fn only if it has no "
                               "parameters.")
     if doubled:

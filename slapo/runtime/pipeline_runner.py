@@ -158,6 +158,30 @@ def plan_pipeline(name: str, info: MeshInfo, num_microbatches: int | None,
     return PipelinePlan(cls, canonical, info.pp, virtual_stages, num_microbatches)
 
 
+# schedules that split each stage backward into an input-gradient and a weight-gradient pass
+SPLIT_BACKWARD = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
+
+
+def check_split_backward(stages: list[nn.Module], plan: PipelinePlan) -> None:
+    """Refuse a zero-bubble schedule for stages that declare `split_backward = False`.
+
+    torch's weight-gradient pass (`stage_backward_weight`) runs one `autograd.grad` per group
+    of parameters without keeping the graph; when a stage takes several tensors whose paths
+    mix inside it (a T5 decoder stage: hidden states, position bias and the encoder output
+    meet in every attention), two groups share saved activations and the second pass fails
+    ("backward through the graph a second time", torch 2.13). Refused here, before anything
+    is placed, instead of failing in the first step."""
+    if plan.name not in SPLIT_BACKWARD:
+        return
+    bad = [i for i, s in enumerate(stages) if getattr(s, "split_backward", True) is False]
+    if bad:
+        raise SchedulingError("", f"pipeline={plan.name!r} splits each stage's backward into "
+                              f"input and weight passes, which torch cannot do for stage(s) "
+                              f"{bad} of {type(stages[0]._root[0]).__name__} (several "
+                              "tensors cross each boundary and mix inside the stage).",
+                              "use 1F1B, GPipe, Interleaved1F1B or LoopedBFS.")
+
+
 def pipeline_cuts(sch) -> list[str]:
     """The ordered stage boundaries recorded by `cut_pipeline_stage`."""
     return list(sch.pipeline_cuts)
@@ -249,6 +273,8 @@ def first_stage_args(stage: nn.Module, batch: Batch) -> tuple:
     while positional ones go to the first stage only."""
     if not isinstance(batch, dict):
         return tuple(batch)
+    if callable(getattr(stage, "first_args", None)):  # a stage that derives its inputs (T5)
+        return tuple(stage.first_args(batch))
     names = list(getattr(stage, "input_names", None) or ())
     if not names:
         params = inspect.signature(stage.forward).parameters.values()
@@ -282,12 +308,13 @@ def stage_default_loss(stage: nn.Module, outputs: Any, batch: Batch) -> torch.Te
 def check_no_padding_mask(batch: Batch) -> None:
     """Stages rebuild a causal mask and do not carry a padding mask across ranks, so refuse
     one that masks anything (every rank sees the same batch, so every rank raises)."""
-    mask = batch.get("attention_mask") if isinstance(batch, dict) else None
-    if isinstance(mask, torch.Tensor) and not bool((mask != 0).all()):
-        raise SchedulingError("", "pipeline stages do not carry a padding attention_mask "
-                              "across stages, and this batch's mask hides some tokens.",
-                              "pack sequences without padding (or mask padded tokens in the "
-                              "labels with -100 and drop attention_mask).")
+    for key in ("attention_mask", "decoder_attention_mask"):
+        mask = batch.get(key) if isinstance(batch, dict) else None
+        if isinstance(mask, torch.Tensor) and not bool((mask != 0).all()):
+            raise SchedulingError("", f"pipeline stages do not carry a padding {key} across "
+                                  "stages, and this batch's mask hides some tokens.",
+                                  "pack sequences without padding (or mask padded tokens in "
+                                  f"the labels with -100 and drop {key}).")
 
 
 class PipelineRunner:

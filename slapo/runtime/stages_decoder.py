@@ -69,8 +69,6 @@ MASK_RULE = {"mistral": "window", "qwen2": "layer_types", "qwen3": "layer_types"
 UNSUPPORTED = {
     "albert": "ALBERT applies one shared layer at every depth, so its depth cannot be split "
               "into stages that own their layers",
-    "t5": "encoder-decoder models need both stacks' hidden states (and T5's relative position "
-          "bias from the first block of each) in every stage; those stages are not built",
 }
 
 
@@ -91,7 +89,7 @@ def layout_of(model: nn.Module) -> DecoderLayout:
         raise SchedulingError("", f"pipeline stages of {name}: {UNSUPPORTED[model_type]}.",
                               "train it without pp_stages (tensor or data parallelism), or "
                               "pipeline a supported model (" + ", ".join(supported_types()) +
-                              ", bert, roberta).")
+                              ", bert, roberta, t5, mt5).")
     for layout in LAYOUTS:
         parts = layout.embed + layout.final + layout.shared
         if not _has(model, layout.layers) or not all(
