@@ -339,3 +339,50 @@ def test_t5_zero_bubble_schedules_are_refused_at_build(dist2):
     before any weight is placed, naming the schedules that work."""
     msgs = dist2.run(job_t5_zero_bubble_refused, "ZBVZeroBubble")
     assert all("1F1B" in m for m in msgs)
+
+
+# ------------------------------------------------------------------------------------------------
+# 5. Verify runs the stages on the user's model and transformers
+# ------------------------------------------------------------------------------------------------
+
+VERIFIED = {"gpt2": ("transformer.h.1",), "mistral_window": ("model.layers.1",),
+            "bert": ("bert.encoder.layer.1",), "opt_project": ("model.decoder.layers.1",),
+            "t5": ("encoder.block.0", "encoder.block.2", "decoder.block.0")}
+
+
+def _verify_cut(case: str) -> tuple:
+    import models
+
+    torch.manual_seed(0)
+    model = T5_MODELS["t5"]() if case == "t5" else CASES[case]()
+    batch = models.batch_for("t5", batch=2, seq=16) if case == "t5" else \
+        {"input_ids": torch.randint(3, 128, (2, 16), generator=torch.Generator().manual_seed(1))}
+    return model, batch
+
+
+@pytest.mark.parametrize("case", sorted(VERIFIED))
+def test_verify_runs_the_stages_against_the_forward(case):
+    model, batch = _verify_cut(case)
+    sch = slapo.create_schedule(model)
+    with slapo.Verify(sch, example_kwargs=batch):
+        for c in VERIFIED[case]:
+            sch[c].cut_pipeline_stage()
+
+
+@pytest.mark.parametrize("case,planted", [
+    ("mistral_window", "mask"),   # the stages forget Mistral's sliding window (session 21's bug)
+    ("t5", "scale"),              # the last stage skips T5's tied-head output scaling
+])
+def test_verify_catches_stages_that_are_not_the_forward(monkeypatch, case, planted):
+    from slapo.runtime import stages_decoder, stages_seq2seq
+
+    if planted == "mask":
+        monkeypatch.setattr(stages_decoder, "MASK_RULE", {})
+    else:
+        monkeypatch.setattr(stages_seq2seq, "decoder_output_scale", lambda root: 1.0)
+    model, batch = _verify_cut(case)
+    sch = slapo.create_schedule(model)
+    with pytest.raises(slapo.VerificationError, match="do not compute the model's forward"):
+        with slapo.Verify(sch, example_kwargs=batch):
+            for c in VERIFIED[case]:
+                sch[c].cut_pipeline_stage()

@@ -28,7 +28,7 @@ module is raised as `slapo.runtime.shape_errors.ScheduledShapeError` (a `Schedul
 Under tensor parallelism (with `check_rng`, the default) the scheduled model also runs once in
 training mode to check where dropout draws its numbers (`slapo.verify.rng_check`): per rank in
 sharded regions, shared in replicated ones. With pipeline cuts, every parameter must belong to
-exactly one stage.
+exactly one stage, and the stages run in sequence must compute the model's forward.
 
 Mixed precision (`mixed_precision="bf16"` or `"fp16"`): both models run forward and loss under
 `torch.autocast` (weights stay fp32, as in `slapo.build(..., mixed_precision=...)`), and the
@@ -66,6 +66,18 @@ from ..schedule import Schedule
 from .localise import flatten as _flatten
 from .localise import localise
 from .rng_check import check_rng
+
+
+def _stage_output_pairs(got, want) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+    """(name, stage value, model value) for what the last pipeline stage returns: the fields of
+    its wrapped output (an HF `ModelOutput` with `logits`), or a tensor / tuple compared with the
+    model's output (a tensor, or the first fields of an HF base model's output)."""
+    if hasattr(got, "keys"):
+        return [(f"output.{k}", got[k], getattr(want, k)) for k in got.keys()]
+    got_t = got if isinstance(got, tuple) else (got,)
+    want_t = want.to_tuple() if hasattr(want, "to_tuple") else \
+        (want if isinstance(want, tuple) else (want,))
+    return [(f"output[{i}]", g, w) for i, (g, w) in enumerate(zip(got_t, want_t, strict=False))]
 
 
 def _call(loss_fn: Callable, out, inputs, kwargs):
@@ -352,8 +364,9 @@ class Verify:
 
     def _check_pipeline(self) -> None:
         """With pipeline cuts: every parameter belongs to exactly one stage (`partition`'s
-        stages, as `build` makes them); else a `VerificationError` naming the modules left out
-        (or held twice) and the cuts."""
+        stages, as `build` makes them), and the stages run one after the other compute the
+        model's forward; else a `VerificationError` naming the modules left out (or held
+        twice) and the cuts, or the stage output that differs."""
         cuts = list(self.sch.pipeline_cuts)
         if not cuts:
             return
@@ -373,6 +386,67 @@ class Verify:
             raise VerificationError("\n".join([f"pipeline stages do not hold the model: "
                                                f"{e.problem}", *lines,
                                                f"  primitives applied: {cut_list}"])) from e
+        self._check_stages_run_the_forward(stages)
+
+    def _check_stages_run_the_forward(self, stages: list[nn.Module]) -> None:
+        """The stages, run in sequence on the example inputs, equal the model's own forward.
+
+        A stage re-implements what the model's `forward` does between its layers (masks,
+        positions, biases, output scaling); that code is checked against the transformers
+        version the tests ran, and this check repeats it on the user's model and transformers
+        (fp32, eval mode: a structural check, independent of precision and dropout). Skipped
+        for a meta model (no values; `build`'s stages run on materialised weights) and for
+        inputs a pipeline refuses anyway (a padding mask that hides tokens)."""
+        from ..runtime.partition import run_stages
+        from ..runtime.pipeline_runner import (
+            check_no_padding_mask,
+            first_stage_args,
+            stage_outputs,
+        )
+
+        if self._meta or not (self.inputs or self.kwargs):
+            return
+        model = self.sch.mod
+        try:
+            batch = dict(inspect.signature(model.forward).bind_partial(
+                *self.inputs, **self.kwargs).arguments)
+            check_no_padding_mask(batch)
+            args = first_stage_args(stages[0], batch)
+        except (TypeError, SchedulingError):
+            return  # inputs the stages cannot take: what `build` would refuse at the first step
+        mode = model.training
+        try:
+            if self.eval_mode:
+                model.eval()
+            with torch.no_grad():
+                want = self._run(model, amp=False)
+                tracker = get_rng_tracker()
+                states = tracker.get_states()
+                with torch.random.fork_rng(devices=[]):
+                    torch.manual_seed(self.seed)
+                    got = stage_outputs(stages[-1], run_stages(stages, *args))
+                tracker.set_states(states)
+        finally:
+            model.train(mode)
+        pairs = _stage_output_pairs(got, want)
+        floor = _EPS * max((w.abs().max().item() for _, _, w in pairs if w.numel()),
+                           default=0.0)
+        for name, g, w in pairs:
+            err = (g.double() - w.double()).abs().max().item() if w.numel() else 0.0
+            atol = max(self.rtol * w.abs().max().item() if w.numel() else 0.0, floor, 1e-30)
+            self.report[f"pipeline stages {name}"] = err
+            if g.shape != w.shape or not torch.allclose(g.double(), w.double(),
+                                                        rtol=self.rtol, atol=atol):
+                self._fail(name, f"the pipeline stages run in sequence do not compute the "
+                           f"model's forward: {name} max abs error {err:.3e} (atol "
+                           f"{atol:.3e}). The stages re-implement {type(model).__name__}'s "
+                           "forward between its layers, and this model or transformers "
+                           "version computes something they do not; train it without "
+                           "pipeline stages, or report the model type and version.")
+                break
+        failure = self._settle()
+        if failure is not None:
+            raise VerificationError(failure[1])
 
     def _compare_outputs(self, out_ref, out, out_base) -> None:
         ref_items, items = _flatten(out_ref), dict(_flatten(out))
