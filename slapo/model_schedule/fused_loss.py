@@ -20,6 +20,8 @@ tokens or `num_items_in_batch`); masked LMs compute only the rows that have a la
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -113,13 +115,9 @@ class FusedLossKernel(module_patch.Kernel):
                 shift = F.pad(labels, (0, 1), value=-100)[..., 1:]
             labels = shift
         head = root.get_submodule(plan.head)
-        valid = labels != -100
-        if not plan.causal and not _is_fake(hidden):
-            # per-token transform only where a label exists (exact for the loss); fake tensors
-            # (the tuner's cost model) cannot take a data-dependent row count: all rows there
-            idx = valid.reshape(-1).nonzero()[:, 0]
-            hidden = hidden.reshape(-1, hidden.shape[-1]).index_select(0, idx)
-            labels = labels.reshape(-1)[idx]
+        if not plan.causal:
+            # per-token transform only where a label exists (exact for the loss)
+            hidden, labels = _labelled_rows(hidden, labels)
         hidden = plan.transform(root, hidden)
         from ..op.linear_ce import fused_linear_cross_entropy
 
@@ -128,10 +126,37 @@ class FusedLossKernel(module_patch.Kernel):
         return _output(plan, out, loss)
 
 
-def _is_fake(t: torch.Tensor) -> bool:
+# Under fake tensors (the tuner's cost model) the labelled-row count is data-dependent and
+# unknown: None takes every row, a fraction takes that share of them (`assume_labelled`).
+_FAKE_LABELLED: contextvars.ContextVar[float | None] = contextvars.ContextVar(
+    "slapo_fused_loss_fake_labelled", default=None)
+
+
+@contextlib.contextmanager
+def assume_labelled(fraction: float):
+    """Inside: on fake tensors, the masked-LM head runs on `fraction` of the positions (the
+    share a batch labels, e.g. BERT pre-training's 15%) instead of all of them, so a cost model
+    sees the shapes the real step has. Real tensors always take their own labelled rows."""
+    token = _FAKE_LABELLED.set(float(fraction))
+    try:
+        yield
+    finally:
+        _FAKE_LABELLED.reset(token)
+
+
+def _labelled_rows(hidden: torch.Tensor, labels: torch.Tensor):
+    """The rows of `hidden` (flattened to tokens) that carry a label, and those labels."""
     from torch._subclasses.fake_tensor import is_fake
 
-    return is_fake(t)
+    flat, flat_labels = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1)
+    if is_fake(hidden):
+        fraction = _FAKE_LABELLED.get()
+        if fraction is None:
+            return flat, flat_labels
+        rows = int(round(fraction * flat.shape[0]))
+        return flat[:rows], flat_labels[:rows]
+    idx = (flat_labels != -100).nonzero()[:, 0]
+    return flat.index_select(0, idx), flat_labels[idx]
 
 
 def _output(plan: LossPlan, base_out, loss: torch.Tensor):

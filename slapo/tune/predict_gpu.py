@@ -9,8 +9,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from torch.utils._python_dispatch import TorchDispatchMode
-
 from .capture import PartitionPlan, _CostCounter, record_partition
 from .model_spaces import schedule_knobs
 from .space import Config
@@ -229,40 +227,15 @@ MLM_LABELLED = 0.15
 
 def _labelled_rows(spec: Any, config: Config) -> Any:
     """The fused masked-LM loss computes only the labelled rows, a data-dependent count that
-    fake tensors cannot give: here its `nonzero` returns `MLM_LABELLED` of the positions (the
-    fraction the benchmark's batches label). The fused loss takes every row when it sees fake
-    tensors (`fused_loss._is_fake`); inside this context it takes the labelled-row path."""
+    fake tensors cannot give: inside this context it takes `MLM_LABELLED` of the positions (the
+    fraction the benchmark's batches label; `fused_loss.assume_labelled`)."""
     import contextlib
-    from unittest import mock
 
     if not (config.get("fused_loss") and spec.model_type in ("bert", "roberta")):
         return contextlib.nullcontext()
-    from ..model_schedule import fused_loss
+    from ..model_schedule.fused_loss import assume_labelled
 
-    if not callable(getattr(fused_loss, "_is_fake", None)):
-        raise RuntimeError("slapo.model_schedule.fused_loss._is_fake is gone: the cost model's "
-                           "labelled-row path (predict_gpu._labelled_rows) must follow it.")
-    stack = contextlib.ExitStack()
-    stack.enter_context(mock.patch.object(fused_loss, "_is_fake", lambda t: False))
-    stack.enter_context(_FractionNonzero(MLM_LABELLED))
-    return stack
-
-
-class _FractionNonzero(TorchDispatchMode):
-    """`nonzero(x)` under fake tensors: `fraction` of x's elements, as a fake index tensor."""
-
-    def __init__(self, fraction: float) -> None:
-        super().__init__()
-        self.fraction = fraction
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        import torch
-
-        if func is torch.ops.aten.nonzero.default:
-            x = args[0]
-            rows = int(round(self.fraction * x.numel()))
-            return torch.empty((rows, x.dim()), dtype=torch.long, device=x.device)
-        return func(*args, **(kwargs or {}))
+    return assume_labelled(MLM_LABELLED)
 
 
 def simulate_step(spec: Any, config: Config, schedule: bool = True) -> StepCost:
