@@ -386,3 +386,100 @@ def test_verify_catches_stages_that_are_not_the_forward(monkeypatch, case, plant
         with slapo.Verify(sch, example_kwargs=batch):
             for c in VERIFIED[case]:
                 sch[c].cut_pipeline_stage()
+
+
+# ------------------------------------------------------------------------------------------------
+# 6. padded batches: the masks reach every stage
+# ------------------------------------------------------------------------------------------------
+
+def _padded_mask(batch: int, seq: int) -> torch.Tensor:
+    """Left padding of 0, 3, 7, ... tokens per row (row 0 full): the real tokens come after the
+    padding, so even a causal model's outputs depend on the mask."""
+    mask = torch.ones(batch, seq, dtype=torch.long)
+    for r in range(1, batch):
+        mask[r, :min(4 * r - 1, seq - 2)] = 0
+    return mask
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_padded_stages_reproduce_the_models_forward(case):
+    """With a padding mask the stages build the model's masks (and OPT its positions, which
+    skip padding) on every stage; without the mask reaching later stages, their layers would
+    attend to the padding."""
+    torch.manual_seed(0)
+    model = CASES[case]().eval()
+    ref = copy.deepcopy(model)
+    sch = slapo.create_schedule(model)
+    _cut_every_layer(sch)
+    stages = partition(sch)
+    ids = torch.randint(3, 128, (3, 16), generator=torch.Generator().manual_seed(1))
+    mask = _padded_mask(3, 16)
+    want = ref(input_ids=ids, attention_mask=mask).logits
+    got = run_stages(stages, ids, attention_mask=mask)
+    keep = mask.bool()  # compare the real tokens (padded rows are defined but never trained)
+    torch.testing.assert_close(got[keep], want[keep], rtol=1e-5, atol=1e-5)
+    assert (run_stages(stages, ids)[keep] - want[keep]).abs().max() > 1e-4  # the mask matters
+
+
+@pytest.mark.parametrize("case", sorted(T5_MODELS))
+def test_padded_t5_stages_reproduce_the_models_forward(case):
+    import models
+
+    torch.manual_seed(0)
+    model = T5_MODELS[case]().eval()
+    ref = copy.deepcopy(model)
+    sch = slapo.create_schedule(model)
+    for c in T5_CUTS["all"]:
+        sch[c].cut_pipeline_stage()
+    stages = partition(sch)
+    batch = models.batch_for("t5", batch=3, seq=16)
+    batch["attention_mask"] = _padded_mask(3, 16)
+    batch["decoder_attention_mask"] = _padded_mask(3, 8)
+    batch["labels"] = batch["labels"].masked_fill(batch["decoder_attention_mask"] == 0, -100)
+    want = ref(**batch)
+    masks = {k: batch[k] for k in ("attention_mask", "decoder_attention_mask")}
+    got = run_stages(stages, *stages[0].first_args(batch), **masks)
+    keep = batch["decoder_attention_mask"].bool()
+    torch.testing.assert_close(got[keep], want.logits[keep], rtol=1e-5, atol=1e-5)
+    loss = stages[-1].default_loss(stages[-1].pipeline_outputs(got), batch)
+    torch.testing.assert_close(loss, want.loss)
+
+
+PADDED = ["bert_mlm", "opt", "llama", "t5"]
+
+
+def job_padded_pipeline(family: str):
+    """1F1B on 2 ranks with left-padded rows (labels -100 on the padding) trains like one
+    process: the masks go to both stages, the loss is the mean over real tokens."""
+    import models
+
+    import slapo.runtime
+
+    mesh = slapo.runtime.init_mesh(dp=1, pp=2, tp=1)
+    model = getattr(models, family)(seed=0, layers=4)
+    ref = copy.deepcopy(model)
+    sch = slapo.create_schedule(model, mesh=mesh)
+    model_schedule.apply(sch, pp_stages=2)
+    tm, _ = slapo.build(sch, optimizer=torch.optim.AdamW, optimizer_kwargs={"lr": LR},
+                        pipeline="1F1B", num_microbatches=2)
+    batches = []
+    for b in _batches(family):
+        b = dict(b)
+        b["attention_mask"] = _padded_mask(*b["input_ids"].shape)
+        if family == "t5":
+            b["decoder_attention_mask"] = _padded_mask(*b["labels"].shape)
+            b["labels"] = b["labels"].masked_fill(b["decoder_attention_mask"] == 0, -100)
+        else:
+            b["labels"] = b["labels"].masked_fill(b["attention_mask"] == 0, -100)
+        batches.append(b)
+    losses = [tm.train_step(b) for b in batches]
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(reference_losses(ref, batches)),
+                               rtol=1e-5, atol=0)
+    return losses
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("family", PADDED)
+def test_padded_batches_pipelined_match_one_process(dist2, family):
+    res = dist2.run(job_padded_pipeline, family, timeout=300)
+    assert res[0] == res[1]

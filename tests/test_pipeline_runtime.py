@@ -203,10 +203,6 @@ def job_pp_bad_inputs():
     ids = models.ids(batch=6)
     expect("microbatches", lambda: tm.train_step({"input_ids": ids, "labels": ids}),
            "6 samples", "num_microbatches=4")
-    mask = torch.ones_like(ids)
-    mask[0, -3:] = 0
-    expect("padding", lambda: tm.train_step({"input_ids": ids[:4], "labels": ids[:4],
-                                             "attention_mask": mask[:4]}), "padding")
     # the pool is still usable afterwards: a correct step runs on both ranks
     ids = models.ids(batch=4)
     loss = tm.train_step({"input_ids": ids, "labels": ids})
@@ -235,7 +231,7 @@ def test_pipeline_delayed_init_materialises_only_own_stages(dist2):
 def test_pipeline_bad_inputs_fail_on_every_rank(dist2):
     res = dist2.run(job_pp_bad_inputs)
     assert res[0]["loss"] == res[1]["loss"]
-    assert set(res[0]["msgs"]) == {"cuts", "schedule", "no-pipeline", "microbatches", "padding"}
+    assert set(res[0]["msgs"]) == {"cuts", "schedule", "no-pipeline", "microbatches"}
 
 
 def test_tp_x_pp_and_fsdp_x_pp_llama_four_ranks(dist4):

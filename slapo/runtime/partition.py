@@ -82,13 +82,14 @@ def build_stage(sch, stage_idx: int) -> nn.Module:
     return stages[stage_idx]
 
 
-def run_stages(stages: list[nn.Module], *inputs: torch.Tensor):
+def run_stages(stages: list[nn.Module], *inputs: torch.Tensor, **masks: torch.Tensor):
     """Run the stages one after the other (the reference a pipeline schedule must reproduce):
     stage 0 takes `inputs` (`input_ids`; T5: `input_ids, decoder_input_ids`), every later
-    stage the previous one's output (a tuple is spread over its arguments)."""
+    stage the previous one's output (a tuple is spread over its arguments); `masks` (padding
+    masks, e.g. `attention_mask=`) go to every stage, as the runner hands them."""
     x = inputs
     for i, stage in enumerate(stages):
-        x = stage(*x)
+        x = stage(*x, **masks)
         if i < len(stages) - 1 and not isinstance(x, tuple):
             x = (x,)
     return x

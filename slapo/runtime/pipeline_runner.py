@@ -305,16 +305,30 @@ def stage_default_loss(stage: nn.Module, outputs: Any, batch: Batch) -> torch.Te
     return fn(outputs, batch)
 
 
-def check_no_padding_mask(batch: Batch) -> None:
-    """Stages rebuild a causal mask and do not carry a padding mask across ranks, so refuse
-    one that masks anything (every rank sees the same batch, so every rank raises)."""
-    for key in ("attention_mask", "decoder_attention_mask"):
-        mask = batch.get(key) if isinstance(batch, dict) else None
-        if isinstance(mask, torch.Tensor) and not bool((mask != 0).all()):
-            raise SchedulingError("", f"pipeline stages do not carry a padding {key} across "
-                                  "stages, and this batch's mask hides some tokens.",
-                                  "pack sequences without padding (or mask padded tokens in "
-                                  f"the labels with -100 and drop {key}).")
+MASK_KEYS = ("attention_mask", "decoder_attention_mask")
+
+
+def stage_masks(stage: nn.Module, batch: Batch) -> dict[str, torch.Tensor]:
+    """The padding masks every stage takes as keyword arguments (torch's schedules split a
+    `step` call's keyword arguments into micro-batches like the inputs and hand them to every
+    stage of the rank; each rank passes the same batch's masks): a batch's masks that hide
+    some token, by name. A mask of all ones is dropped (the stages then build the model's
+    unpadded masks, e.g. SDPA's `is_causal` path). A stage that takes no mask (`mask_inputs`,
+    e.g. a ResNet stage) refuses one that hides tokens (every rank sees the same batch, so
+    every rank raises)."""
+    if not isinstance(batch, dict):
+        return {}
+    masks = {k: batch[k] for k in MASK_KEYS if isinstance(batch.get(k), torch.Tensor)
+             and not bool((batch[k] != 0).all())}
+    taken = set(getattr(stage, "mask_inputs", ()))
+    refused = sorted(set(masks) - taken)
+    if refused:
+        key = refused[0]
+        raise SchedulingError("", f"the pipeline stages of {type(stage).__name__} take no "
+                              f"padding {key}, and this batch's mask hides some tokens.",
+                              "pack sequences without padding (or mask padded tokens in the "
+                              f"labels with -100 and drop {key}).")
+    return masks
 
 
 class PipelineRunner:
@@ -473,9 +487,9 @@ class PipelineRunner:
              where: str, **run_kwargs: Any) -> torch.Tensor:
         self._batch, self._scale, self._tokens, self._losses = batch, scale, tokens, []
         self._error, self._error_phase = None, None
-        args, target = (), None
+        args, target, masks = (), None, {}
         try:  # what can fail before the step fails on its rank only: agree first
-            check_no_padding_mask(batch)
+            masks = stage_masks(self.modules[0], batch)
             args = first_stage_args(self.first, batch) if self.holds_first else ()
             target = torch.arange(batch_size(batch)) if self.holds_last else None
         except Exception as e:  # noqa: BLE001
@@ -483,7 +497,7 @@ class PipelineRunner:
         raise_on_every_rank(self._error, self.info, "preparing the pipeline step")
         token = _ACTIVE.set(self)
         try:
-            run(*args, target=target, **run_kwargs)
+            run(*args, target=target, **run_kwargs, **masks)
         finally:
             _ACTIVE.reset(token)
         self._batch = None

@@ -157,9 +157,13 @@ def graft(container: nn.Module, root: nn.Module, path: str) -> None:
 class HFDecoderStage(nn.Module):
     """One pipeline stage of an HF decoder LM: layers [lo, hi), plus embeddings/head at the ends.
 
-    forward(x): x is `input_ids` on the first stage, hidden states elsewhere; returns hidden
-    states, or logits on the last stage.
+    forward(x, attention_mask=None): x is `input_ids` on the first stage, hidden states
+    elsewhere; returns hidden states, or logits on the last stage. `attention_mask` (the
+    micro-batch's padding mask, handed to every stage by the runner) goes into the masks as
+    in the model's forward, and into OPT's positions.
     """
+
+    mask_inputs = ("attention_mask",)  # the padding masks the runner hands every stage
 
     def __init__(self, root: nn.Module, layout: DecoderLayout, lo: int, hi: int, first: bool,
                  last: bool):
@@ -189,11 +193,11 @@ class HFDecoderStage(nn.Module):
             return None
         return self.get_submodule(path)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         lay = self.layout
-        h = self._embed(x) if self.first else x
+        h = self._embed(x, attention_mask) if self.first else x
         pos = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
-        masks = self._masks(h, pos)
+        masks = self._masks(h, pos, attention_mask)
         extra = {}
         if lay.family == "llama":
             extra["position_embeddings"] = self._get("model.rotary_emb")(h, position_ids=pos)
@@ -211,7 +215,7 @@ class HFDecoderStage(nn.Module):
                 h = h if module is None else module(h)
         return h
 
-    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+    def _embed(self, ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
         pos = torch.arange(ids.shape[1], device=ids.device).unsqueeze(0)
         family = self.layout.family
         if family == "gpt2":
@@ -219,8 +223,11 @@ class HFDecoderStage(nn.Module):
             return self._get("transformer.drop")(h)
         if family == "opt":  # learned positions (offset 2), then project_in if the model has it
             h = self._get("model.decoder.embed_tokens")(ids)
-            ones = torch.ones(ids.shape, device=ids.device)
-            p = self._get("model.decoder.embed_positions")(ones, 0, position_ids=pos)
+            # OPT numbers the positions of unmasked tokens only (padding does not advance them)
+            pmask = torch.ones(ids.shape, device=ids.device) if attention_mask is None \
+                else attention_mask
+            pos = (torch.cumsum(pmask, dim=1) * pmask - 1).long()
+            p = self._get("model.decoder.embed_positions")(pmask, 0, position_ids=pos)
             project_in = self._get("model.decoder.project_in")
             h = h if project_in is None else project_in(h)
             return h + p.to(h.device)
@@ -234,11 +241,12 @@ class HFDecoderStage(nn.Module):
             return self.config.layer_types[i]
         return "full_attention"
 
-    def _masks(self, h: torch.Tensor, pos: torch.Tensor) -> dict:
+    def _masks(self, h: torch.Tensor, pos: torch.Tensor,
+               attention_mask: torch.Tensor | None) -> dict:
         """The masks this stage's layers use, made as the model's forward makes them."""
         from transformers import masking_utils
 
-        kw = {"config": self.config, "inputs_embeds": h, "attention_mask": None,
+        kw = {"config": self.config, "inputs_embeds": h, "attention_mask": attention_mask,
               "past_key_values": None, "position_ids": pos}
         kinds = {self._attention_type(i) for i in range(self.lo, self.hi)}
         make = {"full_attention": masking_utils.create_causal_mask,

@@ -55,7 +55,11 @@ class BertStage(nn.Module):
     """Layers [lo, hi) of an HF BERT-like encoder (BERT, RoBERTa); the first stage embeds
     `input_ids`. The last stage also runs what follows the encoder: a `*ForMaskedLM` model's
     head (returns the logits; `outputs.loss` is the model's own masked-LM cross-entropy), else
-    the pooler if any (returns `(last_hidden_state, pooler_output)`)."""
+    the pooler if any (returns `(last_hidden_state, pooler_output)`). `attention_mask` (the
+    micro-batch's padding mask, handed to every stage by the runner) becomes the layers'
+    bidirectional mask, as in the model's forward."""
+
+    mask_inputs = ("attention_mask",)
 
     def __init__(self, root: nn.Module, prefix: str, lo: int, hi: int, first: bool, last: bool):
         super().__init__()
@@ -77,10 +81,16 @@ class BertStage(nn.Module):
     def _init_weights(self, module: nn.Module) -> None:  # delayed init uses the model's own
         self._root[0]._init_weights(module)
 
-    def forward(self, x: torch.Tensor):
+    def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None):
         h = self.get_submodule(self.prefix + "embeddings")(input_ids=x) if self.first else x
+        mask = None
+        if attention_mask is not None:
+            from transformers import masking_utils
+
+            mask = masking_utils.create_bidirectional_mask(
+                config=self.config, inputs_embeds=h, attention_mask=attention_mask)
         for i in range(self.lo, self.hi):
-            out = self.get_submodule(f"{self.prefix}encoder.layer.{i}")(h)
+            out = self.get_submodule(f"{self.prefix}encoder.layer.{i}")(h, attention_mask=mask)
             h = out[0] if isinstance(out, tuple) else out
         if not self.last:
             return h

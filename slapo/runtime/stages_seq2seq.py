@@ -27,10 +27,10 @@ Why these:
   runs where the decoder starts, as in `T5Stack`.
 - The decoder output's scaling before the LM head is asked of the model's own forward
   (`decoder_output_scale`): T5 and mT5 differ there, and so do transformers versions.
-- Masks are rebuilt on each stage, as `T5Stack.forward` builds them (a causal mask for decoder
-  self-attention, none for the rest: pipeline batches carry no padding mask, which
-  `check_no_padding_mask` enforces). Cross-attention has no relative bias (zeros, recomputed by
-  each block).
+- Masks are rebuilt on each stage, as `T5Stack.forward` builds them, from the padding masks
+  the runner hands every stage (`attention_mask` for the encoder and cross-attention,
+  `decoder_attention_mask` for the decoder's causal mask). Cross-attention has no relative bias
+  (zeros, recomputed by each block).
 
 Only `t5` and `mt5` model types are built (UMT5, LongT5 and Switch Transformers keep the module
 names but attend differently), and only the `*ForConditionalGeneration` head (its own loss is a
@@ -212,7 +212,10 @@ class T5Stage(nn.Module):
         return batch["input_ids"], dec
 
     # ---- forward ----------------------------------------------------------------------------
-    def forward(self, *xs: torch.Tensor):
+    mask_inputs = ("attention_mask", "decoder_attention_mask")
+
+    def forward(self, *xs: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                decoder_attention_mask: torch.Tensor | None = None):
         e = self.n_enc
         if self.first:
             ids, dec_ids = xs
@@ -226,7 +229,8 @@ class T5Stage(nn.Module):
         else:
             h, bias, enc_out = xs
         if self.lo < e:
-            h, bias = self._blocks(ENCODER, range(self.lo, min(self.hi, e)), h, bias)
+            h, bias = self._blocks(ENCODER, range(self.lo, min(self.hi, e)), h, bias,
+                                   mask=attention_mask)
             if self.hi < e:
                 return h, _sent(bias, xs), _sent(other, xs)
             enc_out = self.get_submodule("encoder.dropout")(
@@ -236,7 +240,7 @@ class T5Stage(nn.Module):
         if self.starts_decoder:
             h, bias = self.get_submodule("decoder.dropout")(other), None
         h, bias = self._blocks(DECODER, range(max(self.lo, e) - e, self.hi - e), h, bias,
-                               enc_out)
+                               enc_out, decoder_attention_mask, attention_mask)
         if not self.last:
             return h, _sent(bias, xs), _sent(enc_out, xs)
         h = self.get_submodule("decoder.dropout")(
@@ -246,22 +250,24 @@ class T5Stage(nn.Module):
         return self.get_submodule("lm_head")(h)
 
     def _blocks(self, stack: str, idx: range, h: torch.Tensor, bias: torch.Tensor | None,
-                enc_out: torch.Tensor | None = None):
-        """Run blocks `idx` of `stack` as `T5Stack.forward` does (its masks, the position bias
-        from the stack's first block handed on)."""
+                enc_out: torch.Tensor | None = None, mask: torch.Tensor | None = None,
+                enc_mask: torch.Tensor | None = None):
+        """Run blocks `idx` of `stack` as `T5Stack.forward` does (its masks from the padding
+        masks, the position bias from the stack's first block handed on)."""
         from transformers import masking_utils
 
         root = self._root[0]
         cfg = (root.decoder if enc_out is not None else root.encoder).config
         if enc_out is None:
             mask = masking_utils.create_bidirectional_mask(config=cfg, inputs_embeds=h,
-                                                           attention_mask=None)
+                                                           attention_mask=mask)
             cross_mask = None
         else:
             mask = masking_utils.create_causal_mask(config=cfg, inputs_embeds=h,
-                                                    attention_mask=None, past_key_values=None)
+                                                    attention_mask=mask, past_key_values=None)
             cross_mask = masking_utils.create_bidirectional_mask(
-                config=cfg, inputs_embeds=h, attention_mask=None, encoder_hidden_states=enc_out)
+                config=cfg, inputs_embeds=h, attention_mask=enc_mask,
+                encoder_hidden_states=enc_out)
         cross_bias = None
         for i in idx:
             h, bias, cross = self.get_submodule(f"{stack}.{i}")(

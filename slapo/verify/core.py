@@ -396,13 +396,9 @@ class Verify:
         version the tests ran, and this check repeats it on the user's model and transformers
         (fp32, eval mode: a structural check, independent of precision and dropout). Skipped
         for a meta model (no values; `build`'s stages run on materialised weights) and for
-        inputs a pipeline refuses anyway (a padding mask that hides tokens)."""
+        inputs a pipeline refuses anyway (a padding mask a stage kind does not take)."""
         from ..runtime.partition import run_stages
-        from ..runtime.pipeline_runner import (
-            check_no_padding_mask,
-            first_stage_args,
-            stage_outputs,
-        )
+        from ..runtime.pipeline_runner import first_stage_args, stage_masks, stage_outputs
 
         if self._meta or not (self.inputs or self.kwargs):
             return
@@ -410,7 +406,7 @@ class Verify:
         try:
             batch = dict(inspect.signature(model.forward).bind_partial(
                 *self.inputs, **self.kwargs).arguments)
-            check_no_padding_mask(batch)
+            masks = stage_masks(stages[0], batch)
             args = first_stage_args(stages[0], batch)
         except (TypeError, SchedulingError):
             return  # inputs the stages cannot take: what `build` would refuse at the first step
@@ -424,7 +420,7 @@ class Verify:
                 states = tracker.get_states()
                 with torch.random.fork_rng(devices=[]):
                     torch.manual_seed(self.seed)
-                    got = stage_outputs(stages[-1], run_stages(stages, *args))
+                    got = stage_outputs(stages[-1], run_stages(stages, *args, **masks))
                 tracker.set_states(states)
         finally:
             model.train(mode)
