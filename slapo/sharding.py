@@ -46,7 +46,7 @@ def shard_spec(t: torch.Tensor) -> ShardSpec | None:
     return getattr(t, "_slapo_shard", None)
 
 
-_TENSOR_ATTRS = ("_slapo_shard", "_slapo_tags")
+_TENSOR_ATTRS = ("_slapo_shard", "_slapo_tags", "_slapo_init")
 
 
 def deepcopy_model(model: nn.Module) -> nn.Module:

@@ -44,8 +44,11 @@ flags are neither read nor set: a flag says nothing about a tensor that is still
 tied under several names (an LM head tied to the embedding) is initialised once, through its
 first owner's slot: writes through its other names are dropped, as HF drops the head's own init
 when `post_init` ties it to the embedding. Weights that are already materialised are never
-touched (a stand-in takes their slot while the inits run). An init in a model's constructor
-(torchvision's ResNet) runs on meta, i.e. not at all: pass it as `init_fn`.
+touched (a stand-in takes their slot while the inits run). An init in a plain module's
+constructor (torchvision's ResNet, nanoGPT) runs on meta, i.e. computes nothing, but
+`init_empty_weights()` records what it writes (`construct.py`), and those writes are replayed
+instead of `reset_parameters()` (unless `init_fn` is given; Hugging Face models keep
+`_init_weights`).
 """
 
 from __future__ import annotations
@@ -60,7 +63,7 @@ import torch
 import torch.nn as nn
 
 from .. import sharding
-from . import replay, scope
+from . import construct, replay, scope
 from .record import Recorder, Recording
 from .scope import Step, Target
 
@@ -71,11 +74,13 @@ def init_empty_weights(enable: bool = True, include_buffers: bool = False):
 
     `enable=False` is a no-op context (Slapo 2023's `init_empty_weights(enable=delay_init)`).
     `include_buffers` is accepted for the 2023 signature: buffers always go to meta here and
-    `build` materialises them like parameters."""
+    `build` materialises them like parameters. The writes a constructor makes into its tensors
+    meanwhile are recorded (`construct.py`), so `materialize` gives a plain module the init
+    its constructor wrote."""
     if not enable:
         yield
         return
-    with torch.device("meta"):
+    with torch.device("meta"), construct.recording():
         yield
 
 
@@ -144,6 +149,8 @@ def materialize(model: nn.Module, device: torch.device | str = "cpu", *,
     with torch.device(device), scope.staged(model, todo, recorder):
         order = _steps(model, todo)
         _record(order, todo, init, recorder, device, seed)
+        if init_fn is None and _hf_root(model) is None:
+            _constructor_writes(todo, recorder.rec)
         values = _values(order, todo, init, recorder.rec, device, seed)
     new = {}
     for t in todo:
@@ -168,6 +175,23 @@ def _record(order: list[Step], todo: list[Target], init: Init, recorder: Recorde
     for step in order:
         with _seeded(device, module_seed(seed, step.path)):
             recorder.run(lambda step=step: init(step), under[id(step.module)])
+
+
+def _constructor_writes(todo: list[Target], rec: Recording) -> None:
+    """A plain module's tensors take what its constructor wrote (`construct.py`) instead of
+    their modules' `reset_parameters`: the constructor's writes include that reset (a Linear
+    runs it in `__init__`) and whatever the author applied after it. Hugging Face models keep
+    their `_init_weights` path, and a user `init_fn` wins over both. A constructor write that
+    cannot be replayed leaves the tensor on the `reset_parameters` path, with a warning."""
+    for t in todo:
+        ctor = construct.constructor_init(t.meta)
+        if ctor is None:
+            continue
+        if ctor.failed is not None:
+            _warn_constructor(t, ctor.failed)
+            continue
+        rec.ops[t.key] = list(ctor.ops)
+        rec.failed.pop(t.key, None)
 
 
 def _keys_under(order: list[Step], todo: list[Target]) -> dict[int, list[str]]:
@@ -281,6 +305,18 @@ def _warn_fallback(t: Target, reason: str) -> None:
                   f"allocated at full size and then sliced, because {reason}. Give the module "
                   "an init made of random fills, constants and elementwise ops (or "
                   "slapo.build(init_weights=...)) to initialise the shard alone.",
+                  InitFallbackWarning, stacklevel=6)
+
+
+def _warn_constructor(t: Target, reason: str) -> None:
+    key = (type(t.mod).__name__, t.name, "constructor: " + reason)
+    if key in _WARNED:
+        return
+    _WARNED.add(key)
+    where = f"{t.path}.{t.name}" if t.path else t.name
+    warnings.warn(f"delayed init: the constructor's init of {where} cannot be replayed "
+                  f"({reason}); it gets its module's reset_parameters() instead. Pass "
+                  "slapo.build(init_weights=fn) with fn(module) applying that init to get it.",
                   InitFallbackWarning, stacklevel=6)
 
 

@@ -86,6 +86,8 @@ class ShardPrimitive(Primitive):
             new = nn.Parameter(local, requires_grad=t.requires_grad) if kind == "parameter" \
                 else local
             _copy_tags(t, new)
+            if hasattr(t, "_slapo_init"):  # the constructor's init, in full-shape coordinates
+                new._slapo_init = t._slapo_init
             _tag(new, "orig_shape", tuple(t.shape))  # Slapo 2023's annotation, for its users
             new._slapo_shard = spec
             tied = [(m, n, k) for (m, n, k) in holders(root, t)]
