@@ -450,7 +450,8 @@ PADDED = ["bert_mlm", "opt", "llama", "t5"]
 
 def job_padded_pipeline(family: str):
     """1F1B on 2 ranks with left-padded rows (labels -100 on the padding) trains like one
-    process: the masks go to both stages, the loss is the mean over real tokens."""
+    process: the masks go to both stages, the loss is the mean over real tokens; BERT's
+    sentence-pair `token_type_ids` reach its first stage."""
     import models
 
     import slapo.runtime
@@ -466,6 +467,9 @@ def job_padded_pipeline(family: str):
     for b in _batches(family):
         b = dict(b)
         b["attention_mask"] = _padded_mask(*b["input_ids"].shape)
+        if family == "bert_mlm":  # sentence pairs: the second half is segment 1
+            b["token_type_ids"] = torch.zeros_like(b["input_ids"])
+            b["token_type_ids"][:, b["input_ids"].shape[1] // 2:] = 1
         if family == "t5":
             b["decoder_attention_mask"] = _padded_mask(*b["labels"].shape)
             b["labels"] = b["labels"].masked_fill(b["decoder_attention_mask"] == 0, -100)
@@ -483,3 +487,41 @@ def job_padded_pipeline(family: str):
 def test_padded_batches_pipelined_match_one_process(dist2, family):
     res = dist2.run(job_padded_pipeline, family, timeout=300)
     assert res[0] == res[1]
+
+
+def test_bert_token_type_ids_reach_the_first_stage():
+    torch.manual_seed(0)
+    model = CASES["bert"]().eval()
+    ref = copy.deepcopy(model)
+    sch = slapo.create_schedule(model)
+    _cut_every_layer(sch)
+    stages = partition(sch)
+    ids = torch.randint(3, 128, (2, 16), generator=torch.Generator().manual_seed(1))
+    types = torch.zeros_like(ids)
+    types[:, 8:] = 1
+    batch = {"input_ids": ids, "token_type_ids": types}
+    want = ref(**batch).logits
+    from slapo.runtime.pipeline_runner import first_stage_args
+
+    got = run_stages(stages, *first_stage_args(stages[0], batch))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert (run_stages(stages, ids) - want).abs().max() > 1e-3  # the segments matter
+
+
+@pytest.mark.parametrize("case,key", [("llama", "position_ids"), ("gpt2", "inputs_embeds"),
+                                      ("bert", "position_ids")])
+def test_forward_inputs_the_stages_ignore_are_refused_on_every_rank(case, key):
+    """A batch entry the model's forward would use but no stage takes would be dropped
+    silently; every stage (each pp rank checks with its own) refuses it, naming it."""
+    from slapo.runtime.pipeline_runner import check_batch_inputs
+
+    sch = slapo.create_schedule(CASES[case]())
+    _cut_every_layer(sch)
+    ids = torch.randint(3, 128, (2, 16))
+    batch = {"input_ids": ids, key: torch.arange(16).expand(2, 16), "labels": ids,
+             "attention_mask": torch.ones_like(ids), "my_loss_weights": torch.ones(2)}
+    for stage in partition(sch):
+        with pytest.raises(slapo.SchedulingError, match=key):
+            check_batch_inputs(stage, batch)
+        del_key = {k: v for k, v in batch.items() if k != key}
+        check_batch_inputs(stage, del_key)  # the rest passes (a loss_fn's own key too)

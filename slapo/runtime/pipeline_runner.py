@@ -308,6 +308,30 @@ def stage_default_loss(stage: nn.Module, outputs: Any, batch: Batch) -> torch.Te
 MASK_KEYS = ("attention_mask", "decoder_attention_mask")
 
 
+def check_batch_inputs(stage: nn.Module, batch: Batch) -> None:
+    """Refuse batch entries the model's forward would use but the pipeline stages do not
+    take (any stage of this rank answers: `first_inputs` and `mask_inputs` are per stage kind) (BERT's stages take `token_type_ids`, no stage takes `position_ids`,
+    `inputs_embeds` or `head_mask`): dropped silently, they would train another model than the
+    one a single process runs. Entries the forward does not name (a user `loss_fn`'s own) pass."""
+    root = getattr(stage, "_root", (None,))[0]
+    if root is None or not isinstance(batch, dict):
+        return
+    try:
+        params = inspect.signature(root.forward).parameters
+    except (TypeError, ValueError):
+        return
+    taken = {*getattr(stage, "first_inputs", ()), *getattr(stage, "mask_inputs", ()),
+             "labels"}
+    unused = sorted(k for k, v in batch.items() if k in params and k not in taken
+                    and v is not None)
+    if unused:
+        raise SchedulingError("", f"the batch has {', '.join(unused)}, which "
+                              f"{type(root).__name__}'s forward uses but its pipeline stages do "
+                              "not take (they would be ignored).",
+                              f"drop {', '.join(unused)} from the batch (the stages use the "
+                              "model's defaults), or train without pipeline stages.")
+
+
 def stage_masks(stage: nn.Module, batch: Batch) -> dict[str, torch.Tensor]:
     """The padding masks every stage takes as keyword arguments (torch's schedules split a
     `step` call's keyword arguments into micro-batches like the inputs and hand them to every
@@ -490,6 +514,7 @@ class PipelineRunner:
         args, target, masks = (), None, {}
         try:  # what can fail before the step fails on its rank only: agree first
             masks = stage_masks(self.modules[0], batch)
+            check_batch_inputs(self.modules[0], batch)
             args = first_stage_args(self.first, batch) if self.holds_first else ()
             target = torch.arange(batch_size(batch)) if self.holds_last else None
         except Exception as e:  # noqa: BLE001

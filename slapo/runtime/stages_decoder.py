@@ -164,6 +164,7 @@ class HFDecoderStage(nn.Module):
     """
 
     mask_inputs = ("attention_mask",)  # the padding masks the runner hands every stage
+    first_inputs = ("input_ids",)  # what stage 0 takes
 
     def __init__(self, root: nn.Module, layout: DecoderLayout, lo: int, hi: int, first: bool,
                  last: bool):
@@ -171,7 +172,7 @@ class HFDecoderStage(nn.Module):
         self.layout, self.lo, self.hi, self.first, self.last = layout, lo, hi, first, last
         self._root = (root,)  # a tuple: not registered, so its parameters stay out of the stage
         self.config = root.config
-        self.input_names = ("input_ids",) if first else ()
+        self.input_names = self.first_inputs if first else ()
         for path in self.paths():
             graft(self, root, path)
 

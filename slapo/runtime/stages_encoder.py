@@ -55,11 +55,13 @@ class BertStage(nn.Module):
     """Layers [lo, hi) of an HF BERT-like encoder (BERT, RoBERTa); the first stage embeds
     `input_ids`. The last stage also runs what follows the encoder: a `*ForMaskedLM` model's
     head (returns the logits; `outputs.loss` is the model's own masked-LM cross-entropy), else
-    the pooler if any (returns `(last_hidden_state, pooler_output)`). `attention_mask` (the
+    the pooler if any (returns `(last_hidden_state, pooler_output)`). The first stage takes
+    `token_type_ids` after `input_ids` when the batch has them (sentence pairs). `attention_mask` (the
     micro-batch's padding mask, handed to every stage by the runner) becomes the layers'
     bidirectional mask, as in the model's forward."""
 
     mask_inputs = ("attention_mask",)
+    first_inputs = ("input_ids", "token_type_ids")  # what stage 0 takes, in order
 
     def __init__(self, root: nn.Module, prefix: str, lo: int, hi: int, first: bool, last: bool):
         super().__init__()
@@ -67,7 +69,7 @@ class BertStage(nn.Module):
         self.config = root.config
         self._root = (root,)  # a tuple: not registered, so its parameters stay out of the stage
         self.head = mlm_head(root) if last else None
-        self.input_names = ("input_ids",) if first else ()
+        self.input_names = self.first_inputs if first else ()
         paths = ([prefix + "embeddings"] if first else [])
         paths += [f"{prefix}encoder.layer.{i}" for i in range(lo, hi)]
         encoder = root.get_submodule(prefix.rstrip(".")) if prefix else root
@@ -81,8 +83,10 @@ class BertStage(nn.Module):
     def _init_weights(self, module: nn.Module) -> None:  # delayed init uses the model's own
         self._root[0]._init_weights(module)
 
-    def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None):
-        h = self.get_submodule(self.prefix + "embeddings")(input_ids=x) if self.first else x
+    def forward(self, x: torch.Tensor, token_type_ids: torch.Tensor | None = None,
+                attention_mask: torch.Tensor | None = None):
+        h = self.get_submodule(self.prefix + "embeddings")(
+            input_ids=x, token_type_ids=token_type_ids) if self.first else x
         mask = None
         if attention_mask is not None:
             from transformers import masking_utils

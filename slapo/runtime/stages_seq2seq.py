@@ -162,13 +162,16 @@ class T5Stage(nn.Module):
     stage ending the encoder applies its final norm, the last stage the decoder's final norm,
     the output scaling and the LM head (returns logits)."""
 
+    first_inputs = ("input_ids", "decoder_input_ids")  # what stage 0 takes (`first_args`)
+    mask_inputs = ("attention_mask", "decoder_attention_mask")
+
     def __init__(self, root: nn.Module, lo: int, hi: int, first: bool, last: bool):
         super().__init__()
         self.n_enc, self.n_dec = len(root.encoder.block), len(root.decoder.block)
         self.lo, self.hi, self.first, self.last = lo, hi, first, last
         self.config = root.config
         self._root = (root,)  # a tuple: not registered, so its parameters stay out of the stage
-        self.input_names = ("input_ids", "decoder_input_ids") if first else ()
+        self.input_names = self.first_inputs if first else ()
         self.scale = decoder_output_scale(root) if last else 1.0
         # several tensors cross every later boundary: zero-bubble schedules cannot split
         # these stages' backward (`pipeline_runner.check_split_backward`)
@@ -212,8 +215,6 @@ class T5Stage(nn.Module):
         return batch["input_ids"], dec
 
     # ---- forward ----------------------------------------------------------------------------
-    mask_inputs = ("attention_mask", "decoder_attention_mask")
-
     def forward(self, *xs: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 decoder_attention_mask: torch.Tensor | None = None):
         e = self.n_enc

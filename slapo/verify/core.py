@@ -398,7 +398,12 @@ class Verify:
         for a meta model (no values; `build`'s stages run on materialised weights) and for
         inputs a pipeline refuses anyway (a padding mask a stage kind does not take)."""
         from ..runtime.partition import run_stages
-        from ..runtime.pipeline_runner import first_stage_args, stage_masks, stage_outputs
+        from ..runtime.pipeline_runner import (
+            check_batch_inputs,
+            first_stage_args,
+            stage_masks,
+            stage_outputs,
+        )
 
         if self._meta or not (self.inputs or self.kwargs):
             return
@@ -407,6 +412,7 @@ class Verify:
             batch = dict(inspect.signature(model.forward).bind_partial(
                 *self.inputs, **self.kwargs).arguments)
             masks = stage_masks(stages[0], batch)
+            check_batch_inputs(stages[0], batch)
             args = first_stage_args(stages[0], batch)
         except (TypeError, SchedulingError):
             return  # inputs the stages cannot take: what `build` would refuse at the first step
