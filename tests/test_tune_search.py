@@ -111,7 +111,7 @@ def test_subprocess_trials_crash_hang_oom_do_not_stop_search(tmp_path):
     space = Space()
     space.create_symbol("x", [1, 2, 3, 4, 5])
     space.create_symbol("tmp", [str(tmp_path)])  # where the hung trial records its worker's pid
-    ev = CallableEvaluator(mixed_trial, timeout_s=4.0, mem_cap_bytes=1024**3)
+    ev = CallableEvaluator(mixed_trial, timeout_s=8.0, mem_cap_bytes=1024**3)
     db = Database(tmp_path / "db.sqlite")
     res = exhaustive(space, ev, db=db)
     status = {r.config["x"]: r.status for r in res.records}
@@ -150,7 +150,8 @@ def test_command_evaluator(tmp_path):
         "    json.dump({'throughput': 7.0}, open(sys.argv[2], 'w')); sys.exit(0)\n"
         "print('SLAPO_METRICS ' + json.dumps({'throughput': x * 1.5, 'env': os.environ['SLAPO_TUNE_X']}))\n"
     )
-    ev = CommandEvaluator([sys.executable, str(script), "{x}", "{metrics_file}"], timeout_s=3.0)
+    # generous: a loaded 2-core CI box once took > 3 s to start the x=2 trial (it "timed out")
+    ev = CommandEvaluator([sys.executable, str(script), "{x}", "{metrics_file}"], timeout_s=10.0)
     got = {x: ev({"x": x}) for x in (1, 2, 3, 4, 5)}
     assert got[1].status == "ok" and got[1].metrics == {"throughput": 1.5, "env": "1"}
     assert got[2].status == "failed" and "exit code 3" in got[2].error
