@@ -295,29 +295,29 @@ _WARNED: set[tuple[str, str, str]] = set()
 
 
 def _warn_fallback(t: Target, reason: str) -> None:
+    _warn_once(t, reason, f"{_where(t)} {t.full_shape} (and {type(t.mod).__name__}.{t.name} "
+               f"elsewhere) was allocated at full size and then sliced, because {reason}. Give "
+               "the module an init made of random fills, constants and elementwise ops (or "
+               "slapo.build(init_weights=...)) to initialise the shard alone.")
+
+
+def _warn_constructor(t: Target, reason: str) -> None:
+    _warn_once(t, "constructor: " + reason, f"the constructor's init of {_where(t)} cannot be "
+               f"replayed ({reason}); it gets its module's reset_parameters() instead. Pass "
+               "slapo.build(init_weights=fn) with fn(module) applying that init to get it.")
+
+
+def _where(t: Target) -> str:
+    return f"{t.path}.{t.name}" if t.path else t.name
+
+
+def _warn_once(t: Target, reason: str, message: str) -> None:
     """Once per (module class, tensor, reason): a 48-layer model warns once, not 48 times."""
     key = (type(t.mod).__name__, t.name, reason)
     if key in _WARNED:
         return
     _WARNED.add(key)
-    where = f"{t.path}.{t.name}" if t.path else t.name
-    warnings.warn(f"delayed init: {where} {t.full_shape} (and {key[0]}.{t.name} elsewhere) was "
-                  f"allocated at full size and then sliced, because {reason}. Give the module "
-                  "an init made of random fills, constants and elementwise ops (or "
-                  "slapo.build(init_weights=...)) to initialise the shard alone.",
-                  InitFallbackWarning, stacklevel=6)
-
-
-def _warn_constructor(t: Target, reason: str) -> None:
-    key = (type(t.mod).__name__, t.name, "constructor: " + reason)
-    if key in _WARNED:
-        return
-    _WARNED.add(key)
-    where = f"{t.path}.{t.name}" if t.path else t.name
-    warnings.warn(f"delayed init: the constructor's init of {where} cannot be replayed "
-                  f"({reason}); it gets its module's reset_parameters() instead. Pass "
-                  "slapo.build(init_weights=fn) with fn(module) applying that init to get it.",
-                  InitFallbackWarning, stacklevel=6)
+    warnings.warn(f"delayed init: {message}", InitFallbackWarning, stacklevel=7)
 
 
 def reset_init_warnings() -> None:

@@ -141,6 +141,18 @@ def layer_bounds(cuts: list[str], layout: DecoderLayout, n_layers: int) -> list[
     return list(zip(bounds, bounds[1:], strict=False))
 
 
+def labels_cross_entropy(logits: torch.Tensor, batch) -> torch.Tensor:
+    """Cross-entropy of `logits` against `batch['labels']`, unshifted, -100 ignored: the own
+    loss of HF's masked-LM and encoder-decoder heads (their last stages' `default_loss`)."""
+    labels = batch.get("labels") if isinstance(batch, dict) else None
+    if labels is None:
+        raise SchedulingError("", "the batch has no `labels`, so the model's own loss cannot "
+                              "be computed.", "add labels to the batch or pass loss_fn=.")
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                                             labels.reshape(-1).to(logits.device),
+                                             ignore_index=-100)
+
+
 def graft(container: nn.Module, root: nn.Module, path: str) -> None:
     """Register `root.get_submodule(path)` in `container` under the same dotted path."""
     parent = container

@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 
 from ..errors import SchedulingError
-from .stages_decoder import graft
+from .stages_decoder import graft, labels_cross_entropy
 
 ENCODER_PREFIXES = ("", "bert.", "roberta.")
 # the masked-LM head module of each supported head class (BertForMaskedLM: `cls`,
@@ -121,10 +121,4 @@ class BertStage(nn.Module):
             raise SchedulingError("", f"{type(self._root[0]).__name__} has no loss of its own "
                                   "(no masked-LM head).", "pass build(..., loss_fn=fn) with "
                                   "fn(outputs, batch) -> scalar.")
-        labels = batch.get("labels") if isinstance(batch, dict) else None
-        if labels is None:
-            raise SchedulingError("", "the batch has no `labels`, so the model's own loss cannot "
-                                  "be computed.", "add labels to the batch or pass loss_fn=.")
-        logits = outputs.logits
-        return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
-                                                 labels.reshape(-1).to(logits.device))
+        return labels_cross_entropy(outputs.logits, batch)

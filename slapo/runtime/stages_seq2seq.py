@@ -43,7 +43,7 @@ import torch
 import torch.nn as nn
 
 from ..errors import SchedulingError
-from .stages_decoder import graft
+from .stages_decoder import graft, labels_cross_entropy
 
 SEQ2SEQ_TYPES = ("t5", "mt5")
 ENCODER, DECODER = "encoder.block", "decoder.block"
@@ -285,14 +285,7 @@ class T5Stage(nn.Module):
     def default_loss(self, outputs, batch) -> torch.Tensor:
         """The model's own loss: cross-entropy over `batch['labels']` (unshifted, -100
         ignored)."""
-        labels = batch.get("labels") if isinstance(batch, dict) else None
-        if labels is None:
-            raise SchedulingError("", "the batch has no `labels`, so the model's own loss cannot "
-                                  "be computed.", "add labels to the batch or pass loss_fn=.")
-        logits = outputs.logits
-        return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
-                                                 labels.reshape(-1).to(logits.device),
-                                                 ignore_index=-100)
+        return labels_cross_entropy(outputs.logits, batch)
 
 
 def partition(sch, num_stages: int) -> list[T5Stage]:
