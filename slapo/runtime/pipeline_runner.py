@@ -323,7 +323,7 @@ def check_batch_inputs(stage: nn.Module, batch: Batch) -> None:
     taken = {*getattr(stage, "first_inputs", ()), *getattr(stage, "mask_inputs", ()),
              "labels"}
     unused = sorted(k for k, v in batch.items() if k in params and k not in taken
-                    and v is not None)
+                    and isinstance(v, torch.Tensor))
     if unused:
         raise SchedulingError("", f"the batch has {', '.join(unused)}, which "
                               f"{type(root).__name__}'s forward uses but its pipeline stages do "

@@ -418,8 +418,7 @@ class Verify:
             return  # inputs the stages cannot take: what `build` would refuse at the first step
         mode = model.training
         try:
-            if self.eval_mode:
-                model.eval()
+            model.eval()  # always: dropout would differ, BatchNorm would update its statistics
             with torch.no_grad():
                 want = self._run(model, amp=False)
                 tracker = get_rng_tracker()
