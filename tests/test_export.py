@@ -52,7 +52,8 @@ def _auto(task: str):
     import transformers
 
     return getattr(transformers, {"causal": "AutoModelForCausalLM",
-                                  "masked": "AutoModelForMaskedLM"}[task])
+                                  "masked": "AutoModelForMaskedLM",
+                                  "seq2seq": "AutoModelForSeq2SeqLM"}[task])
 
 
 @pytest.mark.dist
@@ -77,6 +78,7 @@ def test_export_of_tp_inside_fsdp2_reproduces_the_trained_models_logits(dist4, t
 @pytest.mark.parametrize("model,task,knobs", [
     ("gpt2", "causal", {"tp": 2}),            # fused c_attn shards (blocks=3), vocab-parallel head
     ("llama", "causal", {"pp_stages": 2}),    # each rank saved its own stage
+    ("t5", "seq2seq", {"pp_stages": 2}),      # encoder / decoder ranks; embedding tied to head
     ("bert", "masked", {"tp": 2}),
     ("opt", "causal", {"dp_shard": True}),    # FSDP2: each rank saved its dp shard
 ])
