@@ -132,6 +132,9 @@ CASES = {
         **SMALL, use_sliding_window=True, sliding_window=4, max_window_layers=2)),
     "qwen3_window": lambda: tf.Qwen3ForCausalLM(tf.Qwen3Config(
         **SMALL, head_dim=16, use_sliding_window=True, sliding_window=4, max_window_layers=2)),
+    # Gemma's embedding scale and (1 + w) norms live in its modules; Phi-3 windows every layer
+    "gemma": lambda: tf.GemmaForCausalLM(tf.GemmaConfig(**SMALL, head_dim=16)),
+    "phi3_window": lambda: tf.Phi3ForCausalLM(tf.Phi3Config(**SMALL, sliding_window=4)),
     "bert": lambda: tf.BertForMaskedLM(tf.BertConfig(
         hidden_size=64, num_hidden_layers=4, num_attention_heads=4, intermediate_size=128,
         vocab_size=128, max_position_embeddings=64)),
@@ -174,10 +177,11 @@ def test_stages_reproduce_the_models_forward_and_gradients(case):
             torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
 
 
-def test_sliding_window_changes_the_output():
+@pytest.mark.parametrize("case", ["mistral_window", "phi3_window"])
+def test_sliding_window_changes_the_output(case):
     """The window cases above are not vacuous: the same weights with full attention differ."""
     torch.manual_seed(0)
-    model = CASES["mistral_window"]().eval()
+    model = CASES[case]().eval()
     ids = torch.randint(3, 128, (2, 16), generator=torch.Generator().manual_seed(1))
     windowed = model(input_ids=ids).logits
     model.config.sliding_window = None
@@ -188,11 +192,12 @@ def test_sliding_window_changes_the_output():
 # 3. same module names, another forward: refused, naming why
 # ------------------------------------------------------------------------------------------------
 
-REFUSED = {
-    "gemma": (lambda: tf.GemmaForCausalLM(tf.GemmaConfig(**SMALL, head_dim=16)), "model.layers",
-              "laid out like llama"),
-    "phi3": (lambda: tf.Phi3ForCausalLM(tf.Phi3Config(**SMALL)), "model.layers",
-             "laid out like llama"),
+REFUSED = {  # each scales in its forward, between the layers: logits, embeddings
+    "cohere": (lambda: tf.CohereForCausalLM(tf.CohereConfig(**SMALL, logit_scale=0.5)),
+               "model.layers", "laid out like llama"),
+    "granite": (lambda: tf.GraniteForCausalLM(tf.GraniteConfig(
+        **SMALL, embedding_multiplier=2.0, logits_scaling=4.0)), "model.layers",
+        "laid out like llama"),
     "deberta": (lambda: tf.DebertaV2Model(tf.DebertaV2Config(
         hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
         vocab_size=128)), "encoder.layer", "laid out like BERT"),

@@ -34,9 +34,10 @@ class DecoderLayout:
     A stage re-implements what the model's `forward` does between its layers (embedding,
     positions, masks, final norm). That code is only right for the model types listed in
     `model_types`, each checked against the model's own forward by a test
-    (`tests/test_pipeline_families.py`); another model with the same module names (Gemma,
-    Cohere, Granite scale their embeddings or logits) would train silently wrong, so it is
-    refused by `layout_of`."""
+    (`tests/test_pipeline_families.py`); another model with the same module names (Cohere
+    scales its logits, Granite its embeddings and logits, in the model's forward) would train
+    silently wrong, so it is refused by `layout_of`. (Gemma's sqrt(hidden) embedding scale and (1 + w) norms live in
+    its modules in transformers 5.17 and 5.23, so its forward between layers is LLaMA's.)"""
 
     family: str  # how stages embed and call layers: "gpt2", "llama" or "opt"
     model_types: tuple[str, ...]
@@ -50,7 +51,8 @@ class DecoderLayout:
 GPT2 = DecoderLayout("gpt2", ("gpt2", "gpt_neo"), "transformer.h",
                      ("transformer.wte", "transformer.wpe", "transformer.drop"),
                      ("transformer.ln_f", "lm_head"))
-LLAMA = DecoderLayout("llama", ("llama", "mistral", "qwen2", "qwen3"), "model.layers",
+LLAMA = DecoderLayout("llama", ("llama", "mistral", "qwen2", "qwen3", "gemma", "phi3"),
+                      "model.layers",
                       ("model.embed_tokens",), ("model.norm", "lm_head"), ("model.rotary_emb",))
 OPT = DecoderLayout("opt", ("opt",), "model.decoder.layers",
                     ("model.decoder.embed_tokens", "model.decoder.embed_positions",
@@ -61,9 +63,10 @@ OPT = DecoderLayout("opt", ("opt",), "model.decoder.layers",
 LAYOUTS = (GPT2, LLAMA, OPT)
 
 # How each model type's forward picks a layer's attention mask: "causal" (one causal mask),
-# "window" (Mistral: a sliding-window mask for every layer when `config.sliding_window`
+# "window" (Mistral, Phi-3: a sliding-window mask for every layer when `config.sliding_window`
 # is set) or "layer_types" (Qwen2/3: `config.layer_types[i]` names full or sliding attention).
-MASK_RULE = {"mistral": "window", "qwen2": "layer_types", "qwen3": "layer_types"}
+MASK_RULE = {"mistral": "window", "phi3": "window", "qwen2": "layer_types",
+             "qwen3": "layer_types"}
 
 # Model types whose stages are not built, and why (named in the refusal).
 UNSUPPORTED = {
