@@ -530,3 +530,35 @@ def test_forward_inputs_the_stages_ignore_are_refused_on_every_rank(case, key):
             check_batch_inputs(stage, batch)
         del_key = {k: v for k, v in batch.items() if k != key}
         check_batch_inputs(stage, del_key)  # the rest passes (a loss_fn's own key too)
+
+
+def test_a_torch_whose_split_backward_double_counts_is_refused(monkeypatch):
+    """torch < 2.13 counts a weight used twice on one path twice in the zero-bubble schedules'
+    weight pass (pytorch issue 180952): the self-test catches such a torch, and every
+    zero-bubble schedule is refused on it; the others are not."""
+    from torch.distributed.pipelining import _backward
+    from torch.distributed.pipelining.schedules import get_schedule_class
+
+    from slapo.runtime import pipeline_runner as pr
+
+    assert pr.split_backward_is_exact()  # this torch (2.13) is fixed
+    fixed = _backward.stage_backward_weight
+
+    def double_counting(weights, param_groups, retain_graph=False):
+        weights = list(weights)
+        out = fixed(iter(weights), param_groups, retain_graph)
+        for w in weights:
+            w.grad = w.grad * 2  # what the unfixed pass gives for x @ w @ w
+        return out
+
+    monkeypatch.setattr(_backward, "stage_backward_weight", double_counting)
+    pr.split_backward_is_exact.cache_clear()
+    try:
+        assert not pr.split_backward_is_exact()
+        for name in pr.SPLIT_BACKWARD:
+            plan = pr.PipelinePlan(get_schedule_class(name), name, 2, 2, 4)
+            with pytest.raises(slapo.SchedulingError, match="180952"):
+                pr.check_split_backward([], plan)
+        pr.check_split_backward([], pr.PipelinePlan(get_schedule_class("1F1B"), "1F1B", 2, 1, 2))
+    finally:
+        pr.split_backward_is_exact.cache_clear()

@@ -162,8 +162,36 @@ def plan_pipeline(name: str, info: MeshInfo, num_microbatches: int | None,
 SPLIT_BACKWARD = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
 
 
+@functools.cache
+def split_backward_is_exact() -> bool:
+    """Whether this torch's split backward (`stage_backward_input` then
+    `stage_backward_weight`, what the zero-bubble schedules run) gives a weight used at two
+    places on one path its true gradient. torch before 2.13 counts such a gradient twice
+    (pytorch issue 180952: `x @ w @ w`), silently; asked of torch itself on that very case
+    (2 x 2 tensors on CPU, once per process) rather than read from its version."""
+    from torch.distributed.pipelining import _backward
+
+    w = torch.tensor([[0.4, -0.2], [0.7, 0.3]])
+    x = torch.tensor([[1.1, -0.7]])
+    want_w = nn.Parameter(w.clone())
+    want_x = x.clone().requires_grad_()
+    dx, dw = torch.autograd.grad((want_x @ want_w @ want_w).sum(), [want_x, want_w])
+    got_w = nn.Parameter(w.clone())
+    got_x = x.clone().requires_grad_()
+    out = (got_x @ got_w @ got_w).sum()
+    try:
+        _, groups = _backward.stage_backward_input([out], None, [got_x], iter([got_w]))
+        _backward.stage_backward_weight(iter([got_w]), groups)
+    except Exception:  # noqa: BLE001 - an API change: do not trust it
+        return False
+    return got_w.grad is not None and torch.allclose(got_w.grad, dw) and \
+        got_x.grad is not None and torch.allclose(got_x.grad, dx)
+
+
 def check_split_backward(stages: list[nn.Module], plan: PipelinePlan) -> None:
-    """Refuse a zero-bubble schedule for stages that declare `split_backward = False`.
+    """Refuse a zero-bubble schedule where its split backward would be wrong or fail: on a
+    torch whose weight pass double-counts a weight used twice on one path
+    (`split_backward_is_exact`), and for stages that declare `split_backward = False`.
 
     torch's weight-gradient pass (`stage_backward_weight`) runs one `autograd.grad` per group
     of parameters without keeping the graph; when a stage takes several tensors whose paths
@@ -173,6 +201,13 @@ def check_split_backward(stages: list[nn.Module], plan: PipelinePlan) -> None:
     is placed, instead of failing in the first step."""
     if plan.name not in SPLIT_BACKWARD:
         return
+    if not split_backward_is_exact():
+        raise SchedulingError("", f"pipeline={plan.name!r} splits each stage's backward into "
+                              f"input and weight passes, and this torch ({torch.__version__}) "
+                              "counts the gradient of a weight used twice on one path twice "
+                              "there (pytorch issue 180952, fixed in torch 2.13): it would train "
+                              "silently wrong.", "use 1F1B, GPipe, Interleaved1F1B or "
+                              "LoopedBFS, or torch >= 2.13.")
     bad = [i for i, s in enumerate(stages) if getattr(s, "split_backward", True) is False]
     if bad:
         raise SchedulingError("", f"pipeline={plan.name!r} splits each stage's backward into "
