@@ -374,20 +374,29 @@ def test_verify_runs_the_stages_against_the_forward(case):
             sch[c].cut_pipeline_stage()
 
 
-@pytest.mark.parametrize("case,planted", [
-    ("mistral_window", "mask"),   # the stages forget Mistral's sliding window (session 21's bug)
-    ("t5", "scale"),              # the last stage skips T5's tied-head output scaling
+@pytest.mark.parametrize("case,planted,needle", [
+    # the stages forget Mistral's sliding window (session 21's bug)
+    ("mistral_window", "mask", "output.logits"),
+    # the last stage skips T5's tied-head output scaling
+    ("t5", "scale", "output.logits"),
+    # the position bias crosses the boundaries detached: the same outputs, but the first
+    # block's relative-bias weight no longer learns from the later stages
+    ("t5", "detach", "grad .*relative_attention_bias"),
 ])
-def test_verify_catches_stages_that_are_not_the_forward(monkeypatch, case, planted):
+def test_verify_catches_stages_that_are_not_the_forward(monkeypatch, case, planted, needle):
     from slapo.runtime import stages_decoder, stages_seq2seq
 
     if planted == "mask":
         monkeypatch.setattr(stages_decoder, "MASK_RULE", {})
-    else:
+    elif planted == "scale":
         monkeypatch.setattr(stages_seq2seq, "decoder_output_scale", lambda root: 1.0)
+    else:
+        sent = stages_seq2seq._sent  # the bias is the one 4-D tensor sent (1 x heads x q x k)
+        monkeypatch.setattr(stages_seq2seq, "_sent",
+                            lambda t, xs: t.detach().contiguous() if t.dim() == 4 else sent(t, xs))
     model, batch = _verify_cut(case)
     sch = slapo.create_schedule(model)
-    with pytest.raises(slapo.VerificationError, match="do not compute the model's forward"):
+    with pytest.raises(slapo.VerificationError, match=f"do not compute the model's .*{needle}"):
         with slapo.Verify(sch, example_kwargs=batch):
             for c in VERIFIED[case]:
                 sch[c].cut_pipeline_stage()

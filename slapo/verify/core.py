@@ -80,6 +80,12 @@ def _stage_output_pairs(got, want) -> list[tuple[str, torch.Tensor, torch.Tensor
     return [(f"output[{i}]", g, w) for i, (g, w) in enumerate(zip(got_t, want_t, strict=False))]
 
 
+def _grads(loss: torch.Tensor, params: list[tuple[str, nn.Parameter]]) -> list:
+    """d loss / d each parameter (None where the loss does not reach it)."""
+    found = torch.autograd.grad(loss, [p for _, p in params], allow_unused=True)
+    return [None if g is None else g.detach() for g in found]
+
+
 def _call(loss_fn: Callable, out, inputs, kwargs):
     try:
         n = len(inspect.signature(loss_fn).parameters)
@@ -389,7 +395,8 @@ class Verify:
         self._check_stages_run_the_forward(stages)
 
     def _check_stages_run_the_forward(self, stages: list[nn.Module]) -> None:
-        """The stages, run in sequence on the example inputs, equal the model's own forward.
+        """The stages, run in sequence on the example inputs, equal the model's own forward,
+        and so do the gradients of every parameter (of the outputs' mean square).
 
         A stage re-implements what the model's `forward` does between its layers (masks,
         positions, biases, output scaling); that code is checked against the transformers
@@ -417,37 +424,51 @@ class Verify:
         except (TypeError, SchedulingError):
             return  # inputs the stages cannot take: what `build` would refuse at the first step
         mode = model.training
+        params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         try:
             model.eval()  # always: dropout would differ, BatchNorm would update its statistics
-            with torch.no_grad():
-                want = self._run(model, amp=False)
-                tracker = get_rng_tracker()
-                states = tracker.get_states()
-                with torch.random.fork_rng(devices=[]):
-                    torch.manual_seed(self.seed)
-                    got = stage_outputs(stages[-1], run_stages(stages, *args, **masks))
-                tracker.set_states(states)
+            want = self._run(model, amp=False)
+            tracker = get_rng_tracker()
+            states = tracker.get_states()
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(self.seed)
+                got = stage_outputs(stages[-1], run_stages(stages, *args, **masks))
+            tracker.set_states(states)
+            pairs = _stage_output_pairs(got, want)
+            # gradients too: a stage that cut the graph (a detached bias or hand-off) computes
+            # the same outputs but trains less; one structural loss, the outputs' mean square
+            grads = [_grads(sum(t.float().pow(2).mean() for t in side), params)
+                     for side in ([g for _, g, _ in pairs], [w for _, _, w in pairs])]
         finally:
             model.train(mode)
-        pairs = _stage_output_pairs(got, want)
-        floor = _EPS * max((w.abs().max().item() for _, _, w in pairs if w.numel()),
-                           default=0.0)
-        for name, g, w in pairs:
+        named = [(name, g.detach(), w.detach()) for name, g, w in pairs]
+        named += [(f"grad {n}", g, w) for (n, _), g, w in zip(params, *grads, strict=True)
+                  if w is not None or g is not None]
+        floor = _EPS * max((w.abs().max().item() for _, _, w in named[:len(pairs)]
+                            if w.numel()), default=0.0)
+        for name, g, w in named:
+            if g is None or w is None:
+                self._fail(name, f"the pipeline stages run in sequence do not train what the "
+                           f"model does: {name} is {'missing' if g is None else 'extra'} "
+                           "through the stages.")
+                break
             err = (g.double() - w.double()).abs().max().item() if w.numel() else 0.0
             atol = max(self.rtol * w.abs().max().item() if w.numel() else 0.0, floor, 1e-30)
             self.report[f"pipeline stages {name}"] = err
             if g.shape != w.shape or not torch.allclose(g.double(), w.double(),
                                                         rtol=self.rtol, atol=atol):
                 self._fail(name, f"the pipeline stages run in sequence do not compute the "
-                           f"model's forward: {name} max abs error {err:.3e} (atol "
-                           f"{atol:.3e}). The stages re-implement {type(model).__name__}'s "
-                           "forward between its layers, and this model or transformers "
-                           "version computes something they do not; train it without "
-                           "pipeline stages, or report the model type and version.")
+                           f"model's forward and backward: {name} max abs error {err:.3e} "
+                           f"(atol {atol:.3e}). The stages re-implement "
+                           f"{type(model).__name__}'s forward between its layers, and this "
+                           "model or transformers version computes something they do not; "
+                           "train it without pipeline stages, or report the model type and "
+                           "version.")
                 break
         failure = self._settle()
         if failure is not None:
             raise VerificationError(failure[1])
+
 
     def _compare_outputs(self, out_ref, out, out_base) -> None:
         ref_items, items = _flatten(out_ref), dict(_flatten(out))
