@@ -345,9 +345,10 @@ MASK_KEYS = ("attention_mask", "decoder_attention_mask")
 
 def check_batch_inputs(stage: nn.Module, batch: Batch) -> None:
     """Refuse batch entries the model's forward would use but the pipeline stages do not
-    take (any stage of this rank answers: `first_inputs` and `mask_inputs` are per stage kind) (BERT's stages take `token_type_ids`, no stage takes `position_ids`,
-    `inputs_embeds` or `head_mask`): dropped silently, they would train another model than the
-    one a single process runs. Entries the forward does not name (a user `loss_fn`'s own) pass."""
+    take (BERT's stages take `token_type_ids`; no stage takes `position_ids`, `inputs_embeds`
+    or `head_mask`): dropped silently, they would train another model than the one a single
+    process runs. Entries the forward does not name (a user `loss_fn`'s own) pass. Any stage
+    of the rank can answer: `first_inputs` and `mask_inputs` belong to the stage kind."""
     root = getattr(stage, "_root", (None,))[0]
     if root is None or not isinstance(batch, dict):
         return
