@@ -41,10 +41,11 @@ class CutPipelineStagePrimitive(Primitive):
     build the stage modules from it.
 
     The module must be a layer of a sequential container (nn.ModuleList / nn.Sequential), where
-    only its output crosses the boundary (not the last layer of a ModuleList, which would leave
-    the next stage without layers of it, except an encoder-decoder model's last encoder layer), or a `call_module` of a traced parent whose graph
+    only its output crosses the boundary, or a `call_module` of a traced parent whose graph
     passes nothing else across it. A cut inside a residual branch (the residual would have to
-    cross the boundary too) is an error.
+    cross the boundary too) is an error, and so is a cut on the last layer of a ModuleList
+    (the next stage would have no layer of it), except an encoder-decoder model's last encoder
+    layer: the boundary between its encoder and decoder.
     """
 
     name = "cut_pipeline_stage"
