@@ -10,7 +10,7 @@
 #   benchmarks/gpu_session.sh 3            # call 3 (<= 590 s), if device time remains: the
 #                                          # compiled-layer partition check, Tempo
 #                                          # inside compiled layers, EcoRNN LSTM, WideResNet,
-#                                          # the torch-2.11 test subset
+#                                          # the torch-2.11 test subsets
 #   benchmarks/gpu_session.sh 1 --tiny     # CPU dry form: the same commands on the tiny models,
 #                                          # every variant "skipped: --deadline-s" (argument
 #                                          # checks, output layout, collection into $OUT)
@@ -141,6 +141,10 @@ case "$MODE" in
     bench tests 120 "$PY" -m pytest -q -p no:cacheprovider tests/test_init_parent_order.py \
       tests/test_init_sharded.py tests/test_prepared_data.py tests/test_checkpoint_bn.py \
       tests/test_faults.py -k "backward or not torchrun"
+    # torch 2.11's pipelining: padding masks as step keyword arguments to every stage, the
+    # stage code against the image's transformers, the zero-bubble self-test (session 22)
+    bench pipelines 60 "$PY" -m pytest -q -p no:cacheprovider tests/test_pipeline_families.py \
+      -k "padded or stages_reproduce or zero_bubble or double_counts or verify"
     ;;
   *)
     echo "usage: benchmarks/gpu_session.sh 1|2|3 [--tiny]" >&2
