@@ -173,9 +173,10 @@ class T5Stage(nn.Module):
         self._root = (root,)  # a tuple: not registered, so its parameters stay out of the stage
         self.input_names = self.first_inputs if first else ()
         self.scale = decoder_output_scale(root) if last else 1.0
-        # several tensors cross every later boundary: zero-bubble schedules cannot split
-        # these stages' backward (`pipeline_runner.check_split_backward`)
-        self.split_backward = first
+        # torch's split weight pass (zero-bubble schedules) gets the decoder's position-bias
+        # weight wrong, or fails, on a later stage that makes the bias from it
+        # (`pipeline_runner.check_split_backward`); the first stage's backward is not split
+        self.split_backward = first or not self.starts_decoder
         for path in self.paths():
             graft(self, root, path)
 
