@@ -135,10 +135,9 @@ def check_stage_coverage(root: nn.Module, stages: list[nn.Module]) -> None:
         raise SchedulingError("", f"{len(orphans)} parameter(s) of {type(root).__name__} belong "
                               f"to no pipeline stage and would never be trained: {shown}.",
                               "use a model class whose head the pipeline stages cover (decoder "
-                              "LMs, BertModel/RobertaModel, *ForMaskedLM, T5ForConditional"
-                              "Generation), or pipeline the base "
-                              "model and apply the head in loss_fn only if it has no "
-                              "parameters.")
+                              "LMs, BertModel/RobertaModel, *ForMaskedLM, "
+                              "T5ForConditionalGeneration), or pipeline the base model and "
+                              "apply the head in loss_fn only if it has no parameters.")
     if doubled:
         raise SchedulingError("", f"parameter(s) {', '.join(doubled[:12])} are held by more "
                               "than one pipeline stage.", "cut the model so each module is in "

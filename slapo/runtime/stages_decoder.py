@@ -36,8 +36,9 @@ class DecoderLayout:
     `model_types`, each checked against the model's own forward by a test
     (`tests/test_pipeline_families.py`); another model with the same module names (Cohere
     scales its logits, Granite its embeddings and logits, in the model's forward) would train
-    silently wrong, so it is refused by `layout_of`. (Gemma's sqrt(hidden) embedding scale and (1 + w) norms live in
-    its modules in transformers 5.17 and 5.23, so its forward between layers is LLaMA's.)"""
+    silently wrong, so it is refused by `layout_of`. (Gemma's sqrt(hidden) embedding scale
+    and (1 + w) norms live in its modules in transformers 5.17 and 5.23, so its forward
+    between layers is LLaMA's.)"""
 
     family: str  # how stages embed and call layers: "gpt2", "llama" or "opt"
     model_types: tuple[str, ...]

@@ -56,8 +56,9 @@ class BertStage(nn.Module):
     `input_ids`. The last stage also runs what follows the encoder: a `*ForMaskedLM` model's
     head (returns the logits; `outputs.loss` is the model's own masked-LM cross-entropy), else
     the pooler if any (returns `(last_hidden_state, pooler_output)`). The first stage takes
-    `token_type_ids` after `input_ids` when the batch has them (sentence pairs). `attention_mask` (the
-    micro-batch's padding mask, handed to every stage by the runner) becomes the layers'
+    `token_type_ids` after `input_ids` when the batch has them (sentence pairs).
+    `attention_mask` (the micro-batch's padding mask, handed to every stage by the runner)
+    becomes the layers'
     bidirectional mask, as in the model's forward."""
 
     mask_inputs = ("attention_mask",)
