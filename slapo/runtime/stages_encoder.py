@@ -58,8 +58,7 @@ class BertStage(nn.Module):
     the pooler if any (returns `(last_hidden_state, pooler_output)`). The first stage takes
     `token_type_ids` after `input_ids` when the batch has them (sentence pairs).
     `attention_mask` (the micro-batch's padding mask, handed to every stage by the runner)
-    becomes the layers'
-    bidirectional mask, as in the model's forward."""
+    becomes the layers' bidirectional mask, as in the model's forward."""
 
     mask_inputs = ("attention_mask",)
     first_inputs = ("input_ids", "token_type_ids")  # what stage 0 takes, in order
