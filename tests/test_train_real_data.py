@@ -249,12 +249,17 @@ def test_tp2_run_starts_from_exactly_the_saved_weights(dist2, gpt2_dir):
 @pytest.mark.dist
 def test_pipeline_ranks_read_only_their_stages(dist2, gpt2_dir):
     """--pp-stages 2 from the saved model: each rank reads its own stage's tensors (the
-    embeddings and the tied head on their ranks), and training starts from exactly the saved
-    weights."""
-    options = dict(model=str(gpt2_dir), steps=2, seq_len=32, batch_size=4, progress=False,
-                   plot=False, eval_batches=0, pp_stages=2)
-    ranks = dist2.run(job_tp_from_pretrained, options)
+    embeddings and the tied head on their ranks), training starts from exactly the saved
+    weights, and trains like one process. The tied head must stay the embedding's tensor on
+    each rank although each rank loads only one of its names: before, the two ranks' copies
+    were separate tensors, their gradients were never summed, and from step 2 on the run
+    drifted from one process (5.522 vs 5.517), silently."""
+    options = dict(model=str(gpt2_dir), steps=3, seq_len=32, batch_size=4, progress=False,
+                   plot=False, eval_batches=0)
+    one = job_tp_from_pretrained(options)["losses"]
+    ranks = dist2.run(job_tp_from_pretrained, {**options, "pp_stages": 2})
     assert ranks[0]["losses"][0] == pytest.approx(first_batch_loss(gpt2_dir), rel=1e-5)
+    assert ranks[0]["losses"] == pytest.approx(one, rel=1e-5), (ranks[0]["losses"], one)
     total = sum(p.numel() for p in
                 __import__("transformers").GPT2LMHeadModel.from_pretrained(gpt2_dir)
                 .state_dict().values())
@@ -262,6 +267,24 @@ def test_pipeline_ranks_read_only_their_stages(dist2, gpt2_dir):
         got = sum(n for n, _ in r["read"])
         assert 0 < got < 0.8 * total, (got, total)  # a stage, never the whole model
     assert sum(n for r in ranks for n, _ in r["read"]) >= 0.95 * total  # together: all of it
+
+
+@pytest.mark.dist
+def test_t5_pipeline_from_a_saved_model_trains_like_one_process(dist2, tmp_path):
+    """T5 ties one tensor under four names (`shared`, both stacks' `embed_tokens` on the first
+    stage, `lm_head` on the last): a 2-stage fine-tune from a saved T5 (no tokenizer beside
+    it: the byte tokenizer) equals one process."""
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    torch.manual_seed(0)
+    T5ForConditionalGeneration(T5Config(
+        d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4, vocab_size=320,
+        decoder_start_token_id=0, pad_token_id=0, dropout_rate=0.0)).save_pretrained(tmp_path)
+    options = dict(model=str(tmp_path), steps=3, seq_len=32, batch_size=8, progress=False,
+                   plot=False, eval_batches=0)
+    one = job_tp_from_pretrained(options)["losses"]
+    ranks = dist2.run(job_tp_from_pretrained, {**options, "pp_stages": 2})
+    assert ranks[0]["losses"] == pytest.approx(one, rel=1e-5), (ranks[0]["losses"], one)
 
 
 # ---- bad input: a clear error naming the path and the fix, exit status 2, nothing written -----

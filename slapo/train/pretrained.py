@@ -257,6 +257,7 @@ def load_weights(model: nn.Module, source: ModelSource,
         return {}
     prefix = getattr(model, "base_model_prefix", "") or ""
     entries, key_of = _plan(model, keys, prefix, source, only)
+    holders = _holders(model)
     handles: dict[Path, Any] = {}
     done: dict[int, torch.Tensor] = {}
     try:
@@ -275,8 +276,27 @@ def load_weights(model: nn.Module, source: ModelSource,
                 (mod._parameters if kind == "p" else mod._buffers)[name] = done[id(t)]
     finally:
         handles.clear()
+    # A tied tensor stays one tensor under every name, also names outside `only`: a pipeline
+    # rank loads GPT-2's `transformer.wte.weight` for its first stage, and the last stage's
+    # `lm_head.weight` (the same tensor) must point at it too, or `find_tied` no longer sees
+    # one weight in two stages, and their gradients are never summed: the embedding and the
+    # head would train apart, silently.
+    for tid, value in done.items():
+        for mod, kind, name in holders.get(tid, ()):
+            (mod._parameters if kind == "p" else mod._buffers)[name] = value
     used = {key_of[id(t)] for _, _, _, t in entries if id(t) in key_of}
     return {"loaded": len(used), "unused_keys": len(set(keys) - set(key_of.values()))}
+
+
+def _holders(model: nn.Module) -> dict[int, list[tuple[nn.Module, str, str]]]:
+    """id(tensor) -> every (module, "p"/"b", name) slot holding it (tied names included)."""
+    out: dict[int, list[tuple[nn.Module, str, str]]] = {}
+    for mod in model.modules():
+        for kind, table in (("p", mod._parameters), ("b", mod._buffers)):
+            for name, t in table.items():
+                if t is not None:
+                    out.setdefault(id(t), []).append((mod, kind, name))
+    return out
 
 
 def _plan(model: nn.Module, keys: dict[str, Path], prefix: str, source: ModelSource,
