@@ -269,17 +269,32 @@ def test_pipeline_ranks_read_only_their_stages(dist2, gpt2_dir):
     assert sum(n for r in ranks for n, _ in r["read"]) >= 0.95 * total  # together: all of it
 
 
-@pytest.mark.dist
-def test_t5_pipeline_from_a_saved_model_trains_like_one_process(dist2, tmp_path):
-    """T5 ties one tensor under four names (`shared`, both stacks' `embed_tokens` on the first
-    stage, `lm_head` on the last): a 2-stage fine-tune from a saved T5 (no tokenizer beside
-    it: the byte tokenizer) equals one process."""
+def _saved_t5():
     from transformers import T5Config, T5ForConditionalGeneration
 
-    torch.manual_seed(0)
-    T5ForConditionalGeneration(T5Config(
+    return T5ForConditionalGeneration(T5Config(
         d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4, vocab_size=320,
-        decoder_start_token_id=0, pad_token_id=0, dropout_rate=0.0)).save_pretrained(tmp_path)
+        decoder_start_token_id=0, pad_token_id=0, dropout_rate=0.0))
+
+
+def _saved_bert():
+    from transformers import BertConfig, BertForMaskedLM
+
+    return BertForMaskedLM(BertConfig(
+        hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+        vocab_size=320, max_position_embeddings=64, hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0))
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("make", [_saved_t5, _saved_bert], ids=["t5", "bert"])
+def test_tied_pipeline_from_a_saved_model_trains_like_one_process(dist2, tmp_path, make):
+    """T5 ties one tensor under four names (`shared`, both stacks' `embed_tokens` on the first
+    stage, `lm_head` on the last), BERT its word embedding to the MLM decoder on the last
+    stage: a 2-stage fine-tune from the saved model (no tokenizer beside it: the byte
+    tokenizer) equals one process."""
+    torch.manual_seed(0)
+    make().save_pretrained(tmp_path)
     options = dict(model=str(tmp_path), steps=3, seq_len=32, batch_size=8, progress=False,
                    plot=False, eval_batches=0)
     one = job_tp_from_pretrained(options)["losses"]
