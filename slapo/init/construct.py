@@ -28,16 +28,7 @@ import torch
 import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .record import (
-    Op,
-    _kind,
-    _storage_key,
-    _tensors,
-    _whole_view_problem,
-    _why_not,
-    box_of,
-    whole,
-)
+from .record import Op, _storage_key, _tensors, replayable
 
 # torch.nn.init functions that return early on a meta tensor (no op reaches dispatch)
 SILENT_ON_META = ("trunc_normal_", "orthogonal_", "sparse_", "dirac_")
@@ -70,26 +61,15 @@ class _Watch(TorchDispatchMode):
                     self._record(t, func, args, kwargs)
         return func(*args, **kwargs)
 
-    def base_shape(self, t: torch.Tensor) -> tuple[int, ...]:
-        base = t._base if t._base is not None else t
-        return tuple(base.shape)
-
     def _record(self, target: torch.Tensor, func, args, kwargs) -> None:
         key = _storage_key(target)
-        shape = self.shapes.setdefault(key, self.base_shape(target))
+        base = target._base if target._base is not None else target
+        shape = self.shapes.setdefault(key, tuple(base.shape))
         rec = self.records.setdefault(key, ConstructorInit())
-        if rec.failed is not None:
-            return
-        problem = _why_not(func, target, args, kwargs)
-        box = box_of(target, shape)
-        if problem is None and box is None:
-            problem = _whole_view_problem(func, target, shape, args, kwargs)
-            box = whole(shape)
-        if problem is not None:
-            rec.failed = problem
-            return
-        kw = {k: v for k, v in kwargs.items() if k != "generator"}
-        rec.ops.append(Op(func, _kind(func), box, tuple(args[1:]), kw))
+        if rec.failed is None:
+            op, rec.failed = replayable(func, target, target, shape, args, kwargs)
+            if op is not None:
+                rec.ops.append(op)
 
     def fail(self, t: torch.Tensor, reason: str) -> None:
         rec = self.records.setdefault(_storage_key(t), ConstructorInit())

@@ -236,16 +236,27 @@ class Recorder:
                     yield self.names.get(_storage_key(t.inner)), t
 
     def _record(self, name: str, target: StandIn, func, args, kwargs) -> None:
-        problem = _why_not(func, target, args, kwargs)
-        box = box_of(target.inner, self.shapes[name])
-        if problem is None and box is None:
-            problem = _whole_view_problem(func, target.inner, self.shapes[name], args, kwargs)
-            box = whole(self.shapes[name])
+        op, problem = replayable(func, target, target.inner, self.shapes[name], args, kwargs)
         if problem is not None:
             self.rec.fail(name, problem)
-            return
-        kw = {k: v for k, v in kwargs.items() if k != "generator"}
-        self.rec.ops[name].append(Op(func, _kind(func), box, tuple(args[1:]), kw))
+        else:
+            self.rec.ops[name].append(op)
+
+
+def replayable(func, target, view: torch.Tensor, shape: tuple[int, ...], args,
+               kwargs) -> tuple[Op | None, str | None]:
+    """The write `func(target, ...)` as a replayable `Op` on a tensor of full `shape` (`view`:
+    the written tensor as a meta tensor, for its position), or why it cannot be replayed.
+    Shared by the materialise recorder and the constructor recorder (`construct.py`)."""
+    problem = _why_not(func, target, args, kwargs)
+    box = box_of(view, shape)
+    if problem is None and box is None:
+        problem = _whole_view_problem(func, view, shape, args, kwargs)
+        box = whole(shape)
+    if problem is not None:
+        return None, problem
+    kw = {k: v for k, v in kwargs.items() if k != "generator"}
+    return Op(func, _kind(func), box, tuple(args[1:]), kw), None
 
 
 def _to_meta(x):

@@ -65,6 +65,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ..errors import SchedulingError
+from ..module_patch import original_class
 from .batch import Batch, batch_size, index_batch
 from .mesh import MeshInfo
 from .precision import Precision
@@ -356,10 +357,7 @@ def check_batch_inputs(stage: nn.Module, batch: Batch) -> None:
     root = getattr(stage, "_root", (None,))[0]
     if root is None or not isinstance(batch, dict):
         return
-    try:
-        params = inspect.signature(root.forward).parameters
-    except (TypeError, ValueError):
-        return
+    params = _forward_params(original_class(root))  # the model's own, not a patch wrapper's
     taken = {*getattr(stage, "first_inputs", ()), *getattr(stage, "mask_inputs", ()),
              "labels"}
     unused = sorted(k for k, v in batch.items() if k in params and k not in taken
@@ -370,6 +368,15 @@ def check_batch_inputs(stage: nn.Module, batch: Batch) -> None:
                               "not take (they would be ignored).",
                               f"drop {', '.join(unused)} from the batch (the stages use the "
                               "model's defaults), or train without pipeline stages.")
+
+
+@functools.cache
+def _forward_params(cls: type) -> frozenset[str]:
+    """The argument names of a model class's forward (once per class: this runs every step)."""
+    try:
+        return frozenset(inspect.signature(cls.forward).parameters)
+    except (TypeError, ValueError):
+        return frozenset()
 
 
 def stage_masks(stage: nn.Module, batch: Batch) -> dict[str, torch.Tensor]:

@@ -171,7 +171,6 @@ class T5Stage(nn.Module):
         self.lo, self.hi, self.first, self.last = lo, hi, first, last
         self.config = root.config
         self._root = (root,)  # a tuple: not registered, so its parameters stay out of the stage
-        self.input_names = self.first_inputs if first else ()
         self.scale = decoder_output_scale(root) if last else 1.0
         # torch's split weight pass (zero-bubble schedules) gets the decoder's position-bias
         # weight wrong, or fails, on a later stage that makes the bias from it
