@@ -286,12 +286,31 @@ def _saved_bert():
         attention_probs_dropout_prob=0.0))
 
 
+def _saved_opt():
+    from transformers import OPTConfig, OPTForCausalLM
+
+    return OPTForCausalLM(OPTConfig(
+        hidden_size=32, num_hidden_layers=2, num_attention_heads=4, ffn_dim=64, vocab_size=320,
+        max_position_embeddings=64, word_embed_proj_dim=32, dropout=0.0,
+        attention_dropout=0.0))
+
+
+def _saved_roberta():
+    from transformers import RobertaConfig, RobertaForMaskedLM
+
+    return RobertaForMaskedLM(RobertaConfig(
+        hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+        vocab_size=320, max_position_embeddings=72, hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0))
+
+
 @pytest.mark.dist
-@pytest.mark.parametrize("make", [_saved_t5, _saved_bert], ids=["t5", "bert"])
+@pytest.mark.parametrize("make", [_saved_t5, _saved_bert, _saved_opt, _saved_roberta],
+                         ids=["t5", "bert", "opt", "roberta"])
 def test_tied_pipeline_from_a_saved_model_trains_like_one_process(dist2, tmp_path, make):
     """T5 ties one tensor under four names (`shared`, both stacks' `embed_tokens` on the first
-    stage, `lm_head` on the last), BERT its word embedding to the MLM decoder on the last
-    stage: a 2-stage fine-tune from the saved model (no tokenizer beside it: the byte
+    stage, `lm_head` on the last), BERT and RoBERTa their word embedding to the MLM decoder on
+    the last stage, OPT its embedding to `lm_head`: a 2-stage fine-tune from the saved model (no tokenizer beside it: the byte
     tokenizer) equals one process."""
     torch.manual_seed(0)
     make().save_pretrained(tmp_path)
