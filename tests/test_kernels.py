@@ -100,20 +100,28 @@ def leaf(*shape, dtype=F32, scale=1.0, shift=0.0, seed=0):
 NORM_DTYPES = [(F32, F32), (BF16, BF16), (BF16, F32)]  # (input, weight): bf16 + fp32 master
 
 
+RMS_REFERENCE = {"llama": K.rms_norm_reference, "t5": K.t5_rms_norm_reference}
+
+
 @pytest.mark.parametrize("chunked", [False, True], ids=["one_chunk", "chunked_rows"])
-@pytest.mark.parametrize("dtypes", NORM_DTYPES, ids=lambda d: f"{d[0]}-{d[1]}".replace("torch.",
-                                                                                        ""))
-def test_rms_norm(dtypes, chunked, monkeypatch):
+@pytest.mark.parametrize("dtypes", NORM_DTYPES + [(F32, BF16)],
+                         ids=lambda d: f"{d[0]}-{d[1]}".replace("torch.", ""))
+@pytest.mark.parametrize("style", ["llama", "t5"])
+def test_rms_norm(style, dtypes, chunked, monkeypatch):
+    """Both styles round where their HF module does: the T5 style keeps a bf16 input's
+    normalised value in fp32 under an fp32 weight (output fp32), and rounds it to the weight's
+    dtype under a bf16 one, even for an fp32 input."""
     if chunked:  # 37 columns in chunks of 16: 3 chunks, the last one partial
         monkeypatch.setattr(_common, "MAX_ROW_BLOCK", 16)
     xd, wd = dtypes
     x = leaf(2, 7, 37, dtype=xd, scale=2.0)  # 14 rows: 4 backward programs of <= 4 rows
     w = leaf(37, dtype=wd, scale=0.1, shift=1.0, seed=1)
-    y = K.rms_norm(x, w, 1e-6, backend="triton")
-    ref = K.rms_norm_reference(x, w, 1e-6)
-    assert_match(y, ref, xd)
+    y = K.rms_norm(x, w, 1e-6, backend="triton", style=style)
+    ref = RMS_REFERENCE[style](x, w, 1e-6)
+    tol = BF16 if BF16 in dtypes else F32
+    assert_match(y, ref, tol)
     for got, want in zip(grads(y, (x, w)), grads(ref, (x, w))):
-        assert_match(got, want, xd)
+        assert_match(got, want, tol)
 
 
 @pytest.mark.parametrize("chunked", [False, True], ids=["one_chunk", "chunked_rows"])
@@ -337,6 +345,14 @@ def test_cpu_auto_backend_is_the_reference_exactly():  # CPU tensors on any mach
     assert torch.equal(K.FusedRMSNorm.from_module(norm)(x), norm(x))
     ln = torch.nn.LayerNorm(16)
     assert torch.equal(K.FusedLayerNorm.from_module(ln)(x.float()), ln(x.float()))
+    t5 = tf.models.t5.modeling_t5.T5LayerNorm(16, eps=1e-5)
+    torch.nn.init.normal_(t5.weight)
+    fused = K.FusedRMSNorm.from_module(t5, style="t5")
+    assert fused(x).dtype == torch.float32  # bf16 input, fp32 weight: T5 keeps fp32
+    assert torch.equal(fused(x), t5(x)) and not torch.equal(K.FusedRMSNorm.from_module(t5)(x),
+                                                             t5(x))
+    t5.weight.data = t5.weight.data.to(BF16)
+    assert torch.equal(fused(x.float()), t5(x.float()))  # rounded to the bf16 weight's dtype
 
 
 def test_backend_errors(monkeypatch):
@@ -345,6 +361,8 @@ def test_backend_errors(monkeypatch):
         K.rms_norm(x, torch.ones(8, dtype=torch.float64), backend="cuda")
     with pytest.raises(RuntimeError, match="supports"):
         K.rms_norm(x, torch.ones(8, dtype=torch.float64), backend="triton")
+    with pytest.raises(ValueError, match="unknown RMSNorm style"):
+        K.rms_norm(x, torch.ones(8, dtype=torch.float64), style="gemma")
     with pytest.raises(ValueError, match="does not match"):
         K.layer_norm(x.float(), torch.ones(4), None, backend="triton")
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)

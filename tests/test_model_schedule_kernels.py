@@ -58,6 +58,21 @@ def roberta():
     return transformers.RobertaForMaskedLM(cfg)
 
 
+def t5(ff_proj="gated-gelu", cls=None):
+    cfg = transformers.T5Config(vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=48, num_layers=2,
+                                num_heads=4, feed_forward_proj=ff_proj, dropout_rate=0.0,
+                                decoder_start_token_id=0, pad_token_id=0)
+    return (cls or transformers.T5ForConditionalGeneration)(cfg)
+
+
+def t5_v1():
+    return t5("relu")
+
+
+def mt5():
+    return t5(cls=transformers.MT5ForConditionalGeneration)
+
+
 # (model factory, family, replacements: per layer x layers + outside the layers, new classes)
 CASES = {
     "gpt2": (gpt2, "gpt2", 2 * 3 + 1, {FusedLayerNorm, FusedGELU}),   # ln_1, ln_2, act; ln_f
@@ -67,6 +82,10 @@ CASES = {
     "gpt_neo": (gpt_neo, "gpt_neo", 2 * 3 + 1, {FusedLayerNorm, FusedGELU}),  # as GPT-2
     # embeddings LN; per layer attention LN, act, output LN; the LM head's LN (its GELU is F.gelu)
     "roberta": (roberta, "roberta", 1 + 2 * 3 + 1, {FusedLayerNorm, FusedGELU}),
+    # T5 v1.1: encoder blocks 2 norms + the gated GELU, decoder blocks 3 + it; a final norm each
+    "t5": (t5, "t5", 2 * 3 + 1 + 2 * 4 + 1, {FusedRMSNorm, FusedGELU}),
+    "t5_v1": (t5_v1, "t5", 2 * 2 + 1 + 2 * 3 + 1, {FusedRMSNorm}),  # ReLU stays
+    "mt5": (mt5, "t5", 2 * 3 + 1 + 2 * 4 + 1, {FusedRMSNorm, FusedGELU}),
 }
 
 
@@ -117,6 +136,23 @@ def test_llama_reference_path_is_bit_identical():
     assert all(torch.equal(g, rg) for g, rg in zip(grads, ref_grads))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_t5_reference_path_is_bit_identical(dtype):
+    """T5's norms keep their own rounding order (`style="t5"`), in fp32 and in a bf16 model
+    (v1: only the norms are swapped; the tanh GELU's reference is torch's, not HF's formula)."""
+    torch.manual_seed(0)
+    model = t5_v1().to(dtype)
+    ref = copy.deepcopy(model)
+    sch = slapo.create_schedule(model)
+    apply_kernels(sch, "t5")
+    assert all(m.style == "t5" for m in model.modules() if isinstance(m, FusedRMSNorm))
+    ids = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(1))
+    logits, loss, grads = run(sch.mod, ids)
+    ref_logits, ref_loss, ref_grads = run(ref, ids)
+    assert torch.equal(logits, ref_logits) and torch.equal(loss, ref_loss)
+    assert all(torch.equal(g, rg) for g, rg in zip(grads, ref_grads))
+
+
 def test_verify_accepts_the_swap_on_one_layer():
     """`Verify` (outputs, gradients, one optimizer step) on a sub-schedule: a GPT-2 block."""
     torch.manual_seed(0)
@@ -134,14 +170,14 @@ def test_unknown_family_is_refused_before_any_change():
     model = gpt2()
     sch = slapo.create_schedule(model)
     before = [type(m) for m in model.modules()]
-    with pytest.raises(SchedulingError, match="no kernel plan for the 't5' family"):
-        apply_kernels(sch, "t5")
+    with pytest.raises(SchedulingError, match="no kernel plan for the 'albert' family"):
+        apply_kernels(sch, "albert")
     with pytest.raises(SchedulingError, match="unknown kernel backend"):
         apply_kernels(sch, "gpt2", backend="cuda")
     with pytest.raises(SchedulingError, match="expects a Slapo schedule"):
         apply_kernels(model, "gpt2")
     assert [type(m) for m in model.modules()] == before and sch.applied() == []
-    assert set(PLANS) == {"llama", "gpt2", "gpt_neo", "bert", "roberta", "opt"}
+    assert set(PLANS) == {"llama", "gpt2", "gpt_neo", "bert", "roberta", "opt", "t5"}
 
 
 def test_patched_target_is_refused_before_any_change():

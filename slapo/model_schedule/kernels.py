@@ -1,6 +1,6 @@
 """Swap the fused kernels of `slapo.op.kernels` into a scheduled HF model.
 
-    n = apply_kernels(sch, "llama")   # or "gpt2", "bert", "roberta", "opt", "gpt_neo"
+    n = apply_kernels(sch, "llama")   # or "gpt2", "bert", "roberta", "opt", "gpt_neo", "t5"
 
 Only `.replace()` is used, so every swap is recorded in the schedule's history, the new modules
 hold the *same* parameter objects, and parameter names / state-dict keys do not change.
@@ -13,6 +13,12 @@ Plans (what is replaced, per family):
   forward, not a module, so there is nothing to `.replace()`; patching that function would
   change every model in the process (what Liger-Kernel does). `slapo.op.kernels.
   apply_rotary_pos_emb` has HF's signature for callers who want that.
+* t5 (also mT5): every `T5LayerNorm` -> `FusedRMSNorm(style="t5")` (T5 rounds the normalised
+  value to the weight's dtype, and only when that is half precision: not LLaMA's order, so a
+  style of its own); v1.1's gated-GELU activation (`NewGELUActivation`) -> `FusedGELU` (tanh).
+  The gate multiply stays HF's: the whole `DenseReluDense` is not replaced, since under TP it
+  carries the all-reduce of its input gradient (`fuse=True` compiles the gated activation
+  with its multiply instead). v1's ReLU is left alone.
 * gpt2, gpt_neo, bert, roberta, opt: every `nn.LayerNorm` over one dimension -> `FusedLayerNorm`
   (a subclass, sharing weight and bias); every GELU module (`nn.GELU`, HF `GELUActivation`,
   `NewGELUActivation`, `GELUTanh`) -> `FusedGELU` (erf or tanh form, no bias, no dropout: HF's
@@ -41,6 +47,7 @@ from ..module_patch import original_class
 from ..schedule import Schedule
 
 _LLAMA_NORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm")
+_T5_NORMS = ("T5LayerNorm", "MT5LayerNorm")
 _LLAMA_MLPS = ("LlamaMLP", "MistralMLP", "Qwen2MLP", "Qwen3MLP")
 _TANH_GELUS = ("NewGELUActivation", "GELUTanh", "PytorchGELUTanh")
 _LN_GELU = ("layer_norm", "gelu")
@@ -52,6 +59,7 @@ PLANS: dict[str, tuple[str, ...]] = {
     "bert": _LN_GELU,
     "roberta": _LN_GELU,
     "opt": _LN_GELU,
+    "t5": ("t5_rms_norm", "gelu"),
 }
 
 
@@ -74,6 +82,14 @@ def _rms_norm(mod: nn.Module, backend: str) -> Callable[[], nn.Module] | None:
     from ..op.kernels import FusedRMSNorm
 
     return lambda: FusedRMSNorm.from_module(mod, backend)
+
+
+def _t5_rms_norm(mod: nn.Module, backend: str) -> Callable[[], nn.Module] | None:
+    if original_class(mod).__name__ not in _T5_NORMS:
+        return None
+    from ..op.kernels import FusedRMSNorm
+
+    return lambda: FusedRMSNorm.from_module(mod, backend, style="t5")
 
 
 def _swiglu_mlp(mod: nn.Module, backend: str) -> Callable[[], nn.Module] | None:
@@ -101,8 +117,8 @@ def _gelu(mod: nn.Module, backend: str) -> Callable[[], nn.Module] | None:
     return lambda: FusedGELU(form, backend=backend)
 
 
-_RULES = {"rms_norm": _rms_norm, "swiglu_mlp": _swiglu_mlp, "layer_norm": _layer_norm,
-          "gelu": _gelu}
+_RULES = {"rms_norm": _rms_norm, "t5_rms_norm": _t5_rms_norm, "swiglu_mlp": _swiglu_mlp,
+          "layer_norm": _layer_norm, "gelu": _gelu}
 
 
 def _carried_wrappers(mod: nn.Module) -> list | None:

@@ -146,12 +146,12 @@ def _has_loss_plan(model_class: str) -> bool:
 
 
 def _has_kernels(model_type: str) -> bool:
-    """`kernels` is offered when Slapo has kernels for the family."""
-    try:
-        from ..model_schedule.kernels import PLANS
-    except ImportError:
-        return False
-    return model_type in PLANS
+    """`kernels` is offered when Slapo has kernels for the model type's family (Mistral's and
+    Qwen's are LLaMA's, mT5's T5's)."""
+    from ..model_schedule import supported
+    from ..model_schedule.kernels import PLANS
+
+    return any(model_type in types for name, types in supported().items() if name in PLANS)
 
 
 def update_space_gpu(args: GPUSpaceArgs, space: Space) -> Space:

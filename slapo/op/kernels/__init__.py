@@ -5,7 +5,7 @@ kernels) and an `nn.Module` drop-in for the HF module it replaces:
 
 | kernel | functional | Function | module (replaces) |
 |---|---|---|---|
-| RMSNorm | `rms_norm` | `RMSNormFunction` | `FusedRMSNorm` (`LlamaRMSNorm` & copies) |
+| RMSNorm | `rms_norm` | `RMSNormFunction` | `FusedRMSNorm` (`LlamaRMSNorm` & copies; `T5LayerNorm` with `style="t5"`) |
 | LayerNorm | `layer_norm` | `LayerNormFunction` | `FusedLayerNorm` (`nn.LayerNorm`) |
 | SwiGLU | `swiglu` | `SwiGLUFunction` | `FusedSwiGLU`, `FusedLlamaMLP` (`LlamaMLP`) |
 | bias+GELU(+dropout) | `bias_gelu_dropout` | `BiasGELUDropoutFunction` | `FusedGELU` (GELU modules) |
@@ -22,7 +22,13 @@ Test the kernels without a GPU with `TRITON_INTERPRET=1` (see docs/kernels.md).
 from ._common import BACKENDS, triton_available
 from .gelu import BiasGELUDropoutFunction, FusedGELU, bias_gelu_dropout, bias_gelu_dropout_reference
 from .layer_norm import FusedLayerNorm, LayerNormFunction, layer_norm
-from .rms_norm import FusedRMSNorm, RMSNormFunction, rms_norm, rms_norm_reference
+from .rms_norm import (
+    FusedRMSNorm,
+    RMSNormFunction,
+    rms_norm,
+    rms_norm_reference,
+    t5_rms_norm_reference,
+)
 from .rope import FusedRoPE, RoPEFunction, apply_rotary_pos_emb, rope_reference
 from .swiglu import (
     FusedLlamaMLP,
@@ -52,6 +58,7 @@ __all__ = [
     "layer_norm",
     "rms_norm",
     "rms_norm_reference",
+    "t5_rms_norm_reference",
     "rope_reference",
     "swiglu",
     "swiglu_mlp_problem",
