@@ -227,6 +227,44 @@ def test_fork_rng_single_process_reproducible():
     assert torch.equal(a, drop(x))
 
 
+def test_fork_rng_for_dropouts_swaps_only_when_a_dropout_can_draw():
+    """`fork_rng(draws="dropout")`: the stream swap runs only in training and with some
+    probability above 0 that the module holds (an nn.Dropout, a `*drop*`/`p` number attribute)
+    or is handed (a `dropout=` keyword, a positional number); `draws="any"` always swaps."""
+    from slapo.primitives.fork_rng import may_drop
+
+    class Core(nn.Module):  # an attention core: HF hands it the probability
+        def forward(self, x, dropout=0.0, scaling=1.0):
+            return nn.functional.dropout(x * scaling, dropout, self.training)
+
+    block = nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.0))
+    core = Core()
+    x = torch.ones(3, 4)
+    assert not may_drop(block, (x,), {}) and not may_drop(core, (x,), {"scaling": 2.0})
+    assert may_drop(core, (x,), {"dropout": 0.1}) and may_drop(core, (x, 0.1), {})
+    block[1].p = 0.2
+    assert may_drop(block, (x,), {})
+    block.eval()
+    assert not may_drop(block, (x,), {})
+    block.train()
+    block[1].p = 0.0
+    block[0].attention_dropout = 0.3  # HF keeps attention's probability as a float attribute
+    assert may_drop(block, (x,), {})
+
+    slapo.set_random_seed(5, tp_rank=0)
+    sch = slapo.create_schedule(core)
+    sch.fork_rng(draws="dropout")
+    before = slapo.distributed.rng.get_rng_tracker().get_states()
+    core(x, dropout=0.0)
+    after = slapo.distributed.rng.get_rng_tracker().get_states()
+    assert all(torch.equal(before[k][0], after[k][0]) for k in before)
+    default = torch.get_rng_state()
+    y = core(torch.ones(100), dropout=0.5)  # drawn from the TP stream, default untouched
+    assert torch.equal(torch.get_rng_state(), default) and (y == 0).any()
+    with pytest.raises(slapo.SchedulingError, match="draws='noise'"):
+        slapo.create_schedule(Core()).fork_rng(draws="noise")
+
+
 def test_set_attr_recorded():
     sch = slapo.create_schedule(gpt2())
     attn = sch["transformer.h.0.attn"]

@@ -45,48 +45,48 @@ def _mlm_batches(family: str, batch: int = 8, seq: int = 16) -> list[dict]:
 P = 0.5  # dropout everywhere: any mask mistake shows
 
 
-def dropout_model(family: str, **over):
-    """One small model per registered family with dropout `P` in every dropout site."""
+def dropout_model(family: str, p: float = P, **over):
+    """One small model per registered family with dropout `p` in every dropout site."""
     import transformers as tf
 
     torch.manual_seed(0)
     common = {"vocab_size": 128, "max_position_embeddings": 64}
     specs = {
         "gpt2": (tf.GPT2Config, tf.GPT2LMHeadModel,
-                 {"n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 64, "resid_pdrop": P,
-                  "embd_pdrop": P, "attn_pdrop": P, "bos_token_id": 0, "eos_token_id": 0}),
+                 {"n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 64, "resid_pdrop": p,
+                  "embd_pdrop": p, "attn_pdrop": p, "bos_token_id": 0, "eos_token_id": 0}),
         "gpt_neo": (tf.GPTNeoConfig, tf.GPTNeoForCausalLM,
                     {"hidden_size": 64, "num_layers": 2, "num_heads": 4,
                      "attention_types": [[["global", "local"], 1]], "window_size": 8,
-                     "embed_dropout": P, "attention_dropout": P, "resid_dropout": P,
+                     "embed_dropout": p, "attention_dropout": p, "resid_dropout": p,
                      "bos_token_id": 0, "eos_token_id": 0}),
         "llama": (tf.LlamaConfig, tf.LlamaForCausalLM,
                   {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
-                   "num_key_value_heads": 2, "intermediate_size": 128, "attention_dropout": P,
+                   "num_key_value_heads": 2, "intermediate_size": 128, "attention_dropout": p,
                    "bos_token_id": 0, "eos_token_id": 0, "pad_token_id": 0}),
         "opt": (tf.OPTConfig, tf.OPTForCausalLM,
                 {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
-                 "ffn_dim": 128, "word_embed_proj_dim": 64, "dropout": P,
-                 "attention_dropout": P, "bos_token_id": 0, "eos_token_id": 0,
+                 "ffn_dim": 128, "word_embed_proj_dim": 64, "dropout": p,
+                 "attention_dropout": p, "bos_token_id": 0, "eos_token_id": 0,
                  "pad_token_id": 1}),
         "bert": (tf.BertConfig, tf.BertForMaskedLM,
                  {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
-                  "intermediate_size": 128, "hidden_dropout_prob": P,
-                  "attention_probs_dropout_prob": P}),
+                  "intermediate_size": 128, "hidden_dropout_prob": p,
+                  "attention_probs_dropout_prob": p}),
         "roberta": (tf.RobertaConfig, tf.RobertaForMaskedLM,
                     {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
-                     "intermediate_size": 128, "hidden_dropout_prob": P,
-                     "attention_probs_dropout_prob": P, "pad_token_id": 1,
+                     "intermediate_size": 128, "hidden_dropout_prob": p,
+                     "attention_probs_dropout_prob": p, "pad_token_id": 1,
                      "max_position_embeddings": 80}),
         "albert": (tf.AlbertConfig, tf.AlbertForMaskedLM,
                    {"hidden_size": 64, "embedding_size": 32, "num_hidden_layers": 2,
                     "num_attention_heads": 4, "intermediate_size": 128,
-                    "hidden_dropout_prob": P, "attention_probs_dropout_prob": P,
-                    "classifier_dropout_prob": P}),
+                    "hidden_dropout_prob": p, "attention_probs_dropout_prob": p,
+                    "classifier_dropout_prob": p}),
         "t5": (tf.T5Config, tf.T5ForConditionalGeneration,
                {"d_model": 64, "d_kv": 16, "d_ff": 128, "num_layers": 2,
                 "num_decoder_layers": 2, "num_heads": 4, "decoder_start_token_id": 0,
-                "pad_token_id": 0, "dropout_rate": P}),
+                "pad_token_id": 0, "dropout_rate": p}),
     }
     cfg_cls, model_cls, kw = specs[family]
     cfg = cfg_cls(**{**common, **kw, **over})
@@ -400,6 +400,66 @@ def job_tp_tempo_core_is_forked():
 def test_tp_tempo_attention_core_is_the_forked_one(dist2):
     res = dist2.run(job_tp_tempo_core_is_forked)
     assert res[0] == res[1] and res[0].startswith("Tempo"), res
+
+
+def job_tp_without_dropout_keeps_compiled_blocks_whole(family: str) -> dict:
+    """tp=2 with every dropout probability 0, layers compiled (dynamo, eager backend): the
+    forked modules cannot drop, so no stream swap runs (`fork_rng(draws="dropout")`) and no
+    graph breaks; the model equals the same model with forks that always swap. Then every
+    dropout above 0: the forks swap again (dynamo guarded the probabilities)."""
+    from torch._dynamo.utils import counters
+
+    import slapo
+    from slapo import model_schedule, module_patch
+    from slapo.distributed import rng
+
+    forks = []
+    inner = rng.RNGStatesTracker.fork
+    rng.RNGStatesTracker.fork = lambda self, *a, **k: (forks.append(1), inner(self, *a, **k))[1]
+    try:
+        torch._dynamo.reset()
+        counters.clear()
+        model = dropout_model(family, p=0.0)
+        model_schedule.apply(model, tp=2, compile_blocks="eager")
+        wrappers = [w for m in model.modules() for w in module_patch.wrappers(m)
+                    if w.name == "fork_rng"]
+        assert wrappers and all(w.draws == "dropout" for w in wrappers)
+        model.train()
+        slapo.set_random_seed(3, tp_rank=torch.distributed.get_rank())
+        loss = model(**_batch(family)).loss
+        loss.backward()
+        out = {"forks": len(forks), "breaks": sum(counters["graph_break"].values())}
+        for w in wrappers:  # the same model, forking on every call
+            w.draws = "any"
+        torch._dynamo.reset()
+        slapo.set_random_seed(3, tp_rank=torch.distributed.get_rank())
+        again = model(**_batch(family)).loss
+        torch.testing.assert_close(again, loss, rtol=0, atol=0)
+        out["forks_any"] = len(forks)
+        for w in wrappers:
+            w.draws = "dropout"
+        forks.clear()
+        for m in model.modules():  # every probability the HF modules hold
+            if isinstance(m, torch.nn.Dropout):
+                m.p = 0.5
+            for name in ("attention_dropout", "dropout"):
+                if isinstance(m.__dict__.get(name), float):
+                    setattr(m, name, 0.5)
+        model(**_batch(family)).loss.backward()
+        out["forks_after"] = len(forks)
+    finally:
+        rng.RNGStatesTracker.fork = inner
+        torch._dynamo.reset()
+    return out
+
+
+@pytest.mark.dist
+@pytest.mark.compile
+@pytest.mark.parametrize("family", FAMILIES)
+def test_tp_without_dropout_keeps_compiled_blocks_whole(dist2, family):
+    res = dist2.run(job_tp_without_dropout_keeps_compiled_blocks_whole, family, timeout=300)
+    assert res[0]["forks"] == 0 and res[0]["breaks"] == 0, res[0]
+    assert res[0]["forks_any"] > 0 and res[0]["forks_after"] > 0, res[0]
 
 
 @pytest.mark.dist

@@ -180,7 +180,7 @@ def fork_sharded_rng(layer: Schedule, paths: tuple[str, ...], core_paths: tuple[
     for node in targets:
         if _forked_around(layer, node):
             continue
-        node.fork_rng()
+        node.fork_rng(draws="dropout")
         n += 1
     return n
 

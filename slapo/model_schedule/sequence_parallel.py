@@ -129,7 +129,7 @@ def replicated_on_shards(sch: Schedule, family, layers: list[Schedule]) -> None:
     for node in _targets(sch, family, layers, plan.norms):
         node.reduce_param_grads()
     for node in _targets(sch, family, layers, plan.dropouts):
-        node.fork_rng()
+        node.fork_rng(draws="dropout")
 
 
 def _targets(sch: Schedule, family, layers: list[Schedule], paths: tuple[str, ...]):

@@ -2,26 +2,74 @@
 
 from __future__ import annotations
 
+import numbers
+
 import torch
+from torch import nn
 
 from .. import module_patch
 from ..distributed.rng import TP_STREAM, get_rng_tracker
 from ..errors import SchedulingError
 from .base import Primitive, register_primitive
 
+DRAWS = ("any", "dropout")
+
 
 class ForkRNGWrapper(module_patch.ForwardWrapper):
+    """Swap in the TP stream around the module's forward. With `draws="dropout"` (the module's
+    only random ops are dropouts) a call that cannot drop anything (`may_drop`) runs without
+    the swap: the result is the same (no number is drawn from either stream), and under
+    `torch.compile` the swap's `get_rng_state`/`set_rng_state` are graph breaks, which split
+    every compiled block of a TP model in two or three (seen: LLaMA at tp=2 with
+    `compile_blocks`, attention dropout 0, 4 graphs and 12 breaks per step instead of 1)."""
+
     name = "fork_rng"
 
-    def __init__(self, seed_offset: int):
+    def __init__(self, seed_offset: int, draws: str = "any"):
         self.seed_offset = seed_offset
+        self.draws = draws
 
     def __call__(self, module, fn, args, kwargs):
+        if self.draws == "dropout" and not may_drop(module, args, kwargs):
+            return fn(*args, **kwargs)
         tracker = get_rng_tracker()
         if not tracker.has(TP_STREAM):  # not seeded by set_random_seed: derive deterministically
             tracker.add(TP_STREAM, torch.initial_seed() + self.seed_offset)
         with tracker.fork(TP_STREAM):
             return fn(*args, **kwargs)
+
+
+def may_drop(module: nn.Module, args: tuple, kwargs: dict) -> bool:
+    """Whether this call of `module`, whose only random ops are dropouts, may draw a random
+    number: some module in it is training and some dropout probability it can see is above 0.
+
+    Seen probabilities: an `nn.Dropout`'s `p`; a number attribute of the module or a submodule
+    whose name has "drop" in it or is `p` (HF attention keeps `attention_dropout`, T5 and OPT
+    `dropout`, Slapo's ops `p` / `dropout`); a keyword argument of the call so named (HF hands
+    an attention core `dropout=`), and any positional number argument. Conservative: any such
+    number above 0 counts, and a module it cannot judge should keep `draws="any"`. Traceable by
+    `torch.compile` without a break (attribute reads become guards: a changed probability
+    recompiles, then forks)."""
+    if not any(m.training for m in module.modules()):
+        return False
+    if any(_positive(v) for v in args):
+        return True
+    if any(_droplike(k) and _positive(v) for k, v in kwargs.items()):
+        return True
+    for m in module.modules():
+        if isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0:
+            return True
+        if any(_droplike(k) and _positive(v) for k, v in m.__dict__.items()):
+            return True
+    return False
+
+
+def _droplike(name: str) -> bool:
+    return name == "p" or "drop" in name.lower()
+
+
+def _positive(value) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and value > 0
 
 
 @register_primitive
@@ -32,16 +80,25 @@ class ForkRNGPrimitive(Primitive):
     must differ; outside, masks must agree. The stream is seeded per rank by
     `slapo.set_random_seed(seed, tp_rank=rank)` (or, if not seeded, from `torch.initial_seed()`
     + 2718 + rank), is reproducible, and is replayed exactly under `checkpoint`.
+
+    `draws="dropout"` says the module's only random ops are dropouts whose probabilities it
+    holds or is handed (`may_drop`): a call that cannot drop (every probability 0, or eval
+    mode) then skips the stream swap, which keeps a compiled block whole. The default "any"
+    always swaps (a module drawing noise of its own). The ready schedules use "dropout" on the
+    HF modules they fork, whose dropouts `tests/test_silent_wrong.py` checks are all seen.
     """
 
     name = "fork_rng"
 
     @classmethod
-    def validate(cls, sch):
+    def validate(cls, sch, draws: str = "any"):
+        if draws not in DRAWS:
+            raise SchedulingError(sch.path, f"fork_rng(draws={draws!r}) is not a kind of random "
+                                  "op.", f"use one of {', '.join(map(repr, DRAWS))}.")
         if any(isinstance(w, ForkRNGWrapper) for w in module_patch.wrappers(sch.mod)):
             raise SchedulingError(sch.path, "fork_rng was already applied to this module.",
                                   "remove the second call.")
 
     @classmethod
-    def apply(cls, sch):
-        module_patch.add_wrapper(sch.mod, ForkRNGWrapper(2718 + sch.tp_rank))
+    def apply(cls, sch, draws: str = "any"):
+        module_patch.add_wrapper(sch.mod, ForkRNGWrapper(2718 + sch.tp_rank, draws))
