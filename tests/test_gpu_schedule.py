@@ -336,21 +336,28 @@ def test_fused_loss_runs_on_fake_tensors():
     assert out.loss.shape == ()
 
 
-def test_checkpointing_turns_the_kv_cache_off_without_a_warning():
+@pytest.mark.parametrize("family", ["llama", "t5"])
+def test_checkpointing_turns_the_kv_cache_off_without_a_warning(family):
     """Issue 12: `--ckpt-ratio` on LLaMA printed a warning to pass use_cache=False, which no
-    flag could do; the schedule is for training, so `apply` turns the cache off itself."""
+    flag could do; the schedule is for training, so `apply` turns the cache off itself. T5's
+    decoder stack reads its own copy of the config (transformers 5.x): it kept building a cache
+    every step, and the warning's call was a graph break in every compiled checkpointed block."""
     import warnings
+
+    import models
 
     from slapo.primitives import checkpoint as ckpt_primitive
 
     ckpt_primitive._WARNED.clear()  # the warning is once per class and process
-    _, model = _pair("llama")
+    model = models.t5(seed=0) if family == "t5" else _pair("llama")[1]
     model_schedule.apply(model, ckpt_ratio=1.0)
-    assert model.config.use_cache is False
-    x, y = _batch("llama")
+    assert all(m.config.use_cache is False for m in model.modules() if "config" in m.__dict__
+               and hasattr(m.config, "use_cache"))
+    batch = models.batch_for("t5") if family == "t5" else dict(zip(("input_ids", "labels"),
+                                                                   _batch("llama")))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        model(input_ids=x, labels=y).loss.backward()
+        model(**batch).loss.backward()
 
 
 def test_train_knobs_are_apply_parameters():

@@ -276,10 +276,16 @@ def _compile_layers(sch: Schedule, layers: list[Schedule], backend) -> None:
 
 def _training_without_cache(sch: Schedule) -> None:
     """`config.use_cache = False`: checkpointed and compiled layers train without a KV cache (a
-    schedule is for training; pass `use_cache=True` to a call to get one back for generation)."""
-    cfg = getattr(sch.mod, "config", None)
-    if cfg is not None and getattr(cfg, "use_cache", False):
-        cfg.use_cache = False
+    schedule is for training; pass `use_cache=True` to a call to get one back for generation).
+    Every config in the model: T5's decoder stack holds a copy of the model's config and, in
+    transformers 5.x, reads `use_cache` from its own (the model passes None down), so only
+    turning the model's off still built a cache in every training step."""
+    seen: set[int] = set()
+    for mod in sch.mod.modules():
+        cfg = mod.__dict__.get("config")
+        if cfg is not None and id(cfg) not in seen and getattr(cfg, "use_cache", False):
+            seen.add(id(cfg))
+            cfg.use_cache = False
 
 
 def _set_attention(sch: Schedule, attention: str) -> None:
