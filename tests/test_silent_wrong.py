@@ -340,16 +340,18 @@ def job_tp_dropout_masks(family: str, impl: str):
     return res
 
 
-def job_tp_dropout_checkpoint_reproducible(family: str):
+def job_tp_dropout_checkpoint_reproducible(family: str, compile_blocks=False):
     """With per-rank masks, a checkpointed TP model recomputes with the masks its forward drew:
-    loss and every gradient equal the same model without checkpointing."""
+    loss and every gradient equal the same model without checkpointing (also with compiled
+    blocks, where the forks break the graph and the checkpoint runs eagerly, replaying)."""
     import slapo
     from slapo import model_schedule
 
     out = {}
     for ratio in (0.0, 1.0):
+        torch._dynamo.reset()
         model = dropout_model(family)
-        model_schedule.apply(model, tp=2, ckpt_ratio=ratio)
+        model_schedule.apply(model, tp=2, ckpt_ratio=ratio, compile_blocks=compile_blocks)
         model.train()
         slapo.set_random_seed(11, tp_rank=torch.distributed.get_rank())
         loss = model(**_batch(family)).loss
@@ -406,7 +408,9 @@ def job_tp_without_dropout_keeps_compiled_blocks_whole(family: str) -> dict:
     """tp=2 with every dropout probability 0, layers compiled (dynamo, eager backend): the
     forked modules cannot drop, so no stream swap runs (`fork_rng(draws="dropout")`) and no
     graph breaks; the model equals the same model with forks that always swap. Then every
-    dropout above 0: the forks swap again (dynamo guarded the probabilities)."""
+    dropout above 0: the forks swap again (dynamo guarded the probabilities). Checkpointed
+    layers too compile whole (the RNG replay's Python flag had made every checkpointed TP
+    block run eagerly, no graph at all)."""
     from torch._dynamo.utils import counters
 
     import slapo
@@ -447,6 +451,16 @@ def job_tp_without_dropout_keeps_compiled_blocks_whole(family: str) -> dict:
                     setattr(m, name, 0.5)
         model(**_batch(family)).loss.backward()
         out["forks_after"] = len(forks)
+        torch._dynamo.reset()  # checkpointed too: the recompute needs no replay, one region
+        counters.clear()
+        model = dropout_model(family, p=0.0)
+        model_schedule.apply(model, tp=2, compile_blocks="eager", ckpt_ratio=1.0)
+        slapo.set_random_seed(3, tp_rank=torch.distributed.get_rank())
+        ckpt_loss = model(**_batch(family)).loss
+        ckpt_loss.backward()
+        torch.testing.assert_close(ckpt_loss, loss, rtol=1e-6, atol=1e-6)
+        out["ckpt_breaks"] = sum(counters["graph_break"].values())
+        out["ckpt_graphs"] = counters["stats"]["unique_graphs"]
     finally:
         rng.RNGStatesTracker.fork = inner
         torch._dynamo.reset()
@@ -460,12 +474,21 @@ def test_tp_without_dropout_keeps_compiled_blocks_whole(dist2, family):
     res = dist2.run(job_tp_without_dropout_keeps_compiled_blocks_whole, family, timeout=300)
     assert res[0]["forks"] == 0 and res[0]["breaks"] == 0, res[0]
     assert res[0]["forks_any"] > 0 and res[0]["forks_after"] > 0, res[0]
+    assert res[0]["ckpt_breaks"] == 0 and res[0]["ckpt_graphs"] >= 1, res[0]
 
 
 @pytest.mark.dist
 @pytest.mark.parametrize("family", ["gpt2", "llama", "t5"])
 def test_tp_dropout_reproducible_under_checkpoint(dist2, family):
     res = dist2.run(job_tp_dropout_checkpoint_reproducible, family)
+    assert res[0] == res[1]
+
+
+@pytest.mark.dist
+@pytest.mark.compile
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_tp_dropout_reproducible_under_checkpoint_in_compiled_blocks(dist2, family):
+    res = dist2.run(job_tp_dropout_checkpoint_reproducible, family, "eager", timeout=300)
     assert res[0] == res[1]
 
 

@@ -18,6 +18,7 @@ from ..distributed.rng import get_rng_tracker
 from ..errors import SchedulingError
 from ._util import refuse_in_export_capture
 from .base import Primitive, register_primitive
+from .fork_rng import ForkRNGWrapper, may_drop
 
 
 class CheckpointWrapper(module_patch.ForwardWrapper):
@@ -50,16 +51,28 @@ class CheckpointWrapper(module_patch.ForwardWrapper):
         extra = {} if context_fn is None else {"context_fn": context_fn}
         # with nothing to replay there are no Python side effects, so torch.compile traces
         # the checkpoint as one region
-        run = _rng_replaying(module, fn) or fn
+        run = _rng_replaying(module, fn, args, kwargs) or fn
         return _torch_checkpoint(run, *args, use_reentrant=False, preserve_rng_state=True,
                                  **extra, **kwargs)
 
 
-def _rng_replaying(module: nn.Module, fn: Callable) -> Callable | None:
+def _rng_replaying(module: nn.Module, fn: Callable, args: tuple = (),
+                   kwargs: dict | None = None) -> Callable | None:
     """`fn` whose second and later calls (the recomputation in backward; the first call is the
     real forward) draw from the tensor-parallel RNG streams as the real forward did; None when
-    no dropout in the subtree forks them (then `fn` itself is checkpointed)."""
-    if not _forks_rng(module):
+    nothing in the subtree can draw from them (then `fn` itself is checkpointed): no module is
+    forked, or every fork is for dropouts (`fork_rng(draws="dropout")`) and no dropout
+    probability in the subtree or the call is above 0 (`may_drop`).
+
+    The replay keeps a Python flag, a side effect torch.compile cannot put inside its
+    checkpoint region: a compiled TP block with checkpointing then ran entirely eager (no graph
+    at all, seen at tp=2 for every family). Without dropout it is not needed, so the block
+    compiles whole; with dropout the forks break the graph anyway, and the eager fallback
+    replays."""
+    forks = _fork_wrappers(module)
+    if not forks:
+        return None
+    if all(w.draws == "dropout" for w in forks) and not may_drop(module, args, kwargs or {}):
         return None
     snapshot = get_rng_tracker().get_states()
     first = [True]
@@ -183,10 +196,11 @@ def selective_context_fn(policy: str | Callable) -> Callable:
     return functools.partial(create_selective_checkpoint_contexts, fn)
 
 
-def _forks_rng(module) -> bool:
-    """Whether dropout inside `module` draws from a tensor-parallel RNG stream (`fork_rng`),
-    whose state the recomputation must replay."""
-    return any(w.name == "fork_rng" for m in module.modules() for w in module_patch.wrappers(m))
+def _fork_wrappers(module: nn.Module) -> list[ForkRNGWrapper]:
+    """The `fork_rng` wrappers in `module`'s subtree: their dropouts draw from a
+    tensor-parallel RNG stream, whose state the recomputation must replay."""
+    return [w for m in module.modules() for w in module_patch.wrappers(m)
+            if isinstance(w, ForkRNGWrapper)]
 
 
 def _is_kv_cache(x) -> bool:
