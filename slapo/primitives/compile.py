@@ -89,8 +89,32 @@ class CompilePrimitive(Primitive):
         opts = {"backend": backend, "mode": mode, "fullgraph": fullgraph, "dynamic": dynamic}
         if mode is None:
             del opts["mode"]
-        sch.mod.compile(**opts)
+        sch.mod._compiled_call_impl = compiled_call(sch.mod, opts)  # as nn.Module.compile
         sch.mod.__dict__["_slapo_compile"] = opts
+
+
+# dynamo refuses a side effect inside a checkpointed region (it would have to replay it in the
+# recomputation), and falls back to running the whole checkpoint eagerly. Slapo's wrappers
+# inside checkpointed blocks have side effects that need no replay: `reduce_param_grads` swaps
+# a parameter for its reducing view and back (net nothing), the TP-RNG replay flips a flag the
+# compiled recomputation never reads. Seen before this switch: every checkpointed block under
+# sequence parallelism (all SP families) and Qwen3's under TP ran uncompiled (0 graphs).
+# torchtitan sets the same switch globally when it compiles; here it holds only while a
+# compiled block runs. A torch without it keeps the eager fallback (correct, slower).
+_CHECKPOINT_SIDE_EFFECTS = "skip_fwd_side_effects_in_bwd_under_checkpoint"
+
+
+def compiled_call(module: nn.Module, opts: dict[str, Any]):
+    """`torch.compile(module._call_impl, **opts)`, run with `_CHECKPOINT_SIDE_EFFECTS` on."""
+    compiled = torch.compile(module._call_impl, **opts)
+    if not hasattr(torch._dynamo.config, _CHECKPOINT_SIDE_EFFECTS):
+        return compiled
+
+    def call(*args, **kwargs):
+        with torch._dynamo.config.patch(**{_CHECKPOINT_SIDE_EFFECTS: True}):
+            return compiled(*args, **kwargs)
+
+    return call
 
 
 def _check_flags(sch, fullgraph, dynamic) -> None:
