@@ -21,6 +21,8 @@ and timed steps. MFU = model FLOPs per token (6 x non-embedding params + 6 x hid
 12 x layers x hidden x seq) x tokens/s over the datasheet bf16 peak (989 TFLOP/s for H100 SXM);
 `mfu_measured` uses a 8192^3 bf16 matmul measured in the same process instead. "compile_s" is
 the first step's time minus a steady step (compilation, autotuning, allocator warm-up).
+"graphs/breaks" counts dynamo's compiled graphs and graph breaks over all steps: a compiled
+variant should show its few graphs and no break (each break is eager Python on every step).
 
 Variants:
 - hf_eager / hf_sdpa: the HF model as loaded, eager attention / its default (SDPA);
@@ -339,6 +341,9 @@ def measure(name: str, variant: str, batch: int, seq: int, steps: int, warmup: i
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
+    from torch._dynamo.utils import counters  # graph breaks: each costs step time on a GPU
+
+    counters.clear()
     times, losses = [], []
     for _ in range(warmup + steps):
         t = time.perf_counter()
@@ -353,7 +358,9 @@ def measure(name: str, variant: str, batch: int, seq: int, steps: int, warmup: i
     row = dict(model=name, variant=variant, batch=batch, seq=seq, tokens_per_s=tps,
                step_ms=1000 * timed / steps, compile_s=times[0] - min(times[warmup:]),
                loss_first=losses[0], loss_last=losses[-1],
-               mfu=flops * tps / (DATASHEET_TFLOPS * 1e12))
+               mfu=flops * tps / (DATASHEET_TFLOPS * 1e12),
+               graph_breaks=sum(counters["graph_break"].values()),
+               graphs=counters["stats"]["unique_graphs"])
     if device == "cuda":
         row["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
     return row
@@ -788,7 +795,7 @@ def print_table(rows: list[dict]) -> None:
 
     table = Table(title="training throughput, one process per variant (bf16 autocast)")
     for col in ("model", "variant", "batch", "tokens/s", "vs best HF", "MFU", "peak GiB",
-                "compile s", "loss", "status"):
+                "compile s", "graphs/breaks", "loss", "status"):
         table.add_column(col)
     for name in dict.fromkeys(r["model"] for r in rows):
         mine = [r for r in rows if r["model"] == name]
@@ -797,12 +804,14 @@ def print_table(rows: list[dict]) -> None:
         for r in mine:
             if r.get("status") != "ok":
                 table.add_row(name, r["variant"], str(r.get("batch", "")), "", "", "", "", "",
-                              "", r["status"])
+                              "", "", r["status"])
                 continue
             ratio = f"{r['tokens_per_s'] / best_hf:.2f}x" if best_hf else ""
             table.add_row(name, r["variant"], str(r["batch"]), f"{r['tokens_per_s']:,.0f}",
                           ratio, f"{100 * r['mfu']:.1f}%", f"{r.get('peak_gib') or 0:.1f}",
-                          f"{r['compile_s']:.1f}", f"{r['loss_last']:.4f}", "ok")
+                          f"{r['compile_s']:.1f}",
+                          f"{r.get('graphs', '-')}/{r.get('graph_breaks', '-')}",
+                          f"{r['loss_last']:.4f}", "ok")
     Console(width=150).print(table)
     for r in rows:
         if r.get("variant") == TUNED and r.get("status") == "ok":

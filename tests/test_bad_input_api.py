@@ -510,7 +510,7 @@ KNOB_CASES: dict[str, KnobCase] = {
                                                dict(attention="sdpa", fused_loss=True),
                                                ("vocab_parallel=False",)),
     "kernels_not_bool": KnobCase("kernels", _gpt2, _one_rank, dict(kernels=1)),
-    "kernels_no_plan": KnobCase("kernels", t5, _one_rank, dict(attention="sdpa", kernels=True,
+    "kernels_no_plan": KnobCase("kernels", albert, _one_rank, dict(attention="sdpa", kernels=True,
                                                                ckpt_ratio=0.5),
                                 ("no kernel plan",)),
     "model_not_supported": KnobCase("(model)", lambda: nn.Sequential(nn.Linear(2, 2)), _one_rank,
