@@ -349,6 +349,79 @@ def test_t5_zero_bubble_schedules_are_refused_at_build(dist2, layers):
     assert all("1F1B" in m for m in msgs)
 
 
+def _t5_stages_and_inputs():
+    """T5 (2 + 2 blocks) cut into 4 stages, and each stage's real inputs (from the stages
+    before it), detached."""
+    import models
+
+    model = models.t5(layers=2).eval()
+    sch = slapo.create_schedule(model)
+    for c in ("encoder.block.0", "encoder.block.1", "decoder.block.0"):
+        sch[c].cut_pipeline_stage()
+    stages = partition(sch)
+    batch = models.batch_for("t5", batch=2, seq=16)
+    inputs = [stages[0].first_args(batch)]
+    with torch.no_grad():
+        for i in range(1, len(stages)):
+            inputs.append(run_stages(stages[:i], *inputs[0]))
+    return stages, inputs
+
+
+def test_split_backward_hazards_names_the_weight_no_input_reaches():
+    """Read off one forward's autograd graph: the stage starting T5's decoder sends on the
+    position bias its first block makes from positions alone; no other stage has such a
+    weight (the encoder's bias is made on stage 0, whose backward torch never splits)."""
+    from slapo.runtime.pipeline_runner import split_backward_hazards
+
+    stages, inputs = _t5_stages_and_inputs()
+    found = {}
+    for i in range(1, len(stages)):
+        ins = [t.detach().requires_grad_() if t.is_floating_point() else t for t in inputs[i]]
+        found[i] = split_backward_hazards(stages[i](*ins), ins,
+                                          dict(stages[i].named_parameters()))
+    assert found[1] == [] and found[3] == [], found
+    assert len(found[2]) == 1 and found[2][0].endswith("relative_attention_bias.weight"), found
+    lin = torch.nn.Linear(4, 4)  # a weight used with the input: found by torch, not a hazard
+    x = torch.randn(2, 4, requires_grad=True)
+    assert split_backward_hazards(lin(x) + lin.weight.sum(), [x], dict(lin.named_parameters())) \
+        == []
+    assert split_backward_hazards((lin(x), lin.weight * 2), [x],
+                                  dict(lin.named_parameters())) == ["weight"]
+
+
+def job_t5_zero_bubble_caught_at_the_first_step() -> str:
+    """The build-time refusal (`T5Stage.split_backward`) switched off: the runner still finds
+    the weight from the first step's graph and refuses that step on every rank."""
+    import importlib
+
+    import models
+
+    import slapo.runtime
+
+    build_module = importlib.import_module("slapo.runtime.build")  # the name is the function's
+    mesh = slapo.runtime.init_mesh(dp=1, pp=2, tp=1)
+    sch = slapo.create_schedule(models.t5(layers=2), mesh=mesh)
+    model_schedule.apply(sch, pp_stages=4)
+    checked = build_module.check_split_backward
+    build_module.check_split_backward = lambda stages, plan: None
+    try:
+        trained, _ = slapo.build(sch, optimizer=torch.optim.AdamW, pipeline="ZBVZeroBubble",
+                                 num_microbatches=2)
+    finally:
+        build_module.check_split_backward = checked
+    before = [p.detach().clone() for p in trained.parameters()]
+    with pytest.raises(slapo.SchedulingError, match="splits each stage's backward") as e:
+        trained.train_step(models.batch_for("t5", batch=2, seq=16))
+    assert all(torch.equal(a, p) for a, p in zip(before, trained.parameters(), strict=True))
+    return str(e.value)
+
+
+@pytest.mark.dist
+def test_t5_zero_bubble_hazard_is_caught_at_the_first_step(dist2):
+    msgs = dist2.run(job_t5_zero_bubble_caught_at_the_first_step)
+    assert all("relative_attention_bias" in m for m in msgs), msgs
+
+
 # ------------------------------------------------------------------------------------------------
 # 5. Verify runs the stages on the user's model and transformers
 # ------------------------------------------------------------------------------------------------
