@@ -58,6 +58,14 @@ def roberta():
     return transformers.RobertaForMaskedLM(cfg)
 
 
+def albert():
+    cfg = transformers.AlbertConfig(vocab_size=VOCAB, hidden_size=32, embedding_size=16,
+                                    num_hidden_layers=2, num_attention_heads=4,
+                                    intermediate_size=64, hidden_dropout_prob=0.0,
+                                    attention_probs_dropout_prob=0.0, max_position_embeddings=32)
+    return transformers.AlbertForMaskedLM(cfg)
+
+
 def t5(ff_proj="gated-gelu", cls=None):
     cfg = transformers.T5Config(vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=48, num_layers=2,
                                 num_heads=4, feed_forward_proj=ff_proj, dropout_rate=0.0,
@@ -82,6 +90,8 @@ CASES = {
     "gpt_neo": (gpt_neo, "gpt_neo", 2 * 3 + 1, {FusedLayerNorm, FusedGELU}),  # as GPT-2
     # embeddings LN; per layer attention LN, act, output LN; the LM head's LN (its GELU is F.gelu)
     "roberta": (roberta, "roberta", 1 + 2 * 3 + 1, {FusedLayerNorm, FusedGELU}),
+    # ALBERT's one shared layer (attention LN, act, output LN), embeddings LN, MLM head LN + act
+    "albert": (albert, "albert", 3 + 1 + 2, {FusedLayerNorm, FusedGELU}),
     # T5 v1.1: encoder blocks 2 norms + the gated GELU, decoder blocks 3 + it; a final norm each
     "t5": (t5, "t5", 2 * 3 + 1 + 2 * 4 + 1, {FusedRMSNorm, FusedGELU}),
     "t5_v1": (t5_v1, "t5", 2 * 2 + 1 + 2 * 3 + 1, {FusedRMSNorm}),  # ReLU stays
@@ -170,14 +180,14 @@ def test_unknown_family_is_refused_before_any_change():
     model = gpt2()
     sch = slapo.create_schedule(model)
     before = [type(m) for m in model.modules()]
-    with pytest.raises(SchedulingError, match="no kernel plan for the 'albert' family"):
-        apply_kernels(sch, "albert")
+    with pytest.raises(SchedulingError, match="no kernel plan for the 'wideresnet' family"):
+        apply_kernels(sch, "wideresnet")
     with pytest.raises(SchedulingError, match="unknown kernel backend"):
         apply_kernels(sch, "gpt2", backend="cuda")
     with pytest.raises(SchedulingError, match="expects a Slapo schedule"):
         apply_kernels(model, "gpt2")
     assert [type(m) for m in model.modules()] == before and sch.applied() == []
-    assert set(PLANS) == {"llama", "gpt2", "gpt_neo", "bert", "roberta", "opt", "t5"}
+    assert set(PLANS) == {"llama", "gpt2", "gpt_neo", "bert", "roberta", "opt", "albert", "t5"}
 
 
 def test_patched_target_is_refused_before_any_change():

@@ -1,6 +1,7 @@
 """Swap the fused kernels of `slapo.op.kernels` into a scheduled HF model.
 
-    n = apply_kernels(sch, "llama")   # or "gpt2", "bert", "roberta", "opt", "gpt_neo", "t5"
+    n = apply_kernels(sch, "llama")   # or "gpt2", "bert", "roberta", "opt", "gpt_neo", "albert",
+                                      # "t5"
 
 Only `.replace()` is used, so every swap is recorded in the schedule's history, the new modules
 hold the *same* parameter objects, and parameter names / state-dict keys do not change.
@@ -19,7 +20,7 @@ Plans (what is replaced, per family):
   The gate multiply stays HF's: the whole `DenseReluDense` is not replaced, since under TP it
   carries the all-reduce of its input gradient (`fuse=True` compiles the gated activation
   with its multiply instead). v1's ReLU is left alone.
-* gpt2, gpt_neo, bert, roberta, opt: every `nn.LayerNorm` over one dimension -> `FusedLayerNorm`
+* gpt2, gpt_neo, bert, roberta, opt, albert: every `nn.LayerNorm` over one dimension -> `FusedLayerNorm`
   (a subclass, sharing weight and bias); every GELU module (`nn.GELU`, HF `GELUActivation`,
   `NewGELUActivation`, `GELUTanh`) -> `FusedGELU` (erf or tanh form, no bias, no dropout: HF's
   MLPs apply dropout after the second projection, not after the activation). OPT's default
@@ -59,6 +60,7 @@ PLANS: dict[str, tuple[str, ...]] = {
     "bert": _LN_GELU,
     "roberta": _LN_GELU,
     "opt": _LN_GELU,
+    "albert": _LN_GELU,
     "t5": ("t5_rms_norm", "gelu"),
 }
 
