@@ -86,7 +86,7 @@ def _batch(name):
     g = torch.Generator().manual_seed(1)
     x = torch.randint(0, 100, (2, 16), generator=g)
     y = x.clone()
-    if name in ("bert", "roberta"):
+    if name in ("bert", "roberta", "albert"):
         y[torch.rand(2, 16, generator=g) > 0.3] = -100
     return x, y
 
@@ -132,6 +132,67 @@ def test_fused_loss_alone_and_without_labels(name):
     assert out.logits is None and out.loss is not None
     with torch.no_grad():  # the head class's own output type, as without the fused loss
         assert type(out) is type(ref(input_ids=x, labels=x))
+
+
+def _seq2seq_and_albert():
+    from transformers import (
+        AlbertConfig,
+        AlbertForMaskedLM,
+        MT5ForConditionalGeneration,
+        T5Config,
+        T5ForConditionalGeneration,
+    )
+
+    def t5(cls=T5ForConditionalGeneration, **kw):
+        return lambda: cls(T5Config(d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4,
+                                    vocab_size=100, dropout_rate=0.0, decoder_start_token_id=0,
+                                    pad_token_id=0, **kw))
+
+    return {
+        "albert": lambda: AlbertForMaskedLM(AlbertConfig(
+            hidden_size=64, embedding_size=32, num_hidden_layers=2, num_attention_heads=4,
+            intermediate_size=128, vocab_size=100, hidden_dropout_prob=0,
+            attention_probs_dropout_prob=0)),
+        "t5": t5(),  # tied head: the decoder output is scaled by d_model ** -0.5
+        "t5_untied": t5(tie_word_embeddings=False, feed_forward_proj="gated-gelu"),
+        "mt5": t5(MT5ForConditionalGeneration),  # tied, but its 5.x forward never scales
+    }
+
+
+@pytest.mark.parametrize("name", ["albert", "t5", "t5_untied", "mt5"])
+def test_fused_loss_albert_and_t5(name):
+    """ALBERT's MLM head and T5's seq2seq LM head: the same loss and every gradient as the
+    model's own; `num_items_in_batch` ignored as their forwards ignore it; T5 with inputs the
+    fused path does not take (precomputed encoder outputs) runs the original forward."""
+    make = _seq2seq_and_albert()[name]
+    torch.manual_seed(0)
+    ref = make()
+    torch.manual_seed(0)
+    model = make()
+    model_schedule.apply(model, fused_loss=True)
+    x, y = _batch("albert" if name == "albert" else name)
+    if name != "albert":
+        y = y[:, :8].contiguous()  # the decoder's own length (HF views the labels)
+    for kw in ({}, {"num_items_in_batch": 7}):
+        l1 = ref(input_ids=x, labels=y, **kw).loss
+        l2 = model(input_ids=x, labels=y, **kw).loss
+        torch.testing.assert_close(l2, l1, atol=2e-6, rtol=1e-5)
+    ref.zero_grad()
+    ref(input_ids=x, labels=y).loss.backward()
+    out = model(input_ids=x, labels=y)
+    out.loss.backward()
+    assert out.logits is None and type(out).__name__ == type(ref(input_ids=x, labels=y)).__name__
+    for (n1, p1), (_, p2) in zip(ref.named_parameters(), model.named_parameters(), strict=True):
+        if p1.grad is None:
+            assert p2.grad is None or not p2.grad.any(), n1
+        else:
+            torch.testing.assert_close(p2.grad, p1.grad, atol=2e-6, rtol=1e-4, msg=n1)
+    if name != "albert":
+        with torch.no_grad():
+            enc = ref.encoder(input_ids=x)
+            full = model(encoder_outputs=enc, labels=y)
+            torch.testing.assert_close(full.loss, ref(input_ids=x, labels=y).loss)
+            assert full.logits is not None
 
 
 def test_fused_loss_positional_and_num_items():

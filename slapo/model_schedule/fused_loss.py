@@ -6,8 +6,9 @@ fp32 copies and their gradients. `slapo.op.fused_linear_cross_entropy` computes 
 gradients chunk by chunk (Liger-Kernel's recipe) so none of that lives across the step.
 
 How: a `Kernel` (see `slapo.module_patch`) replaces the *root* model's forward when it is called
-with `labels`: it runs the base model as HF would, applies the per-token part of the head
-(BERT's transform, RoBERTa's dense+GELU+norm), and the fused loss with the head's own weight
+with `labels`: it runs the base model as HF would (T5: encoder, then decoder on the shifted
+labels, its output scaled as the model's forward does), applies the per-token part of the head
+(BERT's transform, RoBERTa's dense+GELU+norm, ALBERT's), and the fused loss with the head's own weight
 and bias (tied embeddings stay tied: the same Parameter). Without labels the original forward
 runs unchanged. The output is the model's own output class with `loss` set and `logits=None`
 (the point is not to build them); code that needs logits calls the model without labels.
@@ -48,6 +49,40 @@ def _roberta_transform(root: nn.Module, h: torch.Tensor) -> torch.Tensor:
     return head.layer_norm(F.gelu(head.dense(h)))
 
 
+def _albert_transform(root: nn.Module, h: torch.Tensor) -> torch.Tensor:
+    head = root.predictions
+    return head.LayerNorm(head.activation(head.dense(h)))
+
+
+_T5_INPUTS = {"input_ids", "attention_mask", "inputs_embeds", "decoder_input_ids",
+              "decoder_attention_mask", "decoder_inputs_embeds", "use_cache"}
+
+
+def _t5_decoder_hidden(root: nn.Module, inputs: dict, labels: torch.Tensor,
+                       scale: float) -> tuple[torch.Tensor, dict] | None:
+    """T5's forward up to its LM head: encoder, decoder on the labels shifted right (or the
+    given decoder inputs), the output scaled as the model's forward scales it (`scale`, asked of
+    the model when the loss was fused: `stages_seq2seq.decoder_output_scale`). No KV cache: a
+    training loss has no use for one. None for inputs this path does not take (precomputed
+    encoder outputs, a cache, ...): the original forward runs then."""
+    if set(inputs) - _T5_INPUTS:
+        return None
+    enc = root.encoder(input_ids=inputs.get("input_ids"),
+                       attention_mask=inputs.get("attention_mask"),
+                       inputs_embeds=inputs.get("inputs_embeds"), return_dict=True)
+    dec_ids, dec_embeds = inputs.get("decoder_input_ids"), inputs.get("decoder_inputs_embeds")
+    if dec_ids is None and dec_embeds is None:
+        dec_ids = root._shift_right(labels)
+    dec = root.decoder(input_ids=dec_ids, attention_mask=inputs.get("decoder_attention_mask"),
+                       inputs_embeds=dec_embeds, encoder_hidden_states=enc.last_hidden_state,
+                       encoder_attention_mask=inputs.get("attention_mask"), use_cache=False,
+                       return_dict=True)
+    hidden = dec.last_hidden_state
+    if scale != 1.0:
+        hidden = hidden * scale
+    return hidden, {"encoder_last_hidden_state": enc.last_hidden_state}
+
+
 @dataclass(frozen=True)
 class LossPlan:
     """Where a head class keeps its pieces: `base` (attribute with the base model), `head` (path
@@ -59,6 +94,13 @@ class LossPlan:
     transform: Callable[[nn.Module, torch.Tensor], torch.Tensor]
     causal: bool
     output: str = "CausalLMOutputWithPast"  # the head class's own type (transformers.modeling_outputs)
+    # whether the head class's loss divides by `num_items_in_batch` when given (HF's
+    # `loss_function`); ALBERT and T5 take a plain mean over this batch's labelled tokens
+    num_items: bool = True
+    # encoder-decoder: `hidden(root, inputs, labels, scale)` -> (head input, output fields) or
+    # None (then the original forward runs), instead of `base`'s last hidden state
+    hidden: Callable | None = None
+    scale: float = 1.0  # filled in by `fuse_loss` for a plan with `hidden`
 
 
 # HF head class name -> plan. A table, so a new head is one line.
@@ -75,6 +117,12 @@ PLANS: dict[str, LossPlan] = {
                                 "MaskedLMOutput"),
     "RobertaForMaskedLM": LossPlan("roberta", "lm_head.decoder", _roberta_transform, False,
                                    "MaskedLMOutput"),
+    "AlbertForMaskedLM": LossPlan("albert", "predictions.decoder", _albert_transform, False,
+                                  "MaskedLMOutput", num_items=False),
+    "T5ForConditionalGeneration": LossPlan("", "lm_head", _identity, False, "Seq2SeqLMOutput",
+                                           num_items=False, hidden=_t5_decoder_hidden),
+    "MT5ForConditionalGeneration": LossPlan("", "lm_head", _identity, False, "Seq2SeqLMOutput",
+                                            num_items=False, hidden=_t5_decoder_hidden),
 }
 
 _DROP = ("labels", "logits_to_keep", "num_items_in_batch", "shift_labels", "return_dict")
@@ -105,11 +153,19 @@ class FusedLossKernel(module_patch.Kernel):
     def fused(self, root: nn.Module, params: dict):
         plan = self.plan
         shift = params.get("shift_labels")
-        num_items = params.get("num_items_in_batch")
+        num_items = params.get("num_items_in_batch") if plan.num_items else None
         labels = params["labels"]
         inputs = {k: v for k, v in params.items() if k not in _DROP}
-        out = getattr(root, plan.base)(**inputs, return_dict=True)
-        hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+        if plan.hidden is not None:
+            got = plan.hidden(root, inputs, labels, plan.scale)
+            if got is None:
+                return self.original_forward(root, **params)
+            hidden, fields = got
+        else:
+            out = getattr(root, plan.base)(**inputs, return_dict=True)
+            hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+            fields = {k: getattr(out, k, None) for k in ("past_key_values", "hidden_states",
+                                                          "attentions", "cross_attentions")}
         if plan.causal:
             if shift is None:
                 shift = F.pad(labels, (0, 1), value=-100)[..., 1:]
@@ -123,7 +179,7 @@ class FusedLossKernel(module_patch.Kernel):
 
         loss = fused_linear_cross_entropy(hidden, head.weight, labels, head.bias,
                                           num_items=num_items)
-        return _output(plan, out, loss)
+        return _output(plan, fields, loss)
 
 
 # Under fake tensors (the tuner's cost model) the labelled-row count is data-dependent and
@@ -159,14 +215,12 @@ def _labelled_rows(hidden: torch.Tensor, labels: torch.Tensor):
     return flat.index_select(0, idx), flat_labels[idx]
 
 
-def _output(plan: LossPlan, base_out, loss: torch.Tensor):
+def _output(plan: LossPlan, fields: dict, loss: torch.Tensor):
     """The head class's own output type (`plan.output`), with the loss and no logits."""
     from transformers import modeling_outputs
 
     cls = getattr(modeling_outputs, plan.output)
-    keep = {k: getattr(base_out, k, None) for k in ("past_key_values", "hidden_states",
-                                                     "attentions", "cross_attentions")
-            if k in cls.__dataclass_fields__}
+    keep = {k: v for k, v in fields.items() if k in cls.__dataclass_fields__}
     return cls(loss=loss, logits=None, **keep)
 
 
@@ -197,6 +251,12 @@ def check_fusable(sch: Schedule) -> LossPlan:
 def fuse_loss(sch: Schedule) -> None:
     """Install the fused head+loss on the schedule's root (see module docstring)."""
     plan = check_fusable(sch)
+    if plan.hidden is not None:  # asked of the model's own forward, before anything changes
+        from dataclasses import replace
+
+        from ..runtime.stages_seq2seq import decoder_output_scale
+
+        plan = replace(plan, scale=decoder_output_scale(sch.mod))
     original = module_patch.original_class(sch.mod).forward
     module_patch.set_kernel(sch.mod, FusedLossKernel(plan, original))
     sch._record("fused_loss", (), {"head": plan.head})
