@@ -264,6 +264,15 @@ def test_fork_rng_for_dropouts_swaps_only_when_a_dropout_can_draw():
     with pytest.raises(slapo.SchedulingError, match="draws='noise'"):
         slapo.create_schedule(Core()).fork_rng(draws="noise")
 
+    class Noisy(nn.Module):  # random numbers without a visible probability: caught, not silent
+        def forward(self, x):
+            return x + torch.randn_like(x)
+
+    noisy = Noisy()
+    slapo.create_schedule(noisy).fork_rng(draws="dropout")
+    with pytest.raises(slapo.SchedulingError, match="drew random numbers"):
+        noisy(x)
+
 
 def test_set_attr_recorded():
     sch = slapo.create_schedule(gpt2())

@@ -31,12 +31,34 @@ class ForkRNGWrapper(module_patch.ForwardWrapper):
 
     def __call__(self, module, fn, args, kwargs):
         if self.draws == "dropout" and not may_drop(module, args, kwargs):
-            return fn(*args, **kwargs)
+            if torch.compiler.is_compiling():
+                return fn(*args, **kwargs)
+            return _without_draws(module, fn, args, kwargs)
         tracker = get_rng_tracker()
         if not tracker.has(TP_STREAM):  # not seeded by set_random_seed: derive deterministically
             tracker.add(TP_STREAM, torch.initial_seed() + self.seed_offset)
         with tracker.fork(TP_STREAM):
             return fn(*args, **kwargs)
+
+
+def _without_draws(module: nn.Module, fn, args: tuple, kwargs: dict):
+    """Run `fn` outside the TP stream and check that it drew no random number (eager only; a
+    compiled block relies on the tests of every family). A draw here means `may_drop` missed
+    a probability (a transformers release that keeps it elsewhere, a module with noise of its
+    own): its masks would be the same on every rank, so it is an error, not a warning."""
+    from ..distributed.rng import _current
+
+    before = _current()
+    out = fn(*args, **kwargs)
+    after = _current()
+    if not all(a is None or torch.equal(a, b) for a, b in zip(before, after, strict=True)):
+        raise SchedulingError(
+            "", f"{type(module).__name__} drew random numbers although every dropout "
+            "probability fork_rng(draws='dropout') sees in it is 0 (or it is in eval mode): "
+            "its draws would be the same on every tensor-parallel rank.",
+            "fork it with fork_rng(draws='any'), or report the module: Slapo's ready "
+            "schedule should have seen its dropout.")
+    return out
 
 
 def may_drop(module: nn.Module, args: tuple, kwargs: dict) -> bool:
