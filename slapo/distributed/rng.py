@@ -18,7 +18,7 @@ TP_STREAM = "tensor-parallel"
 _TP_SEED_OFFSET = 2718
 
 
-def _current() -> tuple[torch.Tensor, torch.Tensor | None]:
+def default_states() -> tuple[torch.Tensor, torch.Tensor | None]:
     """The default generators' states (CPU, and CUDA when present)."""
     return torch.get_rng_state(), torch.cuda.get_rng_state() if torch.cuda.is_available() else None
 
@@ -43,9 +43,9 @@ class RNGStatesTracker:
         return name in self._states
 
     def add(self, name: str, seed: int) -> None:
-        outer = _current()
+        outer = default_states()
         torch.manual_seed(seed)
-        self._states[name] = _current()
+        self._states[name] = default_states()
         _restore(outer)
 
     # The state tensors are snapshots (`get_rng_state` returns a new tensor, and nothing here
@@ -61,12 +61,12 @@ class RNGStatesTracker:
     def fork(self, name: str = TP_STREAM):
         if name not in self._states:
             raise KeyError(name)
-        outer = _current()
+        outer = default_states()
         _restore(self._states[name])
         try:
             yield
         finally:
-            self._states[name] = _current()
+            self._states[name] = default_states()
             _restore(outer)
 
 

@@ -66,13 +66,15 @@ def _rng_replaying(module: nn.Module, fn: Callable, args: tuple = (),
 
     The replay keeps a Python flag, a side effect torch.compile cannot put inside its
     checkpoint region: a compiled TP block with checkpointing then ran entirely eager (no graph
-    at all, seen at tp=2 for every family). Without dropout it is not needed, so the block
-    compiles whole; with dropout the forks break the graph anyway, and the eager fallback
-    replays."""
+    at all, seen at tp=2 for every family). Without dropout it is not needed, so under
+    torch.compile it is left out and the block compiles whole; with dropout the forks break the
+    graph anyway, and the eager fallback replays. Eager calls always replay (cheap, and exact
+    whatever `may_drop` sees)."""
     forks = _fork_wrappers(module)
     if not forks:
         return None
-    if all(w.draws == "dropout" for w in forks) and not may_drop(module, args, kwargs or {}):
+    if torch.compiler.is_compiling() and all(w.draws == "dropout" for w in forks) and \
+            not may_drop(module, args, kwargs or {}):
         return None
     snapshot = get_rng_tracker().get_states()
     first = [True]

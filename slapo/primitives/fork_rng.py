@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from .. import module_patch
-from ..distributed.rng import TP_STREAM, get_rng_tracker
+from ..distributed.rng import TP_STREAM, default_states, get_rng_tracker
 from ..errors import SchedulingError
 from .base import Primitive, register_primitive
 
@@ -46,11 +46,9 @@ def _without_draws(module: nn.Module, fn, args: tuple, kwargs: dict):
     compiled block relies on the tests of every family). A draw here means `may_drop` missed
     a probability (a transformers release that keeps it elsewhere, a module with noise of its
     own): its masks would be the same on every rank, so it is an error, not a warning."""
-    from ..distributed.rng import _current
-
-    before = _current()
+    before = default_states()
     out = fn(*args, **kwargs)
-    after = _current()
+    after = default_states()
     if not all(a is None or torch.equal(a, b) for a, b in zip(before, after, strict=True)):
         raise SchedulingError(
             "", f"{type(module).__name__} drew random numbers although every dropout "
