@@ -8,7 +8,8 @@
 #                                          # GPT-2 and BERT under a 24 GiB cap, the kernels row,
 #                                          # benchmarks/kernels.py
 #   benchmarks/gpu_session.sh 3            # call 3 (<= 590 s), if device time remains: the
-#                                          # compiled-layer partition check, Tempo
+#                                          # graph-break count of every family x knob set,
+#                                          # the compiled-layer partition check, Tempo
 #                                          # inside compiled layers, EcoRNN LSTM, WideResNet,
 #                                          # the torch-2.11 test subsets
 #   benchmarks/gpu_session.sh 1 --tiny     # CPU dry form: the same commands on the tiny models,
@@ -129,6 +130,10 @@ case "$MODE" in
       echo "== $name (limit ${budget}s, at ${SECONDS}s): $*" | tee -a "$LOG"
       timeout "$budget" "$@" 2>&1 | tee -a "$LOG"
     }
+    # dynamo's graphs and breaks per family x knob set on this torch (session 23: none on
+    # torch 2.13 CPU; a break is eager Python every step, a failed checkpoint region 0 graphs)
+    bench graph_breaks 90 "$PY" benchmarks/graph_breaks.py \
+      --out "$WORK/graph_breaks/graph_breaks.json"
     bench partition 150 "$PY" benchmarks/partition_check.py \
       --out "$WORK/partition/partition.json"
     bench tempo 100 "$PY" benchmarks/tempo_gpu.py --out "$WORK/tempo/tempo_sdpa.json"

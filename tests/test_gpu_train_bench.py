@@ -278,3 +278,22 @@ def test_cli_gpu_setup_goes_through_best():
     assert space.candidates("batch_size") == [8, 16, 32]
     assert {"compile_blocks", "fused_loss", "kernels", "ckpt_ratio"} <= set(space.names())
     assert meta["model"] == "gpt2-medium" and meta["settings"]["device"] == "cpu"
+
+
+def test_graph_breaks_script_counts_and_refuses(tmp_path):
+    """`benchmarks/graph_breaks.py` (run on the device by `gpu_session.sh 3`): a row per model x
+    knob set with dynamo's graphs and breaks; the schedules compile whole here (torch 2.13,
+    CPU); an unknown knob set is a usage error."""
+    script = SCRIPT.parent / "graph_breaks.py"
+    out = tmp_path / "gb.json"
+    subprocess.run([sys.executable, str(script), "--models", "llama,t5", "--knobs", "gpu",
+                    "--backend", "eager", "--seq", "16", "--out", str(out)], check=True,
+                   capture_output=True, text=True, timeout=300,
+                   env={**os.environ, "PYTHONPATH": str(SCRIPT.parents[1])})
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["model"], r["knobs"]) for r in rows] == [("llama", "gpu"), ("t5", "gpu")]
+    assert all(r["status"] == "ok" and r["graphs"] >= 1 and r["breaks"] == 0 for r in rows)
+    bad = subprocess.run([sys.executable, str(script), "--knobs", "nope"], capture_output=True,
+                         text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": str(SCRIPT.parents[1])})
+    assert bad.returncode == 2 and "unknown model or knob set: nope" in bad.stderr
