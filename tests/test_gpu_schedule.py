@@ -332,6 +332,28 @@ def test_compile_twice_and_nested_refused():
         sch["model.layers.0"].compile(backend="aot_eager")
 
 
+def test_compiled_block_allows_checkpoint_side_effects_only_while_it_runs():
+    """The compile primitive turns dynamo's `skip_fwd_side_effects_in_bwd_under_checkpoint` on
+    for its block's call only (torchtitan sets it for the whole process): outside the call
+    the user's setting is untouched."""
+    import torch._dynamo.config as dynamo_config
+
+    from slapo.primitives.compile import _CHECKPOINT_SIDE_EFFECTS
+
+    if not hasattr(dynamo_config, _CHECKPOINT_SIDE_EFFECTS):
+        pytest.skip("this torch has no such switch: checkpointed regions fall back to eager")
+    seen = []
+    _, model = _pair("llama")
+    mlp = model.model.layers[0].mlp
+    mlp.register_forward_hook(lambda *a: seen.append(getattr(dynamo_config,
+                                                             _CHECKPOINT_SIDE_EFFECTS)))
+    slapo.create_schedule(model)["model.layers.0.mlp"].compile(backend="eager")
+    torch._dynamo.reset()
+    mlp(torch.randn(2, 3, 64))
+    assert seen == [True] and getattr(dynamo_config, _CHECKPOINT_SIDE_EFFECTS) is False
+    torch._dynamo.reset()
+
+
 def test_fused_loss_refuses_unknown_head():
     from transformers import BertConfig, BertModel
 
