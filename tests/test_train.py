@@ -147,3 +147,31 @@ def test_sigkill_then_resume_matches_uninterrupted(tmp_path):
     resumed = train(tmp_path / "resumed", *flags, "--steps", "20", "--resume", str(step10))
     assert resumed["resumed_from"] == 10
     assert resumed["losses"][10:] == straight[10:]
+
+
+def test_graph_breaks_are_reported(tmp_path, capsys, monkeypatch):
+    """metrics.json counts dynamo's graph breaks, and the final lines name the first one: with
+    `--compile-blocks` each is eager Python on every step."""
+    import torch
+
+    from slapo.train import report
+    from slapo.train.config import TrainConfig
+    from slapo.train.loop import train
+
+    torch._dynamo.reset()
+
+    def broken(x):
+        x = x + 1
+        torch._dynamo.graph_break()
+        return x * 2
+
+    torch.compile(broken, backend="eager")(torch.ones(2))
+    found = report.graph_breaks()
+    assert found["count"] >= 1 and found["reasons"], found
+    torch._dynamo.reset()
+
+    monkeypatch.setattr(report, "graph_breaks", lambda: {"count": 3, "reasons": ["why"]})
+    train(TrainConfig(model="gpt2", steps=1, batch_size=2, seq_len=16, eval_batches=0,
+                      progress=False, plot=False, out=str(tmp_path)))
+    assert json.loads((tmp_path / "metrics.json").read_text())["graph_breaks"]["count"] == 3
+    assert "3 torch.compile graph break(s)" in capsys.readouterr().out

@@ -152,4 +152,8 @@ def finish(run: Run, log=print, mlog: MetricsLog | None = None) -> dict[str, Any
             f"{data['losses'][-1]:.4f}{shown_val}, {data['tokens_per_s']:,.0f} tokens/s, peak memory "
             f"{data['peak_memory_bytes'] / 2**20:,.0f} MiB"
             + (f"; wrote {cfg.out}" if cfg.out else ""))
+    breaks = data["graph_breaks"]
+    if breaks["count"]:
+        log(f"note: {breaks['count']} torch.compile graph break(s), each eager Python on every "
+            f"step; first: {breaks['reasons'][0]} (metrics.json lists them)")
     return data

@@ -128,8 +128,20 @@ def metrics(run: Any, val: float | None, peak: int) -> dict[str, Any]:
         "parallel_dims": str(run.env.dims),
         "device": str(run.env.device),
         "torch": torch.__version__,
+        "graph_breaks": graph_breaks(),
         "config": asdict(run.cfg),
     }
+
+
+def graph_breaks() -> dict[str, Any]:
+    """dynamo's graph breaks in this process so far ({"count", "reasons"}: the first line of
+    each distinct reason): with `--compile-blocks` each one is eager Python on every step, so
+    the run reports them (docs/model_schedule.md lists what breaks a compiled block)."""
+    from torch._dynamo.utils import counters
+
+    found = counters["graph_break"]
+    return {"count": sum(found.values()),
+            "reasons": [reason.split("\n")[0][:200] for reason in found]}
 
 
 def write_metrics(out: Path, data: dict[str, Any]) -> Path:
