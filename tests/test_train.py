@@ -165,13 +165,20 @@ def test_graph_breaks_are_reported(tmp_path, capsys, monkeypatch):
         torch._dynamo.graph_break()
         return x * 2
 
+    before = report.graph_break_counts()
     torch.compile(broken, backend="eager")(torch.ones(2))
-    found = report.graph_breaks()
-    assert found["count"] >= 1 and found["reasons"], found
+    found = report.graph_breaks(before)
+    assert found["count"] == 1 and found["reasons"], found
+    assert report.graph_breaks(report.graph_break_counts())["count"] == 0  # only new ones
     torch._dynamo.reset()
+    cfg = dict(model="gpt2", steps=1, batch_size=2, seq_len=16, eval_batches=0, progress=False,
+               plot=False)
+    train(TrainConfig(**cfg, out=str(tmp_path / "a")))  # the break above was not this run's
+    assert json.loads((tmp_path / "a" / "metrics.json").read_text())["graph_breaks"] == \
+        {"count": 0, "reasons": []}
+    assert "graph break" not in capsys.readouterr().out
 
-    monkeypatch.setattr(report, "graph_breaks", lambda: {"count": 3, "reasons": ["why"]})
-    train(TrainConfig(model="gpt2", steps=1, batch_size=2, seq_len=16, eval_batches=0,
-                      progress=False, plot=False, out=str(tmp_path)))
-    assert json.loads((tmp_path / "metrics.json").read_text())["graph_breaks"]["count"] == 3
+    monkeypatch.setattr(report, "graph_breaks", lambda before: {"count": 3, "reasons": ["why"]})
+    train(TrainConfig(**cfg, out=str(tmp_path / "b")))
+    assert json.loads((tmp_path / "b" / "metrics.json").read_text())["graph_breaks"]["count"] == 3
     assert "3 torch.compile graph break(s)" in capsys.readouterr().out

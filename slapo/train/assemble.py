@@ -37,6 +37,9 @@ class Run:
     evals: list[dict[str, Any]] = field(default_factory=list)  # {step, val_loss, val_ppl}
     resumed_from: int | None = None
     resume_skipped: list[dict[str, str]] = field(default_factory=list)  # damaged checkpoints
+    # dynamo's graph-break counts when the run was built (the counters are per process: the
+    # run reports only the breaks it added, `report.graph_breaks`)
+    graph_breaks_before: dict[str, int] = field(default_factory=dict)
 
     @property
     def lrs(self) -> list[float]:
@@ -63,6 +66,9 @@ def build(cfg: Any, env: Env, log=print) -> Run:
     """Data (tokenizer, split, packing), the model (registry config, or a local HF directory
     / config file; same init on every rank), schedule knobs, pretrained weights (each rank
     reads its shards), optimizer."""
+    from .report import graph_break_counts
+
+    breaks_before = graph_break_counts()
     source = pretrained.model_source(cfg.model) if pretrained.is_model_path(cfg.model) else None
     task = source.task() if source is not None else get_model_spec(cfg.model).task
     tokenizer = cfg.tokenizer
@@ -80,7 +86,8 @@ def build(cfg: Any, env: Env, log=print) -> Run:
     model.train()
     optimizer, step_fn = make_trainable(sch, cfg, env)
     seed_training_rng(cfg.seed, env)
-    return Run(cfg, env, model, optimizer, step_fn, data.train, task, note, dataset=data)
+    return Run(cfg, env, model, optimizer, step_fn, data.train, task, note, dataset=data,
+               graph_breaks_before=breaks_before)
 
 
 def _new_model(cfg: Any, source, data: Data) -> nn.Module:

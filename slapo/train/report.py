@@ -128,20 +128,28 @@ def metrics(run: Any, val: float | None, peak: int) -> dict[str, Any]:
         "parallel_dims": str(run.env.dims),
         "device": str(run.env.device),
         "torch": torch.__version__,
-        "graph_breaks": graph_breaks(),
+        "graph_breaks": graph_breaks(run.graph_breaks_before),
         "config": asdict(run.cfg),
     }
 
 
-def graph_breaks() -> dict[str, Any]:
-    """dynamo's graph breaks in this process so far ({"count", "reasons"}: the first line of
-    each distinct reason): with `--compile-blocks` each one is eager Python on every step, so
-    the run reports them (docs/model_schedule.md lists what breaks a compiled block)."""
+def graph_break_counts() -> dict[str, int]:
+    """dynamo's graph-break counters of this process, by reason (a copy)."""
     from torch._dynamo.utils import counters
 
-    found = counters["graph_break"]
-    return {"count": sum(found.values()),
-            "reasons": [reason.split("\n")[0][:200] for reason in found]}
+    return dict(counters["graph_break"])
+
+
+def graph_breaks(before: dict[str, int] | None = None) -> dict[str, Any]:
+    """dynamo's graph breaks since `before` (`graph_break_counts()` then; None: all of the
+    process's) as {"count", "reasons"} (the first line of each new reason): with
+    `--compile-blocks` each one is eager Python on every step, so the run reports them
+    (docs/model_schedule.md lists what breaks a compiled block)."""
+    before = before or {}
+    new = {r: n - before.get(r, 0) for r, n in graph_break_counts().items()
+           if n > before.get(r, 0)}
+    return {"count": sum(new.values()),
+            "reasons": [reason.split("\n")[0][:200] for reason in new]}
 
 
 def write_metrics(out: Path, data: dict[str, Any]) -> Path:
