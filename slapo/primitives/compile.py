@@ -105,14 +105,20 @@ _CHECKPOINT_SIDE_EFFECTS = "skip_fwd_side_effects_in_bwd_under_checkpoint"
 
 
 def compiled_call(module: nn.Module, opts: dict[str, Any]):
-    """`torch.compile(module._call_impl, **opts)`, run with `_CHECKPOINT_SIDE_EFFECTS` on."""
+    """`torch.compile(module._call_impl, **opts)`, run with `_CHECKPOINT_SIDE_EFFECTS` on (set
+    and put back around each call: ~5 us, a quarter of `config.patch`'s, on every block call)."""
     compiled = torch.compile(module._call_impl, **opts)
-    if not hasattr(torch._dynamo.config, _CHECKPOINT_SIDE_EFFECTS):
+    config = torch._dynamo.config
+    if not hasattr(config, _CHECKPOINT_SIDE_EFFECTS):
         return compiled
 
     def call(*args, **kwargs):
-        with torch._dynamo.config.patch(**{_CHECKPOINT_SIDE_EFFECTS: True}):
+        before = getattr(config, _CHECKPOINT_SIDE_EFFECTS)
+        setattr(config, _CHECKPOINT_SIDE_EFFECTS, True)
+        try:
             return compiled(*args, **kwargs)
+        finally:
+            setattr(config, _CHECKPOINT_SIDE_EFFECTS, before)
 
     return call
 
