@@ -657,18 +657,10 @@ def test_a_torch_whose_split_backward_double_counts_is_refused(monkeypatch):
 def test_torch_split_backward_on_the_t5_decoder_start_stage():
     """One process, torch's own `stage_backward_input` + `stage_backward_weight` (what the
     zero-bubble schedules run) on the stage that starts T5's decoder, against autograd."""
-    import models
     from torch.distributed.pipelining import _backward
 
-    model = models.t5(layers=2).eval()
-    sch = slapo.create_schedule(model)
-    for c in ("encoder.block.0", "encoder.block.1", "decoder.block.0"):
-        sch[c].cut_pipeline_stage()
-    stages = partition(sch)
-    batch = models.batch_for("t5", batch=2, seq=16)
-    with torch.no_grad():
-        received = run_stages(stages[:2], *stages[0].first_args(batch))
-    stage = stages[2]
+    stages, inputs = _t5_stages_and_inputs()
+    stage, received = stages[2], inputs[2]
     params = list(stage.parameters())
 
     def run():

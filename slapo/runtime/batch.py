@@ -24,6 +24,13 @@ def as_batch(batch: Any) -> Batch:
     return batch
 
 
+def tensors_in(value: Any) -> list[torch.Tensor]:
+    """The tensors in a nested structure of tuples, lists and dicts (torch's pytree leaves)."""
+    from torch.utils._pytree import tree_leaves
+
+    return [t for t in tree_leaves(value) if isinstance(t, torch.Tensor)]
+
+
 def _values(batch: Batch) -> list:
     if isinstance(batch, Mapping):
         return list(batch.values())

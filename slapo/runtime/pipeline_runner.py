@@ -66,7 +66,7 @@ import torch.nn as nn
 
 from ..errors import SchedulingError
 from ..module_patch import original_class
-from .batch import Batch, batch_size, index_batch
+from .batch import Batch, batch_size, index_batch, tensors_in
 from .mesh import MeshInfo
 from .precision import Precision
 from .token_mean import TokenMean
@@ -224,17 +224,6 @@ def check_split_backward(stages: list[nn.Module], plan: PipelinePlan) -> None:
                               "LoopedBFS.")
 
 
-def _tensors(value) -> list[torch.Tensor]:
-    """The tensors in a stage's (nested tuple/list/dict) inputs or outputs."""
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, (tuple, list)):
-        return [t for v in value for t in _tensors(v)]
-    if isinstance(value, dict):
-        return [t for v in value.values() for t in _tensors(v)]
-    return []
-
-
 def split_backward_hazards(outputs: Any, inputs: Any,
                            weights: dict[str, torch.Tensor]) -> list[str]:
     """The names of `weights` whose gradient torch's split backward would get wrong, read off
@@ -246,8 +235,8 @@ def split_backward_hazards(outputs: Any, inputs: Any,
     the inputs is dropped: a tensor made from weights alone and sent on, as T5's decoder
     position bias is (measured: 62% off, silently). Found here as the weights reachable from an
     output through nodes no input reaches."""
-    leaves = [t for t in _tensors(inputs) if t.requires_grad]
-    roots = [t.grad_fn for t in _tensors(outputs) if t.grad_fn is not None]
+    leaves = [t for t in tensors_in(inputs) if t.requires_grad]
+    roots = [t.grad_fn for t in tensors_in(outputs) if t.grad_fn is not None]
     if not leaves or not roots:
         return []
     leaf_ids = {id(t) for t in leaves}
@@ -583,7 +572,7 @@ class PipelineRunner:
         if (self.plan.name not in SPLIT_BACKWARD or stage_id == 0 or
                 stage_id in self._split_checked or not torch.is_grad_enabled()):
             return
-        if not any(t.requires_grad for t in _tensors(inputs)):
+        if not any(t.requires_grad for t in tensors_in(inputs)):
             return  # not the stage's real input (torch's first-step shape inference)
         self._split_checked.add(stage_id)
         module = self._by_stage[stage_id]

@@ -27,6 +27,7 @@ import torch
 
 from ..errors import SchedulingError, TraceError
 from ..model_schedule.plan import TPPlan, shard_block
+from ..runtime.batch import tensors_in
 from .capture import CaptureStats, Inputs, InputsFn, _batch_seq, capture, resize_inputs
 from .memory import (  # noqa: F401 - re-exported
     ModelStates,
@@ -147,7 +148,7 @@ def block_cost(module: torch.nn.Module, example_inputs: Inputs | None = None,
             raise ValueError("inputs_fn needs seq= (the base sequence length to capture at).")
         s0 = seq
     key = (tp, backward, dtype, s0, plan,
-           inputs_fn if example_inputs is None else repr([(t.shape, t.dtype) for t in _tensors(example_inputs)]))
+           inputs_fn if example_inputs is None else repr([(t.shape, t.dtype) for t in tensors_in(example_inputs)]))
     per_mod = _CACHE.setdefault(module, {})
     if key in per_mod:
         return per_mod[key]
@@ -212,12 +213,6 @@ def _tp_exprs(module: torch.nn.Module, e1: dict[str, sympy.Expr], fit_all, one,
     return out
 
 
-def _tensors(x: Any) -> list[torch.Tensor]:
-    from torch.utils._pytree import tree_flatten
-
-    return [t for t in tree_flatten(x)[0] if isinstance(t, torch.Tensor)]
-
-
 def saved_activation_bytes(module: torch.nn.Module, example_inputs: Inputs | InputsFn, *,
                            batch: int | None = None, seq: int | None = None, checkpoint: bool = False,
                            tp: int = 1, include_inputs: bool = False,
@@ -245,7 +240,7 @@ def saved_activation_bytes(module: torch.nn.Module, example_inputs: Inputs | Inp
         if batch == 1 or tp > max(cost.tp_verified, 2):
             # outside the range where the symbolic form was verified: capture this size directly
             key = ("direct", batch, seq, tp, dtype, plan,
-                   repr([(t.shape, t.dtype) for t in _tensors(example_inputs)]))
+                   repr([(t.shape, t.dtype) for t in tensors_in(example_inputs)]))
             per_mod = _CACHE.setdefault(module, {})
             if key not in per_mod:
                 mod = shard_block(module, tp, plan=plan) if tp != 1 else module
