@@ -14,9 +14,10 @@ runs unchanged. The output is the model's own output class with `loss` set and `
 (the point is not to build them); code that needs logits calls the model without labels.
 
 Exactness: the same loss as HF's (causal LMs shift labels, ignore -100, mean over counted
-tokens or `num_items_in_batch`); masked LMs compute only the rows that have a label
-(`skip_ignored`), which does not change the loss. Verified against the original model
-(outputs and every gradient) in tests/test_fused_loss.py.
+tokens or `num_items_in_batch`; ALBERT and T5 take a plain mean, as their forwards do); masked
+LMs and T5 compute only the rows that have a label (`_labelled_rows`), which does not change the
+loss. Verified against the original model (loss and every gradient) for every plan in
+tests/test_gpu_schedule.py and both knob grids.
 """
 
 from __future__ import annotations
