@@ -37,6 +37,23 @@ _ELEMENTWISE = {aten.zero_.default, aten.fill_.Scalar, aten.fill_.Tensor, aten.c
 _INDEX_FILL = {aten.index_fill_.int_Scalar, aten.index_fill_.int_Tensor}
 
 
+def _inplace(func) -> bool:
+    """Whether `func` writes its first argument in place (`mul_`, `normal_`, `copy_`). torch
+    2.12+ tags these ops `inplace`; torch 2.11 (the GPU image's) has no such tag, so there the
+    schema says it: an op named `..._` whose first (positional) argument is written,
+    `Tensor(a!) self`. On torch 2.13 the two agree on every aten op except a few untagged
+    overloads the schema rule also counts: list ops (`add_.t`, `mul_.t`), `copy_.Tensor/int/
+    float` (TorchScript's, not what `Tensor.copy_` dispatches to) and the `hacked_twin`s of
+    `index_put_` (tests/test_init_sharded.py checks the agreement)."""
+    tag = getattr(torch.Tag, "inplace", None)
+    if tag is not None:
+        return tag in func.tags
+    schema = func._schema
+    first = schema.arguments[0] if schema.arguments else None
+    return bool(first is not None and not first.kwarg_only and first.alias_info is not None
+                and first.alias_info.is_write and schema.name.endswith("_"))
+
+
 @dataclass(frozen=True)
 class Box:
     """A strided view of a contiguous tensor, as index ranges of the tensor's dimensions.
@@ -217,7 +234,7 @@ class Recorder:
         if written and torch.Tag.inplace_view in func.tags:  # t_, squeeze_, as_strided_
             raise RuntimeError(f"{func} changes a tensor's shape in place, which a stand-in "
                                "cannot follow")
-        if written and torch.Tag.inplace in func.tags and args and args[0] is written[0][1]:
+        if written and _inplace(func) and args and args[0] is written[0][1]:
             return args[0]  # a write into a stand-in: recorded, nothing to compute
         out = func(*pytree.tree_map(_to_meta, args), **pytree.tree_map(_to_meta, kwargs))
         return pytree.tree_map(self._wrap, out)
@@ -285,9 +302,9 @@ def _kind(func) -> str | None:
     if func in _INDEX_FILL:
         return "index_fill"
     tags = func.tags
-    if torch.Tag.inplace in tags and torch.Tag.nondeterministic_seeded in tags:
+    if _inplace(func) and torch.Tag.nondeterministic_seeded in tags:
         return "random"
-    if func in _ELEMENTWISE or (torch.Tag.inplace in tags and torch.Tag.pointwise in tags):
+    if func in _ELEMENTWISE or (_inplace(func) and torch.Tag.pointwise in tags):
         return "elementwise"
     return None
 

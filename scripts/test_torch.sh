@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Run tests against another torch release, on CPU, without touching .venv:
+#
+#   bash scripts/test_torch.sh 2.11.0 [pytest args...]
+#
+# Why: the GPU machine's image carries torch 2.11 while .venv pins 2.13, and Slapo leans on
+# version-specific torch internals (dynamo switches, torch.distributed.pipelining, DTensor,
+# FSDP2, checkpoint policies). A GPU session is rare and short; finding a torch-2.11 break on
+# this CPU machine first keeps its device time for measuring.
+#
+# PyPI's torch for Linux x86_64 is the CUDA build (about 4.6 GB with its nvidia-* and triton
+# wheels); it runs on CPU. It is installed into .cache/torch-VERSION and put first on
+# PYTHONPATH; the packages .venv already has (sympy, networkx, jinja2, ...) are removed from the
+# target so that only torch, triton and the CUDA libraries come from it. The workers default to
+# SLAPO_TEST_WORKERS=2 (pytest-xdist), as scripts/test.sh. Needs PyPI (not run by CI).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+version=${1:?usage: scripts/test_torch.sh VERSION [pytest args...]}
+shift
+target=.cache/torch-$version
+if [ ! -f "$target/.ok" ]; then
+  rm -rf "$target"
+  .venv/bin/python -m pip install -q --target "$target" "torch==$version"
+  keep='^(torch|torchgen|functorch|triton|nvidia|cuda)'
+  for entry in "$target"/*; do
+    name=$(basename "$entry")
+    if ! [[ "$name" =~ $keep ]]; then rm -rf "$entry"; fi
+  done
+  touch "$target/.ok"
+fi
+export PYTHONPATH="$PWD/$target${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1
+.venv/bin/python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+workers=${SLAPO_TEST_WORKERS:-2}
+xdist=()
+if [ "$workers" != "0" ]; then xdist=(-n "$workers" --dist worksteal); fi
+exec .venv/bin/python -m pytest -q -p no:cacheprovider --timeout=900 "${xdist[@]}" "${@:-tests}"
