@@ -10,8 +10,7 @@
 #   benchmarks/gpu_session.sh 3            # call 3 (<= 590 s), if device time remains: the
 #                                          # graph-break count of every family x knob set,
 #                                          # the compiled-layer partition check, Tempo
-#                                          # inside compiled layers, EcoRNN LSTM, WideResNet,
-#                                          # the torch-2.11 test subsets
+#                                          # inside compiled layers, EcoRNN LSTM, WideResNet
 #   benchmarks/gpu_session.sh 1 --tiny     # CPU dry form: the same commands on the tiny models,
 #                                          # every variant "skipped: --deadline-s" (argument
 #                                          # checks, output layout, collection into $OUT)
@@ -117,8 +116,7 @@ case "$MODE" in
   3)
     # the other owed GPU checks: what a compiled layer really keeps on the device (the cost
     # model's open memory miss), Tempo inside compiled layers (target <= +5% time), EcoRNN's
-    # LSTM setting, WideResNet, and the CPU-proven tests that touch torch-version-specific
-    # code (torch 2.11 here: delayed init, prepared data, pipeline backward faults, BN guard)
+    # LSTM setting and WideResNet
     bench() {  # bench NAME PLAN_S command...: one script, its JSON under $WORK/NAME
       local name=$1 plan=$2
       shift 2
@@ -143,13 +141,7 @@ case "$MODE" in
       --seq-len 50 --kinds lstm --out "$WORK/rnn/rnn.json"
     bench wideresnet 60 "$PY" benchmarks/wideresnet.py --device cuda \
       --out "$WORK/wideresnet/wideresnet.json"
-    bench tests 120 "$PY" -m pytest -q -p no:cacheprovider tests/test_init_parent_order.py \
-      tests/test_init_sharded.py tests/test_prepared_data.py tests/test_checkpoint_bn.py \
-      tests/test_faults.py -k "backward or not torchrun"
-    # torch 2.11's pipelining: padding masks as step keyword arguments to every stage, the
-    # stage code against the image's transformers, the zero-bubble self-test (session 22)
-    bench pipelines 60 "$PY" -m pytest -q -p no:cacheprovider tests/test_pipeline_families.py \
-      -k "padded or stages_reproduce or zero_bubble or double_counts or verify"
+    # (the whole test suite on torch 2.11 runs on the CPU machine now: scripts/test_torch.sh)
     ;;
   *)
     echo "usage: benchmarks/gpu_session.sh 1|2|3 [--tiny]" >&2

@@ -332,6 +332,24 @@ def test_compile_twice_and_nested_refused():
         sch["model.layers.0"].compile(backend="aot_eager")
 
 
+def test_eager_backend_under_tp_refused_on_torch_before_2_13(monkeypatch):
+    """torch 2.11's dynamo `eager` backend cuts the gradient at TP's forward all-reduces
+    (zero gradient through them, silently; `scripts/test_torch.sh 2.11.0` found it): refused
+    there with a tensor-parallel group, accepted on one rank and on torch 2.13."""
+    from slapo.distributed.group import VirtualGroup
+
+    _, model = _pair("llama")
+    sch = slapo.create_schedule(model, group=VirtualGroup(2, 0))
+    monkeypatch.setattr(torch, "__version__", "2.11.0+cu130")
+    with pytest.raises(SchedulingError, match="'eager' compile backend drops the gradient"):
+        sch["model.layers.0"].compile(backend="eager")
+    assert not is_compiled(model.model.layers[0])
+    sch["model.layers.0"].compile(backend="aot_eager")
+    slapo.create_schedule(_pair("llama")[1])["model.layers.0"].compile(backend="eager")
+    monkeypatch.setattr(torch, "__version__", "2.13.0+cpu")
+    sch["model.layers.1"].compile(backend="eager")
+
+
 def test_compiled_block_allows_checkpoint_side_effects_only_while_it_runs():
     """The compile primitive turns dynamo's `skip_fwd_side_effects_in_bwd_under_checkpoint` on
     for its block's call only (torchtitan sets it for the whole process): outside the call

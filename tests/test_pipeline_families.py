@@ -18,7 +18,7 @@ import copy
 import pytest
 import torch
 import transformers as tf
-from reference import LR, reference_losses
+from reference import LR, reference_losses, runnable_schedules
 
 import slapo
 from slapo import model_schedule
@@ -417,6 +417,8 @@ def job_t5_zero_bubble_caught_at_the_first_step() -> str:
 
 
 @pytest.mark.dist
+@pytest.mark.skipif(not runnable_schedules([("ZBVZeroBubble",)]),
+                    reason="this torch's zero-bubble schedules are refused before any stage runs")
 def test_t5_zero_bubble_hazard_is_caught_at_the_first_step(dist2):
     msgs = dist2.run(job_t5_zero_bubble_caught_at_the_first_step)
     assert all("relative_attention_bias" in m for m in msgs), msgs

@@ -12,6 +12,8 @@ import pytest
 import torch
 from reference import LR, make_batches, reference_losses
 
+from slapo.runtime.pipeline_runner import SPLIT_BACKWARD, split_backward_is_exact
+
 pytestmark = pytest.mark.dist
 
 
@@ -82,6 +84,11 @@ def job_pp_gpt2():
         sch = slapo.create_schedule(model, mesh=mesh)
         for c in cuts:
             cut(sch, c)
+        if name in SPLIT_BACKWARD and not split_backward_is_exact():  # torch < 2.13
+            with pytest.raises(slapo.SchedulingError, match="180952"):
+                slapo.build(sch, optimizer=torch.optim.AdamW, pipeline=name, **kw)
+            out[name] = {"refused": True, "held": []}
+            continue
         tm, opt = slapo.build(sch, optimizer=torch.optim.AdamW, optimizer_kwargs={"lr": LR},
                               pipeline=name, **kw)
         assert isinstance(tm, slapo.runtime.train_step.PipelineTrainModule)
@@ -217,6 +224,9 @@ def test_pipeline_schedules_match_single_process(dist2):
     res = dist2.run(job_pp_gpt2, timeout=300)
     assert len(res[0]) == 7
     for name in res[0]:
+        if res[0][name].get("refused"):  # a zero-bubble schedule on torch < 2.13, both ranks
+            assert res[1][name].get("refused") and name in SPLIT_BACKWARD, name
+            continue
         assert res[0][name]["losses"] == res[1][name]["losses"]
         # the two ranks hold different layers
         assert not set(res[0][name]["held"]) & set(res[1][name]["held"]), name

@@ -16,7 +16,7 @@ import copy
 
 import pytest
 import torch
-from reference import LR, STEPS, reference_losses
+from reference import LR, STEPS, reference_losses, runnable_schedules
 
 # ------------------------------------------------------------------------------------------------
 # models (small, from configs; dropout where the test needs it)
@@ -43,6 +43,9 @@ def _mlm_batches(family: str, batch: int = 8, seq: int = 16) -> list[dict]:
 
 
 P = 0.5  # dropout everywhere: any mask mistake shows
+# dynamo's cheapest backend for the compiled-TP tests; torch before 2.13 refuses "eager" under
+# TP (it drops the gradient through forward all-reduces: slapo/primitives/compile.py)
+EAGER = "eager" if torch.torch_version.TorchVersion(torch.__version__) >= (2, 13) else "aot_eager"
 
 
 def dropout_model(family: str, p: float = P, **over):
@@ -120,11 +123,10 @@ def _batch(family: str) -> dict:
 # 1. pipelines: masked-LM heads, stage coverage, errors on every rank
 # ------------------------------------------------------------------------------------------------
 
-MLM_CASES = [("GPipe", ["{p}encoder.layer.1"]), ("1F1B", ["{p}encoder.layer.2"]),
-             ("Interleaved1F1B", ["{p}encoder.layer.0", "{p}encoder.layer.1",
-                                  "{p}encoder.layer.2"]),
-             ("ZBVZeroBubble", ["{p}encoder.layer.0", "{p}encoder.layer.1",
-                                "{p}encoder.layer.2"])]
+MLM_CASES = runnable_schedules([
+    ("GPipe", ["{p}encoder.layer.1"]), ("1F1B", ["{p}encoder.layer.2"]),
+    ("Interleaved1F1B", ["{p}encoder.layer.0", "{p}encoder.layer.1", "{p}encoder.layer.2"]),
+    ("ZBVZeroBubble", ["{p}encoder.layer.0", "{p}encoder.layer.1", "{p}encoder.layer.2"])])
 
 
 def job_pp_mlm(family: str):
@@ -407,7 +409,9 @@ def test_tp_tempo_attention_core_is_the_forked_one(dist2):
 def job_tp_without_dropout_keeps_compiled_blocks_whole(family: str) -> dict:
     """tp=2 with every dropout probability 0, layers compiled (dynamo, eager backend): the
     forked modules cannot drop, so no stream swap runs (`fork_rng(draws="dropout")`) and no
-    graph breaks; the model equals the same model with forks that always swap. Then every
+    graph breaks; every gradient equals the uncompiled TP model's (torch 2.11's "eager"
+    backend had silently dropped those through forward all-reduces), and the model equals the
+    same model with forks that always swap. Then every
     dropout above 0: the forks swap again (dynamo guarded the probabilities). Checkpointed
     layers too compile whole (the RNG replay's Python flag had made every checkpointed TP
     block run eagerly, no graph at all)."""
@@ -424,7 +428,7 @@ def job_tp_without_dropout_keeps_compiled_blocks_whole(family: str) -> dict:
         torch._dynamo.reset()
         counters.clear()
         model = dropout_model(family, p=0.0)
-        model_schedule.apply(model, tp=2, compile_blocks="eager")
+        model_schedule.apply(model, tp=2, compile_blocks=EAGER)
         wrappers = [w for m in model.modules() for w in module_patch.wrappers(m)
                     if w.name == "fork_rng"]
         assert wrappers and all(w.draws == "dropout" for w in wrappers)
@@ -433,6 +437,13 @@ def job_tp_without_dropout_keeps_compiled_blocks_whole(family: str) -> dict:
         loss = model(**_batch(family)).loss
         loss.backward()
         out = {"forks": len(forks), "breaks": sum(counters["graph_break"].values())}
+        plain = dropout_model(family, p=0.0)  # the same TP model uncompiled: same gradients
+        model_schedule.apply(plain, tp=2)
+        plain(**_batch(family)).loss.backward()
+        grads = {n: p.grad for n, p in plain.named_parameters() if p.grad is not None}
+        assert len(grads) > 10
+        for n, p in model.named_parameters():
+            torch.testing.assert_close(p.grad, grads[n], rtol=1e-5, atol=1e-6, msg=n)
         for w in wrappers:  # the same model, forking on every call
             w.draws = "any"
         torch._dynamo.reset()
@@ -454,7 +465,7 @@ def job_tp_without_dropout_keeps_compiled_blocks_whole(family: str) -> dict:
         torch._dynamo.reset()  # checkpointed too: the recompute needs no replay, one region
         counters.clear()
         model = dropout_model(family, p=0.0)
-        model_schedule.apply(model, tp=2, compile_blocks="eager", ckpt_ratio=1.0)
+        model_schedule.apply(model, tp=2, compile_blocks=EAGER, ckpt_ratio=1.0)
         slapo.set_random_seed(3, tp_rank=torch.distributed.get_rank())
         ckpt_loss = model(**_batch(family)).loss
         ckpt_loss.backward()
@@ -488,7 +499,7 @@ def test_tp_dropout_reproducible_under_checkpoint(dist2, family):
 @pytest.mark.compile
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
 def test_tp_dropout_reproducible_under_checkpoint_in_compiled_blocks(dist2, family):
-    res = dist2.run(job_tp_dropout_checkpoint_reproducible, family, "eager", timeout=300)
+    res = dist2.run(job_tp_dropout_checkpoint_reproducible, family, EAGER, timeout=300)
     assert res[0] == res[1]
 
 

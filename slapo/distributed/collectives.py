@@ -47,7 +47,11 @@ _SCATTER = getattr(funcol, "reduce_scatter_single", None) or funcol.reduce_scatt
 
 
 def _all_gather(x: torch.Tensor, dim: int, group) -> torch.Tensor:
-    return funcol.wait_tensor(_GATHER(x.contiguous(), dim, _grp(group)))
+    """Gather along dim 0 and put the pieces along `dim` here, as funcol does inside for
+    another dim: torch 2.11's dynamo will not trace funcol's helper for that
+    (`_maybe_view_chunk_cat`, marked skipped), a graph break at every sequence-parallel gather."""
+    out = funcol.wait_tensor(_GATHER(x.contiguous(), 0, _grp(group)))
+    return out if dim == 0 else torch.cat(out.chunk(_ws(group), 0), dim)
 
 
 def _reduce_scatter(x: torch.Tensor, dim: int, group) -> torch.Tensor:

@@ -73,6 +73,19 @@ class RNGStatesTracker:
 _TRACKER = RNGStatesTracker()
 
 
+@contextlib.contextmanager
+def states_kept():
+    """Run a block that must leave every random stream as it found it (the default generators
+    and the tracker's streams): e.g. torch's pipeline shape inference, whose throw-away forward
+    draws dropout masks."""
+    outer, tracked = default_states(), _TRACKER.get_states()
+    try:
+        yield
+    finally:
+        _restore(outer)
+        _TRACKER.set_states(tracked)
+
+
 def get_rng_tracker() -> RNGStatesTracker:
     return _TRACKER
 

@@ -18,7 +18,7 @@ from ..distributed.rng import get_rng_tracker
 from ..errors import SchedulingError
 from ._util import refuse_in_export_capture
 from .base import Primitive, register_primitive
-from .fork_rng import ForkRNGWrapper, may_drop
+from .fork_rng import ForkRNGWrapper, look_for_dropouts, may_drop
 
 
 class CheckpointWrapper(module_patch.ForwardWrapper):
@@ -51,9 +51,23 @@ class CheckpointWrapper(module_patch.ForwardWrapper):
         extra = {} if context_fn is None else {"context_fn": context_fn}
         # with nothing to replay there are no Python side effects, so torch.compile traces
         # the checkpoint as one region
-        run = _rng_replaying(module, fn, args, kwargs) or fn
-        return _torch_checkpoint(run, *args, use_reentrant=False, preserve_rng_state=True,
-                                 **extra, **kwargs)
+        run = _rng_replaying(module, fn, args, kwargs)
+        checkpoint = _torch_checkpoint
+        if run is None:  # not `... or fn`: torch 2.11's dynamo cannot branch on a closure
+            run = fn
+        elif torch.compiler.is_compiling():
+            checkpoint = _eager_checkpoint
+        return checkpoint(run, *args, use_reentrant=False, preserve_rng_state=True,
+                          **extra, **kwargs)
+
+
+# A checkpoint that replays the TP RNG streams runs outside dynamo, always. Its forks swap RNG
+# states (graph breaks) and its replay keeps a Python flag; torch 2.13's dynamo then falls back
+# to running the checkpoint eagerly, which replays right, but torch 2.11's (the GPU image's)
+# traced it, with `skip_fwd_side_effects_in_bwd_under_checkpoint` on, into a recomputation
+# that drew new dropout masks: gradients silently wrong at tp=2 with dropout > 0 (tests/
+# test_silent_wrong.py). Saying it here makes both torches run the same, tested, eager path.
+_eager_checkpoint = torch.compiler.disable(_torch_checkpoint)
 
 
 def _rng_replaying(module: nn.Module, fn: Callable, args: tuple = (),
@@ -281,3 +295,4 @@ class CheckpointPrimitive(Primitive):
 
             return checkpoint_subgraph(sch, subgraph)
         module_patch.add_wrapper(sch.mod, CheckpointWrapper(order_args_fn, condition, policy))
+        look_for_dropouts(sch.mod)  # what `_rng_replaying` asks `may_drop` in compiled calls

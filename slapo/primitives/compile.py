@@ -72,6 +72,7 @@ class CompilePrimitive(Primitive):
             raise SchedulingError(sch.path, f"unknown torch.compile backend {backend!r}.",
                                   f"use one of {', '.join(torch._dynamo.list_backends(None))}.")
         _check_flags(sch, fullgraph, dynamic)
+        _check_eager_backend(sch, backend)
         inner = [p for p, m in sch.mod.named_modules() if p and is_compiled(m)]
         if inner:
             raise SchedulingError(sch.path, f"submodule {sch.path}.{inner[0]} is already "
@@ -121,6 +122,21 @@ def compiled_call(module: nn.Module, opts: dict[str, Any]):
             setattr(config, _CHECKPOINT_SIDE_EFFECTS, before)
 
     return call
+
+
+def _check_eager_backend(sch, backend) -> None:
+    """torch 2.11's dynamo `eager` backend cuts the gradient at a tensor-parallel forward
+    all-reduce (an autograd.Function whose forward calls a functional collective): everything
+    before it gets zero gradient from that branch, silently (found running the suite on torch
+    2.11, the GPU image's, on CPU: compiled TP blocks trained with wrong gradients and the same
+    loss; `aot_eager` and `inductor` are exact there, 2.13's `eager` too)."""
+    if backend == "eager" and sch.world_size > 1 and \
+            torch.torch_version.TorchVersion(torch.__version__) < (2, 13):
+        raise SchedulingError(sch.path, f"torch {torch.__version__}'s 'eager' compile backend "
+                              "drops the gradient through tensor-parallel all-reduces (it would "
+                              "train silently wrong).", "use backend='aot_eager' (the same "
+                              "eager kernels, through AOTAutograd) or 'inductor', or "
+                              "torch >= 2.13.")
 
 
 def _check_flags(sch, fullgraph, dynamic) -> None:

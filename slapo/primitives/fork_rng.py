@@ -76,12 +76,42 @@ def may_drop(module: nn.Module, args: tuple, kwargs: dict) -> bool:
         return True
     if any(_droplike(k) and _positive(v) for k, v in kwargs.items()):
         return True
+    compiling = torch.compiler.is_compiling()
     for m in module.modules():
         if isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0:
             return True
-        if any(_droplike(k) and _positive(v) for k, v in m.__dict__.items()):
+        names = m.__dict__.get(_NAMES) if compiling else droplike_names(m)
+        if names is None:  # never looked at outside dynamo: look now, without keeping it
+            names = _scan(m)
+        if any(_positive(getattr(m, k, None)) for k in names):
             return True
     return False
+
+
+# The names of a module's droplike number attributes, kept on the module. torch 2.11's dynamo
+# cannot iterate a module's `__dict__` (a graph break in every forked call), so a compiled call
+# reads the names found by the last eager look: `fork_rng(draws="dropout")` and `checkpoint`
+# look at their subtrees when applied, and every eager call looks again. The values are read
+# live (guards), so a changed probability is seen. A module never looked at is scanned in the
+# compiled call itself (exact; on torch 2.11 a graph break, on 2.12+ none).
+_NAMES = "_slapo_droplike"
+
+
+def _scan(module: nn.Module) -> tuple[str, ...]:
+    return tuple(k for k, v in module.__dict__.items()
+                 if _droplike(k) and isinstance(v, numbers.Real) and not isinstance(v, bool))
+
+
+def droplike_names(module: nn.Module) -> tuple[str, ...]:
+    """Find (and keep on `module`) the names of its droplike number attributes."""
+    names = module.__dict__[_NAMES] = _scan(module)
+    return names
+
+
+def look_for_dropouts(module: nn.Module) -> None:
+    """Keep the droplike names of every module in `module`'s subtree (see `_NAMES`)."""
+    for m in module.modules():
+        droplike_names(m)
 
 
 def _droplike(name: str) -> bool:
@@ -122,3 +152,5 @@ class ForkRNGPrimitive(Primitive):
     @classmethod
     def apply(cls, sch, draws: str = "any"):
         module_patch.add_wrapper(sch.mod, ForkRNGWrapper(2718 + sch.tp_rank, draws))
+        if draws == "dropout":
+            look_for_dropouts(sch.mod)

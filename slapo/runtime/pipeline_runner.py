@@ -63,7 +63,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+import torch.utils._pytree as pytree
 
+from ..distributed import rng
 from ..errors import SchedulingError
 from ..module_patch import original_class
 from .batch import Batch, batch_size, index_batch, tensors_in
@@ -381,6 +383,14 @@ def first_stage_args(stage: nn.Module, batch: Batch) -> tuple:
     return tuple(batch.get(n) for n in names[:last + 1])
 
 
+def _contiguous(inputs):
+    """`inputs` with every tensor contiguous. torch 2.11's first stage checks its inputs'
+    strides against the contiguous ones it expects (`PipeliningShapeError: ... stride
+    mismatch`), so a batch sliced from a longer one (`tokens[:, :seq]`, as the tests' and a
+    packed-text loader's batches are) failed there; torch 2.13 does not check strides."""
+    return pytree.tree_map_only(torch.Tensor, lambda t: t.contiguous(), inputs)
+
+
 def stage_outputs(stage: nn.Module, output: Any) -> Any:
     """What `loss_fn` sees: the last stage's output, wrapped like the model's output if the
     stage knows how (e.g. an HF stage gives an object with `.logits`)."""
@@ -635,9 +645,9 @@ class PipelineRunner:
         self._error, self._error_phase = None, None
         args, target, masks = (), None, {}
         try:  # what can fail before the step fails on its rank only: agree first
-            masks = stage_masks(self.modules[0], batch)
+            masks = _contiguous(stage_masks(self.modules[0], batch))
             check_batch_inputs(self.modules[0], batch)
-            args = first_stage_args(self.first, batch) if self.holds_first else ()
+            args = _contiguous(first_stage_args(self.first, batch)) if self.holds_first else ()
             target = torch.arange(batch_size(batch)) if self.holds_last else None
         except Exception as e:  # noqa: BLE001
             self._fail(e, PREPARE_ORDER)
@@ -729,7 +739,11 @@ def make_stages(modules: list[nn.Module], stage_ids: list[int], plan: PipelinePl
 def keep_buffers_through_shape_inference(stage) -> None:
     """torch infers a stage's output shapes on the first step by running its forward once
     (later stages on uninitialised inputs), in training mode: BatchNorm's running statistics
-    would take that garbage in (seen: 7e32 after one step). Restore every buffer after it.
+    would take that garbage in (seen: 7e32 after one step). Restore every buffer after it,
+    and every random stream: torch 2.11's inference runs the forward on real zeros, so its
+    dropouts drew numbers the next step's masks then missed, and a run resumed from a
+    checkpoint (which infers again at its first step) trained on other masks than the
+    uninterrupted run (tests/test_train_families.py, on torch 2.11).
     The method is `_forward_metadata_inference` in torch 2.13, `_shape_inference` earlier."""
     for name in ("_forward_metadata_inference", "_shape_inference"):
         inner = getattr(stage, name, None)
@@ -740,7 +754,8 @@ def keep_buffers_through_shape_inference(stage) -> None:
         def run(*args, _inner=inner, **kwargs):
             saved = [(b, b.detach().clone()) for b in stage.submod.buffers()]
             try:
-                return _inner(*args, **kwargs)
+                with rng.states_kept():
+                    return _inner(*args, **kwargs)
             finally:
                 for b, value in saved:  # via .data: the inference's own backward pass (shapes
                     b.data.copy_(value)  # only) must not see a version bump of saved inputs
