@@ -423,3 +423,32 @@ def test_cli_precision_from_toml_and_bad_values(tmp_path, capsys):
         with pytest.raises(SystemExit):
             main(["train", "--device", "cuda"])
         assert "no CUDA device is available" in capsys.readouterr().err
+
+
+# the ready GPU schedule's knobs that change numerics under bf16 (kernels' CPU fallbacks, the
+# fused loss, SDPA) for every family that has them, not only GPT-2's
+BF16_FAMILIES = ["gpt2", "gpt_neo", "opt", "llama", "qwen2", "qwen3", "bert_mlm", "roberta",
+                 "albert", "t5", "t5_gated"]
+
+
+@pytest.mark.parametrize("family", BF16_FAMILIES)
+def test_bf16_ready_schedule_tracks_the_models_own_autocast(family):
+    """`model_schedule.apply(attention="sdpa", kernels=True, fused_loss=True)` built with
+    `mixed_precision="bf16"` trains like the unscheduled model in a hand-written autocast loop:
+    within 4x the distance between that loop's bf16 and fp32 losses, on every family (a
+    kernel that rounded where HF does not, or a loss left in bf16, shows as a larger gap);
+    weights, gradients and moments stay fp32."""
+    from slapo import model_schedule
+
+    make = getattr(models, family)
+    batch = models.batch_for(family, batch=4, seq=16)
+    batches = [batch] * 4
+    want = autocast_losses(make(seed=0), batches)
+    fp32 = autocast_losses(make(seed=0), batches, dtype=None)
+    model = make(seed=0)
+    model_schedule.apply(model, attention="sdpa", kernels=True, fused_loss=True)
+    tm, opt = slapo.build(slapo.create_schedule(model), optimizer=torch.optim.AdamW,
+                          optimizer_kwargs={"lr": LR}, mixed_precision="bf16")
+    got = [tm.train_step(batch) for batch in batches]
+    assert_bf16_close(got, want, fp32, what=family)
+    check_fp32_master(tm, opt)

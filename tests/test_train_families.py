@@ -16,7 +16,8 @@ pytestmark = pytest.mark.dist
 
 TINY = dict(hidden_size=32, num_layers=2, num_heads=4, seq_len=32, batch_size=8, steps=3,
             progress=False, plot=False, eval_batches=0, dropout=0.0)
-LAYOUTS = {"tp": {"tp": 2}, "dp_shard": {"dp_shard": True}, "pp": {"pp_stages": 2}}
+# "ddp": two ranks and no other layout is plain DDP (`slapo.train.setup`), each rank half the batch
+LAYOUTS = {"tp": {"tp": 2}, "dp_shard": {"dp_shard": True}, "pp": {"pp_stages": 2}, "ddp": {}}
 # what each layout cannot do, and the words its refusal uses
 REFUSED = {("albert", "pp"): "one shared layer"}
 
