@@ -69,9 +69,15 @@ def _models():
             hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, vocab_size=100, bos_token_id=0, eos_token_id=0,
             pad_token_id=0)),
+        # a window shorter than the batch's 16 tokens: Slapo's attention core takes no window
+        # argument and must get the model's sliding-window mask instead of is_causal
+        "mistral_window": lambda: MistralForCausalLM(MistralConfig(
+            hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, vocab_size=100, bos_token_id=0, eos_token_id=0,
+            pad_token_id=0, sliding_window=4)),
     }
 
-FAMILIES = ["llama", "gpt2", "bert", "roberta", "gpt_neo", "opt", "mistral"]
+FAMILIES = ["llama", "gpt2", "bert", "roberta", "gpt_neo", "opt", "mistral", "mistral_window"]
 
 
 def _pair(name):
