@@ -342,7 +342,8 @@ def job_tp_dropout_masks(family: str, impl: str):
     return res
 
 
-def job_tp_dropout_checkpoint_reproducible(family: str, compile_blocks=False):
+def job_tp_dropout_checkpoint_reproducible(family: str, compile_blocks=False,
+                                           sequence_parallel: bool = False):
     """With per-rank masks, a checkpointed TP model recomputes with the masks its forward drew:
     loss and every gradient equal the same model without checkpointing (also with compiled
     blocks, where the forks break the graph and the checkpoint runs eagerly, replaying)."""
@@ -353,7 +354,8 @@ def job_tp_dropout_checkpoint_reproducible(family: str, compile_blocks=False):
     for ratio in (0.0, 1.0):
         torch._dynamo.reset()
         model = dropout_model(family)
-        model_schedule.apply(model, tp=2, ckpt_ratio=ratio, compile_blocks=compile_blocks)
+        model_schedule.apply(model, tp=2, ckpt_ratio=ratio, compile_blocks=compile_blocks,
+                             sequence_parallel=sequence_parallel)
         model.train()
         slapo.set_random_seed(11, tp_rank=torch.distributed.get_rank())
         loss = model(**_batch(family)).loss
@@ -492,6 +494,16 @@ def test_tp_without_dropout_keeps_compiled_blocks_whole(dist2, family):
 @pytest.mark.parametrize("family", ["gpt2", "llama", "t5"])
 def test_tp_dropout_reproducible_under_checkpoint(dist2, family):
     res = dist2.run(job_tp_dropout_checkpoint_reproducible, family)
+    assert res[0] == res[1]
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("family", ["opt", "gpt2"])
+def test_sp_dropout_reproducible_under_checkpoint(dist2, family):
+    """Under sequence parallelism too (OPT forks whole layers into the per-rank stream, GPT-2
+    its attention core; the sequence-sharded dropouts draw per rank): the checkpoint's
+    recomputation reuses the forward's masks."""
+    res = dist2.run(job_tp_dropout_checkpoint_reproducible, family, False, True)
     assert res[0] == res[1]
 
 
