@@ -39,7 +39,7 @@ _INDEX_FILL = {aten.index_fill_.int_Scalar, aten.index_fill_.int_Tensor}
 
 def _inplace(func) -> bool:
     """Whether `func` writes its first argument in place (`mul_`, `normal_`, `copy_`). torch
-    2.12+ tags these ops `inplace`; torch 2.11 (the GPU image's) has no such tag, so there the
+    2.13 tags these ops `inplace`; torch 2.11 (the GPU image's) has no such tag, so there the
     schema says it: an op named `..._` whose first (positional) argument is written,
     `Tensor(a!) self`. On torch 2.13 the two agree on every aten op except a few untagged
     overloads the schema rule also counts: list ops (`add_.t`, `mul_.t`), `copy_.Tensor/int/

@@ -62,11 +62,10 @@ class CheckpointWrapper(module_patch.ForwardWrapper):
 
 
 # A checkpoint that replays the TP RNG streams runs outside dynamo, always. Its forks swap RNG
-# states (graph breaks) and its replay keeps a Python flag; torch 2.13's dynamo then falls back
-# to running the checkpoint eagerly, which replays right, but torch 2.11's (the GPU image's)
-# traced it, with `skip_fwd_side_effects_in_bwd_under_checkpoint` on, into a recomputation
-# that drew new dropout masks: gradients silently wrong at tp=2 with dropout > 0 (tests/
-# test_silent_wrong.py). Saying it here makes both torches run the same, tested, eager path.
+# states (graph breaks) and its replay keeps a Python flag, so dynamo cannot make it one region
+# anyway: torch 2.13 falls back to running it eagerly by itself, torch 2.11 (the GPU image's)
+# traces the pieces between the breaks instead. Both replay right (checked with aot_eager on
+# both, tests/test_silent_wrong.py); saying it here makes them run one path, the eager one.
 _eager_checkpoint = torch.compiler.disable(_torch_checkpoint)
 
 

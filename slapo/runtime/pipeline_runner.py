@@ -731,12 +731,12 @@ def make_stages(modules: list[nn.Module], stage_ids: list[int], plan: PipelinePl
     stages = [PipelineStage(m, s, plan.num_stages, device, group=info.group("pp"))
               for m, s in zip(modules, stage_ids, strict=True)]
     for stage, s in zip(stages, stage_ids, strict=True):
-        keep_buffers_through_shape_inference(stage)
+        keep_state_through_shape_inference(stage)
         guard_stage_backward(stage, s)
     return stages
 
 
-def keep_buffers_through_shape_inference(stage) -> None:
+def keep_state_through_shape_inference(stage) -> None:
     """torch infers a stage's output shapes on the first step by running its forward once
     (later stages on uninitialised inputs), in training mode: BatchNorm's running statistics
     would take that garbage in (seen: 7e32 after one step). Restore every buffer after it,
