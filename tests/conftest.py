@@ -64,3 +64,10 @@ def deepspeed_one_rank(monkeypatch):
 def pytest_sessionfinish(session, exitstatus):
     for p in _POOLS.values():
         p.close()
+
+
+def pytest_collection_modifyitems(config, items):
+    """The tests marked `slow` (each ~30-100 s on the CI's two cores) first, the rest in file
+    order: with two xdist workers, a 100 s test collected near the end ran alone at the end of
+    the suite; started first, it overlaps the many short ones (the CI's 15-minute budget)."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)

@@ -115,6 +115,7 @@ def _check(out: str, want: list[float], what: str) -> None:
 
 
 @pytest.mark.skipif(not HAS_DS, reason="needs deepspeed (the 'deepspeed' extra)")
+@pytest.mark.slow
 def test_opt_zero3_and_t5_tp2_scripts_train_like_plain_pytorch(one_thread):
     procs = {"opt": _launch("opt_train", "--zero-stage", "3", "--grad-clip", "1.0"),
              "t5": _launch("t5_train")}

@@ -54,6 +54,7 @@ def test_deadline_skips_instead_of_overrunning(tmp_path):
 # slapo_tuned: the tuner's search inside the benchmark
 # ------------------------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_tuned_row_measures_the_best_trial(tmp_path):
     """A `--tiny` slapo_tuned run on CPU: the cost model predicts both configs of a narrowed
     space, both are measured as trials, the faster one is measured again by the protocol and
