@@ -14,8 +14,9 @@
 # target so that only torch, triton and the CUDA libraries come from it, plus numpy < 2.4 when
 # the triton is older than 3.9 (3.6 comes with torch 2.11): its interpreter (TRITON_INTERPRET=1,
 # how the kernel tests run on CPU) calls `int()` on one-element arrays, which numpy 2.4 refuses,
-# and with the older numpy the kernels are proven under that triton too. Workers default to
-# SLAPO_TEST_WORKERS=2 (pytest-xdist), as scripts/test.sh. Needs PyPI (not run by CI).
+# and with the older numpy the kernels are proven under that triton too. The tests then run
+# through scripts/test.sh (the README's command: ruff, then pytest with its workers). Needs PyPI
+# (not run by CI).
 #
 # Known to differ for environmental reasons only: test_tune_cli's memory-cap trial (the CUDA
 # build's larger address space makes its batch-2 trial hit the 420M cap too).
@@ -39,9 +40,6 @@ v = tuple(int(x) for x in triton.__version__.split(".")[:2]); sys.exit(0 if v < 
   fi
   touch "$target/.ok"
 fi
-export PYTHONPATH="$PWD/$target${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1
+export PYTHONPATH="$PWD/$target${PYTHONPATH:+:$PYTHONPATH}"
 .venv/bin/python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
-workers=${SLAPO_TEST_WORKERS:-2}
-xdist=()
-if [ "$workers" != "0" ]; then xdist=(-n "$workers" --dist worksteal); fi
-exec .venv/bin/python -m pytest -q -p no:cacheprovider --timeout=900 "${xdist[@]}" "${@:-tests}"
+exec bash scripts/test.sh "$@"  # the README's test command, on this torch

@@ -52,21 +52,10 @@ class CheckpointWrapper(module_patch.ForwardWrapper):
         # with nothing to replay there are no Python side effects, so torch.compile traces
         # the checkpoint as one region
         run = _rng_replaying(module, fn, args, kwargs)
-        checkpoint = _torch_checkpoint
         if run is None:  # not `... or fn`: torch 2.11's dynamo cannot branch on a closure
             run = fn
-        elif torch.compiler.is_compiling():
-            checkpoint = _eager_checkpoint
-        return checkpoint(run, *args, use_reentrant=False, preserve_rng_state=True,
-                          **extra, **kwargs)
-
-
-# A checkpoint that replays the TP RNG streams runs outside dynamo, always. Its forks swap RNG
-# states (graph breaks) and its replay keeps a Python flag, so dynamo cannot make it one region
-# anyway: torch 2.13 falls back to running it eagerly by itself, torch 2.11 (the GPU image's)
-# traces the pieces between the breaks instead. Both replay right (checked with aot_eager on
-# both, tests/test_silent_wrong.py); saying it here makes them run one path, the eager one.
-_eager_checkpoint = torch.compiler.disable(_torch_checkpoint)
+        return _torch_checkpoint(run, *args, use_reentrant=False, preserve_rng_state=True,
+                                 **extra, **kwargs)
 
 
 def _rng_replaying(module: nn.Module, fn: Callable, args: tuple = (),
