@@ -126,7 +126,7 @@ def qwen2(seed: int = 0, layers: int = 2):
 def batch_for(family: str, batch: int = 2, seq: int = 16, seed: int = 1) -> dict:
     """Keyword inputs with labels, so `out.loss` is the training loss."""
     x = ids(batch, seq, seed=seed)
-    if family in ("t5", "t5_gated"):
+    if family in ("t5", "t5_gated", "mt5"):
         return {"input_ids": x, "labels": ids(batch, seq // 2, seed=seed + 1)}
     if family == "roberta":
         x = x.clamp(min=3)  # keep clear of padding/special ids
@@ -140,3 +140,25 @@ def qwen3(seed: int = 0, layers: int = 2):
                   num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
                   head_dim=16, intermediate_size=128, vocab_size=128,
                   max_position_embeddings=64, bos_token_id=0, eos_token_id=0)
+
+
+def mistral(seed: int = 0, layers: int = 2):
+    """Mistral with a sliding window (4) shorter than `batch_for`'s 16 tokens, so the window
+    mask, not `is_causal`, decides what each token sees (it changes the loss)."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    return _build(MistralConfig, MistralForCausalLM, seed, hidden_size=64,
+                  num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                  intermediate_size=128, vocab_size=128, max_position_embeddings=64,
+                  bos_token_id=0, eos_token_id=0, pad_token_id=0, sliding_window=4)
+
+
+def mt5(seed: int = 0, layers: int = 2):
+    """mT5: T5 v1.1's gated-GELU layers with a tied head whose 5.x forward does not rescale
+    the decoder output (T5's does)."""
+    from transformers import MT5Config, MT5ForConditionalGeneration
+
+    return _build(MT5Config, MT5ForConditionalGeneration, seed, d_model=64, d_kv=16, d_ff=128,
+                  num_layers=layers, num_decoder_layers=layers, num_heads=4, vocab_size=128,
+                  decoder_start_token_id=0, pad_token_id=0, dropout_rate=0.0,
+                  feed_forward_proj="gated-gelu", tie_word_embeddings=True)

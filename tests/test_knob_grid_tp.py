@@ -61,3 +61,38 @@ def job_tp_grid(family: str) -> list[str]:
 def test_tp_knob_combinations_verify(dist2, family):
     ranks = dist2.run(job_tp_grid, family, timeout=600)
     assert ranks[0] == ranks[1] and len(ranks[0]) >= 3
+
+
+# Siblings served by another family's plan, each with what could differ under TP: Mistral (the
+# LLaMA plan) with a sliding window shorter than the batch, whose mask must reach each rank's
+# heads; mT5 (the T5 plan) with gated-GELU layers and a tied head its forward does not rescale.
+SIBLINGS = ["mistral", "mt5"]
+SIBLING_ROWS = [
+    {},  # the defaults: TP alone
+    {"attention": "sdpa", "kernels": True, "fuse": True, "fuse_compiler": "aot_eager",
+     "sequence_parallel": True, "ckpt_ratio": 1.0, "ckpt_policy": "selective"},
+    {"attention": "sdpa", "vocab_parallel": False, "fused_loss": True, "tempo": True,
+     "ckpt_ratio": 1.0},
+]
+
+
+def job_sibling_rows(family: str) -> list[str]:
+    import models
+
+    verified = []
+    for row in SIBLING_ROWS:
+        knobs = {k: v for k, v in row.items()  # the T5 plan has no sequence parallelism
+                 if not (k == "sequence_parallel" and family == "mt5")}
+        model = getattr(models, family)(seed=0)
+        sch = slapo.create_schedule(model)
+        with slapo.Verify(sch, example_kwargs=models.batch_for(family),
+                          loss_fn=lambda out: out.loss):
+            model_schedule.apply(sch, tp=2, **knobs)
+        verified.append(repr(knobs))
+    return verified
+
+
+@pytest.mark.parametrize("family", SIBLINGS)
+def test_tp_siblings_verify(dist2, family):
+    ranks = dist2.run(job_sibling_rows, family, timeout=600)
+    assert ranks[0] == ranks[1] and len(ranks[0]) == len(SIBLING_ROWS)

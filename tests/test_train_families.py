@@ -58,6 +58,17 @@ def test_every_model_and_layout_trains_like_one_process(dist2, model, layout):
     assert ranks[0] == pytest.approx(one, rel=1e-4, abs=1e-5), (ranks[0], one)
 
 
+@pytest.mark.parametrize("model", sorted(MODELS))
+def test_every_model_tp_inside_fsdp2_trains_like_one_process(dist4, model):
+    """--tp 2 --dp-shard on 4 ranks: FSDP2 shards each TP rank's slices over the 2
+    data-parallel ranks (a 2-D mesh); all four ranks log the one-process losses."""
+    opts = {**TINY, "model": model, "tp": 2, "dp_shard": True}
+    ranks = dist4.run(job_losses, opts)
+    one = list(one_process(model))
+    assert all(r == ranks[0] for r in ranks), ranks
+    assert ranks[0] == pytest.approx(one, rel=1e-4, abs=1e-5), (ranks[0], one)
+
+
 @pytest.mark.parametrize("model", ["opt", "gpt_neo", "bert", "t5"])
 def test_pipelined_models_resume_bit_for_bit(dist2, tmp_path, model):
     """A 2-stage run's checkpoint (each rank saves its own stage: OPT's optional projections,
