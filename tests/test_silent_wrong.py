@@ -411,7 +411,8 @@ def test_tp_tempo_attention_core_is_the_forked_one(dist2):
 def job_tp_without_dropout_keeps_compiled_blocks_whole(family: str) -> dict:
     """tp=2 with every dropout probability 0, layers compiled (dynamo, eager backend): the
     forked modules cannot drop, so no stream swap runs (`fork_rng(draws="dropout")`) and no
-    graph breaks; every gradient equals the uncompiled TP model's (torch 2.11's "eager"
+    graph breaks; it verifies against the unsharded model (outputs, every gradient, a step),
+    and every gradient equals the uncompiled TP model's (torch 2.11's "eager"
     backend had silently dropped those through forward all-reduces), and the model equals the
     same model with forks that always swap. Then every
     dropout above 0: the forks swap again (dynamo guarded the probabilities). Checkpointed
@@ -430,7 +431,9 @@ def job_tp_without_dropout_keeps_compiled_blocks_whole(family: str) -> dict:
         torch._dynamo.reset()
         counters.clear()
         model = dropout_model(family, p=0.0)
-        model_schedule.apply(model, tp=2, compile_blocks=EAGER)
+        sch = slapo.create_schedule(model)  # compiled TP against the unsharded model too
+        with slapo.Verify(sch, example_kwargs=_batch(family), loss_fn=lambda out: out.loss):
+            model_schedule.apply(sch, tp=2, compile_blocks=EAGER)
         wrappers = [w for m in model.modules() for w in module_patch.wrappers(m)
                     if w.name == "fork_rng"]
         assert wrappers and all(w.draws == "dropout" for w in wrappers)
