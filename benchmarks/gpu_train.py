@@ -26,6 +26,10 @@ variant should show its few graphs and no break (each break is eager Python on e
 
 Variants:
 - hf_eager / hf_sdpa: the HF model as loaded, eager attention / its default (SDPA);
+- hf_sdpa_nocudnn: hf_sdpa with cuDNN's SDPA backend off: on torch < 2.12 cuDNN may train a
+  dropout probability that is not a multiple of 1/16 (0.1) as a rounded one (pytorch#174245),
+  so this is HF training with the dropout its config says (Slapo's SDPA core avoids cuDNN
+  there by itself: `slapo.op.attention.cudnn_would_round_dropout`);
 - hf_compile: `torch.compile(model)` (whole model, default mode);
 - hf_liger: Liger-Kernel's HF patches (LLaMA: RMSNorm, RoPE, SwiGLU, fused linear-CE), when
   `liger_kernel` imports and has kernels for the family (checked before a process is started:
@@ -38,7 +42,7 @@ Variants:
 - slapo_gpu_ckpt: slapo_gpu + full activation checkpointing of every layer;
 - slapo_gpu_nocudnn: slapo_gpu with cuDNN's SDPA backend off
   (`torch.backends.cuda.enable_cudnn_sdp(False)`; `--no-cudnn-sdp` turns it off for every
-  variant of a run): the GPT-2 dropout check (docs/benchmarks.md, "Open");
+  variant of a run);
 - slapo_tuned: the best schedule `slapo tune` finds, measured like every other variant (below).
 
 slapo_tuned, in its own process: the GPU space of `slapo tune --space gpu` (bf16, SDPA;
@@ -77,7 +81,7 @@ second because it is GPT-2's best baseline, and its sweep recompiles per batch s
 deadline may leave slapo_gpu_ckpt out):
 
     python benchmarks/gpu_train.py --models gpt2-medium \
-        --variants hf_sdpa,slapo_gpu,slapo_gpu_nocudnn --out $OUT/nocudnn
+        --variants hf_sdpa,hf_sdpa_nocudnn,slapo_gpu --out $OUT/nocudnn
     python benchmarks/gpu_train.py --models gpt2-medium --dropout 0 \
         --variants hf_sdpa,slapo_gpu --out $OUT/dropout0
     python benchmarks/gpu_train.py --models gpt2-medium,bert-large --cap-gib 24 \
@@ -143,9 +147,9 @@ SLAPO_KNOBS = {
                            ckpt_ratio=1.0),
     "slapo_gpu_nocudnn": dict(attention="sdpa", compile_blocks=True, fused_loss=True),
 }
-NOCUDNN_VARIANTS = ("slapo_gpu_nocudnn",)
+NOCUDNN_VARIANTS = ("slapo_gpu_nocudnn", "hf_sdpa_nocudnn")
 TUNED = "slapo_tuned"
-HF_VARIANTS = ("hf_eager", "hf_sdpa", "hf_compile", "hf_liger")
+HF_VARIANTS = ("hf_eager", "hf_sdpa", "hf_sdpa_nocudnn", "hf_compile", "hf_liger")
 # The default run, headline first, slapo_tuned last (it seeds from slapo_gpu's rows; see the
 # budget in the module docstring). hf_eager OOMs at these batches, slapo_ready is the first
 # measurement's schedule, the others are checks: ask for them with --variants.

@@ -98,6 +98,57 @@ def test_sdpa_saves_no_quadratic_tensor():
     assert tempo >= 2 * s * s * 4  # the softmax probabilities, O(s^2)
 
 
+@pytest.mark.parametrize("before_2_12", [True, False])
+def test_dropout_cudnn_would_round_only_before_torch_2_12(monkeypatch, before_2_12):
+    from slapo.op import attention
+
+    monkeypatch.setattr(attention, "_CUDNN_MAY_ROUND_DROPOUT", before_2_12)
+    rounds = attention.cudnn_would_round_dropout
+    assert rounds(0.1, True) is before_2_12  # 1.6 sixteenths
+    assert rounds(0.3, True) is before_2_12
+    for exact in (0.0, 0.125, 0.0625, 0.5):  # whole sixteenths: cuDNN runs them as given
+        assert not rounds(exact, True), exact
+    assert not rounds(0.1, False)  # no cuDNN off CUDA
+    expected = torch.torch_version.TorchVersion(torch.__version__) < (2, 12)
+    assert attention._CUDNN_MAY_ROUND_DROPOUT is before_2_12 and expected is not None
+
+
+def test_sdpa_dropout_avoids_cudnn_where_it_would_round(monkeypatch):
+    """Where cuDNN would round the probability, `attend` runs SDPA under the other backends
+    (CPU stands in for CUDA here, so the rule is forced true): the same values as before (CPU
+    has no cuDNN SDPA, same kernel, same RNG draws), in training only, and dynamo traces the
+    backend switch inside a compiled block (one graph, no break)."""
+    from torch._dynamo.utils import counters
+
+    from slapo.op import attention
+
+    entered = []
+    inner = attention._sdpa_without_cudnn
+    monkeypatch.setattr(attention, "_sdpa_without_cudnn", lambda: (entered.append(1), inner())[1])
+    torch.manual_seed(0)
+    attn = SelfAttention(32, heads=4, kv_heads=2, dropout=0.1)
+    x = torch.randn(2, 6, 32)
+    torch.manual_seed(5)
+    plain = attn(x, is_causal=True)
+    assert not entered  # CPU: the rule is false
+    monkeypatch.setattr(attention, "cudnn_would_round_dropout", lambda p, on_cuda: p > 0)
+    torch.manual_seed(5)
+    assert torch.equal(attn(x, is_causal=True), plain) and entered
+    entered.clear()
+    attn.eval()
+    attn(x, is_causal=True)
+    assert not entered  # eval: no dropout, cuDNN is fine
+    attn.train()
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(attn, backend="aot_eager")
+    out = compiled(x, is_causal=True)
+    assert entered and out.shape == plain.shape
+    assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
+    assert counters["stats"]["unique_graphs"] == 1
+    torch._dynamo.reset()
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_sdpa_cuda_half():
     q, k, v = (torch.randn(2, 4, 64, 32, device="cuda", dtype=torch.float16) for _ in range(3))

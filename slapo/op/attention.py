@@ -6,9 +6,18 @@ Exact (same math; results differ from eager attention only by summation order). 
 random stream differs from eager attention's, so compare runs with dropout 0.
 
 Devices: CPU (SDPA's flash-for-CPU or math kernel; fp32/bf16, forward and backward) and CUDA
-(flash / memory-efficient / cuDNN kernels chosen by PyTorch). `flash_attn.flash_attn_func` is used
+(flash / memory-efficient / cuDNN kernels chosen by PyTorch, except one case below).
+`flash_attn.flash_attn_func` is used
 when the package is importable, the tensors are fp16/bf16 on CUDA and there is no explicit mask;
 it is imported lazily so CPU installs never need it.
+
+Dropout on CUDA before torch 2.12: some cuDNN SDPA kernels resolve the dropout probability only
+in steps of 1/16, so torch 2.11 (the GPU image's) trains `p=0.1` as a rounded probability,
+silently. torch 2.12 stops routing such probabilities to cuDNN (pytorch#174245); before it,
+`attend` does the same by running SDPA with the other backends (`sdpa_kernel`, which dynamo
+traces, so compiled blocks keep one graph). Only in training with such a `p` on CUDA: dropout 0
+(or 1/8, 1/16, ...) keeps cuDNN, the fastest H100 kernel. HF's own attention (schedules with
+`attention=None`) is left as HF runs it.
 """
 
 from __future__ import annotations
@@ -18,11 +27,26 @@ import functools
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .attention_core import AttentionCore, causal_mask, padding_mask, repeat_kv
 
 # SDPA takes grouped-query K/V without materialising repeated heads since torch 2.5.
 _SDPA_GQA = "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")
+# cuDNN may round SDPA's dropout probability to a multiple of 1/16 before torch 2.12 (above).
+_CUDNN_MAY_ROUND_DROPOUT = torch.torch_version.TorchVersion(torch.__version__) < (2, 12)
+
+
+def cudnn_would_round_dropout(p: float, on_cuda: bool) -> bool:
+    """Whether this torch could run SDPA with dropout `p` on a cuDNN kernel that rounds it to a
+    multiple of 1/16 (the condition torch 2.12 checks before choosing cuDNN)."""
+    return _CUDNN_MAY_ROUND_DROPOUT and on_cuda and p > 0 and (p * 16) % 1 != 0
+
+
+def _sdpa_without_cudnn():
+    """SDPA's backends other than cuDNN, in the default order of preference."""
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+                        SDPBackend.MATH])
 
 
 @functools.cache
@@ -50,11 +74,14 @@ class SDPAttention(AttentionCore):
     def __init__(self, use_flash: bool | None = None):
         super().__init__()
         self.use_flash = use_flash
+        # looked up here, not in `attend`: dynamo cannot trace the (failing) import, and a
+        # compiled block would break its graph at every call
+        self._flash = _flash_attn_func() if use_flash is not False else None
 
     def attend(self, q, k, v, mask=None, is_causal=False, dropout=0.0, scaling=None):
         p = dropout if self.training else 0.0
         s_q, s_k = q.shape[-2], k.shape[-2]
-        flash = _flash_attn_func() if self.use_flash is not False else None
+        flash = self._flash if self.use_flash is not False else None
         if (
             flash is not None
             and q.is_cuda
@@ -83,6 +110,11 @@ class SDPAttention(AttentionCore):
                 gqa = {"enable_gqa": True}
             else:
                 k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)
+        if cudnn_would_round_dropout(p, q.is_cuda):
+            with _sdpa_without_cudnn():
+                return F.scaled_dot_product_attention(
+                    q, k, v, attn_mask=mask, dropout_p=p, is_causal=is_causal, scale=scaling,
+                    **gqa)
         return F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, dropout_p=p, is_causal=is_causal, scale=scaling, **gqa
         )
