@@ -29,6 +29,17 @@ def reference_losses(model, batches, *, grad_accum=1, grad_clip=None, loss_fn=No
     return losses
 
 
+def hidden_loss(hidden: torch.Tensor) -> torch.Tensor:
+    """A loss on an encoder's last hidden state (tests' BERT is a `BertModel`, no head) whose
+    gradient reaches every layer. `hidden.pow(2).mean()` does not: after BERT's final LayerNorm
+    at its initial weight 1 and bias 0 it is 1 for any input, so every gradient upstream of that
+    norm is roundoff (2e-8 against 0.9 here), and AdamW's first step turns roundoff signs into
+    full-size updates: multi-step comparisons then compare roundoff, and pass or fail by the
+    order of summation."""
+    target = torch.linspace(-1, 1, hidden.shape[-1], dtype=hidden.dtype, device=hidden.device)
+    return (hidden - target).pow(2).mean()
+
+
 def make_batches(batch=8, seq=16, seed=10):
     import models
 

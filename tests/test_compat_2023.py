@@ -17,6 +17,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from reference import hidden_loss
 
 import slapo
 from slapo.notices import Slapo2023Notice, reset_notices
@@ -307,7 +308,7 @@ def test_verify_2023_options():
     ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
     sch = slapo.create_schedule(model)
     with slapo.Verify(sch, [ids], eval_mode=True,  # dropout off: exact comparison
-                      loss_fn=lambda out: out.last_hidden_state.pow(2).mean()):
+                      loss_fn=lambda out: hidden_loss(out.last_hidden_state)):
         sch["encoder.layer.0"].checkpoint()
     with slapo.Verify(sch, [ids], enable=False):  # disabled: a wrong change goes unchecked
         sch["encoder.layer.1.output.dense"].mod.weight.data.mul_(2)
