@@ -8,7 +8,11 @@ On entry it checks that every rank of the group holds the same parameters and th
 models on the inputs and compares
 
 1. every output tensor,
-2. (with `loss_fn`) every parameter gradient, gathering shards across ranks,
+2. (with `loss_fn`) every parameter gradient, gathering shards across ranks (pick a loss whose
+   gradient reaches every layer: the mean square of a LayerNorm'd output, e.g. a `BertModel`'s
+   `last_hidden_state`, is constant at the norm's initial weights, so every gradient upstream
+   of the norm is roundoff and would be compared as such; the model's own loss, or a distance
+   to a fixed non-uniform target, is not),
 3. every parameter after one optimizer step (SGD unless `optimizer` is given),
 
 and that every original parameter is still present (sharded or replicated). The scheduled model
