@@ -15,9 +15,10 @@
 #                                          # every variant "skipped: --deadline-s" (argument
 #                                          # checks, output layout, collection into $OUT)
 #
-# Device call (the device tool; wheels for what the image lacks in .whl/, see
-# /work/.library/device/README.md: transformers 5.23 and liger-kernel 0.8.5 were carried last
-# time):   run(command="bash benchmarks/gpu_session.sh 1", carry=[".whl"], timeout_s=600)
+# Device call (the device tool; wheels for what the image lacks in .whl/, fetched by
+# `bash scripts/device_wheels.sh`: transformers 5.23 and liger-kernel 0.8.5; see
+# /work/.library/device/README.md):
+#          run(command="bash benchmarks/gpu_session.sh 1", carry=[".whl"], timeout_s=600)
 #
 # What comes back: the device returns at most 8 files from $OUT, so every run writes under
 # $WORK (default /tmp/gpu_session.N) and $OUT receives four: env.N.txt (device, versions),
