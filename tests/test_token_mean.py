@@ -164,3 +164,51 @@ def test_label_shift_and_counts():
     tm = token_mean(0, [{"labels": labels[:1]}, {"labels": labels[1:]}], info)
     assert tm.total.item() == 5
     assert tm.weight({"labels": labels[:1]}).item() == pytest.approx(3 / 5)
+
+
+FAMILY_KINDS = {"bert_mlm": "mlm", "roberta": "mlm", "albert": "mlm", "gpt2": "causal",
+                "gpt_neo": "causal", "opt": "causal", "llama": "causal", "qwen2": "causal",
+                "qwen3": "causal", "mistral": "causal", "t5": "seq2seq", "t5_gated": "seq2seq",
+                "mt5": "seq2seq"}
+
+
+def family_batches(family: str) -> list[dict]:
+    """Labels with a different number of supervised tokens per row: masked positions (MLM),
+    right padding (causal LM, and T5's decoder labels)."""
+    import models
+
+    out = []
+    for s in range(STEPS):
+        b = models.batch_for(family, batch=8, seed=30 + s)
+        labels = b["labels"].clone()
+        if FAMILY_KINDS[family] == "mlm":
+            labels = _masked(b["input_ids"], s, keep=0.3)
+        else:
+            for row, length in enumerate((16, 3, 9, 16, 5, 12, 2, 16)):
+                labels[row, length:] = -100
+        out.append({**b, "labels": labels})
+    return out
+
+
+@pytest.mark.parametrize("family", sorted(FAMILY_KINDS))
+def test_every_family_accumulates_to_the_token_mean(family):
+    """Four accumulation slices of every family's batch train like the whole batch on the
+    model's own loss: the step knows each family's label shift (causal LMs 1, masked LMs and
+    T5 0), so its slices are weighted by their supervised tokens, not equally."""
+    import models
+
+    model = getattr(models, family)(seed=0)
+    ref = copy.deepcopy(model)
+    tm, _ = slapo.build(slapo.create_schedule(model), optimizer=torch.optim.AdamW,
+                        optimizer_kwargs={"lr": LR}, grad_accum=4)
+    data = family_batches(family)
+    losses = [tm.train_step(b) for b in data]
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(one_process(ref, data)),
+                               rtol=1e-5, atol=0)
+    # a key projection's bias adds one constant to a query's every logit, which softmax cancels:
+    # its true gradient is 0, what it gets is roundoff, and AdamW turns that into steps
+    _params_equal({n: p for n, p in tm.named_parameters() if not n.endswith("k_proj.bias")},
+                  ref)
+    quarters = [{k: v[i * 2:(i + 1) * 2] for k, v in data[0].items()} for i in range(4)]
+    equal_weights = sum(copy.deepcopy(ref)(**q).loss.item() for q in quarters) / 4
+    assert abs(equal_weights - ref(**data[0]).loss.item()) > 1e-4  # the weighting matters
