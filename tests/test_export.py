@@ -17,6 +17,13 @@ TINY = dict(hidden_size=64, num_layers=2, num_heads=4, seq_len=32, batch_size=8,
 PROBE = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
 
 
+def probe(model: str) -> dict:
+    """The probe batch as the model takes it (T5 also needs decoder inputs)."""
+    if model == "t5":
+        return {"input_ids": PROBE, "decoder_input_ids": PROBE[:, :8]}
+    return {"input_ids": PROBE}
+
+
 def job_train_then_logits(options: dict) -> dict:
     """Every rank: train (saving checkpoints), then rebuild the run from its checkpoint the way
     `--resume` does and return the scheduled model's logits on a fixed probe batch."""
@@ -39,10 +46,7 @@ def job_train_then_logits(options: dict) -> dict:
             return {"params": params, "step": run.step}
         run.model.eval()
         with torch.no_grad():
-            kwargs = {"input_ids": PROBE}
-            if options["model"] == "t5":
-                kwargs["decoder_input_ids"] = PROBE[:, :8]
-            logits = run.model(**kwargs).logits
+            logits = run.model(**probe(options["model"])).logits
     finally:
         teardown(env)
     return {"logits": logits.tolist(), "step": run.step}
@@ -81,6 +85,14 @@ def test_export_of_tp_inside_fsdp2_reproduces_the_trained_models_logits(dist4, t
     ("t5", "seq2seq", {"pp_stages": 2}),      # encoder / decoder ranks; embedding tied to head
     ("bert", "masked", {"tp": 2}),
     ("opt", "causal", {"dp_shard": True}),    # FSDP2: each rank saved its dp shard
+    # every other family's TP layout too: LLaMA's GQA k/v, OPT's, GPT-Neo's, RoBERTa's, T5's
+    # relative-position bias sharded over heads, ALBERT's one shared layer
+    ("llama", "causal", {"tp": 2}),
+    ("opt", "causal", {"tp": 2}),
+    ("gpt_neo", "causal", {"tp": 2}),
+    ("roberta", "masked", {"tp": 2}),
+    ("albert", "masked", {"tp": 2}),
+    ("t5", "seq2seq", {"tp": 2}),
 ])
 def test_export_reproduces_the_trained_models_logits(dist2, tmp_path, model, task, knobs):
     opts = {**TINY, "model": model, **knobs, "out": str(tmp_path / "run"), "save_every": 3}
@@ -100,7 +112,7 @@ def test_export_reproduces_the_trained_models_logits(dist2, tmp_path, model, tas
         assert seen == set(exported)
         return
     with torch.no_grad():
-        got = reloaded(input_ids=PROBE).logits
+        got = reloaded(**probe(model)).logits
     # the run's schedule (SDPA, TP all-reduces) sums in another order than HF eager: fp32 noise
     torch.testing.assert_close(got, torch.tensor(res[0]["logits"]), rtol=1e-4, atol=1e-4)
     info = json.loads((tmp_path / "hf" / "slapo_export.json").read_text())
