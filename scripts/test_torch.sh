@@ -41,5 +41,8 @@ v = tuple(int(x) for x in triton.__version__.split(".")[:2]); sys.exit(0 if v < 
   touch "$target/.ok"
 fi
 export PYTHONPATH="$PWD/$target${PYTHONPATH:+:$PYTHONPATH}"
+# inductor's and triton's caches apart from .venv's torch (a shared /tmp cache has handed one
+# torch's compiled kernels to another and computed garbage; seen with another CPU capability)
+export TORCHINDUCTOR_CACHE_DIR="$PWD/$target/.inductor-cache" TRITON_CACHE_DIR="$PWD/$target/.triton-cache"
 .venv/bin/python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 exec bash scripts/test.sh "$@"  # the README's test command, on this torch

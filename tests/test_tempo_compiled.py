@@ -225,7 +225,9 @@ def test_compiled_gelu_on_a_transposed_input():
     torch._dynamo.reset()
     out_c = torch.compile(fn, fullgraph=True, backend="inductor")(x)
     out_e = fn(x)
-    assert torch.allclose(out_c, out_e, atol=1e-5)
+    # GELU's vectorised and strided evaluations differ by a few fp32 ulps (up to 7e-7, seen on an
+    # AVX-512 EPYC), here times the multiplier (up to 23)
+    assert torch.allclose(out_c, out_e, atol=5e-5)
     g = torch.randn_like(out_e)
     (gc,), (ge,) = torch.autograd.grad(out_c, x, g), torch.autograd.grad(out_e, x, g)
     assert torch.allclose(gc, ge, rtol=1e-4, atol=1e-4)

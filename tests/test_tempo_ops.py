@@ -55,7 +55,8 @@ def test_gelu_forward_identical_and_fp32_bound(approximate):
     _, code = gelu_forward_reference(x.detach(), approximate)
     bare = (code & RIGHT_BIT) | 64
     d = gelu_derivative_from_output(y.detach(), bare, approximate).double()
-    assert (d - exact).abs().max() > 1e-4
+    # > 1e-4 on the VMs before; 6.5e-5 ("none") on an AVX-512 EPYC: a margin over 3e-6 either way
+    assert (d - exact).abs().max() > 1e-5
 
 
 def test_gelu_newton_recovers_derivative_from_output_only():
