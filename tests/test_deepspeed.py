@@ -112,11 +112,14 @@ def _load_refused(tm) -> bool:
 
 def job_zero(stage: int) -> dict:
     """GPT-2 and BERT-MLM, accumulation 2, clipping at CLIP; plus the unclipped reference."""
+    linear = torch.nn.functional.linear
     out = {}
     with _ds_rank_env():
         for family in ("gpt2", "bert_mlm"):
             out[family] = _train(family, stage, grad_accum=2, grad_clip=CLIP)
             out[family]["clip_effect"] = _clip_effect(family)
+    # ZeRO-3's memory-efficient linear would have replaced it for the rest of the process
+    out["linear_kept"] = torch.nn.functional.linear is linear
     return out
 
 
@@ -205,6 +208,7 @@ def _check_run(r: dict, *, loss_rtol: float, param_atol: float) -> None:
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_zero_matches_plain_adamw(dist2, stage):
     res = dist2.run(job_zero, stage, timeout=300)
+    assert res[0]["linear_kept"] and res[1]["linear_kept"]
     for family in ("gpt2", "bert_mlm"):
         r0, r1 = res[0][family], res[1][family]
         assert r0["losses"] == r1["losses"]  # every rank reports the same global loss

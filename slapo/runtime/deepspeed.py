@@ -153,7 +153,14 @@ def complete_config(base: dict | None, config: StepConfig) -> dict:
         _merge(cfg, "gradient_clipping", config.grad_clip, default=None)
     else:  # DeepSpeed's own default clips at 1.0; build's grad_clip=None means no clipping
         cfg.setdefault("gradient_clipping", 0.0)
-    cfg.setdefault("zero_optimization", {"stage": 1})
+    zero = cfg["zero_optimization"] = dict(cfg.get("zero_optimization") or {"stage": 1})
+    if zero.get("stage") == 3:
+        # ZeRO-3's "memory-efficient linear" replaces torch.nn.functional.linear for the whole
+        # process and never puts it back (DeepSpeed says so): every model built afterwards in
+        # the process runs DeepSpeed's autograd function instead, and on torch 2.11 a compiled
+        # tensor-parallel BERT then trained to a 10% different loss. Off unless asked for (it
+        # only saves memory: the backward re-gathers the weight instead of keeping it).
+        zero.setdefault("memory_efficient_linear", False)
     # our optimizer (e.g. torch.optim.AdamW) is a "client optimizer" to DeepSpeed, which ZeRO
     # refuses unless told that it is intended
     cfg.setdefault("zero_allow_untested_optimizer", True)
