@@ -19,6 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .old_dynamo import outside_old_dynamo
+
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
@@ -200,6 +202,11 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
         return scale(dh), scale(dw), scale(db), None, None, None, None
 
 
+# both forwards mutate their output in place: outside dynamo's graph before torch 2.13
+_fused_apply = outside_old_dynamo(FusedLinearCrossEntropyFunction.apply)
+_chunked_apply = outside_old_dynamo(ChunkedLinearCrossEntropyFunction.apply)
+
+
 def fused_linear_cross_entropy(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -236,8 +243,8 @@ def fused_linear_cross_entropy(
     row_weight = valid.to(_compute_dtype(hidden.dtype)) / denom
     target = flat_l.masked_fill(~valid, 0)
     rows = chunk_size or auto_chunk_rows(weight.shape[0])
-    return FusedLinearCrossEntropyFunction.apply(
-        flat_h, weight, bias, target, row_weight, rows, _compute_dtype_for(hidden))
+    return _fused_apply(flat_h, weight, bias, target, row_weight, rows,
+                        _compute_dtype_for(hidden))
 
 
 def _check_args(hidden, weight, labels, reduction, chunk_size, reductions) -> None:
@@ -274,9 +281,7 @@ def linear_cross_entropy(
     _check_args(hidden, weight, labels, reduction, chunk_size, ("mean", "sum", "none"))
     flat_h = hidden.reshape(-1, hidden.shape[-1])
     flat_l = labels.reshape(-1)
-    loss = ChunkedLinearCrossEntropyFunction.apply(
-        flat_h, weight, bias, flat_l, ignore_index, chunk_size
-    )
+    loss = _chunked_apply(flat_h, weight, bias, flat_l, ignore_index, chunk_size)
     if reduction == "none":
         return loss.view(labels.shape)
     if reduction == "sum":

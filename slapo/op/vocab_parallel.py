@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..distributed import collectives
+from .old_dynamo import outside_old_dynamo
 
 
 def _world(group) -> tuple[int, int]:
@@ -131,6 +132,10 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return g.to(ctx.dtype), None, None, None, None
 
 
+# its forward mutates its output in place: outside dynamo's graph before torch 2.13
+_vocab_parallel_ce = outside_old_dynamo(_VocabParallelCrossEntropy.apply)
+
+
 def vocab_parallel_cross_entropy(
     local_logits: torch.Tensor,
     labels: torch.Tensor,
@@ -153,7 +158,7 @@ def vocab_parallel_cross_entropy(
     world, rank = _world(group)
     start = rank * local_logits.shape[-1]
     flat = local_logits.reshape(-1, local_logits.shape[-1])
-    loss = _VocabParallelCrossEntropy.apply(flat, labels.reshape(-1), start, ignore_index, group)
+    loss = _vocab_parallel_ce(flat, labels.reshape(-1), start, ignore_index, group)
     if reduction == "none":
         return loss.view(labels.shape)
     if reduction == "sum":
