@@ -4,9 +4,9 @@ torch 2.11's dynamo (the GPU image's; 2.12 unchecked, 2.13 right) gets the gradi
 through an autograd.Function whose forward mutates its own output in place (`out.mul_(3)`,
 `loss += ...`, `.masked_fill_(...)` on the result), with every backend ("eager", "aot_eager",
 "inductor"): the loss is right, the gradients are not. Measured on 2.11 under
-`torch.compile`: Slapo's fused and chunked linear+cross-entropy gave gradients off by up to 0.38
-(of ~1), the vocabulary-parallel cross-entropy by 0.08, and a tiny `x * 2` then `.mul_(3)`
-Function lost its whole gradient. In-place ops on other intermediates are fine (the LSTM/GRU
+`torch.compile`: Slapo's fused and chunked linear+cross-entropy gave gradients off by up to 0.38,
+the vocabulary-parallel cross-entropy by 0.08, and a tiny `x * 2` then `.mul_(3)` Function's
+were wrong too. In-place ops on other intermediates are fine (the LSTM/GRU
 sequence Functions activate their gates in place and compile right). Slapo's compiled blocks never
 contain these Functions (the loss head runs outside them), but a user may compile a whole
 scheduled model, or call the ops in compiled code.
