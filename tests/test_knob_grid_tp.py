@@ -40,14 +40,17 @@ def exclusive(row: dict) -> bool:
 
 
 def job_tp_grid(family: str) -> list[str]:
-    import models
-
     factors = family_factors(family, FACTORS, exclusive, tp=2)
     assert True in factors["fused_loss"], factors  # every family has a fused-loss plan
-    rows = all_pairs(factors, exclusive)
+    return verify_tp_rows(family, [_knobs(row) for row in all_pairs(factors, exclusive)])
+
+
+def verify_tp_rows(family: str, rows: list[dict]) -> list[str]:
+    """Each knob set applied at tp=2 to a fresh model under `Verify`; the sets verified."""
+    import models
+
     verified = []
-    for row in rows:
-        knobs = _knobs(row)
+    for knobs in rows:
         model = getattr(models, family)(seed=0)
         sch = slapo.create_schedule(model)
         with slapo.Verify(sch, example_kwargs=models.batch_for(family),
@@ -77,19 +80,9 @@ SIBLING_ROWS = [
 
 
 def job_sibling_rows(family: str) -> list[str]:
-    import models
-
-    verified = []
-    for row in SIBLING_ROWS:
-        knobs = {k: v for k, v in row.items()  # the T5 plan has no sequence parallelism
-                 if not (k == "sequence_parallel" and family == "mt5")}
-        model = getattr(models, family)(seed=0)
-        sch = slapo.create_schedule(model)
-        with slapo.Verify(sch, example_kwargs=models.batch_for(family),
-                          loss_fn=lambda out: out.loss):
-            model_schedule.apply(sch, tp=2, **knobs)
-        verified.append(repr(knobs))
-    return verified
+    rows = [{k: v for k, v in row.items()  # the T5 plan has no sequence parallelism
+             if not (k == "sequence_parallel" and family == "mt5")} for row in SIBLING_ROWS]
+    return verify_tp_rows(family, rows)
 
 
 @pytest.mark.parametrize("family", SIBLINGS)
