@@ -179,9 +179,10 @@ def test_linear_ce_memory_independent_of_vocab():
 @pytest.mark.compile
 @pytest.mark.parametrize("op", ["fused", "chunked", "vocab_parallel"])
 def test_loss_ops_keep_their_gradients_under_torch_compile(op):
-    """Compiled code calling Slapo's loss ops gets eager's gradients. Their autograd.Functions
-    mutate their outputs in place, through which torch 2.11's dynamo loses the gradient (0.38
-    and 0.08 off, the loss right: slapo/op/old_dynamo.py); there they run outside the graph."""
+    """Compiled code calling Slapo's loss ops gets eager's gradients. torch 2.11's dynamo loses
+    the gradient through an autograd.Function that mutates its own output in place (the loss
+    right, gradients 0.38 and 0.08 off when these ops did: docs/runtime.md); their outputs are
+    now made out of place. Fails on 2.11 with the in-place versions."""
     from slapo.op import fused_linear_cross_entropy, linear_cross_entropy
     from slapo.op.vocab_parallel import vocab_parallel_cross_entropy
 

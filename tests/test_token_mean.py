@@ -111,19 +111,6 @@ def test_every_split_trains_like_one_process(dist2, kind):
     assert res[0] == res[1]
 
 
-def test_accumulation_on_one_process_is_the_token_mean():
-    for kind in ("mlm", "padded_causal"):
-        model = _model(kind)
-        ref = copy.deepcopy(model)
-        tm, _ = slapo.build(slapo.create_schedule(model), optimizer=torch.optim.AdamW,
-                            optimizer_kwargs={"lr": LR}, grad_accum=4)
-        data = batches(kind)
-        losses = [tm.train_step(b) for b in data]
-        torch.testing.assert_close(torch.tensor(losses), torch.tensor(one_process(ref, data)),
-                                   rtol=1e-5, atol=0)
-        _params_equal(dict(tm.named_parameters()), ref)
-
-
 def test_a_user_loss_fn_keeps_the_mean_over_slices():
     """A user's loss is a black box: slices are weighted equally, as the docs say."""
     def loss_fn(out, batch):
@@ -210,5 +197,5 @@ def test_every_family_accumulates_to_the_token_mean(family):
     _params_equal({n: p for n, p in tm.named_parameters() if not n.endswith("k_proj.bias")},
                   ref)
     quarters = [{k: v[i * 2:(i + 1) * 2] for k, v in data[0].items()} for i in range(4)]
-    equal_weights = sum(copy.deepcopy(ref)(**q).loss.item() for q in quarters) / 4
+    equal_weights = sum(ref(**q).loss.item() for q in quarters) / 4
     assert abs(equal_weights - ref(**data[0]).loss.item()) > 1e-4  # the weighting matters

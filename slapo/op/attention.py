@@ -22,6 +22,7 @@ traces, so compiled blocks keep one graph). Only in training with such a `p` on 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
@@ -110,14 +111,12 @@ class SDPAttention(AttentionCore):
                 gqa = {"enable_gqa": True}
             else:
                 k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)
-        if cudnn_would_round_dropout(p, q.is_cuda):
-            with _sdpa_without_cudnn():
-                return F.scaled_dot_product_attention(
-                    q, k, v, attn_mask=mask, dropout_p=p, is_causal=is_causal, scale=scaling,
-                    **gqa)
-        return F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, dropout_p=p, is_causal=is_causal, scale=scaling, **gqa
-        )
+        backends = _sdpa_without_cudnn() if cudnn_would_round_dropout(p, q.is_cuda) else \
+            contextlib.nullcontext()
+        with backends:
+            return F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, dropout_p=p, is_causal=is_causal, scale=scaling, **gqa
+            )
 
 
 class SelfAttention(nn.Module):

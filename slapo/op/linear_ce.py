@@ -19,8 +19,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .old_dynamo import outside_old_dynamo
-
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
@@ -47,7 +45,9 @@ class ChunkedLinearCrossEntropyFunction(torch.autograd.Function):
             lse[i : i + chunk_size] = torch.logsumexp(logits, dim=-1)
             target[i : i + chunk_size] = logits.gather(1, safe[i : i + chunk_size, None])[:, 0]
             del logits
-        loss = (lse - target).masked_fill_(~valid, 0.0)
+        # not in place: torch 2.11's dynamo loses the gradient through an autograd.Function
+        # that mutates its own output (tests/test_op_fused.py, docs/runtime.md)
+        loss = (lse - target).masked_fill(~valid, 0.0)
         ctx.save_for_backward(hidden, weight, bias, safe, valid, lse)
         ctx.chunk_size = chunk_size
         return loss
@@ -179,7 +179,7 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
                 rows, g = chunk(logits, labels[i : i + chunk_size],
                                 row_weight[i : i + chunk_size], vocab)
                 del logits
-                loss += rows.sum()
+                loss = loss + rows.sum()  # not in place (as above)
                 if need_h:
                     dh[i : i + chunk_size] = (g @ w).to(hidden.dtype)
                 if need_w:
@@ -200,11 +200,6 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
             return None if t is None else t * grad_loss.to(t.dtype)
 
         return scale(dh), scale(dw), scale(db), None, None, None, None
-
-
-# both forwards mutate their output in place: outside dynamo's graph before torch 2.13
-_fused_apply = outside_old_dynamo(FusedLinearCrossEntropyFunction.apply)
-_chunked_apply = outside_old_dynamo(ChunkedLinearCrossEntropyFunction.apply)
 
 
 def fused_linear_cross_entropy(
@@ -243,8 +238,8 @@ def fused_linear_cross_entropy(
     row_weight = valid.to(_compute_dtype(hidden.dtype)) / denom
     target = flat_l.masked_fill(~valid, 0)
     rows = chunk_size or auto_chunk_rows(weight.shape[0])
-    return _fused_apply(flat_h, weight, bias, target, row_weight, rows,
-                        _compute_dtype_for(hidden))
+    return FusedLinearCrossEntropyFunction.apply(
+        flat_h, weight, bias, target, row_weight, rows, _compute_dtype_for(hidden))
 
 
 def _check_args(hidden, weight, labels, reduction, chunk_size, reductions) -> None:
@@ -281,7 +276,9 @@ def linear_cross_entropy(
     _check_args(hidden, weight, labels, reduction, chunk_size, ("mean", "sum", "none"))
     flat_h = hidden.reshape(-1, hidden.shape[-1])
     flat_l = labels.reshape(-1)
-    loss = _chunked_apply(flat_h, weight, bias, flat_l, ignore_index, chunk_size)
+    loss = ChunkedLinearCrossEntropyFunction.apply(
+        flat_h, weight, bias, flat_l, ignore_index, chunk_size
+    )
     if reduction == "none":
         return loss.view(labels.shape)
     if reduction == "sum":

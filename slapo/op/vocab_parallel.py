@@ -19,7 +19,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..distributed import collectives
-from .old_dynamo import outside_old_dynamo
 
 
 def _world(group) -> tuple[int, int]:
@@ -116,7 +115,9 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         exp = x.exp_()
         sum_exp = exp.sum(-1)
         _all_reduce(sum_exp, dist.ReduceOp.SUM, group)
-        loss = (sum_exp.log() - target).masked_fill_(~valid, 0.0)
+        # not in place: torch 2.11's dynamo loses the gradient through an autograd.Function
+        # that mutates its own output (slapo/op/linear_ce.py)
+        loss = (sum_exp.log() - target).masked_fill(~valid, 0.0)
         exp.div_(sum_exp[:, None])  # local slice of the softmax
         ctx.save_for_backward(exp, idx, mine, valid)
         ctx.dtype = logits.dtype
@@ -130,10 +131,6 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         g.scatter_add_(1, idx[:, None], -mine.to(g.dtype)[:, None])
         g.mul_(grad_loss.to(g.dtype).masked_fill(~valid, 0.0)[:, None])
         return g.to(ctx.dtype), None, None, None, None
-
-
-# its forward mutates its output in place: outside dynamo's graph before torch 2.13
-_vocab_parallel_ce = outside_old_dynamo(_VocabParallelCrossEntropy.apply)
 
 
 def vocab_parallel_cross_entropy(
@@ -158,7 +155,7 @@ def vocab_parallel_cross_entropy(
     world, rank = _world(group)
     start = rank * local_logits.shape[-1]
     flat = local_logits.reshape(-1, local_logits.shape[-1])
-    loss = _vocab_parallel_ce(flat, labels.reshape(-1), start, ignore_index, group)
+    loss = _VocabParallelCrossEntropy.apply(flat, labels.reshape(-1), start, ignore_index, group)
     if reduction == "none":
         return loss.view(labels.shape)
     if reduction == "sum":
