@@ -19,6 +19,7 @@ import torch.distributed as dist  # noqa: E402
 from transformers import BertConfig, BertModel  # noqa: E402
 
 import slapo  # noqa: E402
+from slapo.distributed.group import leave_process_group  # noqa: E402
 
 
 def log(*args) -> None:
@@ -82,8 +83,7 @@ def main() -> None:
         loss.backward()
         optimizer.step()
         log(f"step {step}: loss {loss.item():.5f}")
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    leave_process_group()
 
 
 if __name__ == "__main__":

@@ -34,6 +34,7 @@ from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 import slapo  # noqa: E402
 import slapo.model_schedule  # noqa: E402
+from slapo.distributed.group import leave_process_group  # noqa: E402
 from slapo.runtime import init_mesh  # noqa: E402
 
 
@@ -111,7 +112,7 @@ def main() -> None:
         log(f"step {step:3d}  loss {losses[-1]:.4f}")
     log(f"{args.steps} steps in {time.perf_counter() - t0:.1f} s")
     ok = check(args, device, losses) if args.check else True
-    dist.destroy_process_group()
+    leave_process_group()
     if not ok:
         raise SystemExit(1)
 

@@ -121,6 +121,10 @@ def test_setup_cleanup_one_rank(monkeypatch):
         pytest.skip("a process group is already initialised in this process")
     from dist_pool import _free_port
 
+    import slapo.distributed.group as group
+
+    slept = []  # gloo's exit grace (leave_process_group's docstring) must be taken
+    monkeypatch.setattr(group.time, "sleep", slept.append)
     monkeypatch.setenv("MASTER_PORT", str(_free_port()))  # a launcher's port wins
     slapo.setup(0, 1)
     try:
@@ -128,6 +132,9 @@ def test_setup_cleanup_one_rank(monkeypatch):
     finally:
         slapo.cleanup()
     assert not dist.is_initialized()
+    assert slept == ([] if torch.cuda.is_available() else [group.GLOO_EXIT_GRACE_S])
+    slapo.cleanup()  # leaving twice is a no-op
+    assert len(slept) <= 1
 
 
 # -------------------------------------------------------------------------------- Space, Database

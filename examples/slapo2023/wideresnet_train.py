@@ -27,6 +27,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import slapo
+from slapo.distributed.group import leave_process_group
 from slapo.model_schedule import apply_schedule
 from slapo.utils.report import report_memory
 
@@ -144,6 +145,5 @@ def main(argv=None) -> list[float]:
 if __name__ == "__main__":
     try:
         main()
-    finally:  # an orderly shutdown: without it, torch 2.11 + gloo sometimes aborted at exit
-        if dist.is_initialized():  # ("terminate called without an active exception")
-            dist.destroy_process_group()
+    finally:  # an orderly shutdown: without it gloo sometimes aborts at exit (see its docstring)
+        leave_process_group()

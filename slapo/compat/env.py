@@ -14,6 +14,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from slapo.distributed.group import leave_process_group
+
 
 def setup(rank: int, world_size: int, backend: str | None = None) -> None:
     """Join a process group of `world_size` ranks as `rank` (what the spawned `fn` calls)."""
@@ -27,9 +29,9 @@ def setup(rank: int, world_size: int, backend: str | None = None) -> None:
 
 
 def cleanup() -> None:
-    """Leave the process group (no-op when none was joined)."""
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
+    """Leave the process group (no-op when none was joined), letting gloo's worker threads
+    finish first (`slapo.distributed.group.leave_process_group`)."""
+    leave_process_group()
 
 
 def execute(fn: Callable[..., Any], args: Any) -> None:

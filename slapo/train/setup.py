@@ -23,6 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..distributed.group import leave_process_group
 from ..runtime.mesh import ParallelDims, init_mesh
 from . import faults
 
@@ -148,7 +149,7 @@ def teardown(env: Env) -> None:
     finally:
         env.watch = None
         if env.owns_process_group and dist.is_initialized() and not comm:
-            dist.destroy_process_group()
+            leave_process_group()
 
 
 def data_parallel(cfg: Any, env: Env) -> str | None:
