@@ -126,9 +126,18 @@ def test_setup_cleanup_one_rank(monkeypatch):
     slept = []  # gloo's exit grace (leave_process_group's docstring) must be taken
     monkeypatch.setattr(group.time, "sleep", slept.append)
     monkeypatch.setenv("MASTER_PORT", str(_free_port()))  # a launcher's port wins
+    registered = []  # slapo.build's atexit grace, for scripts that never leave their group
+    monkeypatch.setattr(group.atexit, "register", registered.append)
+    monkeypatch.setattr(group, "_exit_grace_registered", False)
     slapo.setup(0, 1)
     try:
         assert dist.get_backend() == ("nccl" if torch.cuda.is_available() else "gloo")
+        group.guard_gloo_exit()
+        group.guard_gloo_exit()
+        assert registered == ([] if torch.cuda.is_available() else [group._exit_grace])
+        group._exit_grace()
+        assert slept == ([] if torch.cuda.is_available() else [group.GLOO_EXIT_GRACE_S])
+        slept.clear()
     finally:
         slapo.cleanup()
     assert not dist.is_initialized()

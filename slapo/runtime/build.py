@@ -25,6 +25,7 @@ import torch
 import torch.nn as nn
 
 from .. import sharding
+from ..distributed.group import guard_gloo_exit
 from ..errors import SchedulingError
 from ..init import has_meta_tensors, materialize
 from ..schedule import Schedule
@@ -300,6 +301,7 @@ def build(sch: Schedule, *, optimizer: Callable | None = None,
     config = StepConfig(info, grad_accum, grad_clip, 1, batch_is_global,
                         label_shift=None if loss_fn is not None else label_shift(sch.mod))
     name_shape_errors(sch.mod, sch)  # a shape error inside a scheduled module names the shard
+    guard_gloo_exit()  # a script that never leaves its gloo group still exits cleanly
     if target == "deepspeed":
         from .deepspeed import build_deepspeed
 
