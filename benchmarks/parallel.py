@@ -28,6 +28,8 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
+from slapo.distributed.group import leave_process_group  # noqa: E402
+
 
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -151,7 +153,7 @@ def _worker(rank: int, world: int, port: int, args, queue) -> None:
         if rank == 0:
             queue.put(res)
     finally:
-        dist.destroy_process_group()
+        leave_process_group()
 
 
 def _free_port() -> int:
@@ -193,7 +195,7 @@ def main(argv=None) -> dict | None:
         base = baseline(args) if rank == 0 else (0.0, 0.0)
         dist.barrier()
         results = run_rank(args)
-        dist.destroy_process_group()
+        leave_process_group()
         return report(args, world, base, results) if rank == 0 else None
     base = baseline(args)
     ctx = mp.get_context("spawn")

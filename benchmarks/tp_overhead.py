@@ -22,6 +22,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import slapo
+from slapo.distributed.group import leave_process_group
 
 
 class MLP(nn.Module):
@@ -104,7 +105,7 @@ def main() -> None:
             with open(args.out, "w") as f:
                 json.dump({"args": vars(args), "rows": rows,
                            "machine": os.uname().nodename}, f, indent=2)
-    dist.destroy_process_group()
+    leave_process_group()
 
 
 if __name__ == "__main__":

@@ -50,6 +50,7 @@ import torch.multiprocessing as mp  # noqa: E402
 
 import slapo  # noqa: E402
 from slapo import model_schedule  # noqa: E402
+from slapo.distributed.group import leave_process_group  # noqa: E402
 from slapo.profile import meter, saved_bytes  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -200,7 +201,7 @@ def _tp_worker(rank: int, world: int, port: int, args, queue) -> None:
         if rank == 0:
             queue.put(row)
     finally:
-        dist.destroy_process_group()
+        leave_process_group()
 
 
 def _free_port() -> int:
