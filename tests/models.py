@@ -29,14 +29,14 @@ def gpt2(seed: int = 0, layers: int = 2, dropout: float = 0.0, **kw):
     return GPT2LMHeadModel(cfg)
 
 
-def llama(seed: int = 0, layers: int = 2, **kw):
+def llama(seed: int = 0, layers: int = 2, dropout: float = 0.0, **kw):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
     cfg = LlamaConfig(hidden_size=64, num_hidden_layers=layers, num_attention_heads=4,
                       num_key_value_heads=2, intermediate_size=128, vocab_size=128,
                       max_position_embeddings=64, bos_token_id=0, eos_token_id=0,
-                      pad_token_id=0, **kw)
+                      pad_token_id=0, attention_dropout=dropout, **kw)
     return LlamaForCausalLM(cfg)
 
 
@@ -50,22 +50,22 @@ def _build(config_cls, model_cls, seed: int, **cfg):
     return model_cls(config_cls(**cfg))
 
 
-def bert_mlm(seed: int = 0, layers: int = 2):
+def bert_mlm(seed: int = 0, layers: int = 2, dropout: float = 0.0):
     from transformers import BertConfig, BertForMaskedLM
 
     return _build(BertConfig, BertForMaskedLM, seed, hidden_size=64, num_hidden_layers=layers,
                   num_attention_heads=4, intermediate_size=128, vocab_size=128,
-                  max_position_embeddings=64, hidden_dropout_prob=0.0,
-                  attention_probs_dropout_prob=0.0)
+                  max_position_embeddings=64, hidden_dropout_prob=dropout,
+                  attention_probs_dropout_prob=dropout)
 
 
-def roberta(seed: int = 0, layers: int = 2):
+def roberta(seed: int = 0, layers: int = 2, dropout: float = 0.0):
     from transformers import RobertaConfig, RobertaForMaskedLM
 
     return _build(RobertaConfig, RobertaForMaskedLM, seed, hidden_size=64,
                   num_hidden_layers=layers, num_attention_heads=4, intermediate_size=128,
-                  vocab_size=128, max_position_embeddings=80, hidden_dropout_prob=0.0,
-                  attention_probs_dropout_prob=0.0, pad_token_id=1)
+                  vocab_size=128, max_position_embeddings=80, hidden_dropout_prob=dropout,
+                  attention_probs_dropout_prob=dropout, pad_token_id=1)
 
 
 def albert(seed: int = 0, layers: int = 2):
@@ -77,14 +77,14 @@ def albert(seed: int = 0, layers: int = 2):
                   attention_probs_dropout_prob=0.0, classifier_dropout_prob=0.0)
 
 
-def gpt_neo(seed: int = 0, layers: int = 2):
+def gpt_neo(seed: int = 0, layers: int = 2, dropout: float = 0.0):
     from transformers import GPTNeoConfig, GPTNeoForCausalLM
 
     return _build(GPTNeoConfig, GPTNeoForCausalLM, seed, hidden_size=64, num_layers=layers,
                   num_heads=4, vocab_size=128, max_position_embeddings=64,
                   attention_types=[[["global", "local"], layers // 2]], window_size=8,
-                  bos_token_id=0, eos_token_id=0, embed_dropout=0.0, attention_dropout=0.0,
-                  resid_dropout=0.0)
+                  bos_token_id=0, eos_token_id=0, embed_dropout=dropout,
+                  attention_dropout=dropout, resid_dropout=dropout)
 
 
 def opt(seed: int = 0, layers: int = 2, dropout: float = 0.0):
