@@ -18,6 +18,7 @@ import slapo
 from slapo import model_schedule
 from slapo.errors import SchedulingError
 from slapo.model_schedule._registry import detect, layers_of
+from slapo.model_schedule.fused_loss import honours_num_items
 from slapo.op.linear_ce import fused_linear_cross_entropy
 from slapo.primitives.compile import is_compiled
 
@@ -201,13 +202,27 @@ def test_fused_loss_albert_and_t5(name):
             assert full.logits is not None
 
 
-def test_fused_loss_positional_and_num_items():
-    ref, model = _pair("llama")
+@pytest.mark.parametrize("name", FAMILIES)
+def test_fused_loss_positional_and_num_items(name):
+    """`num_items_in_batch` (what HF's Trainer passes under gradient accumulation: the loss is
+    a sum over the batch's tokens divided by it) reaches the fused loss in every family: the
+    causal (shifted) and the masked-LM (unshifted) branch; loss and gradients."""
+    ref, model = _pair(name)
     model_schedule.apply(model, fused_loss=True)
-    x, y = _batch("llama")
+    x, y = _batch(name)
     l1 = ref(x, labels=y, num_items_in_batch=7).loss
     l2 = model(x, labels=y, num_items_in_batch=7).loss
     torch.testing.assert_close(l2, l1)
+    # whether HF's own loss honours the argument (5.23: the causal LMs do, BERT and RoBERTa
+    # take the plain mean) is what `honours_num_items` reads from the class
+    honoured = not torch.allclose(l1, ref(x, labels=y).loss)
+    assert honoured == honours_num_items(type(ref).forward)
+    assert honoured or name in ("bert", "roberta")  # HF's causal LMs: since transformers 4.46
+    l1.backward()
+    l2.backward()
+    for (n, p1), (_, p2) in zip(ref.named_parameters(), model.named_parameters(), strict=True):
+        if p1.grad is not None:
+            torch.testing.assert_close(p2.grad, p1.grad, atol=2e-6, rtol=1e-4, msg=n)
 
 
 def _graphs_compiled(name: str, **knobs) -> int:

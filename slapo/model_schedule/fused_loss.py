@@ -14,7 +14,8 @@ runs unchanged. The output is the model's own output class with `loss` set and `
 (the point is not to build them); code that needs logits calls the model without labels.
 
 Exactness: the same loss as HF's (causal LMs shift labels, ignore -100, mean over counted
-tokens or `num_items_in_batch`; ALBERT and T5 take a plain mean, as their forwards do); masked
+tokens or `num_items_in_batch` where the class's own loss honours it, `honours_num_items`;
+BERT, RoBERTa, ALBERT and T5 take a plain mean, as their forwards do); masked
 LMs and T5 compute only the rows that have a label (`_labelled_rows`), which does not change the
 loss. Verified against the original model (loss and every gradient) for every plan in
 tests/test_gpu_schedule.py and both knob grids.
@@ -95,8 +96,8 @@ class LossPlan:
     transform: Callable[[nn.Module, torch.Tensor], torch.Tensor]
     causal: bool
     output: str = "CausalLMOutputWithPast"  # the head class's own type (transformers.modeling_outputs)
-    # whether the head class's loss divides by `num_items_in_batch` when given (HF's
-    # `loss_function`); ALBERT and T5 take a plain mean over this batch's labelled tokens
+    # whether the head class's loss divides by `num_items_in_batch` when given: filled in by
+    # `fuse_loss` from the class's own forward (`honours_num_items`)
     num_items: bool = True
     # encoder-decoder: `hidden(root, inputs, labels, scale)` -> (head input, output fields) or
     # None (then the original forward runs), instead of `base`'s last hidden state
@@ -119,11 +120,11 @@ PLANS: dict[str, LossPlan] = {
     "RobertaForMaskedLM": LossPlan("roberta", "lm_head.decoder", _roberta_transform, False,
                                    "MaskedLMOutput"),
     "AlbertForMaskedLM": LossPlan("albert", "predictions.decoder", _albert_transform, False,
-                                  "MaskedLMOutput", num_items=False),
+                                  "MaskedLMOutput"),
     "T5ForConditionalGeneration": LossPlan("", "lm_head", _identity, False, "Seq2SeqLMOutput",
-                                           num_items=False, hidden=_t5_decoder_hidden),
+                                           hidden=_t5_decoder_hidden),
     "MT5ForConditionalGeneration": LossPlan("", "lm_head", _identity, False, "Seq2SeqLMOutput",
-                                            num_items=False, hidden=_t5_decoder_hidden),
+                                            hidden=_t5_decoder_hidden),
 }
 
 _DROP = ("labels", "logits_to_keep", "num_items_in_batch", "shift_labels", "return_dict")
@@ -249,15 +250,32 @@ def check_fusable(sch: Schedule) -> LossPlan:
     return plan
 
 
+def honours_num_items(forward: Callable) -> bool:
+    """Whether an HF head class's `forward` divides its loss by `num_items_in_batch` when given
+    (what HF's Trainer passes under gradient accumulation): it does when it computes the loss
+    through `self.loss_function`. Read from the installed transformers, because classes differ
+    and releases change them: in 5.23 the causal LMs do; BERT's, RoBERTa's and ALBERT's masked
+    LM and T5 call `CrossEntropyLoss()` and take the plain mean, ignoring the argument (a table
+    that said BERT and RoBERTa honour it trained them with another loss scale than HF's)."""
+    try:
+        return "self.loss_function" in inspect.getsource(forward)
+    except (OSError, TypeError) as e:  # no source: refuse rather than guess the loss scale
+        raise SchedulingError("", f"fused_loss cannot read {forward.__qualname__}'s source to "
+                              f"tell whether it honours num_items_in_batch ({e}).",
+                              "install transformers with its sources, or pass "
+                              "fused_loss=False.") from e
+
+
 def fuse_loss(sch: Schedule) -> None:
     """Install the fused head+loss on the schedule's root (see module docstring)."""
-    plan = check_fusable(sch)
-    if plan.hidden is not None:  # asked of the model's own forward, before anything changes
-        from dataclasses import replace
+    from dataclasses import replace
 
+    plan = check_fusable(sch)
+    original = module_patch.original_class(sch.mod).forward
+    plan = replace(plan, num_items=honours_num_items(original))  # before anything changes
+    if plan.hidden is not None:  # asked of the model's own forward, before anything changes
         from ..runtime.stages_seq2seq import decoder_output_scale
 
         plan = replace(plan, scale=decoder_output_scale(sch.mod))
-    original = module_patch.original_class(sch.mod).forward
     module_patch.set_kernel(sch.mod, FusedLossKernel(plan, original))
     sch._record("fused_loss", (), {"head": plan.head})
