@@ -296,10 +296,17 @@ def _set_attention(sch: Schedule, attention: str) -> None:
         return
     from ..op import SDPAttention, is_hf_attention, use_attention_core
 
+    swapped = 0
     for _, node in list(sch.named_schedules()):
         if node.parent is not None and is_hf_attention(node.mod):
             node.replace(use_attention_core(node.mod, SDPAttention(use_flash=attention ==
                                                                    "flash"), node.path))
+            swapped += 1
+    if not swapped:  # e.g. GPT-Neo: its attention computes scores itself, outside HF's registry
+        warnings.warn(f"attention={attention!r} changed nothing in {type(sch.mod).__name__}: "
+                      "none of its attention modules calls HF's attention-function registry, "
+                      "where Slapo's core goes, so the model keeps its own attention.",
+                      stacklevel=3)
 
 
 def _force_hf_eager(model: nn.Module) -> None:
