@@ -93,6 +93,13 @@ def test_export_of_tp_inside_fsdp2_reproduces_the_trained_models_logits(dist4, t
     ("roberta", "masked", {"tp": 2}),
     ("albert", "masked", {"tp": 2}),
     ("t5", "seq2seq", {"tp": 2}),
+    # every other pipelined family: GPT-2's wte tied to its head and BERT/RoBERTa's MLM decoder
+    # tied to the word embedding sit on the first and the last stage (two ranks)
+    ("gpt2", "causal", {"pp_stages": 2}),
+    ("bert", "masked", {"pp_stages": 2}),
+    ("roberta", "masked", {"pp_stages": 2}),
+    ("opt", "causal", {"pp_stages": 2}),
+    ("gpt_neo", "causal", {"pp_stages": 2}),
 ])
 def test_export_reproduces_the_trained_models_logits(dist2, tmp_path, model, task, knobs):
     opts = {**TINY, "model": model, **knobs, "out": str(tmp_path / "run"), "save_every": 3}
