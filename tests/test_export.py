@@ -100,6 +100,15 @@ def test_export_of_tp_inside_fsdp2_reproduces_the_trained_models_logits(dist4, t
     ("roberta", "masked", {"pp_stages": 2}),
     ("opt", "causal", {"pp_stages": 2}),
     ("gpt_neo", "causal", {"pp_stages": 2}),
+    # every other family under FSDP2 (dp shards gathered into whole tensors; ALBERT's one
+    # shared layer, T5's tied head)
+    ("gpt2", "causal", {"dp_shard": True}),
+    ("llama", "causal", {"dp_shard": True}),
+    ("gpt_neo", "causal", {"dp_shard": True}),
+    ("bert", "masked", {"dp_shard": True}),
+    ("roberta", "masked", {"dp_shard": True}),
+    ("albert", "masked", {"dp_shard": True}),
+    ("t5", "seq2seq", {"dp_shard": True}),
 ])
 def test_export_reproduces_the_trained_models_logits(dist2, tmp_path, model, task, knobs):
     opts = {**TINY, "model": model, **knobs, "out": str(tmp_path / "run"), "save_every": 3}

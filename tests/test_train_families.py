@@ -69,10 +69,11 @@ def test_every_model_tp_inside_fsdp2_trains_like_one_process(dist4, model):
     assert ranks[0] == pytest.approx(one, rel=1e-4, abs=1e-5), (ranks[0], one)
 
 
-@pytest.mark.parametrize("model", ["opt", "gpt_neo", "bert", "t5"])
+@pytest.mark.parametrize("model", ["opt", "gpt_neo", "bert", "roberta", "t5"])
 def test_pipelined_models_resume_bit_for_bit(dist2, tmp_path, model):
     """A 2-stage run's checkpoint (each rank saves its own stage: OPT's optional projections,
-    GPT-Neo's blocks, BERT's MLM head, T5's encoder on one rank and decoder on the other)
+    GPT-Neo's blocks, BERT's and RoBERTa's MLM heads, T5's encoder on one rank and decoder on
+    the other)
     resumes to the uninterrupted run's losses, dropout on.
     GPT-2 and LLaMA pipelines resume in test_train_dist / test_export; every model of the
     registry under tp, dp-shard and pp resumed bit for bit when checked by hand (session 21)."""
