@@ -119,15 +119,17 @@ def test_setup_cleanup_one_rank(monkeypatch):
 
     if dist.is_initialized():
         pytest.skip("a process group is already initialised in this process")
+    from types import SimpleNamespace
+
     from dist_pool import _free_port
 
     import slapo.distributed.group as group
 
     slept = []  # gloo's exit grace (leave_process_group's docstring) must be taken
-    monkeypatch.setattr(group.time, "sleep", slept.append)
+    monkeypatch.setattr(group, "time", SimpleNamespace(sleep=slept.append))  # this module's only
     monkeypatch.setenv("MASTER_PORT", str(_free_port()))  # a launcher's port wins
     registered = []  # slapo.build's atexit grace, for scripts that never leave their group
-    monkeypatch.setattr(group.atexit, "register", registered.append)
+    monkeypatch.setattr(group, "atexit", SimpleNamespace(register=registered.append))
     monkeypatch.setattr(group, "_exit_grace_registered", False)
     slapo.setup(0, 1)
     try:

@@ -82,7 +82,7 @@ FAMILIES = ["llama", "gpt2", "bert", "roberta", "gpt_neo", "opt", "mistral", "mi
 
 
 def _pair(name):
-    make = _models()[name]
+    make = {**_models(), **_seq2seq_and_albert()}[name]
     torch.manual_seed(0)
     ref = make()
     torch.manual_seed(0)
@@ -95,14 +95,17 @@ def _batch(name):
     y = x.clone()
     if name in ("bert", "roberta", "albert"):
         y[torch.rand(2, 16, generator=g) > 0.3] = -100
+    if name in ("t5", "t5_untied", "mt5"):
+        y = y[:, :8].contiguous()  # the decoder's own length (HF views the labels)
     return x, y
 
 
-def _assert_same(ref, model, name, atol=2e-6):
+def _assert_same(ref, model, name, atol=2e-6, **kw):
+    """Loss and every gradient of `model` equal `ref`'s on `_batch(name)` (`kw`: more inputs)."""
     x, y = _batch(name)
-    l1 = ref(input_ids=x, labels=y).loss
+    l1 = ref(input_ids=x, labels=y, **kw).loss
     l1.backward()
-    l2 = model(input_ids=x, labels=y).loss
+    l2 = model(input_ids=x, labels=y, **kw).loss
     l2.backward()
     torch.testing.assert_close(l2, l1, atol=atol, rtol=1e-5)
     pairs = zip(ref.named_parameters(), model.named_parameters(), strict=True)
@@ -171,29 +174,12 @@ def test_gpu_schedule_matches_original_albert_and_t5(name):
     """Every GPU knob at once on ALBERT's shared layer and T5's encoder-decoder blocks (their
     position bias computed in the first block and handed on): compiled through AOTAutograd,
     as selective checkpointing needs; loss and every gradient."""
-    make = _seq2seq_and_albert()[name]
-    torch.manual_seed(0)
-    ref = make()
-    torch.manual_seed(0)
-    model = make()
+    ref, model = _pair(name)
     sch = model_schedule.apply(model, attention="sdpa", fused_loss=True,
                                compile_blocks="aot_eager", ckpt_ratio=1.0,
                                ckpt_policy="selective")
     assert all(is_compiled(layer.mod) for layer in layers_of(sch, detect(model)))
-    x, y = _batch("albert" if name == "albert" else name)
-    if name != "albert":
-        y = y[:, :8].contiguous()  # the decoder's own length
-    l1 = ref(input_ids=x, labels=y).loss
-    l1.backward()
-    l2 = model(input_ids=x, labels=y).loss
-    l2.backward()
-    torch.testing.assert_close(l2, l1, atol=2e-6, rtol=1e-5)
-    for (n1, p1), (_, p2) in zip(ref.named_parameters(), model.named_parameters(), strict=True):
-        if p1.grad is None:
-            assert p2.grad is None or not p2.grad.any(), n1
-        else:
-            torch.testing.assert_close(p2.grad, p1.grad, atol=2e-6, rtol=1e-4, msg=n1)
-    assert list(model.state_dict()) == list(ref.state_dict())
+    _assert_same(ref, model, name)
 
 
 @pytest.mark.parametrize("name", ["albert", "t5", "t5_untied", "mt5"])
@@ -201,15 +187,9 @@ def test_fused_loss_albert_and_t5(name):
     """ALBERT's MLM head and T5's seq2seq LM head: the same loss and every gradient as the
     model's own; `num_items_in_batch` ignored as their forwards ignore it; T5 with inputs the
     fused path does not take (precomputed encoder outputs) runs the original forward."""
-    make = _seq2seq_and_albert()[name]
-    torch.manual_seed(0)
-    ref = make()
-    torch.manual_seed(0)
-    model = make()
+    ref, model = _pair(name)
     model_schedule.apply(model, fused_loss=True)
-    x, y = _batch("albert" if name == "albert" else name)
-    if name != "albert":
-        y = y[:, :8].contiguous()  # the decoder's own length (HF views the labels)
+    x, y = _batch(name)
     for kw in ({}, {"num_items_in_batch": 7}):
         l1 = ref(input_ids=x, labels=y, **kw).loss
         l2 = model(input_ids=x, labels=y, **kw).loss
@@ -248,11 +228,25 @@ def test_fused_loss_positional_and_num_items(name):
     honoured = not torch.allclose(l1, ref(x, labels=y).loss)
     assert honoured == honours_num_items(type(ref).forward)
     assert honoured or name in ("bert", "roberta")  # HF's causal LMs: since transformers 4.46
-    l1.backward()
-    l2.backward()
-    for (n, p1), (_, p2) in zip(ref.named_parameters(), model.named_parameters(), strict=True):
-        if p1.grad is not None:
-            torch.testing.assert_close(p2.grad, p1.grad, atol=2e-6, rtol=1e-4, msg=n)
+    _assert_same(ref, model, name, num_items_in_batch=7)
+
+
+def test_fused_loss_refuses_a_head_whose_source_it_cannot_read(monkeypatch):
+    """Whether a head honours `num_items_in_batch` is read from its forward's source; without
+    the source the knob refuses (naming the fix) rather than guess the loss scale, and the
+    model is left as it was."""
+    import slapo.model_schedule.fused_loss as fused_loss
+
+    def no_source(obj):
+        raise OSError("could not get source code")
+
+    _, model = _pair("gpt2")
+    monkeypatch.setattr(fused_loss.inspect, "getsource", no_source)
+    with pytest.raises(SchedulingError, match="cannot read .*source.*fused_loss=False"):
+        model_schedule.apply(model, fused_loss=True)
+    monkeypatch.undo()
+    assert slapo.module_patch.kernel(model) is None
+    _assert_same(_pair("gpt2")[0], model, "gpt2")
 
 
 def _graphs_compiled(name: str, **knobs) -> int:

@@ -18,7 +18,6 @@ import torch
 import torch.distributed as dist
 
 import slapo
-from slapo.distributed.group import leave_process_group
 from slapo.model_schedule import apply_schedule
 
 logger = slapo.get_logger("bert-2023")
@@ -81,5 +80,5 @@ def main(argv=None) -> list[float]:
 if __name__ == "__main__":
     try:
         main()
-    finally:  # an orderly shutdown: without it gloo sometimes aborts at exit (see its docstring)
-        leave_process_group()
+    finally:  # the 2023 way out; under gloo it lets the worker threads finish (leave_process_group)
+        slapo.cleanup()

@@ -30,7 +30,6 @@ import torch
 import torch.distributed as dist
 
 import slapo
-from slapo.distributed.group import leave_process_group
 from slapo.model_schedule import apply_schedule
 
 logger = slapo.get_logger("opt-2023")
@@ -154,5 +153,5 @@ def main(argv=None) -> list[float]:
 if __name__ == "__main__":
     try:
         main()
-    finally:  # an orderly shutdown: without it gloo sometimes aborts at exit (see its docstring)
-        leave_process_group()
+    finally:  # the 2023 way out; under gloo it lets the worker threads finish (leave_process_group)
+        slapo.cleanup()

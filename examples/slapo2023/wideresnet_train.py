@@ -27,7 +27,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import slapo
-from slapo.distributed.group import leave_process_group
 from slapo.model_schedule import apply_schedule
 from slapo.utils.report import report_memory
 
@@ -145,5 +144,5 @@ def main(argv=None) -> list[float]:
 if __name__ == "__main__":
     try:
         main()
-    finally:  # an orderly shutdown: without it gloo sometimes aborts at exit (see its docstring)
-        leave_process_group()
+    finally:  # the 2023 way out; under gloo it lets the worker threads finish (leave_process_group)
+        slapo.cleanup()

@@ -64,9 +64,9 @@ def is_virtual(group) -> bool:
 GLOO_EXIT_GRACE_S = 0.1
 
 
-def leave_process_group(grace_s: float = GLOO_EXIT_GRACE_S) -> None:
+def leave_process_group() -> None:
     """Destroy the default process group (a no-op when there is none), then, under gloo, sleep
-    `grace_s` so gloo's worker threads can release their last collectives before the
+    `GLOO_EXIT_GRACE_S` so gloo's worker threads can release their last collectives before the
     interpreter finalises.
 
     Why the sleep: a gloo worker thread drops its reference to a collective only *after*
@@ -85,8 +85,8 @@ def leave_process_group(grace_s: float = GLOO_EXIT_GRACE_S) -> None:
         return
     gloo = _is_gloo()
     dist.destroy_process_group()
-    if gloo and grace_s > 0:
-        time.sleep(grace_s)
+    if gloo:
+        time.sleep(GLOO_EXIT_GRACE_S)
 
 
 _exit_grace_registered = False

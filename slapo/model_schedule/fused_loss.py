@@ -96,9 +96,6 @@ class LossPlan:
     transform: Callable[[nn.Module, torch.Tensor], torch.Tensor]
     causal: bool
     output: str = "CausalLMOutputWithPast"  # the head class's own type (transformers.modeling_outputs)
-    # whether the head class's loss divides by `num_items_in_batch` when given: filled in by
-    # `fuse_loss` from the class's own forward (`honours_num_items`)
-    num_items: bool = True
     # encoder-decoder: `hidden(root, inputs, labels, scale)` -> (head input, output fields) or
     # None (then the original forward runs), instead of `base`'s last hidden state
     hidden: Callable | None = None
@@ -140,6 +137,8 @@ class FusedLossKernel(module_patch.Kernel):
         self.plan = plan
         self.signature = inspect.signature(original_forward)
         self.original_forward = original_forward
+        # read from the class, not the table: releases change which losses honour it
+        self.num_items = honours_num_items(original_forward)
 
     def __call__(self, module: nn.Module, *args, **kwargs):
         bound = self.signature.bind(module, *args, **kwargs)
@@ -155,7 +154,7 @@ class FusedLossKernel(module_patch.Kernel):
     def fused(self, root: nn.Module, params: dict):
         plan = self.plan
         shift = params.get("shift_labels")
-        num_items = params.get("num_items_in_batch") if plan.num_items else None
+        num_items = params.get("num_items_in_batch") if self.num_items else None
         labels = params["labels"]
         inputs = {k: v for k, v in params.items() if k not in _DROP}
         if plan.hidden is not None:
@@ -268,14 +267,13 @@ def honours_num_items(forward: Callable) -> bool:
 
 def fuse_loss(sch: Schedule) -> None:
     """Install the fused head+loss on the schedule's root (see module docstring)."""
-    from dataclasses import replace
-
     plan = check_fusable(sch)
-    original = module_patch.original_class(sch.mod).forward
-    plan = replace(plan, num_items=honours_num_items(original))  # before anything changes
     if plan.hidden is not None:  # asked of the model's own forward, before anything changes
+        from dataclasses import replace
+
         from ..runtime.stages_seq2seq import decoder_output_scale
 
         plan = replace(plan, scale=decoder_output_scale(sch.mod))
-    module_patch.set_kernel(sch.mod, FusedLossKernel(plan, original))
+    kernel = FusedLossKernel(plan, module_patch.original_class(sch.mod).forward)  # may refuse
+    module_patch.set_kernel(sch.mod, kernel)
     sch._record("fused_loss", (), {"head": plan.head})

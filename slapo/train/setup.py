@@ -148,7 +148,7 @@ def teardown(env: Env) -> None:
         faults.finish_watch(env.watch, exc)
     finally:
         env.watch = None
-        if env.owns_process_group and dist.is_initialized() and not comm:
+        if env.owns_process_group and not comm:
             leave_process_group()
 
 
