@@ -84,11 +84,17 @@ def test_pipelined_models_resume_bit_for_bit(dist2, tmp_path, model):
     assert resumed[0][2:] == straight[0][2:], (straight[0], resumed[0])
 
 
-def test_t5_tp_inside_pipeline_trains_like_one_process(dist4):
-    """--tp 2 --pp-stages 2 on 4 ranks: each TP rank's stages send their own heads' slice of
-    T5's position bias (the relative-bias embedding is sharded over heads) across the stage
-    boundary; the losses equal one process's."""
-    model = {**TINY, "model": "t5", "num_layers": 4}  # 2 encoder + 2 decoder blocks
-    ranks = dist4.run(job_losses, {**model, "tp": 2, "pp_stages": 2})
-    one = job_losses(model)
+@pytest.mark.parametrize("model", sorted(set(MODELS) - {m for m, lay in REFUSED if lay == "pp"}))
+def test_every_model_tp_inside_pipeline_trains_like_one_process(dist4, model):
+    """--tp 2 --pp-stages 2 on 4 ranks, for every model a pipeline takes: each TP rank's
+    stages send their own slice across the stage boundary (T5 also its heads' slice of the
+    position bias, the relative-bias embedding being sharded over heads); the last stage's
+    head (GPT-2's tied LM head, BERT's and RoBERTa's MLM heads) is sharded too. All four
+    ranks log the losses of one process."""
+    opts = {**TINY, "model": model}
+    if model == "t5":
+        opts["num_layers"] = 4  # 2 encoder + 2 decoder blocks: the cut falls between them
+    ranks = dist4.run(job_losses, {**opts, "tp": 2, "pp_stages": 2})
+    one = job_losses(opts) if model == "t5" else list(one_process(model))
+    assert all(r == ranks[0] for r in ranks), ranks
     assert ranks[0] == pytest.approx(one, rel=1e-4, abs=1e-5), (ranks[0], one)
