@@ -276,39 +276,40 @@ def test_fused_llama_mlp_triton_matches_hf():
         assert_match(got, want)
 
 
-@pytest.mark.parametrize("family", ["llama", "gpt2"])
-def test_scheduled_hf_model_on_the_triton_path(family):
-    """`apply_kernels(..., backend="triton")` on a real tiny model: loss and every gradient match
-    the unscheduled model (the Triton kernels inside HF's blocks, with HF's strides and shapes)."""
+def _kernel_cases() -> dict:
+    """test_model_schedule_kernels' cases (every family of the kernel plans; needs transformers)."""
+    try:
+        import test_model_schedule_kernels as cases
+    except pytest.skip.Exception:
+        return {}
+    return cases.CASES
+
+
+@pytest.mark.parametrize("name", list(_kernel_cases()))
+def test_scheduled_hf_model_on_the_triton_path(name):
+    """`apply_kernels(..., backend="triton")` on a real tiny model of every family the kernel
+    plans name (LLaMA, GPT-2, GPT-Neo, BERT, RoBERTa, ALBERT's shared layer, OPT, T5 v1.1, T5
+    v1.0 and mT5): loss and every gradient match the unscheduled model (the Triton kernels
+    inside HF's blocks, with HF's strides and shapes)."""
     import copy
 
-    tf = pytest.importorskip("transformers")
     import slapo
     from slapo.model_schedule.kernels import apply_kernels
 
+    factory, family, expected, _ = _kernel_cases()[name]
     torch.manual_seed(0)
-    if family == "llama":
-        cfg = tf.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=40,
-                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                             bos_token_id=0, eos_token_id=0)
-        model = tf.LlamaForCausalLM(cfg)
-    else:
-        cfg = tf.GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=4,
-                            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0,
-                            eos_token_id=0)
-        model = tf.GPT2LMHeadModel(cfg)
-    model = model.to(DEVICE)
+    model = factory().to(DEVICE)
     ref = copy.deepcopy(model)
     sch = slapo.create_schedule(model)
-    assert apply_kernels(sch, family, backend="triton") == 7
-    ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    assert apply_kernels(sch, family, backend="triton") == expected
+    ids = torch.randint(3, 64, (2, 9), generator=torch.Generator().manual_seed(1)).to(DEVICE)
     losses, all_grads = [], []
     for m in (sch.mod, ref):
         loss = m(input_ids=ids, labels=ids).loss
         losses.append(loss)
         all_grads.append(torch.autograd.grad(loss, list(m.parameters())))
     assert_match(*losses)
-    for got, want in zip(*all_grads):
+    for got, want in zip(*all_grads, strict=True):
         assert_match(got, want)
 
 

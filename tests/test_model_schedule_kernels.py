@@ -66,6 +66,14 @@ def albert():
     return transformers.AlbertForMaskedLM(cfg)
 
 
+def opt():
+    cfg = transformers.OPTConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2,
+                                 ffn_dim=64, num_attention_heads=4, max_position_embeddings=32,
+                                 word_embed_proj_dim=32, dropout=0.0, bos_token_id=0,
+                                 eos_token_id=0, pad_token_id=1)
+    return transformers.OPTForCausalLM(cfg)
+
+
 def t5(ff_proj="gated-gelu", cls=None):
     cfg = transformers.T5Config(vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=48, num_layers=2,
                                 num_heads=4, feed_forward_proj=ff_proj, dropout_rate=0.0,
@@ -92,6 +100,8 @@ CASES = {
     "roberta": (roberta, "roberta", 1 + 2 * 3 + 1, {FusedLayerNorm, FusedGELU}),
     # ALBERT's one shared layer (attention LN, act, output LN), embeddings LN, MLM head LN + act
     "albert": (albert, "albert", 3 + 1 + 2, {FusedLayerNorm, FusedGELU}),
+    # OPT's ReLU stays: per layer self_attn_layer_norm, final_layer_norm; the decoder's final
+    "opt": (opt, "opt", 2 * 2 + 1, {FusedLayerNorm}),
     # T5 v1.1: encoder blocks 2 norms + the gated GELU, decoder blocks 3 + it; a final norm each
     "t5": (t5, "t5", 2 * 3 + 1 + 2 * 4 + 1, {FusedRMSNorm, FusedGELU}),
     "t5_v1": (t5_v1, "t5", 2 * 2 + 1 + 2 * 3 + 1, {FusedRMSNorm}),  # ReLU stays
@@ -203,11 +213,7 @@ def test_patched_target_is_refused_before_any_change():
 
 
 def test_opt_keeps_relu_and_swaps_layer_norms():
-    cfg = transformers.OPTConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2,
-                                 ffn_dim=64, num_attention_heads=4, max_position_embeddings=32,
-                                 word_embed_proj_dim=32, dropout=0.0, bos_token_id=0,
-                                 eos_token_id=0, pad_token_id=1)
-    model = transformers.OPTForCausalLM(cfg)
+    model = opt()
     sch = slapo.create_schedule(model)
     assert apply_kernels(sch, "opt") == 2 * 2 + 1  # self_attn_layer_norm, final_layer_norm; final
     assert not any(isinstance(m, FusedGELU) for m in model.modules())
