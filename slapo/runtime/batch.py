@@ -6,6 +6,8 @@ a config value) is passed unchanged to every slice.
 
 from __future__ import annotations
 
+import functools
+import inspect
 from collections.abc import Mapping
 from typing import Any
 
@@ -89,8 +91,43 @@ def check_divisible(batch: Batch, factors: dict[str, int]) -> int:
     return size
 
 
-def call(module, batch: Batch):
-    """Run `module` on a batch: mappings as keyword arguments, tuples positionally."""
+def call(module, batch: Batch, *, loss_fn_given: bool = False):
+    """Run `module` on a batch: mappings as keyword arguments, tuples positionally.
+
+    With a user `loss_fn` (`loss_fn_given`), mapping entries the model's forward does not name
+    are that loss function's own (`{"x": images, "labels": y}` for a torchvision net) and are
+    not passed to the forward, as the pipeline stages do (`pipeline_runner.check_batch_inputs`).
+    Without one every entry goes to the forward, so a misspelt key still fails there; a forward
+    that takes `**kwargs` also gets every entry."""
     if isinstance(batch, Mapping):
+        if loss_fn_given:
+            takes = forward_params(module)
+            if takes is not None:
+                batch = {k: v for k, v in batch.items() if k in takes}
         return module(**batch)
     return module(*batch)
+
+
+def forward_params(module) -> frozenset[str] | None:
+    """The keyword names the model's own forward takes, or None when it takes any (`**kwargs`,
+    or no readable signature). Looks through DDP / DeepSpeed wrappers (`.module`) and Slapo's
+    patch classes to the user's class."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    from ..module_patch import original_class
+
+    inner = getattr(module, "module", None)
+    if isinstance(module, DistributedDataParallel) or type(module).__name__ == "DeepSpeedEngine":
+        module = inner
+    return _class_forward_params(original_class(module))
+
+
+@functools.cache
+def _class_forward_params(cls: type) -> frozenset[str] | None:
+    try:
+        params = inspect.signature(cls.forward).parameters.values()
+    except (TypeError, ValueError):
+        return None
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        return None
+    return frozenset(p.name for p in params if p.kind is not inspect.Parameter.VAR_POSITIONAL)

@@ -266,6 +266,8 @@ def build(sch: Schedule, *, optimizer: Callable | None = None,
       `batch_is_global` (default) every rank passes the same global batch and each dp rank takes
       its 1/dp of the samples; otherwise each rank passes its own local batch.
     - `loss_fn(outputs, batch) -> scalar`; default `outputs.loss` (HF models given labels).
+      With a `loss_fn`, batch entries the model's forward does not name (`{"x": images,
+      "labels": y}` for a torchvision net) go to `loss_fn` only, with or without a pipeline.
     - `grad_accum` slices per step, `grad_clip` max global gradient 2-norm.
     - The returned loss is the mean over the global batch (exactly, for losses that are means
       over samples of equal weight), as a float on every rank.

@@ -18,6 +18,7 @@ import torch.nn as nn
 
 from .. import sharding
 from ..errors import SchedulingError
+from ..module_patch import original_class
 from .mesh import MeshInfo
 
 DATA_PARALLEL = ("ddp", "fsdp")
@@ -33,7 +34,7 @@ def check_data_parallel(kind: str | None, info: MeshInfo) -> None:
 
 
 def fsdp_blocks(model: nn.Module) -> list[nn.Module]:
-    """The repeated blocks (elements of every ModuleList holding parameters), outermost first.
+    """The repeated blocks (see `_block_list`), outermost first.
 
     Each becomes one FSDP unit, so only one block's full parameters exist at a time; this is the
     per-transformer-layer wrapping torchtitan uses, found without naming the model's attributes.
@@ -42,13 +43,33 @@ def fsdp_blocks(model: nn.Module) -> list[nn.Module]:
     blocks: list[nn.Module] = []
     inside: set[int] = set()
     for mod in model.modules():
-        if id(mod) in inside or not isinstance(mod, nn.ModuleList):
+        if id(mod) in inside or not _block_list(mod):
             continue
         for sub in mod:
-            if any(True for _ in sub.parameters()):
+            if _holds_parameters(sub):
                 blocks.append(sub)
                 inside.update(id(m) for m in sub.modules())
     return blocks
+
+
+def _block_list(mod: nn.Module) -> bool:
+    """A ModuleList (HF's layers), or an nn.Sequential of blocks: its parameter-holding
+    children all of one class, each itself made of modules (a ResNet stage `layer1` =
+    Bottleneck, Bottleneck, ...; a stage of a single block counts too). Without the second kind
+    a CNN had one FSDP unit, the root, so every weight was gathered at once (no memory saved in
+    the forward). A Sequential of layers (a downsample's conv + BN, an MLP's Linear, ReLU,
+    Linear) is not a list of blocks."""
+    if isinstance(mod, nn.ModuleList):
+        return True
+    if not isinstance(mod, nn.Sequential):
+        return False
+    held = [m for m in mod if _holds_parameters(m)]
+    return bool(held) and len({original_class(m) for m in held}) == 1 and all(
+        any(True for _ in m.children()) for m in held)  # checkpointed blocks still match
+
+
+def _holds_parameters(mod: nn.Module) -> bool:
+    return any(True for _ in mod.parameters())
 
 
 def apply_fsdp(model: nn.Module, info: MeshInfo, *, reshard_after_forward: bool | int = True,

@@ -35,10 +35,10 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ..errors import SchedulingError
-from .batch import Batch, batch_size, call, check_divisible, slice_batch
+from .batch import Batch, batch_size, check_divisible, slice_batch
 from .mesh import MeshInfo
 from .token_mean import token_mean_over
-from .train_step import LossFn, StepConfig, compute_loss
+from .train_step import LossFn, StepConfig, forward_loss
 
 _LAUNCH_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 _LOCAL_RANK_ENV = ("LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK")
@@ -253,7 +253,7 @@ class DeepSpeedModule(nn.Module):
             # DeepSpeed scales each backward by 1/k: x k gives the part its token weight
             weight = None if tokens is None else tokens.weight(part)
             part = part if tokens is None else tokens.guard(part)
-            loss = compute_loss(call(self.engine, part), part, self.loss_fn)
+            loss = forward_loss(self.engine, part, self.loss_fn)
             self.engine.backward(loss if weight is None else loss * (weight * k))
             self.engine.step()
             total += float(loss.detach()) / k if weight is None else \

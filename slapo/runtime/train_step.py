@@ -75,6 +75,12 @@ def compute_loss(outputs: Any, batch: Batch, loss_fn: LossFn | None) -> torch.Te
     return loss.reshape(())
 
 
+def forward_loss(module: nn.Module, batch: Batch, loss_fn: LossFn | None) -> torch.Tensor:
+    """The module's forward on the batch, then `compute_loss` (with a `loss_fn`, batch entries
+    the forward does not name go to the loss function only: `batch.call`)."""
+    return compute_loss(call(module, batch, loss_fn_given=loss_fn is not None), batch, loss_fn)
+
+
 class Runner(Protocol):
     """Forward and backward of one slice of the batch; gradients accumulate in `.grad`."""
 
@@ -109,7 +115,7 @@ class LocalRunner:
         batch = batch if tokens is None else tokens.guard(batch)
         with self._no_sync(sync_grads):
             with self.precision.autocast():  # forward and loss; backward outside autocast
-                loss = compute_loss(call(self.module, batch), batch, self.loss_fn)
+                loss = forward_loss(self.module, batch, self.loss_fn)
             grad_loss = self.precision.loss_for_backward(loss)  # fp32 (x the fp16 scale)
             (grad_loss * weight if tokens is not None or scale != 1 else grad_loss).backward()
         return loss.detach().double() * weight
@@ -127,7 +133,7 @@ class LocalRunner:
         batch = batch if tokens is None else tokens.guard(batch)
         try:
             with self.precision.autocast():
-                loss = compute_loss(call(model, batch), batch, self.loss_fn).detach()
+                loss = forward_loss(model, batch, self.loss_fn).detach()
         finally:
             model.train(was_training)
         return loss if weight is None else loss.double() * weight
