@@ -154,7 +154,6 @@ TRAIN_CASES: dict[str, CliCase] = {
                                               ("--fused-loss", "vocab_parallel=False")),
     "compile_blocks_with_value": CliCase(["--compile-blocks", "nope"],
                                          ("unrecognized arguments: nope",)),
-    "fused_loss_with_pp": CliCase(["--fused-loss", "--pp-stages", "2"], ("--fused-loss",)),
     "kernels_with_value": CliCase(["--kernels", "on"], ("unrecognized arguments: on",)),
     "command_unknown": CliCase(["@trian"], ("invalid choice: 'trian'",)),
 }

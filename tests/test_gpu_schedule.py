@@ -351,7 +351,7 @@ def test_bad_knobs_change_nothing():
     with pytest.raises(SchedulingError, match="ckpt_policy"):
         model_schedule.apply(model, ckpt_ratio=1.0, ckpt_policy="some")
     with pytest.raises(SchedulingError, match="pipeline"):
-        model_schedule.apply(model, fused_loss=True, pp_stages=2)
+        model_schedule.apply(model, sequence_parallel=True, pp_stages=2)
     with pytest.raises(SchedulingError, match="fuse=False"):
         model_schedule.apply(model, fuse=True, compile_blocks=True)
     sch = slapo.create_schedule(model)

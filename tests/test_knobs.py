@@ -137,7 +137,6 @@ def test_train_command_of_a_tuned_config():
     (dict(vocab_parallel=None), "vocab_parallel", "vocab_parallel=True"),
     (dict(compile_blocks=3), "compile_blocks", "compile_blocks=True"),
     (dict(fuse=True, compile_blocks=True), "fuse", "fuse=False"),
-    (dict(fused_loss=True, pp_stages=2), "fused_loss", "pp_stages=1"),
     (dict(fused_loss=True, tp=2), "fused_loss", "vocab_parallel=False"),
     (dict(sequence_parallel=True, pp_stages=2), "sequence_parallel", "pipeline stages"),
 ])
@@ -149,7 +148,7 @@ def test_validate_names_the_knob_and_the_fix(kw, knob, fix):
 
 @pytest.mark.parametrize("kw", [dict(ckpt_ratio=-0.1), dict(attention="fast"),
                                 dict(fuse=True, compile_blocks=True), dict(tempo=1),
-                                dict(fused_loss=True, pp_stages=2)])
+                                dict(sequence_parallel=True, pp_stages=2)])
 def test_apply_rejects_bad_knobs_before_any_mutation(kw):
     import models
 

@@ -88,6 +88,66 @@ def test_new_layouts_interleaved_match_one_process(dist2, family):
     assert res[0] == res[1]
 
 
+def job_fused_loss_pipeline(family: str, schedule: str):
+    """`fused_loss=True` with pipeline stages: the last stage takes the labels and returns the
+    fused head + cross-entropy (a 0-d loss, no logits); training and `eval_step` give the
+    unscheduled model's losses. A user `loss_fn` still gets the logits (no labels are handed
+    to the stages then)."""
+    import models
+
+    import slapo.runtime
+
+    mesh = slapo.runtime.init_mesh(dp=1, pp=2, tp=1)
+    multi = schedule != "1F1B"  # 2 stages per rank
+    batches = _batches(family)
+    model = getattr(models, family)(seed=0, layers=4)
+    ref = copy.deepcopy(model)
+    sch = slapo.create_schedule(model, mesh=mesh)
+    model_schedule.apply(sch, pp_stages=4 if multi else 2, fused_loss=True)
+    tm, _ = slapo.build(sch, optimizer=torch.optim.AdamW, optimizer_kwargs={"lr": LR},
+                        pipeline=schedule, num_microbatches=4 if multi else 2)
+    last = [st for st in tm.stages if st.last]
+    for st in last:  # the stage itself: a 0-d loss with labels, the logits without
+        assert st.fused is not None and st.loss_inputs == ("labels",)
+    losses = [tm.train_step(b) for b in batches]
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(reference_losses(ref, batches)),
+                               rtol=1e-5, atol=0, msg=lambda m: f"{family} {schedule}: {m}")
+    ref.eval()
+    with torch.no_grad():
+        want = ref(**batches[0]).loss.item()
+    ref.train()
+    got = tm.eval_step(batches[0])
+    assert got == pytest.approx(want, rel=1e-5), (got, want)
+
+    seen = []
+
+    def user_loss(out, batch):
+        seen.append(out.logits is not None)
+        return out.logits.float().pow(2).mean()
+
+    model2 = getattr(models, family)(seed=0, layers=4)
+    sch2 = slapo.create_schedule(model2, mesh=mesh)
+    model_schedule.apply(sch2, pp_stages=2, fused_loss=True)
+    tm2, _ = slapo.build(sch2, optimizer=torch.optim.AdamW, optimizer_kwargs={"lr": LR},
+                         pipeline="1F1B", num_microbatches=2, loss_fn=user_loss)
+    tm2.train_step(batches[0])
+    assert all(seen) and (bool(seen) == any(st.last for st in tm2.stages)), seen
+    return losses
+
+
+FUSED_CASES = [(f, "1F1B") for f in PIPELINED] + runnable_schedules(
+    [("ZBVZeroBubble", "gpt2"), ("Interleaved1F1B", "bert_mlm"), ("DualPipeV", "llama")])
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("family,schedule", [(c[1], c[0]) if c[0] in
+                                             ("ZBVZeroBubble", "Interleaved1F1B", "DualPipeV")
+                                             else c for c in FUSED_CASES])
+def test_fused_loss_on_the_last_stage_matches_one_process(dist2, family, schedule):
+    res = dist2.run(job_fused_loss_pipeline, family, schedule, timeout=300)
+    assert res[0] == res[1]
+
+
 @pytest.mark.parametrize("family,needle", [("albert", "one shared layer")])
 def test_unpipelinable_families_are_refused_before_any_cut(family, needle):
     import models

@@ -103,6 +103,18 @@ def job_pp_gpt2():
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5,
                                    atol=0, msg=lambda m, name=name: f"{name}: {m}")
         assert losses[-1] < losses[0]
+        # eval_step: the trained model's eval-mode loss, gradients untouched (the V-shaped
+        # schedules evaluate through `step` with a zero-weighted backward)
+        grads = [None if p.grad is None else p.grad.clone() for p in tm.parameters()]
+        ref.eval()
+        with torch.no_grad():
+            ref_out = ref(**batches[0])
+            want = (kw["loss_fn"](ref_out, batches[0]) if "loss_fn" in kw else
+                    ref_out.loss).item()
+        ref.train()
+        assert tm.eval_step(batches[0]) == pytest.approx(want, rel=1e-5), name
+        for p, g in zip(tm.parameters(), grads, strict=True):
+            assert (p.grad is None and g is None) or torch.equal(p.grad, g), name
         n = compare_params(tm, ref)
         out[name] = {"losses": losses, "n_params": n, "held": sorted(held), "rank": rank}
     return out

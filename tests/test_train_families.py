@@ -69,6 +69,36 @@ def test_every_model_tp_inside_fsdp2_trains_like_one_process(dist4, model):
     assert ranks[0] == pytest.approx(one, rel=1e-4, abs=1e-5), (ranks[0], one)
 
 
+PIPELINED = sorted(set(MODELS) - {m for m, lay in REFUSED if lay == "pp"})
+
+
+@pytest.mark.parametrize("model", PIPELINED)
+def test_every_model_pipelined_with_the_fused_loss_trains_like_one_process(dist2, model):
+    """--pp-stages 2 --fused-loss: the last stage takes the labels and returns the fused
+    head + cross-entropy (no logits) instead of the logits; the losses are one process's
+    without the fused loss (GPT-2's tied head, BERT's and RoBERTa's MLM transforms, T5's
+    scaled decoder output)."""
+    ranks = dist2.run(job_losses, {**TINY, "model": model, "pp_stages": 2, "fused_loss": True})
+    one = list(one_process(model))
+    assert ranks[0] == ranks[1]
+    assert ranks[0] == pytest.approx(one, rel=1e-4, abs=1e-5), (ranks[0], one)
+
+
+@pytest.mark.parametrize("model", PIPELINED)
+def test_every_model_pipelined_with_the_fused_loss_inside_fsdp2(dist4, model):
+    """--pp-stages 2 --dp-shard --fused-loss on 4 ranks: the last stage reads its head's
+    weight inside its own forward, where FSDP2 has gathered it; the losses are one
+    process's. (T5 gets 4 blocks: its cut falls between encoder and decoder.)"""
+    opts = {**TINY, "model": model}
+    if model == "t5":
+        opts["num_layers"] = 4
+    ranks = dist4.run(job_losses, {**opts, "pp_stages": 2, "dp_shard": True,
+                                   "fused_loss": True})
+    one = job_losses(opts) if model == "t5" else list(one_process(model))
+    assert all(r == ranks[0] for r in ranks), ranks
+    assert ranks[0] == pytest.approx(one, rel=1e-4, abs=1e-5), (ranks[0], one)
+
+
 @pytest.mark.parametrize("model", ["opt", "gpt_neo", "bert", "roberta", "t5"])
 def test_pipelined_models_resume_bit_for_bit(dist2, tmp_path, model):
     """A 2-stage run's checkpoint (each rank saves its own stage: OPT's optional projections,
@@ -84,7 +114,7 @@ def test_pipelined_models_resume_bit_for_bit(dist2, tmp_path, model):
     assert resumed[0][2:] == straight[0][2:], (straight[0], resumed[0])
 
 
-@pytest.mark.parametrize("model", sorted(set(MODELS) - {m for m, lay in REFUSED if lay == "pp"}))
+@pytest.mark.parametrize("model", PIPELINED)
 def test_every_model_tp_inside_pipeline_trains_like_one_process(dist4, model):
     """--tp 2 --pp-stages 2 on 4 ranks, for every model a pipeline takes: each TP rank's
     stages send their own slice across the stage boundary (T5 also its heads' slice of the

@@ -2,8 +2,8 @@
 
 bf16 mixed precision, blocks compiled through AOTAutograd (`aot_eager`: dynamo's graphs as
 inductor would see them, without code generation), selective activation checkpointing, the
-fused linear + cross-entropy (not under pipelines, which refuse it) and Slapo's kernels, all
-at once, on 2 gloo ranks under TP, FSDP2, a pipeline (`slapo train`'s default schedule) and
+fused linear + cross-entropy (on a pipeline's last stage too) and Slapo's kernels, all at
+once, on 2 gloo ranks under TP, FSDP2, a pipeline (`slapo train`'s default schedule) and
 DDP. Each run must give the losses of one process with the same options, within bf16
 roundoff: no further from them than `FACTOR` times the distance between that process's bf16
 and fp32 losses (a gradient all-reduce that does nothing lands 11x to 200x further).
@@ -45,14 +45,13 @@ def job_losses(options: dict) -> list[float]:
 
 
 @functools.cache
-def one_process(model: str, precision: str, fused_loss: bool = True) -> tuple[float, ...]:
+def one_process(model: str, precision: str) -> tuple[float, ...]:
     """One process's losses with the GPU schedule, once per model and precision in a worker."""
-    return tuple(job_losses({**TINY, **GPU, "model": model, "precision": precision,
-                             "fused_loss": fused_loss}))
+    return tuple(job_losses({**TINY, **GPU, "model": model, "precision": precision}))
 
 
 def assert_within_bf16_roundoff(got, model: str, layout: str) -> None:
-    want, fp32 = (torch.tensor(one_process(model, p, layout != "pp"), dtype=torch.float64)
+    want, fp32 = (torch.tensor(one_process(model, p), dtype=torch.float64)
                   for p in ("bf16", "fp32"))
     got = torch.tensor(got, dtype=torch.float64)
     d = (want - fp32).abs().max().item()
@@ -70,8 +69,6 @@ def test_gpu_schedule_in_bf16_trains_like_one_process(dist2, model, layout):
     if (model, layout) in REFUSED:
         pytest.skip("ALBERT pipelines are refused (one shared layer); see test_train_families")
     opts = {**TINY, **GPU, "model": model, "precision": "bf16", **LAYOUTS[layout]}
-    if layout == "pp":  # the last stage computes the loss with loss_fn (the knob says so)
-        opts["fused_loss"] = False
     ranks = dist2.run(job_losses, opts)
     assert ranks[0] == ranks[1], ranks
     assert_within_bf16_roundoff(ranks[0], model, layout)

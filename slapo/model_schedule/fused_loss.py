@@ -12,6 +12,8 @@ labels, its output scaled as the model's forward does), applies the per-token pa
 and bias (tied embeddings stay tied: the same Parameter). Without labels the original forward
 runs unchanged. The output is the model's own output class with `loss` set and `logits=None`
 (the point is not to build them); code that needs logits calls the model without labels.
+Pipeline stages do the same on the last stage (`fused_plan`, `head_loss`,
+`runtime.stages_decoder.FusedLossStage`): it takes the labels and returns the loss.
 
 Exactness: the same loss as HF's (causal LMs shift labels, ignore -100, mean over counted
 tokens or `num_items_in_batch` where the class's own loss honours it, `honours_num_items`;
@@ -167,20 +169,37 @@ class FusedLossKernel(module_patch.Kernel):
             hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
             fields = {k: getattr(out, k, None) for k in ("past_key_values", "hidden_states",
                                                           "attentions", "cross_attentions")}
-        if plan.causal:
-            if shift is None:
-                shift = F.pad(labels, (0, 1), value=-100)[..., 1:]
-            labels = shift
-        head = root.get_submodule(plan.head)
-        if not plan.causal:
-            # per-token transform only where a label exists (exact for the loss)
-            hidden, labels = _labelled_rows(hidden, labels)
-        hidden = plan.transform(root, hidden)
-        from ..op.linear_ce import fused_linear_cross_entropy
-
-        loss = fused_linear_cross_entropy(hidden, head.weight, labels, head.bias,
-                                          num_items=num_items)
+        loss = head_loss(plan, root, hidden, labels, shift, num_items)
         return _output(plan, fields, loss)
+
+
+def head_loss(plan: LossPlan, root: nn.Module, hidden: torch.Tensor, labels: torch.Tensor,
+              shift_labels: torch.Tensor | None = None,
+              num_items: int | torch.Tensor | None = None) -> torch.Tensor:
+    """The head's per-token transform, its vocabulary Linear and the cross-entropy as one
+    chunked op: the model's own loss from the hidden state before the head. `root` is the
+    model, or a pipeline stage holding the head under the model's names (the last stage
+    computes its loss this way: `fused_plan`)."""
+    if plan.causal:
+        labels = shift_labels if shift_labels is not None else \
+            F.pad(labels, (0, 1), value=-100)[..., 1:]
+    head = root.get_submodule(plan.head)
+    if not plan.causal:
+        # per-token transform only where a label exists (exact for the loss)
+        hidden, labels = _labelled_rows(hidden, labels)
+    hidden = plan.transform(root, hidden)
+    from ..op.linear_ce import fused_linear_cross_entropy
+
+    return fused_linear_cross_entropy(hidden, head.weight, labels, head.bias,
+                                      num_items=num_items)
+
+
+def fused_plan(root: nn.Module) -> LossPlan | None:
+    """The plan of the fused loss installed on `root` (`fuse_loss`), or None. Pipeline stages
+    ask it: with it, the last stage takes the labels and returns the loss (`head_loss`)
+    instead of the logits, so the logits never exist there either."""
+    kernel = module_patch.kernel(root)
+    return kernel.plan if isinstance(kernel, FusedLossKernel) else None
 
 
 # Under fake tensors (the tuner's cost model) the labelled-row count is data-dependent and

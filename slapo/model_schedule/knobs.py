@@ -238,10 +238,6 @@ def _check_combinations(k: ScheduleKnobs, path: str) -> None:
         raise KnobError("fuse", "fuse=True compiles regions inside the blocks that "
                         "compile_blocks=True compiles whole (inductor fuses the same ops).",
                         "pass fuse=False with compile_blocks=True.", path)
-    if k.fused_loss and k.pp_stages > 1:
-        raise KnobError("fused_loss", "fused_loss is not available with pipeline stages (the "
-                        "last stage computes the loss with loss_fn).",
-                        "pass fused_loss=False, or pp_stages=1.", path)
     if k.fused_loss and k.vocab_parallel and (k.tp or 1) > 1:
         raise KnobError("fused_loss", "fused_loss needs an unsharded LM head, and "
                         "vocab_parallel=True shards it under tp > 1.",

@@ -463,6 +463,17 @@ def stage_masks(stage: nn.Module, batch: Batch) -> dict[str, torch.Tensor]:
     return masks
 
 
+def stage_loss_inputs(stage: nn.Module, batch: Batch, loss_fn: LossFn | None
+                      ) -> dict[str, torch.Tensor]:
+    """The batch entries every stage takes for the model's own loss (`labels` when the fused
+    loss is on: `stages_decoder.FusedLossStage`); none with a user `loss_fn`, which gets the
+    last stage's logits as before."""
+    names = getattr(stage, "loss_inputs", ())
+    if loss_fn is not None or not names or not isinstance(batch, dict):
+        return {}
+    return {k: batch[k] for k in names if isinstance(batch.get(k), torch.Tensor)}
+
+
 class PipelineRunner:
     """One `schedule.step` per accumulation slice; the loss is the mean over micro-batches."""
 
@@ -491,6 +502,7 @@ class PipelineRunner:
         self._templates: dict[int, Any] = {}  # stage id -> its last good output's structure
         self._by_stage = dict(zip(stage_ids, stage_modules, strict=True))
         self._split_checked: set[int] = set()  # stages whose split backward was checked
+        self._zero_backward = False  # evaluating through `step` (`_evaluate_by_step`)
 
     def schedule_loss(self, output: Any, index: torch.Tensor) -> torch.Tensor:
         """The schedule's `loss_fn(output, target)`: target holds the micro-batch's indices.
@@ -517,7 +529,8 @@ class PipelineRunner:
             self._fail_in_schedule(e, self.plan.num_stages, "the loss")
             return _zero_loss(output)
         self._losses.append(loss.detach().double() * weight)
-        return self.precision.loss_for_backward(loss) * weight
+        grad_loss = self.precision.loss_for_backward(loss) * weight
+        return grad_loss * 0.0 if self._zero_backward else grad_loss
 
     def _fail(self, error: BaseException, order: int, phase: str | None = None) -> None:
         """Record the first error of this step on this rank (`order`: where in the pipeline;
@@ -634,10 +647,31 @@ class PipelineRunner:
         for m, _ in modes:
             m.eval()
         try:
+            if self.plan.name in V_SCHEDULES:
+                return self._evaluate_by_step(batch, tokens)
             return self._run(batch, 1.0, tokens, self.schedule.eval, "evaluating")
         finally:
             for m, training in modes:
                 m.train(training)
+
+    def _evaluate_by_step(self, batch: Batch, tokens: TokenMean | None) -> torch.Tensor:
+        """`evaluate` for the V-shaped schedules, whose forward-only `eval()` fails in torch
+        (2.13: a stage without backward is asked for its input gradient, after a peer's
+        receive timed out; `slapo train` then died at its first val loss): the training
+        schedule's `step` instead, the loss's backward weighted by zero and every gradient
+        restored afterwards. Same losses, about 3x an eval's compute (a few batches per
+        evaluation), no optimizer step, no change to any `.grad`."""
+        params = [p for m in self.modules for p in m.parameters()]
+        saved = [p.grad for p in params]
+        self._zero_backward = True
+        try:
+            with torch.enable_grad():
+                return self._run(batch, 1.0, tokens, self.schedule.step, "evaluating",
+                                 return_outputs=False)
+        finally:
+            self._zero_backward = False
+            for p, g in zip(params, saved, strict=True):
+                p.grad = g
 
     def _run(self, batch: Batch, scale: float, tokens: TokenMean | None, run: Callable,
              where: str, **run_kwargs: Any) -> torch.Tensor:
@@ -645,7 +679,8 @@ class PipelineRunner:
         self._error, self._error_phase = None, None
         args, target, masks = (), None, {}
         try:  # what can fail before the step fails on its rank only: agree first
-            masks = _contiguous(stage_masks(self.modules[0], batch))
+            masks = _contiguous({**stage_masks(self.modules[0], batch),
+                                 **stage_loss_inputs(self.modules[0], batch, self.loss_fn)})
             check_batch_inputs(self.modules[0], batch)
             args = _contiguous(first_stage_args(self.first, batch)) if self.holds_first else ()
             target = torch.arange(batch_size(batch)) if self.holds_last else None

@@ -157,6 +157,49 @@ def labels_cross_entropy(logits: torch.Tensor, batch) -> torch.Tensor:
                                              ignore_index=-100)
 
 
+class FusedLossStage:
+    """What every stage kind shares for the `fused_loss` knob (`model_schedule.fused_loss`):
+    when the model's forward was replaced by the fused head + loss, every stage takes the
+    micro-batch's `labels` (`loss_inputs`: the runner hands them to every stage, as the
+    padding masks, when the model's own loss is asked for) and the last one returns the loss
+    instead of the logits (`fused`: the head's plan), so a pipeline's last stage never holds
+    the logits either. Computing the loss inside the stage's forward keeps the head's weight
+    read where FSDP2 has gathered it. With a user `loss_fn` no labels come and the last stage
+    returns the logits as before."""
+
+    fused = None
+    loss_inputs: tuple[str, ...] = ()
+
+    def init_fused_loss(self, root: nn.Module, last: bool) -> None:
+        from ..model_schedule.fused_loss import fused_plan
+
+        plan = fused_plan(root)
+        self.loss_inputs = ("labels",) if plan is not None else ()
+        self.fused = plan if last else None
+
+    def fused_loss(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The loss, shaped (1,): torch's schedules concatenate the last stage's micro-batch
+        outputs (`schedule.eval` returns them), which a 0-d tensor cannot be."""
+        from ..model_schedule.fused_loss import head_loss
+
+        return head_loss(self.fused, self, hidden, labels).reshape(1)
+
+    def wrap_loss(self, output, cls_name: str):
+        """`pipeline_outputs` of a last stage that returned the fused loss (shape (1,)): the
+        model's output type with that loss (0-d) and no logits; None for anything else."""
+        if self.fused is None or not isinstance(output, torch.Tensor) or \
+                tuple(output.shape) != (1,):
+            return None
+        from transformers import modeling_outputs
+
+        return getattr(modeling_outputs, cls_name)(loss=output.reshape(()), logits=None)
+
+
+def own_loss(outputs) -> torch.Tensor | None:
+    """The loss a fused last stage already computed (`FusedLossStage`), else None."""
+    return getattr(outputs, "loss", None)
+
+
 def graft(container: nn.Module, root: nn.Module, path: str) -> None:
     """Register `root.get_submodule(path)` in `container` under the same dotted path."""
     parent = container
@@ -170,13 +213,14 @@ def graft(container: nn.Module, root: nn.Module, path: str) -> None:
     parent.add_module(parts[-1], root.get_submodule(path))
 
 
-class HFDecoderStage(nn.Module):
+class HFDecoderStage(FusedLossStage, nn.Module):
     """One pipeline stage of an HF decoder LM: layers [lo, hi), plus embeddings/head at the ends.
 
-    forward(x, attention_mask=None): x is `input_ids` on the first stage, hidden states
-    elsewhere; returns hidden states, or logits on the last stage. `attention_mask` (the
-    micro-batch's padding mask, handed to every stage by the runner) goes into the masks as
-    in the model's forward, and into OPT's positions.
+    forward(x, attention_mask=None, labels=None): x is `input_ids` on the first stage, hidden
+    states elsewhere; returns hidden states, or logits on the last stage (the loss, with the
+    fused loss and `labels`: `FusedLossStage`). `attention_mask` (the micro-batch's padding
+    mask, handed to every stage by the runner) goes into the masks as in the model's forward,
+    and into OPT's positions.
     """
 
     mask_inputs = ("attention_mask",)  # the padding masks the runner hands every stage
@@ -189,6 +233,7 @@ class HFDecoderStage(nn.Module):
         self._root = (root,)  # a tuple: not registered, so its parameters stay out of the stage
         self.config = root.config
         self.input_names = self.first_inputs if first else ()
+        self.init_fused_loss(root, last)
         for path in self.paths():
             graft(self, root, path)
 
@@ -210,7 +255,8 @@ class HFDecoderStage(nn.Module):
             return None
         return self.get_submodule(path)
 
-    def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                labels: torch.Tensor | None = None) -> torch.Tensor:
         lay = self.layout
         h = self._embed(x, attention_mask) if self.first else x
         pos = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
@@ -227,7 +273,10 @@ class HFDecoderStage(nn.Module):
                 out = layer(h, attention_mask=mask, position_ids=pos, use_cache=False, **extra)
             h = out[0] if isinstance(out, tuple) else out  # GPT-Neo's blocks return tuples
         if self.last:
+            fused = self.fused is not None and labels is not None
             for path in lay.final:
+                if fused and path == self.fused.head:
+                    return self.fused_loss(h, labels)
                 module = self._get(path)
                 h = h if module is None else module(h)
         return h
@@ -279,10 +328,13 @@ class HFDecoderStage(nn.Module):
     def pipeline_outputs(self, logits: torch.Tensor):
         from transformers.modeling_outputs import CausalLMOutput
 
-        return CausalLMOutput(logits=logits)
+        loss = self.wrap_loss(logits, "CausalLMOutput")
+        return loss if loss is not None else CausalLMOutput(logits=logits)
 
     def default_loss(self, outputs, batch) -> torch.Tensor:
         """The HF model's own loss (shifted next-token cross-entropy) from `batch['labels']`."""
+        if own_loss(outputs) is not None:
+            return own_loss(outputs)
         labels = batch.get("labels") if isinstance(batch, dict) else None
         if labels is None:
             raise SchedulingError("", "the batch has no `labels`, so the model's own loss cannot "

@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 
 from ..errors import SchedulingError
-from .stages_decoder import graft, labels_cross_entropy
+from .stages_decoder import FusedLossStage, graft, labels_cross_entropy, own_loss
 
 ENCODER_PREFIXES = ("", "bert.", "roberta.")
 # the masked-LM head module of each supported head class (BertForMaskedLM: `cls`,
@@ -51,14 +51,15 @@ def mlm_head(model: nn.Module) -> str | None:
     return next((h for h in MLM_HEADS if isinstance(getattr(model, h, None), nn.Module)), None)
 
 
-class BertStage(nn.Module):
+class BertStage(FusedLossStage, nn.Module):
     """Layers [lo, hi) of an HF BERT-like encoder (BERT, RoBERTa); the first stage embeds
     `input_ids`. The last stage also runs what follows the encoder: a `*ForMaskedLM` model's
     head (returns the logits; `outputs.loss` is the model's own masked-LM cross-entropy), else
     the pooler if any (returns `(last_hidden_state, pooler_output)`). The first stage takes
     `token_type_ids` after `input_ids` when the batch has them (sentence pairs).
     `attention_mask` (the micro-batch's padding mask, handed to every stage by the runner)
-    becomes the layers' bidirectional mask, as in the model's forward."""
+    becomes the layers' bidirectional mask, as in the model's forward. With the fused loss and
+    `labels` the last stage returns the masked-LM loss instead (`FusedLossStage`)."""
 
     mask_inputs = ("attention_mask",)
     first_inputs = ("input_ids", "token_type_ids")  # what stage 0 takes, in order
@@ -70,6 +71,7 @@ class BertStage(nn.Module):
         self._root = (root,)  # a tuple: not registered, so its parameters stay out of the stage
         self.head = mlm_head(root) if last else None
         self.input_names = self.first_inputs if first else ()
+        self.init_fused_loss(root, last and self.head is not None)
         paths = ([prefix + "embeddings"] if first else [])
         paths += [f"{prefix}encoder.layer.{i}" for i in range(lo, hi)]
         encoder = root.get_submodule(prefix.rstrip(".")) if prefix else root
@@ -84,7 +86,8 @@ class BertStage(nn.Module):
         self._root[0]._init_weights(module)
 
     def forward(self, x: torch.Tensor, token_type_ids: torch.Tensor | None = None,
-                attention_mask: torch.Tensor | None = None):
+                attention_mask: torch.Tensor | None = None,
+                labels: torch.Tensor | None = None):
         h = self.get_submodule(self.prefix + "embeddings")(
             input_ids=x, token_type_ids=token_type_ids) if self.first else x
         mask = None
@@ -98,6 +101,8 @@ class BertStage(nn.Module):
             h = out[0] if isinstance(out, tuple) else out
         if not self.last:
             return h
+        if self.fused is not None and labels is not None:
+            return self.fused_loss(h, labels)
         if self.head is not None:
             return self.get_submodule(self.head)(h)
         try:
@@ -112,7 +117,8 @@ class BertStage(nn.Module):
             return output
         from transformers.modeling_outputs import MaskedLMOutput
 
-        return MaskedLMOutput(logits=output)
+        loss = self.wrap_loss(output, "MaskedLMOutput")
+        return loss if loss is not None else MaskedLMOutput(logits=output)
 
     def default_loss(self, outputs, batch) -> torch.Tensor:
         """The `*ForMaskedLM` model's own loss: cross-entropy over `batch['labels']` (-100
@@ -121,4 +127,6 @@ class BertStage(nn.Module):
             raise SchedulingError("", f"{type(self._root[0]).__name__} has no loss of its own "
                                   "(no masked-LM head).", "pass build(..., loss_fn=fn) with "
                                   "fn(outputs, batch) -> scalar.")
+        if own_loss(outputs) is not None:
+            return own_loss(outputs)
         return labels_cross_entropy(outputs.logits, batch)

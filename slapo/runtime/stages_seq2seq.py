@@ -43,7 +43,7 @@ import torch
 import torch.nn as nn
 
 from ..errors import SchedulingError
-from .stages_decoder import graft, labels_cross_entropy
+from .stages_decoder import FusedLossStage, graft, labels_cross_entropy, own_loss
 
 SEQ2SEQ_TYPES = ("t5", "mt5")
 ENCODER, DECODER = "encoder.block", "decoder.block"
@@ -157,10 +157,11 @@ def seq2seq_bounds(cuts: list[str], n_enc: int, n_dec: int) -> list[tuple[int, i
     return pairs
 
 
-class T5Stage(nn.Module):
+class T5Stage(FusedLossStage, nn.Module):
     """Blocks [lo, hi) of the encoder-then-decoder sequence; stage 0 embeds both inputs, the
     stage ending the encoder applies its final norm, the last stage the decoder's final norm,
-    the output scaling and the LM head (returns logits)."""
+    the output scaling and the LM head (returns logits; the loss, with the fused loss and
+    `labels`: `FusedLossStage`)."""
 
     first_inputs = ("input_ids", "decoder_input_ids")  # what stage 0 takes (`first_args`)
     mask_inputs = ("attention_mask", "decoder_attention_mask")
@@ -176,6 +177,7 @@ class T5Stage(nn.Module):
         # weight wrong, or fails, on a later stage that makes the bias from it
         # (`pipeline_runner.check_split_backward`); the first stage's backward is not split
         self.split_backward = first or not self.starts_decoder
+        self.init_fused_loss(root, last)
         for path in self.paths():
             graft(self, root, path)
 
@@ -216,7 +218,8 @@ class T5Stage(nn.Module):
 
     # ---- forward ----------------------------------------------------------------------------
     def forward(self, *xs: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                decoder_attention_mask: torch.Tensor | None = None):
+                decoder_attention_mask: torch.Tensor | None = None,
+                labels: torch.Tensor | None = None):
         e = self.n_enc
         if self.first:
             ids, dec_ids = xs
@@ -248,6 +251,8 @@ class T5Stage(nn.Module):
             self.get_submodule("decoder.final_layer_norm")(h))
         if self.scale != 1.0:
             h = h * self.scale
+        if self.fused is not None and labels is not None:
+            return self.fused_loss(h, labels)
         return self.get_submodule("lm_head")(h)
 
     def _blocks(self, stack: str, idx: range, h: torch.Tensor, bias: torch.Tensor | None,
@@ -280,11 +285,14 @@ class T5Stage(nn.Module):
     def pipeline_outputs(self, logits: torch.Tensor):
         from transformers.modeling_outputs import Seq2SeqLMOutput
 
-        return Seq2SeqLMOutput(logits=logits)
+        loss = self.wrap_loss(logits, "Seq2SeqLMOutput")
+        return loss if loss is not None else Seq2SeqLMOutput(logits=logits)
 
     def default_loss(self, outputs, batch) -> torch.Tensor:
         """The model's own loss: cross-entropy over `batch['labels']` (unshifted, -100
         ignored)."""
+        if own_loss(outputs) is not None:
+            return own_loss(outputs)
         return labels_cross_entropy(outputs.logits, batch)
 
 
