@@ -345,10 +345,12 @@ def job_tp_dropout_masks(family: str, impl: str):
 
 
 def job_tp_dropout_checkpoint_reproducible(family: str, compile_blocks=False,
-                                           sequence_parallel: bool = False):
+                                           sequence_parallel: bool = False,
+                                           ckpt_policy: str = "full"):
     """With per-rank masks, a checkpointed TP model recomputes with the masks its forward drew:
     loss and every gradient equal the same model without checkpointing (also with compiled
-    blocks, where the forks break the graph and the checkpoint runs eagerly, replaying)."""
+    blocks, where the forks break the graph and the checkpoint runs eagerly, replaying; and
+    with the selective policy, which recomputes the dropouts but keeps the matmuls)."""
     import slapo
     from slapo import model_schedule
 
@@ -357,7 +359,8 @@ def job_tp_dropout_checkpoint_reproducible(family: str, compile_blocks=False,
         torch._dynamo.reset()
         model = dropout_model(family)
         model_schedule.apply(model, tp=2, ckpt_ratio=ratio, compile_blocks=compile_blocks,
-                             sequence_parallel=sequence_parallel)
+                             sequence_parallel=sequence_parallel,
+                             ckpt_policy=ckpt_policy if ratio else "full")
         model.train()
         slapo.set_random_seed(11, tp_rank=torch.distributed.get_rank())
         loss = model(**_batch(family)).loss
@@ -510,6 +513,22 @@ def test_sp_dropout_reproducible_under_checkpoint(dist2, family):
     its attention core; the sequence-sharded dropouts draw per rank): the checkpoint's
     recomputation reuses the forward's masks. Every family with a sequence plan."""
     res = dist2.run(job_tp_dropout_checkpoint_reproducible, family, False, True)
+    assert res[0] == res[1]
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("family", FAMILIES)
+def test_tp_dropout_reproducible_under_selective_checkpoint(dist2, family):
+    """The selective policy (`ckpt_policy="selective"`: matmul outputs kept, the rest, the
+    dropouts included, recomputed) replays each forked dropout's per-rank stream too."""
+    res = dist2.run(job_tp_dropout_checkpoint_reproducible, family, False, False, "selective")
+    assert res[0] == res[1]
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("family", SP_FAMILIES)
+def test_sp_dropout_reproducible_under_selective_checkpoint(dist2, family):
+    res = dist2.run(job_tp_dropout_checkpoint_reproducible, family, False, True, "selective")
     assert res[0] == res[1]
 
 
