@@ -534,7 +534,7 @@ def test_sp_dropout_reproducible_under_selective_checkpoint(dist2, family):
 
 @pytest.mark.dist
 @pytest.mark.compile
-@pytest.mark.parametrize("family", ["gpt2", "llama"])
+@pytest.mark.parametrize("family", FAMILIES)
 def test_tp_dropout_reproducible_under_checkpoint_in_compiled_blocks(dist2, family):
     res = dist2.run(job_tp_dropout_checkpoint_reproducible, family, EAGER, timeout=300)
     assert res[0] == res[1]
