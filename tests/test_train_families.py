@@ -99,6 +99,24 @@ def test_every_model_pipelined_with_the_fused_loss_inside_fsdp2(dist4, model):
     assert ranks[0] == pytest.approx(one, rel=1e-4, abs=1e-5), (ranks[0], one)
 
 
+SP_MODELS = ["bert", "gpt2", "gpt_neo", "llama", "opt", "roberta"]  # with a sequence plan
+
+
+@pytest.mark.parametrize("data_parallel", ["ddp", "dp_shard"])
+@pytest.mark.parametrize("model", SP_MODELS)
+def test_every_sequence_parallel_model_inside_data_parallel(dist4, model, data_parallel):
+    """--tp 2 --sequence-parallel on 4 ranks, so 2 data-parallel replicas (DDP, or FSDP2 with
+    --dp-shard): the norms' gradients, summed over the TP group by the sequence plan, are
+    then averaged over the replicas once; all four ranks log one process's losses."""
+    opts = {**TINY, "model": model, "tp": 2, "sequence_parallel": True}
+    if data_parallel == "dp_shard":
+        opts["dp_shard"] = True
+    ranks = dist4.run(job_losses, opts)
+    one = list(one_process(model))
+    assert all(r == ranks[0] for r in ranks), ranks
+    assert ranks[0] == pytest.approx(one, rel=1e-4, abs=1e-5), (ranks[0], one)
+
+
 RESUMED = {"pp": {"pp_stages": 2}, "tp": {"tp": 2}, "dp_shard": {"dp_shard": True}}
 
 
