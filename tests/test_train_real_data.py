@@ -321,6 +321,80 @@ def test_tied_pipeline_from_a_saved_model_trains_like_one_process(dist2, tmp_pat
     assert ranks[0]["losses"] == pytest.approx(one, rel=1e-5), (ranks[0]["losses"], one)
 
 
+def _saved_llama():  # grouped-query attention: k/v have 2 heads for 4 query heads
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    return LlamaForCausalLM(LlamaConfig(
+        hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=320, max_position_embeddings=64))
+
+
+def _saved_qwen2():  # q/k/v projections with biases, sharded with their weights
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    return Qwen2ForCausalLM(Qwen2Config(
+        hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=320, max_position_embeddings=64))
+
+
+def _saved_gpt_neo():
+    from transformers import GPTNeoConfig, GPTNeoForCausalLM
+
+    return GPTNeoForCausalLM(GPTNeoConfig(
+        hidden_size=32, num_layers=2, num_heads=4, attention_types=[[["global", "local"], 1]],
+        window_size=16, vocab_size=320, max_position_embeddings=64, embed_dropout=0.0,
+        resid_dropout=0.0, attention_dropout=0.0))
+
+
+def _saved_albert():
+    from transformers import AlbertConfig, AlbertForMaskedLM
+
+    return AlbertForMaskedLM(AlbertConfig(
+        hidden_size=32, embedding_size=16, num_hidden_layers=2, num_attention_heads=4,
+        intermediate_size=64, vocab_size=320, max_position_embeddings=64,
+        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0))
+
+
+def _saved_gpt2():  # one fused c_attn (q|k|v blocks), a Conv1D's transposed layout
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    return GPT2LMHeadModel(GPT2Config(vocab_size=320, n_embd=32, n_layer=2, n_head=4,
+                                      n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0,
+                                      attn_pdrop=0.0))
+
+
+SAVED = {"gpt2": _saved_gpt2, "t5": _saved_t5, "bert": _saved_bert, "opt": _saved_opt, "roberta": _saved_roberta,
+         "llama": _saved_llama, "qwen2": _saved_qwen2, "gpt_neo": _saved_gpt_neo,
+         "albert": _saved_albert}
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("name", sorted(SAVED))
+def test_tp2_from_every_saved_family_trains_like_one_process(dist2, tmp_path, name):
+    """--tp 2 from a saved model of every family: each rank reads only its shards of the
+    saved tensors (`local_piece` per shard spec: GPT-2's fused q|k|v blocks, LLaMA's and Qwen2's
+grouped k/v, Qwen2's q/k/v
+    biases, T5's head-sharded position bias, ALBERT's one shared layer, the tied MLM decoders),
+    and the run equals one process reading the whole file; a wrong slice has the right shape
+    and would train silently wrong. Every tensor gets noise first: a fresh init's zero biases
+    and unit norms read the same from any rank's range."""
+    torch.manual_seed(0)
+    model = SAVED[name]()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    model.save_pretrained(tmp_path)
+    options = dict(model=str(tmp_path), steps=3, seq_len=32, batch_size=8, progress=False,
+                   plot=False, eval_batches=0)
+    one = job_tp_from_pretrained(options)["losses"]
+    ranks = dist2.run(job_tp_from_pretrained, {**options, "tp": 2})
+    assert ranks[0]["schedule"].startswith("applied: tp=2"), ranks[0]["schedule"]
+    assert ranks[0]["losses"] == ranks[1]["losses"]
+    assert ranks[0]["losses"] == pytest.approx(one, rel=1e-5), (ranks[0]["losses"], one)
+    for r in ranks:  # shards, never the whole model
+        assert any(n * 2 == t for n, t in r["read"]), r["read"]
+
+
 # ---- bad input: a clear error naming the path and the fix, exit status 2, nothing written -----
 def _bad_inputs(tmp_path: Path, text_dir: Path, tok_dir: Path) -> dict[str, tuple[list, str]]:
     (tmp_path / "empty_tok").mkdir()
