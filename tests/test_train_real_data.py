@@ -395,6 +395,27 @@ grouped k/v, Qwen2's q/k/v
         assert any(n * 2 == t for n, t in r["read"]), r["read"]
 
 
+@pytest.mark.parametrize("name", sorted(SAVED))
+def test_schedule_knobs_keep_every_saved_weight(tmp_path, name):
+    """The weights are loaded after the schedule ran on the meta model: knobs that replace
+    modules (fused q|k|v, the kernels' modules, the fused loss, selective checkpointing, SDPA)
+    must leave nothing at its random init. The first loss equals the plain run's."""
+    torch.manual_seed(0)
+    model = SAVED[name]()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    model.save_pretrained(tmp_path)
+    options = dict(model=str(tmp_path), steps=1, seq_len=32, batch_size=8, progress=False,
+                   plot=False, eval_batches=0)
+    knobs = dict(attention="sdpa", kernels=True, fused_loss=True, ckpt_ratio=1.0,
+                 ckpt_policy="selective", fuse=name not in ("albert", "opt", "t5"))
+    plain = job_tp_from_pretrained(options)["losses"]
+    scheduled = job_tp_from_pretrained({**options, **knobs})
+    assert "fused_loss" in scheduled["schedule"], scheduled["schedule"]
+    assert scheduled["losses"] == pytest.approx(plain, rel=1e-5), (scheduled, plain)
+
+
 # ---- bad input: a clear error naming the path and the fix, exit status 2, nothing written -----
 def _bad_inputs(tmp_path: Path, text_dir: Path, tok_dir: Path) -> dict[str, tuple[list, str]]:
     (tmp_path / "empty_tok").mkdir()
