@@ -66,7 +66,7 @@ def test_parallel_knob_flags_reach_the_schedule_knobs():
     (["train", "--ckpt-ratio", "2"], "--ckpt-ratio: ckpt_ratio must be a number in [0, 1]"),
     (["train", "--tp", "0"], "--tp: tp must be a positive int"),
     (["train", "--fuse", "--compile-blocks"], "pass fuse=False with compile_blocks=True"),
-    (["train", "--fused-loss", "--pp-stages", "2"], "--fused-loss: fused_loss is not available"),
+    (["train", "--sequence-parallel", "--pp-stages", "2"], "--sequence-parallel"),
     (["fly"], "invalid choice: 'fly'"),
 ])
 def test_bad_flags_exit_2_with_message(argv, needle, capsys):

@@ -12,7 +12,7 @@ labels, its output scaled as the model's forward does), applies the per-token pa
 and bias (tied embeddings stay tied: the same Parameter). Without labels the original forward
 runs unchanged. The output is the model's own output class with `loss` set and `logits=None`
 (the point is not to build them); code that needs logits calls the model without labels.
-Pipeline stages do the same on the last stage (`fused_plan`, `head_loss`,
+Pipeline stages do the same on the last stage (`FusedLossKernel.stage_loss`,
 `runtime.stages_decoder.FusedLossStage`): it takes the labels and returns the loss.
 
 Exactness: the same loss as HF's (causal LMs shift labels, ignore -100, mean over counted
@@ -172,6 +172,19 @@ class FusedLossKernel(module_patch.Kernel):
         loss = head_loss(plan, root, hidden, labels, shift, num_items)
         return _output(plan, fields, loss)
 
+    # ---- what a pipeline's last stage asks (`runtime.stages_decoder.FusedLossStage`, which
+    # finds this kernel on the root: the runtime layer does not import model_schedule) ------
+    @property
+    def head(self) -> str:
+        """Path of the head's vocabulary Linear (the module the last stage stops before)."""
+        return self.plan.head
+
+    def stage_loss(self, stage: nn.Module, hidden: torch.Tensor,
+                   labels: torch.Tensor) -> torch.Tensor:
+        """The model's own loss from the hidden state before the head, on a stage holding
+        the head under the model's names (`head_loss`)."""
+        return head_loss(self.plan, stage, hidden, labels)
+
 
 def head_loss(plan: LossPlan, root: nn.Module, hidden: torch.Tensor, labels: torch.Tensor,
               shift_labels: torch.Tensor | None = None,
@@ -179,7 +192,7 @@ def head_loss(plan: LossPlan, root: nn.Module, hidden: torch.Tensor, labels: tor
     """The head's per-token transform, its vocabulary Linear and the cross-entropy as one
     chunked op: the model's own loss from the hidden state before the head. `root` is the
     model, or a pipeline stage holding the head under the model's names (the last stage
-    computes its loss this way: `fused_plan`)."""
+    computes its loss this way: `FusedLossKernel.stage_loss`)."""
     if plan.causal:
         labels = shift_labels if shift_labels is not None else \
             F.pad(labels, (0, 1), value=-100)[..., 1:]
@@ -192,14 +205,6 @@ def head_loss(plan: LossPlan, root: nn.Module, hidden: torch.Tensor, labels: tor
 
     return fused_linear_cross_entropy(hidden, head.weight, labels, head.bias,
                                       num_items=num_items)
-
-
-def fused_plan(root: nn.Module) -> LossPlan | None:
-    """The plan of the fused loss installed on `root` (`fuse_loss`), or None. Pipeline stages
-    ask it: with it, the last stage takes the labels and returns the loss (`head_loss`)
-    instead of the logits, so the logits never exist there either."""
-    kernel = module_patch.kernel(root)
-    return kernel.plan if isinstance(kernel, FusedLossKernel) else None
 
 
 # Under fake tensors (the tuner's cost model) the labelled-row count is data-dependent and

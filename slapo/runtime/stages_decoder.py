@@ -167,22 +167,22 @@ class FusedLossStage:
     read where FSDP2 has gathered it. With a user `loss_fn` no labels come and the last stage
     returns the logits as before."""
 
-    fused = None
+    fused = None  # the root's fused-loss kernel (`.head`, `.stage_loss`), on the last stage
     loss_inputs: tuple[str, ...] = ()
 
     def init_fused_loss(self, root: nn.Module, last: bool) -> None:
-        from ..model_schedule.fused_loss import fused_plan
+        from ..module_patch import kernel
 
-        plan = fused_plan(root)
-        self.loss_inputs = ("labels",) if plan is not None else ()
-        self.fused = plan if last else None
+        fused = kernel(root)
+        if not callable(getattr(fused, "stage_loss", None)):
+            fused = None
+        self.loss_inputs = ("labels",) if fused is not None else ()
+        self.fused = fused if last else None
 
     def fused_loss(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """The loss, shaped (1,): torch's schedules concatenate the last stage's micro-batch
         outputs (`schedule.eval` returns them), which a 0-d tensor cannot be."""
-        from ..model_schedule.fused_loss import head_loss
-
-        return head_loss(self.fused, self, hidden, labels).reshape(1)
+        return self.fused.stage_loss(self, hidden, labels).reshape(1)
 
     def wrap_loss(self, output, cls_name: str):
         """`pipeline_outputs` of a last stage that returned the fused loss (shape (1,)): the
