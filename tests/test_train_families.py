@@ -39,6 +39,11 @@ def one_process(model: str) -> tuple[float, ...]:
     return tuple(job_losses({**TINY, "model": model}))
 
 
+@functools.cache
+def one_process_8_heads(model: str) -> tuple[float, ...]:
+    return tuple(job_losses({**TINY, "model": model, "num_heads": 8}))
+
+
 def job_refusal(options: dict) -> str:
     from slapo.train import TrainConfig, train
 
@@ -167,14 +172,14 @@ def test_every_sequence_parallel_model_inside_data_parallel(dist4, model, data_p
 @pytest.mark.parametrize("sequence_parallel", [False, True])
 @pytest.mark.parametrize("model", sorted(MODELS))
 def test_every_model_at_tp4_trains_like_one_process(dist4, model, sequence_parallel):
-    """--tp 4 (one head per rank; the vocabulary, the shard layouts and, with
-    --sequence-parallel, the sequence in 4 pieces): every other test runs tp=2, where code that
-    mixes up a shard's index and the degree can still pass."""
+    """--tp 4 (8 heads: 2 per rank, LLaMA's 4 key/value heads 1 per rank; the vocabulary,
+    the shard layouts and, with --sequence-parallel, the sequence in 4 pieces): every other
+    test runs tp=2, where code that mixes up a shard's index and the degree can still pass."""
     if sequence_parallel and model not in SP_MODELS:
         pytest.skip(f"{model} has no sequence plan")
-    opts = {**TINY, "model": model, "tp": 4, "sequence_parallel": sequence_parallel}
-    ranks = dist4.run(job_losses, opts)
-    one = list(one_process(model))
+    opts = {**TINY, "model": model, "num_heads": 8}
+    ranks = dist4.run(job_losses, {**opts, "tp": 4, "sequence_parallel": sequence_parallel})
+    one = list(one_process_8_heads(model))
     assert all(r == ranks[0] for r in ranks), ranks
     assert ranks[0] == pytest.approx(one, rel=REL, abs=ABS), (ranks[0], one)
 

@@ -195,6 +195,14 @@ class FusedLossStage:
         return getattr(modeling_outputs, cls_name)(loss=output.reshape(()), logits=None)
 
 
+def not_a_view(t: torch.Tensor) -> torch.Tensor:
+    """`t`, copied if it is a view. torch's split backward (the zero-bubble schedules) ends a
+    stage's input pass with `detach_()` on its outputs, which a view refuses ("Can't detach
+    views in-place"): OPT's decoder layer returns `hidden_states.view(shape)`, so a 2-stage OPT
+    under ZBVZeroBubble failed at its first step. One copy of one activation per stage."""
+    return t.clone() if isinstance(t, torch.Tensor) and t._is_view() else t
+
+
 def own_loss(outputs) -> torch.Tensor | None:
     """The loss a fused last stage already computed (`FusedLossStage`), else None."""
     return getattr(outputs, "loss", None)
@@ -279,7 +287,7 @@ class HFDecoderStage(FusedLossStage, nn.Module):
                     return self.fused_loss(h, labels)
                 module = self._get(path)
                 h = h if module is None else module(h)
-        return h
+        return not_a_view(h)
 
     def _embed(self, ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
         pos = torch.arange(ids.shape[1], device=ids.device).unsqueeze(0)
