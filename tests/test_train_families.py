@@ -110,11 +110,11 @@ def test_every_model_pipelined_with_the_fused_loss_inside_fsdp2(dist4, model):
     assert ranks[0] == pytest.approx(one, rel=REL, abs=ABS), (ranks[0], one)
 
 
-@pytest.mark.parametrize("layout", ["tp", "pp"])
+@pytest.mark.parametrize("layout", ["tp", "dp_shard", "pp"])
 @pytest.mark.parametrize("model", sorted(MODELS))
 def test_every_model_with_tempo_under_each_layout(dist2, model, layout):
     """--tempo --attention eager (Tempo's memory-saving layers and its attention core, which
-    replaces eager attention) under TP and a pipeline: one process's losses without
+    replaces eager attention) under TP, FSDP2 and a pipeline: one process's losses without
     Tempo (its layers recompute what they drop, exactly)."""
     if (model, layout) in REFUSED:
         pytest.skip("refused: test_every_model_and_layout_trains_like_one_process")
@@ -147,13 +147,15 @@ def one_process_with_evals(model: str) -> tuple[tuple[float, ...], tuple[float, 
 SP_MODELS = ["bert", "gpt2", "gpt_neo", "llama", "opt", "roberta"]  # with a sequence plan
 
 
+@pytest.mark.parametrize("data_parallel", ["ddp", "dp_shard"])
 @pytest.mark.parametrize("model", SP_MODELS)
-def test_every_sequence_parallel_model_inside_fsdp2(dist4, model):
-    """--tp 2 --sequence-parallel --dp-shard on 4 ranks, so 2 FSDP2 replicas: the norms'
-    gradients, summed over the TP group by the sequence plan (swapping the parameters FSDP2
-    also manages), are then reduce-scattered over the replicas once; all four ranks log one
-    process's losses. (DDP x SP was checked by hand the same way, session 27.)"""
-    opts = {**TINY, "model": model, "tp": 2, "sequence_parallel": True, "dp_shard": True}
+def test_every_sequence_parallel_model_inside_data_parallel(dist4, model, data_parallel):
+    """--tp 2 --sequence-parallel on 4 ranks, so 2 data-parallel replicas (DDP, or FSDP2 with
+    --dp-shard, which also manages the parameters the sequence plan swaps): the norms'
+    gradients, summed over the TP group, are then averaged over the replicas once; all four
+    ranks log one process's losses."""
+    opts = {**TINY, "model": model, "tp": 2, "sequence_parallel": True,
+            "dp_shard": data_parallel == "dp_shard"}
     ranks = dist4.run(job_losses, opts)
     one = list(one_process(model))
     assert all(r == ranks[0] for r in ranks), ranks
@@ -202,11 +204,9 @@ def test_every_model_and_layout_resumes_bit_for_bit(dist2, tmp_path, model, layo
     _resumes_bit_for_bit(dist2, tmp_path, {"model": model, **RESUMED[layout]})
 
 
-@pytest.mark.parametrize("model", ["albert", "bert", "llama", "t5"])
-def test_tp_inside_fsdp2_resumes_bit_for_bit(dist4, tmp_path, model):
-    """--tp 2 --dp-shard on 4 ranks (FSDP2 shards of TP shards, a 2-D layout per tensor): the
-    layouts GPT-2's (test_train_dist) does not have: ALBERT's shared layer, BERT's tied MLM
-    decoder, LLaMA's grouped k/v, T5's head-sharded position bias. (All 8 passed, session 27.)"""
+@pytest.mark.parametrize("model", sorted(MODELS))
+def test_every_model_tp_inside_fsdp2_resumes_bit_for_bit(dist4, tmp_path, model):
+    """--tp 2 --dp-shard on 4 ranks (FSDP2 shards of TP shards, a 2-D layout per tensor)."""
     _resumes_bit_for_bit(dist4, tmp_path, {"model": model, "tp": 2, "dp_shard": True})
 
 

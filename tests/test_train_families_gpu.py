@@ -3,12 +3,10 @@
 bf16 mixed precision, blocks compiled through AOTAutograd (`aot_eager`: dynamo's graphs as
 inductor would see them, without code generation), selective activation checkpointing, the
 fused linear + cross-entropy (on a pipeline's last stage too) and Slapo's kernels, all at
-once, on 2 gloo ranks under TP, FSDP2 and a pipeline (`slapo train`'s default schedule).
-Each run must give the losses of one process with the same options, within bf16 roundoff: no
-further from them than `FACTOR` times the distance between that process's bf16 and fp32
-losses (a gradient all-reduce that does nothing lands 11x to 200x further; measured under
-DDP, which passed for all 8 models in session 27 and is left to GPT-2's tests to keep the
-suite short).
+once, on 2 gloo ranks under TP, FSDP2, a pipeline (`slapo train`'s default schedule) and
+DDP. Each run must give the losses of one process with the same options, within bf16
+roundoff: no further from them than `FACTOR` times the distance between that process's bf16
+and fp32 losses (a gradient all-reduce that does nothing lands 11x to 200x further).
 fp16 with its GradScaler runs the same way under TP and FSDP2 (no other knob).
 `test_mixed_precision` and `test_gpu_schedule_dist` prove the mechanisms on GPT-2 (and LLaMA,
 BERT); this file proves they hold for the other six families.
@@ -29,7 +27,7 @@ TINY = dict(hidden_size=32, num_layers=2, num_heads=4, seq_len=32, batch_size=8,
             progress=False, plot=False, eval_batches=0, dropout=0.0)
 GPU = dict(compile_blocks="aot_eager", ckpt_ratio=1.0, ckpt_policy="selective",
            fused_loss=True, kernels=True)
-LAYOUTS = {"tp": {"tp": 2}, "dp_shard": {"dp_shard": True}, "pp": {"pp_stages": 2}}
+LAYOUTS = {"tp": {"tp": 2}, "dp_shard": {"dp_shard": True}, "pp": {"pp_stages": 2}, "ddp": {}}
 REFUSED = {("albert", "pp")}  # one shared layer: test_train_families checks the refusal
 # FSDP2's MixedPrecisionPolicy gathers every parameter in bf16 (embeddings and norms too, which
 # autocast keeps in fp32), so its runs sit further from the autocast run than the yardstick
