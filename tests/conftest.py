@@ -26,6 +26,13 @@ def dist4():
     return _pool(4)
 
 
+@pytest.fixture(scope="session")
+def dist8():
+    """Eight real gloo ranks (tp x pp x dp on one mesh; heavily oversubscribed on 2 cores, so
+    only a few jobs use it)."""
+    return _pool(8)
+
+
 @pytest.fixture
 def one_thread():
     """One intra-op thread for tests that train in this process (the 2-core CI machine also runs
