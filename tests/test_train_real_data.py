@@ -463,11 +463,11 @@ def test_unknown_field_error_lists_the_fields(text_dir):
 def test_grad_accum_matches_the_whole_batch(tmp_path):
     """--grad-accum 2: two half-batch backwards per step give the whole-batch gradient (causal
     LM, equal tokens per sample), so the losses follow the same trajectory."""
-    flags = ["--steps", "4", "--eval-batches", "0", "--lr", "3e-3"]
+    flags = ["--steps", "4", "--eval-batches", "0", "--lr", "1e-2"]
     whole = run(tmp_path / "a", *flags)["losses"]
     accum = run(tmp_path / "b", *flags, "--grad-accum", "2")["losses"]
     assert accum[0] == pytest.approx(whole[0], rel=1e-6)
-    assert accum == pytest.approx(whole, rel=1e-4)
+    assert accum == pytest.approx(whole, rel=1e-5)
     with pytest.raises(SystemExit) as e:
         main(["train", *TINY, "--grad-accum", "3"])  # 4 samples do not split into 3
     assert e.value.code == 2
