@@ -497,6 +497,7 @@ class PipelineRunner:
         self._tokens: TokenMean | None = None
         self._losses: list[torch.Tensor] = []
         self._error: BaseException | None = None
+        self._shapes: tuple | None = None  # the batch shapes torch < 2.13 last inferred for
         self._error_order = 0
         self._error_phase: str | None = None  # e.g. "stage 1 backward"
         self._templates: dict[int, Any] = {}  # stage id -> its last good output's structure
@@ -687,6 +688,10 @@ class PipelineRunner:
         except Exception as e:  # noqa: BLE001
             self._fail(e, PREPARE_ORDER)
         raise_on_every_rank(self._error, self.info, "preparing the pipeline step")
+        shapes = batch_shapes(batch)
+        if self._shapes is not None and shapes != self._shapes:
+            forget_inferred_shapes(self.schedule)
+        self._shapes = shapes
         token = _ACTIVE.set(self)
         try:
             run(*args, target=target, **run_kwargs, **masks)
@@ -752,6 +757,34 @@ def raise_on_every_rank(error: BaseException | None, info: MeshInfo, where: str,
     raise SchedulingError("", f"the pipeline train_step failed on rank {first_rank} while "
                           f"{where}: {detail}", "fix the error reported by that rank; every "
                           "rank stopped this step (no optimizer step was taken).")
+
+
+def batch_shapes(batch: Batch) -> tuple:
+    """The shape and dtype of every tensor in `batch`, in order: what a stage's inferred send
+    and receive buffers depend on (every rank of the pipeline is handed the same batch)."""
+    return tuple((tuple(t.shape), t.dtype) for t in pytree.tree_leaves(batch)
+                 if isinstance(t, torch.Tensor))
+
+
+def forget_inferred_shapes(schedule) -> None:
+    """Make the next step infer its stages' shapes again. torch infers a stage's micro-batch
+    shapes at the first step and keeps them (2.13 re-infers only on a train/eval switch): a
+    later training step with another sequence length or batch size failed ("Expected input
+    batch_size (32) to match target batch_size (16)"; torch 2.11's first stage: "shape
+    mismatch: expected [2, 16] actual [4, 16]"), and on torch 2.11 `eval_step` on the whole
+    batch after training in `grad_accum` slices too, so `slapo train --pp-stages 2 --grad-accum
+    2` died at its first val loss on the GPU image's torch. Every rank of the pipeline sees
+    the same batch shapes, so every rank clears at the same step: the flags torch sets after
+    inferring, and torch < 2.13's stage metadata (which it never overwrites)."""
+    stages = list(getattr(schedule, "_stages", None) or [schedule._stage])
+    for st in stages:
+        if hasattr(st, "_shape_inference"):  # torch < 2.13
+            st.inputs_meta = None
+            st._outputs_meta = None
+    for flag in ("_stage_forward_initialized", "_stage_backward_initialized",
+                 "_stages_forward_initialized", "_stages_backward_initialized"):
+        if hasattr(schedule, flag):
+            setattr(schedule, flag, False)
 
 
 def make_stages(modules: list[nn.Module], stage_ids: list[int], plan: PipelinePlan,
