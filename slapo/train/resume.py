@@ -97,9 +97,11 @@ def resume(run: Any, log=print) -> None:
         return
     trainer = ckpt.read_trainer(path)
     check_identity(run.cfg, path, trainer["config"])
-    ckpt.check_world(path, run.env.world)
-    ckpt.load(path, run.model, run.optimizer, run.env.rank)
+    same_world = ckpt.check_world(path, run.env.world, trainer["config"], run.cfg)
+    ckpt.load(path, run.model, run.optimizer, run.env.rank, rng=same_world)
     run.step = trainer["step"]
+    if not same_world:
+        reseed_after_resharding(run, path, trainer["step"])
     run.losses = list(trainer["losses"])
     run.evals = [e for e in trainer.get("evals", []) if e["step"] <= run.step]
     run.data.load_state_dict(trainer["data"])
@@ -108,3 +110,16 @@ def resume(run: Any, log=print) -> None:
     run.resumed_from = run.step
     faults.note_step(run.step)  # SLAPO_FAULT steps count as the run does
     log(f"resumed from {path} at step {run.step}")
+    if not same_world:
+        log(f"note: the checkpoint was written by {ckpt.saved_world(path)} process(es), this "
+            f"job has {run.env.world}: weights, optimizer state, step, data position and "
+            "loss scale are the run's; the random streams (dropout) restart from the seed and "
+            "the step, so the losses are not bit for bit those of an uninterrupted run")
+
+
+def reseed_after_resharding(run: Any, path: Path, step: int) -> None:
+    """The saved streams are per rank, and the ranks changed: start new ones, distinct per rank
+    as at the start of a run (`seed_training_rng`), and different for every resumed step."""
+    from .setup import seed_training_rng
+
+    seed_training_rng(run.cfg.seed + 7919 * step, run.env)

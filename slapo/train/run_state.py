@@ -550,14 +550,34 @@ def read_trainer(path: Path) -> dict[str, Any]:
     return trainer
 
 
-def check_world(path: Path, world: int) -> None:
-    """The job must have as many processes as the one that wrote the checkpoint: each rank
-    restores its own RNG streams."""
-    saved = read_manifest(path)["world_size"]
-    if saved != world:
-        raise CheckpointError(path, f"written by {saved} process(es), this job has {world}: "
-                              f"resume with `torchrun --nproc-per-node {saved}` (or the same "
-                              "launcher as the run that wrote it).")
+def saved_world(path: Path) -> int:
+    """How many processes wrote the checkpoint."""
+    return int(read_manifest(path)["world_size"])
+
+
+def check_world(path: Path, world: int, saved_config: dict[str, Any], cfg: Any) -> bool:
+    """Whether the job has the checkpoint's processes (then it resumes exactly, each rank its
+    own RNG streams). Another count is another number of data-parallel ranks (tp and pp are
+    the run's identity, checked before): allowed where the checkpoint's tensors do not depend
+    on it, i.e. unless FSDP2 shards tensor-parallel shards on either side (their saved boxes
+    are reshapes of the full tensors that depend on the dp split: `shard_layout`)."""
+    saved = saved_world(path)
+    if saved == world:
+        return True
+    tp = int(cfg.tp or 1)
+    per_replica = tp * int(cfg.pp_stages or 1)
+    saved_dp, dp = saved // per_replica, world // per_replica
+    fsdp_tp = tp > 1 and ((saved_config.get("dp_shard") and saved_dp > 1) or
+                          (cfg.dp_shard and dp > 1))
+    if fsdp_tp:
+        raise CheckpointError(path, f"written by {saved} process(es) ({saved_dp} data-parallel "
+                              f"rank(s)), this job has {world} ({dp}); with --tp {tp} and "
+                              "--dp-shard the saved tensors are laid out for the data-parallel "
+                              "split they were trained on: resume with `torchrun "
+                              f"--nproc-per-node {saved}`, or without --dp-shard on both "
+                              "sides, or export the run (`slapo export`) and continue from it "
+                              "with --model")
+    return False
 
 
 def _flat_optimizer(metadata) -> bool:
@@ -567,9 +587,12 @@ def _flat_optimizer(metadata) -> bool:
                    and k.split(".")[2].isdigit() for k in metadata.state_dict_metadata)
 
 
-def load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, rank: int) -> None:
-    """Collective. Load weights, optimizer state and this rank's RNG streams from a verified
-    checkpoint, with loaders that run no code from the files (see the module docstring)."""
+def load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, rank: int,
+         rng: bool = True) -> None:
+    """Collective. Load weights, optimizer state and (`rng`) this rank's RNG streams from a
+    verified checkpoint, with loaders that run no code from the files (see the module
+    docstring). DCP reads each tensor into whatever this job's model holds (a replica, an FSDP2
+    shard), so another number of data-parallel ranks loads the same values."""
     metadata = _SafeReader(str(path)).read_metadata()  # a refused one: our error, before DCP's
     flat = _flat_optimizer(metadata)
     state, specs, partial, layout = _state(model, optimizer, flat)
@@ -595,4 +618,5 @@ def load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, rank: i
                                                 flatten_optimizer_state_dict=flat))
     except (RuntimeError, KeyError, ValueError) as e:
         raise CheckpointError(path, f"does not fit this model/optimizer: {_reason(e)}") from None
-    load_rng(Path(path) / rng_file(rank))
+    if rng:
+        load_rng(Path(path) / rng_file(rank))
