@@ -213,7 +213,7 @@ ONE, DDP2, FSDP2 = (1, {}), (2, {}), (2, {"dp_shard": True})
 RESHARDED = {
     "ddp2_to_one": (DDP2, ONE), "one_to_ddp2": (ONE, DDP2),
     "fsdp2_to_one": (FSDP2, ONE), "one_to_fsdp2": (ONE, FSDP2),
-    "ddp2_to_fsdp2": (DDP2, FSDP2),  # the same count: DDP's replicas into FSDP2 shards (exact)
+    "ddp2_to_fsdp2": (DDP2, FSDP2),  # the same count: DDP's replicas into FSDP2 shards
     "pp2_fsdp2_to_pp2": ((4, {"pp_stages": 2, "dp_shard": True}), (2, {"pp_stages": 2})),
     "tp2_ddp2_to_tp2": ((4, {"tp": 2}), (2, {"tp": 2})),
 }
