@@ -58,7 +58,9 @@ HELP = {
     "num_heads": "attention heads",
     "out": "run directory: metrics.json, metrics.png, checkpoints/",
     "resume": "resume from the newest intact checkpoint in --out (or from the checkpoint "
-              "directory given); an error if there is none",
+              "directory given); an error if there is none. The number of processes, --tp, "
+              "--pp-stages, SP and vocabulary parallelism may differ from the run's (the random "
+              "streams then restart)",
     "resume_or_start": "resume from the newest intact checkpoint in --out if there is one, "
                        "else start a fresh run there (for restartable job scripts)",
     "save_every": "checkpoint every N steps (0: only at the end); needs --out",

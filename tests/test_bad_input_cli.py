@@ -562,8 +562,6 @@ RESUME_CASES: dict[str, tuple[list, tuple]] = {
     "other_dropout": (["--dropout", "0.1"], ("--dropout 0.1 (checkpoint: 0.0)",)),
     "other_data": (["--data", "{tmp}/a.txt"], ("--data",)),
     "other_val_fraction": (["--val-fraction", "0.2"], ("--val-fraction 0.2",)),
-    "other_tp": (["@tp=2"], ("--tp", "(checkpoint: 2)")),
-    "other_pp_stages": (["@pp_stages=2"], ("--pp-stages", "(checkpoint: 2)")),
     "not_a_run_dir": (["--resume", "{tmp}/empty"], ("cannot resume",)),
     "run_dir_not_checkpoint_dir": (["--resume", "{run}"], ("cannot resume",)),
     "file_not_dir": (["--resume", "{tmp}/a.txt"], ("no such checkpoint directory",)),

@@ -210,6 +210,32 @@ def test_every_model_tp_inside_fsdp2_resumes_bit_for_bit(dist4, tmp_path, model)
     _resumes_bit_for_bit(dist4, tmp_path, {"model": model, "tp": 2, "dp_shard": True})
 
 
+def _resumes_on(pool_a, pool_b, tmp_path, opts: dict, a: dict, b: dict) -> None:
+    """Saved at step 2 under layout `a`, resumed under `b` (another --tp, --pp-stages or
+    number of processes; a pool of None: this process): dropout off, the losses continue the
+    uninterrupted run's to roundoff (the random streams restart, weights and moments do not)."""
+    def on(pool, options):
+        return pool.run(job_losses, options)[0] if pool else job_losses(options)
+
+    opts = {**TINY, **opts, "steps": 4}
+    straight = on(pool_a, {**opts, **a, "out": str(tmp_path / "a"), "save_every": 2})
+    step2 = str(tmp_path / "a" / "checkpoints" / "step_000002")
+    resumed = on(pool_b, {**opts, **b, "out": str(tmp_path / "b"), "resume": step2})
+    assert resumed[2:] == pytest.approx(straight[2:], rel=REL, abs=ABS), (straight, resumed)
+
+
+@pytest.mark.parametrize("model", sorted(MODELS))
+def test_every_model_resumes_on_another_layout(dist2, tmp_path, model, one_thread):
+    """A --tp 2 checkpoint resumed as a 2-stage pipeline (ALBERT, which no pipeline takes: in
+    one process), and a one-process checkpoint resumed under --tp 2: each tensor is read into
+    the other layout (GPT-2's fused q|k|v saved as (.., 3, rest) under TP and as HF's shape
+    without it, LLaMA's grouped k/v, T5's head-sharded position bias, the tied MLM decoders,
+    the vocabulary-parallel embeddings)."""
+    other = ({"pp_stages": 2}, dist2) if model != "albert" else ({}, None)
+    _resumes_on(dist2, other[1], tmp_path / "tp", {"model": model}, {"tp": 2}, other[0])
+    _resumes_on(None, dist2, tmp_path / "one", {"model": model}, {}, {"tp": 2})
+
+
 @pytest.mark.parametrize("model", PIPELINED)
 def test_every_model_tp_inside_pipeline_trains_like_one_process(dist4, model):
     """--tp 2 --pp-stages 2 on 4 ranks, for every model a pipeline takes: each TP rank's

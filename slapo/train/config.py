@@ -27,7 +27,7 @@ from .metrics_log import check_sinks
 from .models import ModelSize, get_model_spec
 
 __all__ = ["CKPT_POLICIES", "DEVICES", "DIST_TIMEOUT_S", "MULTI_STAGE", "PP_SCHEDULES",
-           "PRECISIONS", "RUN_IDENTITY", "RunOptions", "TrainConfig", "config_fields", "flag",
+           "PRECISIONS", "RUN_IDENTITY", "RUN_LAYOUT", "RunOptions", "TrainConfig", "config_fields", "flag",
            "knob_names"]
 
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -40,9 +40,11 @@ MULTI_STAGE = ("Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZero
 
 # Options that must match a checkpoint for resuming to continue the same run.
 RUN_IDENTITY = ("model", "batch_size", "seq_len", "seed", "hidden_size", "num_layers",
-                "num_heads", "dropout", "tp", "pp_stages", "data", "text_field", "tokenizer",
-                "val_fraction", "sequence_parallel", "vocab_parallel")  # the last two: how the
-# tensors are laid out on the ranks, so a resume with another value is another run
+                "num_heads", "dropout", "data", "text_field", "tokenizer", "val_fraction")
+# How the run is laid out on the ranks (with the number of processes): a resume may change
+# them (the loader reads each tensor into this job's layout), but then the per-rank random
+# streams restart (`slapo.train.resume`), so only an equal layout resumes bit for bit.
+RUN_LAYOUT = ("tp", "pp_stages", "sequence_parallel", "vocab_parallel")
 
 
 def flag(name: str) -> str:

@@ -13,7 +13,7 @@ from ..model_schedule.knobs import ScheduleKnobs
 from ..model_schedule.knobs import names as knob_names
 from . import faults
 from . import run_state as ckpt
-from .config import RUN_IDENTITY, TrainConfig, flag
+from .config import RUN_IDENTITY, RUN_LAYOUT, TrainConfig, flag
 from .report import warn
 
 __all__ = ["check_identity", "pick_checkpoint", "resume", "save"]
@@ -97,11 +97,11 @@ def resume(run: Any, log=print) -> None:
         return
     trainer = ckpt.read_trainer(path)
     check_identity(run.cfg, path, trainer["config"])
-    same_world = ckpt.check_world(path, run.env.world, trainer["config"], run.cfg)
-    ckpt.load(path, run.model, run.optimizer, run.env.rank, rng=same_world)
+    changed = layout_changes(run.cfg, trainer["config"], ckpt.saved_world(path), run.env.world)
+    ckpt.load(path, run.model, run.optimizer, run.env.rank, rng=not changed)
     run.step = trainer["step"]
-    if not same_world:
-        reseed_after_resharding(run, path, trainer["step"])
+    if changed:
+        reseed_after_resharding(run, trainer["step"])
     run.losses = list(trainer["losses"])
     run.evals = [e for e in trainer.get("evals", []) if e["step"] <= run.step]
     run.data.load_state_dict(trainer["data"])
@@ -110,14 +110,27 @@ def resume(run: Any, log=print) -> None:
     run.resumed_from = run.step
     faults.note_step(run.step)  # SLAPO_FAULT steps count as the run does
     log(f"resumed from {path} at step {run.step}")
-    if not same_world:
-        log(f"note: the checkpoint was written by {ckpt.saved_world(path)} process(es), this "
-            f"job has {run.env.world}: weights, optimizer state, step, data position and "
-            "loss scale are the run's; the random streams (dropout) restart from the seed and "
-            "the step, so the losses are not bit for bit those of an uninterrupted run")
+    if changed:
+        log(f"note: resumed on another layout ({', '.join(changed)}): weights, optimizer "
+            "state, step, data position and loss scale are the run's; the random streams "
+            "(dropout) restart from the seed and the step, so the losses are not bit for bit "
+            "those of an uninterrupted run")
 
 
-def reseed_after_resharding(run: Any, path: Path, step: int) -> None:
+def layout_changes(cfg: Any, saved: dict[str, Any], saved_world: int, world: int) -> list[str]:
+    """How this job's layout differs from the checkpoint's ("--tp 1 (checkpoint: 2)", ...):
+    the number of processes and the `RUN_LAYOUT` options, compared by effective value."""
+    defaults = TrainConfig()
+    changes = [] if saved_world == world else \
+        [f"{world} process(es) (checkpoint: {saved_world})"]
+    for k in RUN_LAYOUT:
+        old, new = saved.get(k, getattr(defaults, k)), getattr(cfg, k)
+        if _effective(k, old) != _effective(k, new):
+            changes.append(f"--{flag(k)} {_shown(new)} (checkpoint: {_shown(old)})")
+    return changes
+
+
+def reseed_after_resharding(run: Any, step: int) -> None:
     """The saved streams are per rank, and the ranks changed: start new ones, distinct per rank
     as at the start of a run (`seed_training_rng`), and different for every resumed step."""
     from .setup import seed_training_rng

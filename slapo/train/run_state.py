@@ -555,36 +555,52 @@ def saved_world(path: Path) -> int:
     return int(read_manifest(path)["world_size"])
 
 
-def check_world(path: Path, world: int, saved_config: dict[str, Any], cfg: Any) -> bool:
-    """Whether the job has the checkpoint's processes (then it resumes exactly, each rank its
-    own RNG streams). Another count is another number of data-parallel ranks (tp and pp are
-    the run's identity, checked before): allowed where the checkpoint's tensors do not depend
-    on it, i.e. unless FSDP2 shards tensor-parallel shards on either side (their saved boxes
-    are reshapes of the full tensors that depend on the dp split: `shard_layout`)."""
-    saved = saved_world(path)
-    if saved == world:
-        return True
-    tp = int(cfg.tp or 1)
-    per_replica = tp * int(cfg.pp_stages or 1)
-    saved_dp, dp = saved // per_replica, world // per_replica
-    fsdp_tp = tp > 1 and ((saved_config.get("dp_shard") and saved_dp > 1) or
-                          (cfg.dp_shard and dp > 1))
-    if fsdp_tp:
-        raise CheckpointError(path, f"written by {saved} process(es) ({saved_dp} data-parallel "
-                              f"rank(s)), this job has {world} ({dp}); with --tp {tp} and "
-                              "--dp-shard the saved tensors are laid out for the data-parallel "
-                              "split they were trained on: resume with `torchrun "
-                              f"--nproc-per-node {saved}`, or without --dp-shard on both "
-                              "sides, or export the run (`slapo export`) and continue from it "
-                              "with --model")
-    return False
-
-
 def _flat_optimizer(metadata) -> bool:
     """Whether a checkpoint keys optimizer hyper-parameters by parameter name (see `_state`);
     those written before that key them by group index (`optim.param_groups.0.params`)."""
     return not any(k.startswith("optim.param_groups.") and k.endswith(".params")
                    and k.split(".")[2].isdigit() for k in metadata.state_dict_metadata)
+
+
+def _read_whole_where_reshaped(state: dict, metadata) -> dict[tuple[str, str], torch.Tensor]:
+    """Entries saved in another reshape of the same tensor than this job holds: a fused q|k|v
+    is saved as (.., blocks, rest) under --tp and as HF's (.., blocks * rest) without it, and
+    under --tp with --dp-shard some axes are split further (`shard_layout`). Every layout is a
+    reshape of the full tensor, never a permutation, so the element order is the same: such an
+    entry is read whole into a CPU tensor of the saved shape (replaced in `state`), and
+    `_scatter_reshaped` copies this rank's part into the original after the load. Returns the
+    originals by (part, key); an entry whose element count differs is left for DCP to refuse."""
+    saved = metadata.state_dict_metadata
+    originals = {}
+    for part, entries in state.items():
+        for key, value in list(entries.items()):
+            meta = saved.get(f"{part}.{key}")
+            if not isinstance(value, torch.Tensor) or not hasattr(meta, "size"):
+                continue
+            shape = torch.Size(meta.size)
+            if shape == value.shape or shape.numel() != value.numel():
+                continue
+            originals[part, key] = value
+            entries[key] = torch.empty(shape, dtype=value.dtype)
+    return originals
+
+
+def _scatter_reshaped(state: dict, originals: dict[tuple[str, str], torch.Tensor]) -> None:
+    """Copy each whole entry read by `_read_whole_where_reshaped`, reshaped to this job's full
+    shape, into this rank's part of the original (a DTensor's local chunk, computed from the
+    whole tensor on every rank, no communication), and put the original back."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    for (part, key), original in originals.items():
+        whole = state[part][key].reshape(original.shape)
+        with torch.no_grad():
+            if isinstance(original, DTensor):
+                mine = distribute_tensor(whole.to(original.device), original.device_mesh,
+                                         original.placements, src_data_rank=None)
+                original.to_local().copy_(mine.to_local())
+            else:
+                original.copy_(whole)
+        state[part][key] = original
 
 
 def load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, rank: int,
@@ -596,6 +612,7 @@ def load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, rank: i
     metadata = _SafeReader(str(path)).read_metadata()  # a refused one: our error, before DCP's
     flat = _flat_optimizer(metadata)
     state, specs, partial, layout = _state(model, optimizer, flat)
+    reshaped = _read_whole_where_reshaped(state, metadata)
     try:
         with _quiet_single_process():
             dcp.load(state, storage_reader=_SafeReader(str(path)), planner=_SafeLoadPlanner(path),
@@ -608,6 +625,7 @@ def load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, rank: i
             raise inner from None
         raise CheckpointError(path, "could not load the model/optimizer state: "
                               f"{_reason(inner)}") from None
+    _scatter_reshaped(state, reshaped)
     if specs:
         with torch.no_grad():
             state = shard_layout.convert(state, specs, layout.restore)
