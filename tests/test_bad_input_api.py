@@ -121,6 +121,19 @@ def _traced():
     return sch
 
 
+def _bn_net():
+    """A small CNN with BatchNorms (BERT has none), for sync_batchnorm."""
+    torch.manual_seed(0)
+    return slapo.create_schedule(nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4),
+                                               nn.ReLU(), nn.Flatten(), nn.BatchNorm1d(4)))
+
+
+def _bn_synced():
+    sch = _bn_net()
+    sch.sync_batchnorm(group=dist.group.WORLD)
+    return sch
+
+
 def _prepared(step: Callable) -> Callable:
     def setup():
         sch = _base()
@@ -351,6 +364,13 @@ PRIMITIVE_CASES: dict[str, Case] = {
     "sync_twice": Case("sync", _prepared(lambda s: s[OUT].sync("fwd_post", "all_reduce")),
                        lambda s: s[OUT].sync("fwd_post", "all_reduce"), OUT,
                        ("already applied",)),
+    # sync_batchnorm
+    "sync_bn_no_batchnorm": Case("sync_batchnorm", _base, lambda s: s[LN].sync_batchnorm(
+        group=dist.group.WORLD), LN, ("has no BatchNorm",)),
+    "sync_bn_no_mesh": Case("sync_batchnorm", _bn_net, lambda s: s.sync_batchnorm(), "",
+                            ("no mesh", "group=")),
+    "sync_bn_twice": Case("sync_batchnorm", _bn_synced, lambda s: s.sync_batchnorm(
+        group=dist.group.WORLD), "", ("already runs the kernel 'sync_batchnorm'",)),
     # trace
     "trace_unknown_tracer": Case("trace", _base, lambda s: s[IM].trace(tracer="jit"), IM,
                                  ("unknown tracer 'jit'",)),
@@ -384,7 +404,8 @@ def test_primitive_bad_input(case):
     c = PRIMITIVE_CASES[case]
     sch = c.setup()
     _rejected(sch, c.call, c.path, c.needles)
-    sch[V].annotate("weight", "still_usable", True)  # the schedule still works afterwards
+    usable = V if c.setup is not _bn_net and c.setup is not _bn_synced else "1"
+    sch[usable].annotate("weight", "still_usable", True)  # the schedule still works afterwards
 
 
 # ---- model_schedule.apply knobs -----------------------------------------------------------------

@@ -18,12 +18,13 @@ from .replace import ReplacePrimitive
 from .set_attr import SetAttrPrimitive
 from .shard import ShardPrimitive
 from .sync import SyncPrimitive
+from .sync_batchnorm import SyncBatchNormPrimitive
 from .trace import TracePrimitive
 
 BUILTIN: tuple[type[Primitive], ...] = (
     AnnotatePrimitive, CheckpointPrimitive, CompilePrimitive, CutPipelineStagePrimitive,
     DecomposePrimitive, FindPrimitive, ForkRNGPrimitive, FusePrimitive,
     ReduceParamGradsPrimitive, ReplacePrimitive, SetAttrPrimitive, ShardPrimitive,
-    SyncPrimitive, TracePrimitive)
+    SyncPrimitive, SyncBatchNormPrimitive, TracePrimitive)
 
 __all__ = ["BUILTIN", "Primitive", "get_primitive", "list_primitives", "register_primitive"]

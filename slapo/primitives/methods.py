@@ -25,6 +25,7 @@ from .replace import ReplacePrimitive
 from .set_attr import SetAttrPrimitive
 from .shard import ShardPrimitive
 from .sync import SyncPrimitive
+from .sync_batchnorm import SyncBatchNormPrimitive
 from .trace import TracePrimitive
 
 
@@ -126,6 +127,17 @@ class PrimitiveMethods:
 
         (`slapo.primitives.sync.SyncPrimitive`)"""
         return SyncPrimitive.run_given(self, mode=mode, sync_op_or_fn=sync_op_or_fn, **kwargs)
+
+    def sync_batchnorm(self, group=None) -> Any:
+        """Every BatchNorm in this module's subtree takes its training statistics over the ranks
+        of `group` (default: the "dp" dimension of the schedule's mesh; pass `dist.group.WORLD`
+        when every rank is a data-parallel replica), so data parallelism on n ranks normalises as
+        one process does on the whole batch (running statistics too). The modules, their
+        parameters and buffers stay as they are; eval mode and a group of one rank run the
+        original forward. Works on any device and backend (torch's `nn.SyncBatchNorm` needs CUDA).
+
+        (`slapo.primitives.sync_batchnorm.SyncBatchNormPrimitive`)"""
+        return SyncBatchNormPrimitive.run_given(self, group=group)
 
     def trace(
             self,
