@@ -16,10 +16,12 @@ model):
     elements per channel; two passes, no E[x^2] - mean^2 cancellation),
 
 normalises with them, and updates the running statistics with the unbiased variance, as
-`nn.BatchNorm` does on the whole batch. The all-reduces are differentiable (an all-reduce's
+`nn.BatchNorm` does on the whole batch (a BatchNorm without running statistics uses batch
+statistics in eval mode too: synchronised there as well). The all-reduces are differentiable (an all-reduce's
 adjoint is an all-reduce), so each rank's input gradient gets every rank's share of the
 statistics' gradient; with the data-parallel gradient average the step is the whole batch's.
-In eval mode, or over one rank, the module's own forward runs unchanged.
+In eval mode with running statistics, or over one rank, the module's own forward runs
+unchanged.
 """
 
 from __future__ import annotations
@@ -46,7 +48,8 @@ class SyncBatchNormKernel(Kernel):
         self.group = group
 
     def __call__(self, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        if not module.training or _g.world_size(self.group) == 1:
+        batch_stats = module.training or module.running_mean is None  # as nn.BatchNorm decides
+        if not batch_stats or _g.world_size(self.group) == 1:
             return original_class(module).forward(module, x)
         module._check_input_dim(x)
         channels = x.shape[1]
@@ -62,7 +65,7 @@ class SyncBatchNormKernel(Kernel):
         y = centered * torch.rsqrt(var + module.eps).view(shape)
         if module.affine:
             y = y * module.weight.to(dtype).view(shape) + module.bias.to(dtype).view(shape)
-        if module.track_running_stats:
+        if module.training and module.track_running_stats:
             _update_running_stats(module, mean.detach(), var.detach(), count)
         return y.to(x.dtype)
 
