@@ -72,7 +72,7 @@ def test_synced_batchnorm_computes_the_whole_batch(dist2):
     assert classes[1] == "BatchNorm2d" and classes[5] == "BatchNorm1d"
 
 
-def job_wideresnet_data_parallel(kind: str, tp: int):
+def job_wideresnet_data_parallel(kind: str, tp: int, compiled: bool = False):
     """WideResNet (half its blocks checkpointed) under DDP or FSDP2 with sync_batchnorm, and
     with channel TP inside (each TP rank's BatchNorms hold other channels: synced over dp
     only): 2 SGD steps equal one process on the whole batch, running statistics included.
@@ -86,8 +86,10 @@ def job_wideresnet_data_parallel(kind: str, tp: int):
     ref = copy.deepcopy(model)
     batches = [{k: v.double() if v.is_floating_point() else v for k, v in b.items()}
                for b in _batches(n=2, batch=8)]
-    sch = model_schedule.apply(slapo.create_schedule(model, mesh=mesh), ckpt_ratio=0.5)
-    sch.sync_batchnorm()
+    torch._dynamo.reset()
+    sch = slapo.create_schedule(model, mesh=mesh)
+    sch.sync_batchnorm()  # before compile_blocks: the kernel is traced into each block's graph
+    model_schedule.apply(sch, ckpt_ratio=0.5, compile_blocks="aot_eager" if compiled else False)
     got = _train(sch, batches, data_parallel=kind)
     want = reference_steps(ref, batches, 1)  # the whole batch at once
     specs = {n: sharding.shard_spec(p) for n, p in got[0].named_parameters()}
@@ -99,9 +101,10 @@ def job_wideresnet_data_parallel(kind: str, tp: int):
     return got[1]
 
 
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled_blocks"])
 @pytest.mark.parametrize("kind", ["ddp", "fsdp"])
-def test_wideresnet_with_synced_batchnorm_trains_like_one_process(dist2, kind):
-    losses = dist2.run(job_wideresnet_data_parallel, kind, 1)
+def test_wideresnet_with_synced_batchnorm_trains_like_one_process(dist2, kind, compiled):
+    losses = dist2.run(job_wideresnet_data_parallel, kind, 1, compiled)
     assert losses[0] == losses[1]
 
 

@@ -92,8 +92,8 @@ class ScheduleKnobs:
         True, "with tp > 1, shard the embedding and LM head along the vocabulary", "bool",
         tune=(True, False))
     compile_blocks: bool | str = _knob(
-        False, "torch.compile every transformer layer (one graph shared by identical layers; "
-        "turns the KV cache off)", "bool", tune=(False, True))
+        False, "torch.compile every transformer layer or ResNet block (one graph shared by "
+        "identical layers; turns the KV cache off)", "bool", tune=(False, True))
     fused_loss: bool = _knob(
         False, "LM head + cross-entropy in chunks, no logits (needs an unsharded head: "
         "vocab_parallel off under tp > 1)", "bool", tune=(False, True))

@@ -44,10 +44,14 @@ pipelined step equals the unscheduled model run on the *same micro-batches* one 
 micro-batching a BN network (GPipe's paper notes it), not a pipeline bug; `tests/test_wideresnet.py`
 checks exactly that reference.
 
+`compile_blocks` compiles every block on its own (`compile` primitive: one graph per distinct
+block; checkpointing, channel TP's collectives and `sync_batchnorm` run inside; BN statistics
+are mutated in the graph and counted once under recomputation, tests/test_wideresnet.py).
+
 Knobs that mean nothing for a CNN (`attention`, `fuse`, `fuse_compiler`, `tempo`, `kernels`,
-`sequence_parallel`, `vocab_parallel`, `fused_loss`) and `compile_blocks` (not verified with BN
-statistics under recomputation yet) raise a `KnobError` naming the knob when they differ from
-their default: `slapo train`/`slapo tune` pass every knob at its default, which is "not set".
+`sequence_parallel`, `vocab_parallel`, `fused_loss`) raise a `KnobError` naming the knob when
+they differ from their default: `slapo train`/`slapo tune` pass every knob at its default,
+which is "not set".
 """
 
 from __future__ import annotations
@@ -77,7 +81,7 @@ TP_PLAN = TPPlan((
 ))
 
 MEANINGLESS = ("attention", "fuse", "fuse_compiler", "tempo", "kernels", "sequence_parallel",
-               "vocab_parallel", "fused_loss", "compile_blocks")
+               "vocab_parallel", "fused_loss")
 
 
 # ---- detection --------------------------------------------------------------------------------
@@ -104,6 +108,10 @@ def schedule(sch: Schedule, knobs: ScheduleKnobs) -> Schedule:
             TP_PLAN.apply(block, tp)
     checkpoint_stages(stages, knobs.ckpt_ratio,
                       None if knobs.ckpt_policy == "full" else knobs.ckpt_policy)
+    if knobs.compile_blocks:
+        backend = "inductor" if knobs.compile_blocks is True else knobs.compile_blocks
+        for block in (b for s in stages for b in s):
+            block.compile(backend=backend)
     if knobs.pp_stages > 1:
         cut_evenly([b for s in stages for b in s], knobs.pp_stages)
     return sch

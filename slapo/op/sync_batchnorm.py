@@ -57,9 +57,13 @@ class SyncBatchNormKernel(Kernel):
         shape = [1, channels] + [1] * (x.dim() - 2)
         dtype = torch.promote_types(x.dtype, torch.float32)  # fp32 under half/bf16, fp64 kept
         xf = x.to(dtype)
-        count = torch.tensor([x.numel() // channels], dtype=dtype, device=x.device)
-        count = collectives.reduce_forward(count, self.group)  # no gradient: a constant
-        mean = _all_reduce_sum(xf.sum(dims), self.group) / count
+        # one all-reduce of [per-channel sums, element count]. A separate all-reduce of the
+        # count (a tensor made inside the call, no input) hung both ranks in a checkpointed
+        # block under torch.compile (torch 2.13, aot_eager; eager and uncheckpointed were fine)
+        local = torch.cat([xf.sum(dims), xf.new_full((1,), x.numel() // channels)])
+        summed = _all_reduce_sum(local, self.group)
+        count = summed[-1:].detach()
+        mean = summed[:-1] / count
         centered = xf - mean.view(shape)
         var = _all_reduce_sum(centered.square().sum(dims), self.group) / count
         y = centered * torch.rsqrt(var + module.eps).view(shape)
