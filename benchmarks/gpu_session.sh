@@ -141,7 +141,7 @@ case "$MODE" in
       --batch 16 --out "$WORK/tempo_eager/tempo_eager.json"
     bench rnn 60 "$PY" benchmarks/rnn.py --device cuda --hidden 1024 --batch-size 64 \
       --seq-len 50 --kinds lstm --out "$WORK/rnn/rnn.json"
-    bench wideresnet 60 "$PY" benchmarks/wideresnet.py --device cuda \
+    bench wideresnet 120 "$PY" benchmarks/wideresnet.py --device cuda --compile inductor \
       --out "$WORK/wideresnet/wideresnet.json"
     # (the whole test suite on torch 2.11 runs on the CPU machine now: scripts/test_torch.sh)
     ;;

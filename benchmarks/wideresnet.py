@@ -12,7 +12,8 @@ CPU torch), small by default (`--base-planes 16`, width x2 as wide_resnet50_2, l
 Rows (every one built from the same seed, trained on the same batch):
 
 * `unscheduled`, `ckpt 0.5`, `ckpt 1.0`: one process (`--threads` threads), `apply(model,
-  ckpt_ratio=r)`;
+  ckpt_ratio=r)`; with `--compile BACKEND` also `compiled` (`compile_blocks=BACKEND`: every
+  block its own graph) and `compiled + SAC 1.0` (with selective checkpointing in every block);
 * `tp=2`: `apply(model, tp=2)` on `--tp` ranks that the benchmark spawns itself with
   torch.multiprocessing (gloo on CPU, NCCL on CUDA when there are that many GPUs; else the row
   is skipped with a note). Each rank runs 1 thread and computes the whole batch (TP splits
@@ -157,9 +158,20 @@ class Variant:
                 "times": self.times}
 
 
+def one_process_variants(args) -> dict[str, dict | None]:
+    """The one-process rows: `ONE_PROCESS`, and with `--compile BACKEND` every block compiled
+    (alone, and with selective checkpointing in every block)."""
+    rows = dict(ONE_PROCESS)
+    if args.compile:
+        rows["compiled"] = {"compile_blocks": args.compile}
+        rows["compiled + SAC 1.0"] = {"compile_blocks": args.compile, "ckpt_ratio": 1.0,
+                                      "ckpt_policy": "selective"}
+    return rows
+
+
 def run_one_process(args, device: torch.device) -> list[dict]:
     torch.set_num_threads(args.threads)
-    variants = [Variant(n, k, args, device) for n, k in ONE_PROCESS.items()]
+    variants = [Variant(n, k, args, device) for n, k in one_process_variants(args).items()]
     for _ in range(args.rounds):
         for v in variants:
             v.time(args.steps)
@@ -272,6 +284,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="threads of the one-process rows (1: robust on a shared CPU, where "
                          "OpenMP threads oversubscribed by other jobs stall for seconds)")
     ap.add_argument("--tp", type=int, default=2, help="TP ranks to spawn (0: no TP row)")
+    ap.add_argument("--compile", default=None, metavar="BACKEND",
+                    help="add rows with every block compiled by this torch.compile backend "
+                         "(inductor on a GPU; compiling takes a minute on a CPU)")
     ap.add_argument("--out", default=None, help="write the rows as JSON here")
     args = ap.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():

@@ -40,6 +40,21 @@ def test_one_process_rows_and_json(tmp_path, one_thread):
     assert full < half < base  # ratio 0.5 checkpoints 1 of 2 blocks per stage
 
 
+@pytest.mark.compile
+def test_compiled_rows(one_thread):
+    """--compile BACKEND adds the compiled-blocks rows (aot_eager here: the plumbing; the GPU
+    session runs inductor), each with the unscheduled model's loss."""
+    import torch._dynamo
+
+    b = bench()
+    torch._dynamo.reset()
+    rows = {r["variant"]: r for r in b.main([*TINY, "--tp", "0", "--compile", "aot_eager"])
+            ["rows"]}
+    assert list(rows)[3:] == ["compiled", "compiled + SAC 1.0"]
+    assert all(r["loss_ok"] for r in rows.values()), rows
+    assert rows["compiled + SAC 1.0"]["knobs"]["ckpt_policy"] == "selective"
+
+
 def job_tp_row(argv: list[str]) -> dict:
     """One rank of the benchmark's TP row (the pool has the process group up)."""
     b = bench()
