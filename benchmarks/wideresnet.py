@@ -250,13 +250,13 @@ def finish_rows(rows: list[dict]) -> list[dict]:
 
 def print_table(rows: list[dict], title: str) -> None:
     print(f"\n{title}")
-    head = f"{'variant':<14}{'ranks x thr':>12}{'images/s':>10}{'speedup':>9}" \
+    head = f"{'variant':<19}{'ranks x thr':>12}{'images/s':>10}{'speedup':>9}" \
            f"{'saved MiB':>11}{'saved vs base':>15}{'peak MiB':>10}{'loss ok':>9}"
     print(head)
     print("-" * len(head))
     for r in rows:
         peak = "-" if r["peak_bytes"] is None else f"{r['peak_bytes'] / 2**20:.1f}"
-        print(f"{r['variant']:<14}{r['ranks']:>7} x {r['threads']:<2}"
+        print(f"{r['variant']:<19}{r['ranks']:>7} x {r['threads']:<2}"
               f"{r['images_per_s']:>10.1f}{r['speedup']:>8.2f}x"
               f"{r['saved_bytes'] / 2**20:>11.2f}{r['saved_ratio']:>14.2f}x{peak:>10}"
               f"{'yes' if r['loss_ok'] else 'NO':>9}")
