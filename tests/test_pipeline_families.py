@@ -29,9 +29,12 @@ PIPELINED = ["bert_mlm", "roberta", "gpt2", "gpt_neo", "opt", "llama", "qwen2", 
 
 
 def _batches(family: str) -> list[dict]:
+    """Four steps whose sequence length changes (16, 8, 16, 12): a pipeline re-infers its
+    stage shapes when the batch's change (`pipeline_runner.forget_inferred_shapes`)."""
     import models
 
-    return [models.batch_for(family, batch=4, seq=16, seed=s) for s in (10, 11, 10, 11)]
+    return [models.batch_for(family, batch=4, seq=n, seed=s)
+            for n, s in ((16, 10), (8, 11), (16, 10), (12, 11))]
 
 
 def job_family_pipeline(family: str, schedule: str):
@@ -70,9 +73,13 @@ def assert_adam_close(got: torch.Tensor, want: torch.Tensor, name: str) -> None:
     whose gradient was ~0: Adam's first steps move an element by ~lr * sign(grad), so float
     noise of 1e-8 in a gradient that small flips a whole step (seen on T5's cross-attention
     `q`, gradients equal to 6e-8). A real error (a missing term, a dropped or doubled gradient)
-    moves whole rows or tensors, so at most 0.1% of elements may differ, each by < 2 steps."""
+    moves whole rows or tensors, so at most 0.1% of elements (or one, in a small tensor) may
+    differ, each by < 2 steps. (OPT's key bias, whose gradient is 0 in exact arithmetic:
+    softmax ignores a shift every key shares, had one element of 64 flip under other
+    sequence lengths.)"""
     off = ~torch.isclose(got, want, rtol=1e-4, atol=1e-5)
-    assert off.float().mean() <= 1e-3, f"{name}: {int(off.sum())} of {off.numel()} elements differ"
+    assert int(off.sum()) <= max(1, 1e-3 * off.numel()), \
+        f"{name}: {int(off.sum())} of {off.numel()} elements differ"
     assert (got - want).abs().max() <= 2 * LR * 4, f"{name}: differs by more than 2 Adam steps"
 
 
