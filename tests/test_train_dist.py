@@ -246,7 +246,7 @@ def test_resume_on_another_layout_continues_the_run(dist2, dist4, tmp_path, case
     streams restart from the seed and the step."""
     pools = {2: dist2, 4: dist4}
     (n_a, a), (n_b, b) = RESHARDED[case]
-    opts = {**TINY, "dropout": 0.0, "lr": 1e-2}
+    opts = {**TINY, "dropout": 0.0}
     straight = _on(n_a, pools, job_resumed, {**opts, **a, "out": str(tmp_path / "a"),
                                              "save_every": 3})[0]
     step3 = tmp_path / "a" / "checkpoints" / "step_000003"

@@ -196,7 +196,7 @@ def apply(model_or_sch: nn.Module | Schedule, *, tp: int | None = None, ckpt_rat
 
         fuse_loss(sch)
     if compile_blocks:
-        _compile_layers(sch, layers, "inductor" if compile_blocks is True else compile_blocks)
+        compile_layers(sch, layers, compile_blocks)
     if pp_stages > 1:
         _cut_pipeline(sch, layers, pp_stages)
     return sch
@@ -265,10 +265,13 @@ def _validate(sch, family, tp, ws, sequence_parallel, pp_stages, vocab_parallel,
         check_fusable(sch)
 
 
-def _compile_layers(sch: Schedule, layers: list[Schedule], backend) -> None:
-    """Regional compilation: every layer with the same options, so identical layers share one
-    graph. HF layers read `layer_idx` only to fill a KV cache; without a cache they are
-    identical to dynamo, so training turns the cache off (as HF's gradient checkpointing does)."""
+def compile_layers(sch: Schedule, layers: list[Schedule], compile_blocks: bool | Any) -> None:
+    """Regional compilation (the `compile_blocks` knob: True is inductor, else the backend):
+    every layer (a transformer layer, a ResNet block) with the same options, so identical
+    layers share one graph. HF layers read `layer_idx` only to fill a KV cache; without a
+    cache they are identical to dynamo, so training turns the cache off (as HF's gradient
+    checkpointing does)."""
+    backend = "inductor" if compile_blocks is True else compile_blocks
     _training_without_cache(sch)
     for layer in layers:
         layer.compile(backend=backend)

@@ -69,7 +69,7 @@ from ..runtime.stages_resnet import (
     resnet_prefix,
 )
 from ..schedule import Schedule
-from ._registry import Family
+from ._registry import Family, compile_layers
 from .knobs import KnobError, ScheduleKnobs, spec
 from .plan import ConvIn, ConvOut, NormChannels, ReduceInputGrad, TPPlan
 
@@ -109,9 +109,7 @@ def schedule(sch: Schedule, knobs: ScheduleKnobs) -> Schedule:
     checkpoint_stages(stages, knobs.ckpt_ratio,
                       None if knobs.ckpt_policy == "full" else knobs.ckpt_policy)
     if knobs.compile_blocks:
-        backend = "inductor" if knobs.compile_blocks is True else knobs.compile_blocks
-        for block in (b for s in stages for b in s):
-            block.compile(backend=backend)
+        compile_layers(sch, [b for s in stages for b in s], knobs.compile_blocks)
     if knobs.pp_stages > 1:
         cut_evenly([b for s in stages for b in s], knobs.pp_stages)
     return sch

@@ -17,9 +17,10 @@ model):
 
 normalises with them, and updates the running statistics with the unbiased variance, as
 `nn.BatchNorm` does on the whole batch (a BatchNorm without running statistics uses batch
-statistics in eval mode too: synchronised there as well). The all-reduces are differentiable (an all-reduce's
-adjoint is an all-reduce), so each rank's input gradient gets every rank's share of the
-statistics' gradient; with the data-parallel gradient average the step is the whole batch's.
+statistics in eval mode too: synchronised there as well). The all-reduces are
+differentiable (an all-reduce's adjoint is an all-reduce), so each rank's input gradient gets
+every rank's share of the statistics' gradient; with the data-parallel gradient average the
+step is the whole batch's.
 In eval mode with running statistics, or over one rank, the module's own forward runs
 unchanged.
 """

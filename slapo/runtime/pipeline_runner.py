@@ -497,7 +497,7 @@ class PipelineRunner:
         self._tokens: TokenMean | None = None
         self._losses: list[torch.Tensor] = []
         self._error: BaseException | None = None
-        self._shapes: tuple | None = None  # the batch shapes torch < 2.13 last inferred for
+        self._shapes: tuple | None = None  # the last call's batch shapes (`batch_shapes`)
         self._error_order = 0
         self._error_phase: str | None = None  # e.g. "stage 1 backward"
         self._templates: dict[int, Any] = {}  # stage id -> its last good output's structure
