@@ -63,6 +63,9 @@ HELP = {
               "streams then restart)",
     "resume_or_start": "resume from the newest intact checkpoint in --out if there is one, "
                        "else start a fresh run there (for restartable job scripts)",
+    "overwrite": "replace the run already in --out (its checkpoints, metrics and run id are "
+                 "removed first); without it a fresh run into a directory holding a run is "
+                 "refused",
     "save_every": "checkpoint every N steps (0: only at the end); needs --out",
     "keep_last": "keep only the N newest checkpoints (0: keep all; keep 2 or more so a damaged "
                  "newest one can fall back)",
