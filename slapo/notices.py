@@ -1,7 +1,8 @@
-"""One-time notices for 2023 spellings that now do something different (e.g. TorchScript ->
-torch.compile). A notice is a warning of its own category, so a user can filter or escalate it
-(`warnings.simplefilter("error", Slapo2023Notice)`), and it is shown once per process and key:
-a schedule applied to 48 layers should not print 48 times."""
+"""One-time notices: 2023 spellings that now do something different (e.g. TorchScript ->
+torch.compile), and runtime behaviours a user should hear of once. A notice is a warning of
+its own category, so a user can filter or escalate it (`warnings.simplefilter("error",
+Slapo2023Notice)`), and it is shown once per process and key: a schedule applied to 48 layers
+should not print 48 times."""
 
 from __future__ import annotations
 
@@ -14,12 +15,15 @@ class Slapo2023Notice(UserWarning):
     """A 2023 API name was mapped onto today's behaviour; the message says how."""
 
 
-def notice_once(key: str, message: str, stacklevel: int = 3) -> bool:
-    """Warn `message` the first time `key` is seen; returns whether it was shown."""
+def notice_once(key: str, message: str, stacklevel: int = 3,
+                category: type[Warning] = Slapo2023Notice) -> bool:
+    """Warn `message` the first time `key` is seen; returns whether it was shown. `category`:
+    the warning class (the runtime's own notices have theirs, e.g.
+    `runtime.token_mean.UnitMeanNotice`)."""
     if key in _SHOWN:
         return False
     _SHOWN.add(key)
-    warnings.warn(message, Slapo2023Notice, stacklevel=stacklevel)
+    warnings.warn(message, category, stacklevel=stacklevel)
     return True
 
 

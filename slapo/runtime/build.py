@@ -44,7 +44,7 @@ from .pipeline_runner import (
 )
 from .precision import Precision, check_autocast, check_mixed_precision, module_device_type
 from .shape_errors import name_shape_errors
-from .token_mean import label_shift
+from .token_mean import ModelLoss
 from .train_step import (
     LocalRunner,
     LossFn,
@@ -301,7 +301,7 @@ def build(sch: Schedule, *, optimizer: Callable | None = None,
     device_type = _run_device_type(sch, device, info)
     check_autocast(kind, device_type)
     config = StepConfig(info, grad_accum, grad_clip, 1, batch_is_global,
-                        label_shift=None if loss_fn is not None else label_shift(sch.mod))
+                        loss=ModelLoss.of(sch.mod, loss_fn is not None))
     name_shape_errors(sch.mod, sch)  # a shape error inside a scheduled module names the shard
     guard_gloo_exit()  # a script that never leaves its gloo group still exits cleanly
     if target == "deepspeed":

@@ -246,7 +246,7 @@ class DeepSpeedModule(nn.Module):
         k = self.accumulation_steps()
         size = batch_size(batch) // k
         parts = [slice_batch(batch, i * size, (i + 1) * size) for i in range(k)]
-        tokens = token_mean_over(self.step_config.label_shift, parts, self.world, None,
+        tokens = token_mean_over(self.step_config.loss, parts, self.world, None,
                                  torch.device(self.engine.device))
         total = 0.0
         for part in parts:

@@ -71,7 +71,7 @@ from ..module_patch import original_class
 from .batch import Batch, batch_size, index_batch, tensors_in
 from .mesh import MeshInfo
 from .precision import Precision
-from .token_mean import TokenMean
+from .token_mean import Weights
 from .train_step import LossFn, compute_loss
 
 V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
@@ -494,7 +494,7 @@ class PipelineRunner:
         self.precision = precision or Precision()
         self._batch: Batch | None = None
         self._scale = 1.0
-        self._tokens: TokenMean | None = None
+        self._tokens: Weights | None = None
         self._losses: list[torch.Tensor] = []
         self._error: BaseException | None = None
         self._shapes: tuple | None = None  # the last call's batch shapes (`batch_shapes`)
@@ -631,13 +631,13 @@ class PipelineRunner:
         return 2 * self.plan.num_stages - stage_id
 
     def forward_backward(self, batch: Batch, scale: float, sync_grads: bool,
-                         tokens: TokenMean | None = None) -> torch.Tensor:
+                         tokens: Weights | None = None) -> torch.Tensor:
         """The slice's loss, each micro-batch's weighted by `scale / num_microbatches` or by its
         share of the step's supervised tokens (`tokens`); returns their sum."""
         return self._run(batch, scale, tokens, self.schedule.step,
                          "running the stages and the loss", return_outputs=False)
 
-    def evaluate(self, batch: Batch, tokens: TokenMean | None = None) -> torch.Tensor:
+    def evaluate(self, batch: Batch, tokens: Weights | None = None) -> torch.Tensor:
         """Forward only (the schedule's `eval`), every stage in eval mode: the mean loss over
         the micro-batches on the last stage's rank (zero elsewhere: `reduce_loss` sums over
         the pp group)."""
@@ -655,7 +655,7 @@ class PipelineRunner:
             for m, training in modes:
                 m.train(training)
 
-    def _evaluate_by_step(self, batch: Batch, tokens: TokenMean | None) -> torch.Tensor:
+    def _evaluate_by_step(self, batch: Batch, tokens: Weights | None) -> torch.Tensor:
         """`evaluate` for the V-shaped schedules, whose forward-only `eval()` fails in torch
         (2.13: a stage without backward is asked for its input gradient, after a peer's
         receive timed out; `slapo train` then died at its first val loss): the training
@@ -674,7 +674,7 @@ class PipelineRunner:
             for p, g in zip(params, saved, strict=True):
                 p.grad = g
 
-    def _run(self, batch: Batch, scale: float, tokens: TokenMean | None, run: Callable,
+    def _run(self, batch: Batch, scale: float, tokens: Weights | None, run: Callable,
              where: str, **run_kwargs: Any) -> torch.Tensor:
         self._batch, self._scale, self._tokens, self._losses = batch, scale, tokens, []
         self._error, self._error_phase = None, None

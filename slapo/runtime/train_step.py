@@ -52,7 +52,7 @@ from .batch import (
 )
 from .mesh import MeshInfo
 from .precision import Precision
-from .token_mean import TokenMean, token_mean
+from .token_mean import ModelLoss, Weights, token_mean
 
 LossFn = Callable[[Any, Batch], torch.Tensor]
 
@@ -85,7 +85,7 @@ class Runner(Protocol):
     """Forward and backward of one slice of the batch; gradients accumulate in `.grad`."""
 
     def forward_backward(self, batch: Batch, scale: float, sync_grads: bool,
-                         tokens: TokenMean | None = None) -> torch.Tensor:
+                         tokens: Weights | None = None) -> torch.Tensor:
         """Backward of the slice's loss x its weight (`scale`, or each unit's `tokens.weight`);
         return that weighted loss, detached (zero on ranks that do not compute it)."""
 
@@ -108,7 +108,7 @@ class LocalRunner:
         return nullcontext()
 
     def forward_backward(self, batch: Batch, scale: float, sync_grads: bool,
-                         tokens: TokenMean | None = None) -> torch.Tensor:
+                         tokens: Weights | None = None) -> torch.Tensor:
         if isinstance(self.module, FSDPModule):  # reduce-scatter only on the last slice
             self.module.set_requires_gradient_sync(sync_grads)
         weight = scale if tokens is None else tokens.weight(batch)
@@ -123,7 +123,7 @@ class LocalRunner:
     def finish_grads(self) -> None:
         pass
 
-    def evaluate(self, batch: Batch, tokens: TokenMean | None = None) -> torch.Tensor:
+    def evaluate(self, batch: Batch, tokens: Weights | None = None) -> torch.Tensor:
         """Forward and loss only, in eval mode, under the training precision (x the batch's
         token weight when given)."""
         model = self.module
@@ -201,8 +201,14 @@ class StepConfig:
     grad_clip: float | None = None
     num_microbatches: int = 1
     batch_is_global: bool = True
-    # how the model's own loss shifts labels (`token_mean.label_shift`); None: mean over units
-    label_shift: int | None = None
+    # what the step knows of the loss (label shift, `num_items_in_batch`, a user loss_fn):
+    # `token_mean.ModelLoss`; the default, nothing known, keeps the mean over units
+    loss: ModelLoss = ModelLoss()
+
+    def units(self) -> int:
+        """How many units (accumulation slices x micro-batches, on every dp rank) one step's
+        loss is made of."""
+        return self.grad_accum * self.num_microbatches * self.info.dp
 
 
 @dataclass
@@ -316,7 +322,7 @@ class TrainModule:
         state.precision.begin_step()
         k = cfg.grad_accum
         parts = split_batch(batch, k) if k > 1 else [batch]
-        tokens = token_mean(cfg.label_shift, parts, cfg.info)
+        tokens = token_mean(cfg.loss, parts, cfg.info, cfg.units())
         loss = None  # stays on the loss's device: no host sync before the optimizer step
         for i, part in enumerate(parts):
             part_loss = state.runner.forward_backward(part, 1.0 / k, sync_grads=i == k - 1,
@@ -338,7 +344,8 @@ class TrainModule:
         state = self._slapo
         cfg = state.step_config
         batch = self.local_batch(as_batch(batch))
-        tokens = token_mean(cfg.label_shift, [batch], cfg.info)
+        tokens = token_mean(cfg.loss, [batch], cfg.info,
+                            cfg.num_microbatches * cfg.info.dp)
         return reduce_loss(state.runner.evaluate(batch, tokens), cfg.info)
 
 
