@@ -172,9 +172,33 @@ class Conv1DKernel(_BiasAfterReduceKernel):
         return self._finish(mod, torch.matmul(x, mod.weight))
 
 
+class _ScaleGrad(torch.autograd.Function):
+    """Identity forward; the gradient multiplied by `scale` (broadcast) in backward."""
+
+    @staticmethod
+    def forward(ctx, y, scale):
+        ctx.save_for_backward(scale)
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * ctx.saved_tensors[0], None
+
+
+def scale_grad_by_id_freq(y: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """`nn.Embedding(scale_grad_by_freq=True)` for a vocabulary shard: each lookup's gradient
+    divided by how often its *global* id occurs in `ids` (what the unsharded embedding
+    counts). Why not the flag itself: the shard's local indices send every foreign id to row
+    0, so torch would count those towards row 0. Every rank of the group sees the same ids,
+    so these counts are the global ones without a collective."""
+    _, inverse, counts = torch.unique(ids, return_inverse=True, return_counts=True)
+    return _ScaleGrad.apply(y, (1.0 / counts.to(y.dtype))[inverse].unsqueeze(-1))
+
+
 class VocabParallelEmbeddingKernel(module_patch.Kernel):
     """Embedding whose rows (vocabulary) are sharded: foreign ids give zero rows, then an
-    (optional) all-reduce sums the partial lookups into the full embedding."""
+    (optional) all-reduce sums the partial lookups into the full embedding. The module's
+    `scale_grad_by_freq` counts global ids (`scale_grad_by_id_freq`)."""
 
     name = "vocab_parallel_embedding"
 
@@ -188,6 +212,8 @@ class VocabParallelEmbeddingKernel(module_patch.Kernel):
         pad = mod.padding_idx
         pad = pad - self.start if pad is not None and self.start <= pad < self.start + n else None
         y = F.embedding(local, mod.weight, pad)
+        if mod.scale_grad_by_freq:
+            y = scale_grad_by_id_freq(y, ids)
         y = y.masked_fill(foreign.unsqueeze(-1), 0.0)
         if self.reduce:
             y = collectives.reduce_forward(y, self.group)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import socket
 import traceback
 from datetime import timedelta
@@ -120,3 +121,63 @@ def test_two_gloo_ranks_match_unsharded():
         assert all(checks.values()), (rank, checks)
         ranges[rank] = rng
     assert ranges == {0: (0, V // 2), 1: (V // 2, V)}
+
+
+# --- scale_grad_by_freq (issue 29 item 5) ----------------------------------------------------
+# Each row's gradient is divided by how often its id occurs in the batch. A vocabulary shard
+# counts over the global ids it receives (every rank of the group sees the same ids), never
+# over its local indices, where every foreign id used to land on local row 0.
+
+FREQ_IDS = torch.tensor([[0, 1, 1, 6, 6, 6, 7], [0, 11, 1, 6, 3, 11, 9]])  # both halves repeat
+
+
+def _freq_reference(seed: int = 5):
+    g = torch.Generator().manual_seed(seed)
+    emb = torch.nn.Embedding(V, H, scale_grad_by_freq=True, dtype=torch.float64)
+    with torch.no_grad():
+        emb.weight.copy_(torch.randn(V, H, generator=g, dtype=torch.float64))
+    out_grad = torch.randn(*FREQ_IDS.shape, H, generator=g, dtype=torch.float64)
+    return emb, out_grad
+
+
+def job_scale_grad_by_freq() -> dict:
+    """On each rank: `VocabParallelEmbedding.from_embedding` and `Schedule.shard` of an
+    `nn.Embedding(scale_grad_by_freq=True)` against the unsharded module in one process; and
+    GPT-2 / LLaMA (padding_idx 0) with the flag under `model_schedule.apply(tp=2)`, `Verify`."""
+    import models
+
+    import slapo
+    from slapo import model_schedule
+
+    emb, out_grad = _freq_reference()
+    ref = copy.deepcopy(emb)
+    ref(FREQ_IDS).backward(out_grad)
+    start, end = vocab_range(V, None)
+    pemb = VocabParallelEmbedding.from_embedding(emb)
+    pemb(FREQ_IDS).backward(out_grad)
+    res = {"op": (pemb.weight.grad - ref.weight.grad[start:end]).abs().max().item()}
+
+    model = torch.nn.Sequential(copy.deepcopy(emb))
+    sch = slapo.create_schedule(model)
+    sch["0"].shard("weight", axis=0)
+    sch["0"].sync(mode="fwd_post", sync_op_or_fn="all_reduce")
+    model(FREQ_IDS).backward(out_grad)
+    res["shard"] = (model[0].weight.grad - ref.weight.grad[start:end]).abs().max().item()
+
+    ids = torch.tensor([0, 1, 1, 2, 64, 64, 65, 127, 127, 127, 3, 0, 64, 1, 5, 70])
+    batch = {"input_ids": torch.stack([ids, ids.flip(0)]), "labels": torch.stack([ids, ids])}
+    for family in ("gpt2", "llama"):
+        net = getattr(models, family)(seed=0)
+        net.get_input_embeddings().scale_grad_by_freq = True
+        sch = slapo.create_schedule(net)
+        with slapo.Verify(sch, example_kwargs=batch, loss_fn=lambda out: out.loss):
+            model_schedule.apply(sch, tp=2)
+        res[family] = "verified"
+    return res
+
+
+@pytest.mark.dist
+def test_scale_grad_by_freq_shards_match_one_process(dist2):
+    for res in dist2.run(job_scale_grad_by_freq, timeout=300):
+        assert res["op"] < 1e-12 and res["shard"] < 1e-12, res
+        assert res["gpt2"] == res["llama"] == "verified"

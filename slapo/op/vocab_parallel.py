@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..distributed import collectives
+from ..sharding import scale_grad_by_id_freq
 
 
 def _world(group) -> tuple[int, int]:
@@ -58,6 +59,8 @@ class VocabParallelEmbedding(nn.Module):
 
     `weight` may be the full (V, h) table (this rank's rows are copied out) or already the local
     (V/p, h) shard. Ids outside the local range produce zeros locally; the all-reduce fills them in.
+    `scale_grad_by_freq` as `nn.Embedding`'s, counted over the global ids (every rank sees the
+    same ids; the local indices would count every foreign id towards local row 0).
     """
 
     def __init__(
@@ -66,9 +69,11 @@ class VocabParallelEmbedding(nn.Module):
         embedding_dim: int,
         group=None,
         weight: torch.Tensor | None = None,
+        scale_grad_by_freq: bool = False,
     ):
         super().__init__()
         self.group = group
+        self.scale_grad_by_freq = scale_grad_by_freq
         self.num_embeddings = num_embeddings
         self.start, self.end = vocab_range(num_embeddings, group)
         rows = self.end - self.start
@@ -90,12 +95,16 @@ class VocabParallelEmbedding(nn.Module):
     def from_embedding(cls, emb: nn.Embedding, group=None) -> VocabParallelEmbedding:
         if emb.padding_idx is not None or emb.max_norm is not None:
             raise ValueError("VocabParallelEmbedding: padding_idx/max_norm are not supported")
-        return cls(emb.num_embeddings, emb.embedding_dim, group, emb.weight)
+        return cls(emb.num_embeddings, emb.embedding_dim, group, emb.weight,
+                   scale_grad_by_freq=emb.scale_grad_by_freq)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         outside = (ids < self.start) | (ids >= self.end)
         local = (ids - self.start).masked_fill(outside, 0)
-        out = F.embedding(local, self.weight).masked_fill(outside[..., None], 0.0)
+        out = F.embedding(local, self.weight)
+        if self.scale_grad_by_freq:
+            out = scale_grad_by_id_freq(out, ids)
+        out = out.masked_fill(outside[..., None], 0.0)
         return reduce_from_group(out, self.group)
 
 
