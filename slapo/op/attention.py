@@ -3,7 +3,10 @@
 Why: SDPA (and flash-attn) compute softmax(q k^T) v without materialising the s*s probabilities,
 so activation memory is O(s) per head instead of O(s^2), and on GPU they are the fastest kernels.
 Exact (same math; results differ from eager attention only by summation order). With dropout the
-random stream differs from eager attention's, so compare runs with dropout 0.
+random stream differs from eager attention's, so compare runs with dropout 0. Query rows whose
+mask hides every key (left padding) never reach a kernel (torch's CPU kernel computes their
+backward wrong for float masks); they get what the model's own configuration computes there:
+eager's uniform attention for a float mask, SDPA's zeros for a bool one (docs/ops.md).
 
 Devices: CPU (SDPA's flash-for-CPU or math kernel; fp32/bf16, forward and backward) and CUDA
 (flash / memory-efficient / cuDNN kernels chosen by PyTorch, except one case below).
@@ -30,7 +33,15 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from .attention_core import AttentionCore, causal_mask, padding_mask, repeat_kv
+from .attention_core import (
+    AttentionCore,
+    causal_mask,
+    dead_rows,
+    fill_dead_rows,
+    open_dead_rows,
+    padding_mask,
+    repeat_kv,
+)
 
 # SDPA takes grouped-query K/V without materialising repeated heads since torch 2.5.
 _SDPA_GQA = "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")
@@ -111,12 +122,20 @@ class SDPAttention(AttentionCore):
                 gqa = {"enable_gqa": True}
             else:
                 k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)
+        # rows that mask every key (left padding) never reach a kernel: they attend to all keys
+        # there and get the model's own values afterwards (see `attention_core.dead_rows`)
+        dead = dead_rows(mask) if mask is not None else None
         backends = _sdpa_without_cudnn() if cudnn_would_round_dropout(p, q.is_cuda) else \
             contextlib.nullcontext()
         with backends:
-            return F.scaled_dot_product_attention(
-                q, k, v, attn_mask=mask, dropout_p=p, is_causal=is_causal, scale=scaling, **gqa
+            out = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=None if dead is None else open_dead_rows(mask, dead),
+                dropout_p=p, is_causal=is_causal, scale=scaling, **gqa
             )
+        if dead is None:
+            return out
+        scale = scaling if scaling is not None else q.shape[-1] ** -0.5
+        return fill_dead_rows(out, dead, q, k, v, mask, scale)
 
 
 class SelfAttention(nn.Module):

@@ -34,6 +34,90 @@ def padding_mask(key_padding: torch.Tensor) -> torch.Tensor:
     return key_padding.bool()[:, None, None, :]
 
 
+def masked_entries(mask: torch.Tensor) -> torch.Tensor:
+    """Bool, True where `mask` hides a key: False entries of a bool mask (True = attend), and
+    entries of an additive float mask at most half of `finfo.min` (HF writes exactly
+    `finfo.min`; -inf counts too). At that size a float entry absorbs any score added to it
+    (`s + min == min` in fp32 for |s| < 2**103), which is what makes a row of them special."""
+    if mask.dtype == torch.bool:
+        return ~mask
+    return mask <= torch.finfo(mask.dtype).min / 2
+
+
+def dead_rows(mask: torch.Tensor) -> torch.Tensor:
+    """Bool (..., s_q, 1): the query rows in which `mask` hides every key (left padding under a
+    causal mask makes one per padding position). No kernel should see such a row: torch's CPU
+    flash kernel computes its backward wrong for a float mask (docs/ops.md), CUDA kernels
+    have produced NaN for it; `open_dead_rows` + `fill_dead_rows` give them defined values."""
+    return masked_entries(mask).all(-1, keepdim=True)
+
+
+def open_dead_rows(mask: torch.Tensor, dead: torch.Tensor) -> torch.Tensor:
+    """`mask` with every dead row attending to all keys (finite, ordinary rows for any kernel);
+    their results are then replaced by `fill_dead_rows`."""
+    if mask.dtype == torch.bool:
+        return mask | dead
+    return mask.masked_fill(dead, 0.0)
+
+
+class _UniformDeadRows(torch.autograd.Function):
+    """Dead rows of an additive float mask as HF's eager attention computes them, in O(s d^2).
+
+    Eager adds `finfo.min` to every score of the row; in floating point the sum is `min`
+    whatever the score, so softmax is exactly uniform (1/n over the n keys) and the output is
+    the mean of v. Autograd still sends softmax's backward through the addition: with P = 1/n
+    and the row's output gradient g, dS_j = (g . (v_j - mean v)) / n, hence
+    dq = scale * g (Vc^T K), dk = scale * Vc (G^T Q), dv_j += g / n, dmask = dS (T5's learned
+    position bias is folded into the mask). Those are d x d products, so no s x s tensor is
+    built and nothing beyond the attention's own q, k, v is saved.
+    """
+
+    @staticmethod
+    def forward(ctx, out, dead, q, k, v, mask, scale):
+        ctx.save_for_backward(dead, q, k, v)
+        ctx.scale, ctx.mask_shape = scale, mask.shape
+        return torch.where(dead, v.mean(-2, keepdim=True).to(out.dtype), out)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, g):
+        dead, q, k, v = ctx.saved_tensors
+        n = k.shape[-2]
+        g_live = g.masked_fill(dead, 0.0)
+        g_dead = (g - g_live).to(v.dtype)
+        vc = v - v.mean(-2, keepdim=True)
+        w = ctx.scale / n
+        need = ctx.needs_input_grad
+        dq = w * (g_dead @ (vc.transpose(-1, -2) @ k)) if need[2] else None
+        dk = w * (vc @ (g_dead.transpose(-1, -2) @ q)) if need[3] else None
+        dv = (g_dead.sum(-2, keepdim=True) / n).expand_as(v) if need[4] else None
+        dmask = None
+        if need[5]:
+            dmask = ((g_dead @ vc.transpose(-1, -2)) / n).sum_to_size(ctx.mask_shape)
+        return g_live, None, dq, dk, dv, dmask, None
+
+
+def fill_dead_rows(
+    out: torch.Tensor,
+    dead: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Replace the dead rows of attention output `out` (b, h, s_q, d) with what the model that
+    built `mask` computes there, values and gradients.
+
+    A bool mask comes from a model configured for SDPA: torch defines a fully masked row as
+    zeros (output and gradients), so zeros. A float mask comes from a model configured eager:
+    uniform attention over all keys with eager's gradient (`_UniformDeadRows`); `k`, `v` have
+    q's heads (repeated for GQA)."""
+    if mask.dtype == torch.bool:
+        return out.masked_fill(dead, 0.0)
+    return _UniformDeadRows.apply(out, dead, q, k, v, mask, scale)
+
+
 def prepare_scores(
     q: torch.Tensor,
     k: torch.Tensor,

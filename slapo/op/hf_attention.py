@@ -10,7 +10,9 @@ same parameter and child objects, but its own shallow copy of `config` whose
 parameters), so the twin can be installed with a schedule's `.replace()`.
 
 The mask the core receives is built by the *model* for its own implementation: an additive float
-mask for "eager", a bool mask or None (plus `is_causal`) for "sdpa". Cores accept both.
+mask for "eager", a bool mask or None (plus `is_causal`) for "sdpa". Cores accept both, and the
+mask's kind tells `SDPAttention` which of HF's definitions of a fully masked row to reproduce
+(eager: uniform attention; SDPA: zeros), so a swapped core trains left padding as the model did.
 """
 
 from __future__ import annotations
