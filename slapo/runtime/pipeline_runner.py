@@ -45,10 +45,14 @@ rest of the step return `_fallback` zeros, as after a forward failure. A backwar
 leaves no stale state (the next step zeroes the gradients and re-infers nothing), so the same
 pipeline can step again, on the first step too.
 
-Not so under FSDP2 over more than one data-parallel rank: a stage's replicas all-gather its
-parameters in every forward and backward, together, and a stage that skipped the rest of its
-step would leave them waiting. There a stage's error is raised at once on its rank
-(`PipelineRunner._replicas_in_lockstep`) and the job stops.
+Not so under FSDP2 over more than one data-parallel rank, nor under tensor parallelism: a
+stage's replicas all-gather its parameters in every forward and backward, and a TP-sharded
+stage's blocks all-reduce with their tp peers, together, and a stage that skipped the rest of
+its step would leave them waiting (a backward failing on one tp rank hung the job until the
+collective timeout). There a stage's error is raised at once on its rank
+(`PipelineRunner._replicas_in_lockstep`) and the job stops: under torchrun the failing process
+exits and the launcher stops the others; `slapo train --resume` continues from the newest
+checkpoint.
 """
 
 from __future__ import annotations
@@ -542,30 +546,38 @@ class PipelineRunner:
     def _fail_in_schedule(self, error: BaseException, order: int, phase: str) -> None:
         """`_fail` for an error inside the schedule (a stage's forward or backward, the loss):
         from then on this rank's stages skip their work for the step. Under FSDP2 over more
-        than one data-parallel rank that would leave the replicas waiting
+        than one data-parallel rank, or TP, that would leave the peers waiting
         (`_replicas_in_lockstep`), so there the error is raised at once instead."""
         self._fail(error, order, phase)
         if not self._replicas_in_lockstep():
             return
         if hasattr(error, "add_note"):
-            error.add_note(f"slapo: raised in pipeline {phase} on rank {dist.get_rank()}. With "
-                           "FSDP2 over more than one data-parallel rank a failed stage cannot "
-                           "keep its replicas' parameter all-gathers and gradient "
-                           "reduce-scatters in step, so it is raised at once: the job stops "
+            why = "With tensor parallelism a failed stage cannot keep its tp peers' " \
+                  "collectives in step" if self.info.tp > 1 else "With FSDP2 over more " \
+                  "than one data-parallel rank a failed stage cannot keep its replicas' " \
+                  "parameter all-gathers and gradient reduce-scatters in step"
+            error.add_note(f"slapo: raised in pipeline {phase} on rank {dist.get_rank()}. "
+                           f"{why}, so it is raised at once: the job stops "
                            "(the other ranks fail on their next collective when this process "
                            "exits), and resumes from a checkpoint.")
         raise error
 
     def _replicas_in_lockstep(self) -> bool:
-        """Whether this rank's stages are FSDP2-sharded over more than one data-parallel rank.
+        """Whether this rank's stages run collectives with ranks outside the pipeline group
+        inside their forward and backward: FSDP2 over more than one data-parallel rank (every
+        forward and backward all-gathers parameters, the step's end reduce-scatters gradients,
+        together with the stage's replicas), or tensor parallelism (every sharded block
+        all-reduces or gathers with its tp peers, forward and backward).
 
-        Then every forward and backward of a stage all-gathers parameters (and the step's
-        end reduce-scatters gradients, per parameter group that got one) together with the
-        stage's replicas. A stage that skips the rest of its step after a failure, as the
-        guards do, calls fewer of them, and its replicas would wait in theirs until the
-        collective timeout (seen: dp=2 x pp=2, torch 2.13, gloo; the whole job hung). No
-        stand-in can replay them, so the error is raised where it happened. (A failure while
-        preparing the step happens before any stage runs: the usual agreement serves it.)"""
+        A stage that skips the rest of its step after a failure, as the guards do, calls
+        fewer of them, and its peers would wait in theirs until the collective timeout (seen:
+        dp=2 x pp=2 with FSDP2, and tp=2 x pp=2 with a backward failing on one tp rank, torch
+        2.13, gloo: the whole job hung). No stand-in can replay them, so the error is raised
+        where it happened: the process exits, and torchrun (or the peers' dead sockets) stops
+        the rest. (A failure while preparing the step happens before any stage runs: the
+        usual agreement serves it.)"""
+        if self.info.tp > 1:
+            return True
         if self.info.dp <= 1:
             return False
         from torch.distributed.fsdp import FSDPModule
