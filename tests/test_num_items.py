@@ -54,7 +54,10 @@ def make_batch(family: str, num_items: str) -> dict:
         labels = torch.randint(0, 5, ids.shape, generator=g)
     else:
         labels = ids.clone()
-    if family in ("bert_mlm", "bert_tok"):
+    if family in ("roberta", "albert"):
+        ids = ids.clamp(min=3)  # clear of padding and special ids
+        labels = ids.clone()
+    if family in ("bert_mlm", "roberta", "albert", "bert_tok"):
         labels[torch.rand(ids.shape, generator=g) > 0.4] = -100
     else:
         for row, length in enumerate((16, 3, 9, 16, 5, 12, 2, 16)):
@@ -115,7 +118,8 @@ def step_like_one_process(family: str, batch: dict, *, mesh=None, knobs: dict | 
 # one process
 # ------------------------------------------------------------------------------------------------
 
-FAMILIES = ["gpt2", "llama", "bert_mlm", "bert_tok", "t5"]
+FAMILIES = ["gpt2", "gpt_neo", "opt", "llama", "qwen2", "qwen3", "mistral", "bert_mlm", "roberta",
+            "albert", "bert_tok", "t5", "t5_gated"]
 
 
 def test_which_heads_divide_by_num_items():
