@@ -11,15 +11,22 @@
 Options come from three places, later ones winning: `TrainConfig`'s defaults, the TOML file
 (`--config`; keys are the option names, with `_` or `-`, at top level or in any table such as
 `[schedule]`), then the flags given on the command line.
+
+Exit status: 0 done; 2 bad input (a flag, the TOML file, a path: one `error:` line, nothing
+written); 1 a failure once the run started; 128 + N when stopped by signal N (130: Ctrl-C,
+143: SIGTERM), after one line naming the newest checkpoint and the command that resumes it.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import shlex
+import signal
 import sys
 from dataclasses import fields
-from typing import Any
+from pathlib import Path
+from typing import Any, NoReturn
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # configs only: never reach the Hub
 
@@ -92,13 +99,24 @@ class UsageError(ValueError):
     """A bad option: reported as `slapo train: error: ...` with exit status 2."""
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, with a usage error as one line: `PROG: error: MESSAGE (see PROG --help)`.
+
+    argparse prints its whole usage block first (~50 lines for `slapo train`, one per flag),
+    which buried the one line that says what is wrong; the message names the flag already.
+    Sub-commands inherit the class (`add_subparsers` makes parsers of the parent's type)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
+
+
 def _base_type(annotation: str) -> str:
     return annotation.split("|")[0].strip()
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="slapo", description="Slapo: schedule, verify and "
-                                     "train PyTorch models.")
+    parser = _Parser(prog="slapo", description="Slapo: schedule, verify and train PyTorch "
+                     "models.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     train = sub.add_parser("train", help="train or fine-tune a language model",
@@ -290,8 +308,7 @@ def _name_config_file(msg: str, argv: list[str]) -> str:
     command line), say which file, so the user knows where to edit."""
     if msg.startswith("--config ") or "--config" not in argv:
         return msg
-    parser = _parser()
-    args = vars(parser.parse_args(["train", *argv]))
+    args = vars(_train_parser(_parser()).parse_args(argv))
     try:
         from_file = set(load_toml(args["config"])) - set(args)
     except UsageError:
@@ -304,14 +321,16 @@ def parse_train_args(argv: list[str]) -> Any:
     """TrainConfig from defaults < TOML (--config) < flags. Raises SystemExit(2) on bad flags."""
     from .train.config import TrainConfig
 
-    parser = _parser()
-    args = vars(parser.parse_args(["train", *argv]))
-    args.pop("command")
+    args = vars(_train_parser(_parser()).parse_args(argv))  # its own errors name `slapo train`
     options = load_toml(args.pop("config")) if "config" in args else {}
     options.update(args)
     if options.get("grad_clip") == 0:
         options["grad_clip"] = None
     return TrainConfig(**options)
+
+
+def _train_parser(parser: argparse.ArgumentParser) -> _Parser:
+    return parser._subparsers._group_actions[0].choices["train"]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -324,29 +343,104 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] in ("-h", "--help") or argv[0] != "train":
         parser.parse_args(argv)  # prints help / the error for an unknown command and exits
         return 2
-    train_parser = parser._subparsers._group_actions[0].choices["train"]
+    train_parser = _train_parser(parser)
+    from .train import faults
+
+    faults.watch_launcher()  # under torchrun: stop if the agent dies, from the start
     try:
         cfg = parse_train_args(argv[1:])
+        from .train.models import check_unambiguous
+
+        check_unambiguous(cfg.model)  # before check(): it would take the registry reading
         cfg.check()
     except (UsageError, ValueError) as e:
         train_parser.error(_name_config_file(str(e), argv[1:]))  # exits with status 2
-    from .data import InputError
-    from .errors import SlapoError
     from .train.loop import train
 
-    try:
-        if cfg.progressive:
-            from .train.demo import run_progressive
+    with faults.stop_signals_trapped(hint=lambda: resume_hint(cfg, argv[1:])):
+        try:
+            if cfg.progressive:
+                from .train.demo import run_progressive
 
-            run_progressive(cfg)
-        else:
-            train(cfg)
-    except InputError as e:  # a bad --data/--tokenizer/--model found while reading it
-        train_parser.error(str(e))  # exits with status 2, before anything is written
-    except (ValueError, FileNotFoundError, SlapoError) as e:
+                run_progressive(cfg)
+            else:
+                train(cfg)
+        except BaseException as e:  # noqa: BLE001 - each kind of end gets its one line
+            return _train_ended(e, cfg, argv[1:], train_parser)
+    return 0
+
+
+def _train_ended(e: BaseException, cfg: Any, args: list[str], train_parser: _Parser) -> int:
+    """The exit status (and one line) of a `slapo train` that did not finish: stopped by a
+    signal (any exception it unwound with: a KeyboardInterrupt, DCP's wrapper of one, the gloo
+    error of a peer that stopped first), bad input found while reading it (2), a failure (1).
+    Anything else is a bug, raised with its traceback."""
+    from .data import InputError
+    from .errors import SlapoError
+    from .train import faults
+
+    stop = faults.stopped_by(e)
+    if stop is not None and not isinstance(e, faults.PeerFailure):  # PeerFailure: a peer died
+        if int(os.environ.get("RANK", "0")) == 0:  # one line for the job, not one per rank
+            print(stopped_line(stop, cfg, args), file=sys.stderr, flush=True)
+        return 128 + stop
+    if isinstance(e, InputError):  # a bad --data/--tokenizer/--model found while reading it
+        train_parser.error(str(e))  # exits with status 2
+    if isinstance(e, (ValueError, FileNotFoundError, SlapoError)):
         print(f"slapo train: error: {e}", file=sys.stderr)
         return 1
-    return 0
+    raise e
+
+
+def stopped_line(signum: int, cfg: Any, args: list[str]) -> str:
+    """`slapo train: stopped by Ctrl-C (SIGINT) in step 7; the newest checkpoint is ...;
+    resume with: ...` (one line: the traceback of an interrupt says nothing a user needs)."""
+    from .train import faults
+
+    name = "Ctrl-C (SIGINT)" if signum == signal.SIGINT else signal.Signals(signum).name
+    where = faults.phase()
+    return f"slapo train: stopped by {name}{f' {where}' if where else ''}; " + resume_hint(
+        cfg, args)
+
+
+def resume_hint(cfg: Any, args: list[str]) -> str:
+    """Where a stopped run can go on from, and the command: the newest checkpoint in --out (a
+    published one: saves are atomic, so it is complete; `--resume` verifies it and falls back
+    to an older one if it was damaged since) and this command with `--resume`."""
+    from .train import run_state as ckpt
+
+    if cfg.out is None:
+        return "nothing was saved (no --out); rerun the command to start over."
+    newest = ckpt.latest(Path(cfg.out))
+    command = resume_command(args, newest is not None)
+    if newest is None:
+        return f"no checkpoint in {cfg.out} yet; start over with: {command}"
+    return (f"the newest checkpoint is {newest} (step {ckpt.step_of(newest)}); resume with: "
+            f"{command}")
+
+
+_RESUME_FLAGS = ("--resume-or-start", "--no-resume-or-start", "--overwrite", "--no-overwrite")
+
+
+def resume_command(args: list[str], has_checkpoint: bool) -> str:
+    """This `slapo train` command (`args`: its options) resuming from the newest checkpoint in
+    its --out (`--resume`; `--resume-or-start` when there is none yet), under the launcher
+    that started it (torchrun's command for this node's process count)."""
+    kept, i = [], 0
+    while i < len(args):
+        a = args[i]
+        if a == "--resume":  # with its optional value
+            i += 1 if i + 1 < len(args) and not args[i + 1].startswith("-") else 0
+        elif not (a.startswith("--resume=") or a in _RESUME_FLAGS):
+            kept.append(a)
+        i += 1
+    kept.append("--resume" if has_checkpoint else "--resume-or-start")
+    launcher = "slapo train"
+    if "TORCHELASTIC_RUN_ID" in os.environ:  # started by torchrun
+        n = os.environ.get("LOCAL_WORLD_SIZE", "1")
+        nodes = "" if os.environ.get("WORLD_SIZE", n) == n else " [your node options]"
+        launcher = f"torchrun{nodes} --nproc-per-node {n} -m slapo.cli train"
+    return f"{launcher} {shlex.join(kept)}"
 
 
 if __name__ == "__main__":

@@ -59,6 +59,7 @@ def _refused(argv: list[str], capsys, watch: list[Path], rc: int, needles: tuple
     code, err, out = _run(argv, capsys)
     assert code == rc, (code, err, out)
     assert "Traceback" not in err + out, err
+    assert "usage:" not in err, err  # the one error line, not argparse's usage block first
     lines = [line for line in err.strip().splitlines() if line.strip()]
     assert lines, (err, out)
     last = lines[-1]
@@ -120,7 +121,11 @@ TRAIN_CASES: dict[str, CliCase] = {
     "unknown_flag": CliCase(["--warp", "9"], ("unrecognized arguments: --warp",)),
     "model_unknown": CliCase(["--model", "resnet"], ("unknown model 'resnet'",)),
     "model_path_missing": CliCase(["--model", "{tmp}/no_model/"], ("no_model",)),
+    # ./llama/config.json in the working directory (the test runs in {tmp})
+    "model_shadowed_by_local_dir": CliCase(["--model", "llama"], ("--model llama is ambiguous",
+                                                                  "--model ./llama")),
     "data_missing": CliCase(["--data", "{tmp}/nope.txt"], ("nope.txt",)),
+    "data_empty_file": CliCase(["--data", "{tmp}/empty.txt"], ("empty.txt", "is empty")),
     "tokenizer_missing": CliCase(["--tokenizer", "{tmp}/no_tok"], ("no_tok",)),
     "config_missing": CliCase(["--config", "{tmp}/nope.toml"], ("--config", "no such file")),
     "out_is_a_file": CliCase(["--out", "{tmp}/afile"], ("--out", "afile")),
@@ -132,6 +137,7 @@ TRAIN_CASES: dict[str, CliCase] = {
     "resume_without_checkpoint": CliCase(["--resume"], ("no checkpoint in",)),
     "save_every_without_out": CliCase(["--save-every", "1", "--out", "-"],
                                       ("--save-every needs --out",)),
+    "overwrite_without_out": CliCase(["--overwrite", "--out", "-"], ("--overwrite needs --out",)),
     # the schedule knobs (checked by the schema, named by their flag)
     "tp_zero": CliCase(["--tp", "0"], ("--tp: tp must be a positive int",)),
     "tp_above_world": CliCase(["--tp", "2"], ("tp=2", "torchrun --nproc-per-node 2"), rc=1),
@@ -164,10 +170,14 @@ def _argv(argv: list[str], tmp: Path) -> list[str]:
 
 
 @pytest.mark.parametrize("case", list(TRAIN_CASES))
-def test_train_bad_flag(case, tmp_path, capsys):
+def test_train_bad_flag(case, tmp_path, capsys, monkeypatch):
     c = TRAIN_CASES[case]
     (tmp_path / "afile").write_text("not a directory\n")
     (tmp_path / "a.txt").write_text("some text\n" * 20)
+    (tmp_path / "empty.txt").write_text("")
+    (tmp_path / "llama").mkdir()
+    (tmp_path / "llama" / "config.json").write_text('{"model_type": "llama"}')
+    monkeypatch.chdir(tmp_path)
     out = tmp_path / "run"
     argv = _argv(c.argv, tmp_path)
     if argv[0].startswith("@"):  # a command, not a flag
@@ -268,6 +278,7 @@ def test_every_tune_flag_has_a_case():
 # ---- slapo prepare-data: every flag -------------------------------------------------------------
 PREPARE_CASES: dict[str, CliCase] = {
     "data_missing": CliCase(["--data", "{tmp}/nope.txt"], ("nope.txt", "no such file")),
+    "data_empty_file": CliCase(["--data", "{tmp}/empty.txt"], ("empty.txt", "is empty")),
     "data_not_given": CliCase(["--data", "-"], ("--data",)),
     "data_jsonl_without_field": CliCase(["--data", "{tmp}/rows.jsonl", "--text-field", "body"],
                                         ("rows.jsonl:1", "no field 'body'")),
@@ -293,6 +304,7 @@ def _prepare_inputs(tmp: Path) -> None:
     (tmp / "afile").write_text("not a directory\n")
     (tmp / "a.txt").write_text("some text\n" * 20)
     (tmp / "rows.jsonl").write_text('{"text": "a row"}\n')
+    (tmp / "empty.txt").write_text("")
     (tmp / "latin1.txt").write_bytes("caf\xe9 cr\xe8me\n".encode("latin-1") * 10)
     (tmp / "bad_tok").mkdir()
     (tmp / "bad_tok" / "tokenizer.json").write_text("{not a tokenizer")

@@ -2,9 +2,19 @@
 
 from __future__ import annotations
 
+import json
+import shlex
+import signal
+
 import pytest
 
-from slapo.cli import main, parse_train_args
+from slapo.cli import main, parse_train_args, resume_command
+from slapo.train import faults
+from slapo.train import run_state as ckpt
+
+TINY = ["--hidden-size", "32", "--num-layers", "2", "--num-heads", "2", "--seq-len", "16",
+        "--batch-size", "2", "--no-progress", "--no-plot", "--eval-batches", "0",
+        "--min-lr-ratio", "1", "--dropout", "0.1"]
 
 
 def write(tmp_path, text: str):
@@ -70,10 +80,15 @@ def test_parallel_knob_flags_reach_the_schedule_knobs():
     (["fly"], "invalid choice: 'fly'"),
 ])
 def test_bad_flags_exit_2_with_message(argv, needle, capsys):
+    """One line, the error and where help is, not argparse's ~50-line usage block first."""
     with pytest.raises(SystemExit) as exc:
         main(argv)
     assert exc.value.code == 2
-    assert needle in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert needle in err
+    assert len(err.strip().splitlines()) == 1, err
+    prog = "slapo" if argv == ["fly"] else "slapo train"
+    assert err.startswith(f"{prog}: error: ") and f"(see `{prog} --help`)" in err, err
 
 
 @pytest.mark.parametrize("text, needle", [
@@ -98,3 +113,84 @@ def test_missing_config_file(tmp_path, capsys):
 def test_tp_without_ranks_is_a_clear_error(capsys):
     assert main(["train", "--tp", "2", "--steps", "1", "--no-progress"]) == 1
     assert "torchrun --nproc-per-node 2" in capsys.readouterr().err
+
+
+# ---- --model: a registry name that is also a local model directory -----------------------------
+def test_a_registry_name_shadowed_by_a_model_directory_is_refused(tmp_path, monkeypatch, capsys):
+    """`--model llama` with ./llama/config.json here trained a fresh registry LLaMA without a
+    word. Refused (exit 2, nothing written), naming both ways out; a directory without a
+    config.json (a run's --out named after its model) is not a model and stays unambiguous."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "llama").mkdir()
+    (tmp_path / "llama" / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    with pytest.raises(SystemExit) as exc:
+        main(["train", "--model", "llama", "--steps", "1", "--out", "run", *TINY])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2, err
+    assert "--model llama is ambiguous" in err and "--model ./llama" in err, err
+    assert "registry architecture 'llama'" in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "run").exists()
+    (tmp_path / "gpt2").mkdir()  # e.g. `--model gpt2 --out gpt2`: no config.json
+    assert parse_train_args(["--model", "gpt2"]).model == "gpt2"
+    from slapo.train.models import check_unambiguous, shadowed_model
+
+    check_unambiguous("gpt2")
+    assert shadowed_model("./llama") is None  # a path already: not a registry name
+
+
+# ---- a stop: one line naming the newest checkpoint and the resume command ----------------------
+def test_resume_command_replaces_the_run_start_flags():
+    args = ["--steps", "6", "--resume", "runs/a/checkpoints/step_000002", "--out", "runs/a",
+            "--overwrite", "--resume-or-start", "--resume=x", "--resume"]
+    assert resume_command(args, True) == "slapo train --steps 6 --out runs/a --resume"
+    assert resume_command(["--out", "a b"], False) == "slapo train --out 'a b' --resume-or-start"
+
+
+@pytest.mark.parametrize("point", ["step", "save"])
+def test_ctrl_c_prints_one_line_and_the_run_resumes_bit_identically(point, tmp_path, capsys,
+                                                                     monkeypatch, one_thread):
+    """Ctrl-C (a real SIGINT to this process, `SLAPO_FAULT=sigint`) in step 3, and in the
+    save of step 3 after its tensors are written: exit status 130 and one line, no
+    traceback, naming where it stopped, the newest checkpoint (step 2) and the command that
+    resumes it; the abandoned save left only its `.tmp`; that command continues with the
+    losses of an uninterrupted run."""
+    out = tmp_path / "run"
+    argv = [*TINY, "--steps", "5", "--save-every", "1", "--out", str(out)]
+    before = signal.getsignal(signal.SIGINT)
+    monkeypatch.setenv(faults.ENV, f"sigint:{point}=3:rank=0")
+    assert main(["train", *argv]) == 130
+    assert signal.getsignal(signal.SIGINT) is before  # the command's handlers are undone
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if not line.startswith(faults.ENV)]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    where = "in step 3" if point == "step" else "during the save of step 3"
+    newest = ckpt.checkpoint_dir(out, 2)
+    assert lines[0].startswith(f"slapo train: stopped by Ctrl-C (SIGINT) {where}; the newest "
+                               f"checkpoint is {newest} (step 2); resume with: slapo train "), err
+    assert [ckpt.step_of(p) for p in ckpt.candidates(out)] == [2, 1]
+    assert all(ckpt.verify(p) is None for p in ckpt.candidates(out))
+    leftovers = sorted(p.name for p in (out / "checkpoints").iterdir())
+    assert leftovers == ["step_000001", "step_000002"] + (["step_000003.tmp"] if point == "save"
+                                                          else [])
+    monkeypatch.delenv(faults.ENV)
+    command = shlex.split(lines[0].split("resume with: ")[1])
+    assert command[:2] == ["slapo", "train"] and command[-1] == "--resume"
+    assert main(command[1:]) == 0
+    resumed = json.loads((out / "metrics.json").read_text())
+    assert resumed["resumed_from"] == 2
+    straight = tmp_path / "straight"
+    assert main(["train", *TINY, "--steps", "5", "--save-every", "1", "--out", str(straight)]) == 0
+    assert resumed["losses"] == json.loads((straight / "metrics.json").read_text())["losses"]
+    assert not (out / "checkpoints" / "step_000003.tmp").exists()  # replaced by the new save
+
+
+def test_sigterm_without_a_launcher_is_a_stop_too(tmp_path, capsys, monkeypatch, one_thread):
+    """A job scheduler's SIGTERM to a one-process run: exit status 143, the same one line."""
+    out = tmp_path / "run"
+    monkeypatch.setenv(faults.ENV, "sigterm:step=2:rank=0")
+    rc = main(["train", *TINY, "--steps", "4", "--save-every", "1", "--out", str(out)])
+    err = [line for line in capsys.readouterr().err.splitlines()
+           if not line.startswith(faults.ENV)]
+    assert rc == 143 and len(err) == 1, err
+    assert err[0].startswith(f"slapo train: stopped by SIGTERM in step 2; the newest checkpoint "
+                             f"is {ckpt.checkpoint_dir(out, 1)} (step 1); resume with: "), err

@@ -74,12 +74,16 @@ def test_fault_hook_raises_at_the_named_step_and_save(tmp_path, monkeypatch, one
 
 # ---- PeerWatch: heartbeats and exit records through a real TCP store ---------------------------
 class _Recording(faults.PeerWatch):
-    """Records a hang instead of ending the test process (`os._exit`)."""
+    """Records a hang or a lost launcher instead of ending the test process (`os._exit`)."""
 
     hung: list | None = None
+    lost: str | None = None
 
     def on_hang(self, ranks):
         self.hung = ranks
+
+    def on_launcher_lost(self, why):
+        self.lost = why
 
 
 @pytest.fixture
@@ -133,6 +137,54 @@ def test_peerwatch_stops_a_rank_whose_peer_went_silent(store_env):
             time.sleep(0.05)
         assert w0.hung == [1]
         assert w1.hung is None
+    finally:
+        w0.stop()
+
+
+def test_peerwatch_stops_a_rank_whose_store_is_gone(monkeypatch):
+    """The store lives in torchrun's agent: when it stops answering (the agent was killed, or
+    its node lost) the workers' collectives still run between themselves, so without this
+    they trained on. The watch used to return silently on a store error."""
+    import gc
+
+    import torch.distributed as dist
+
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(server.port))
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    w0, w1 = _pair(_Recording)
+    try:
+        assert w0.lost is None and w1.lost is None
+        del server
+        gc.collect()  # the store's server closes its connections
+        deadline = time.monotonic() + 10
+        while (w0.lost is None or w1.lost is None) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert w0.lost is not None and "store" in w0.lost and "stopped answering" in w0.lost
+        assert w1.lost is not None
+    finally:
+        w0.stop()
+        w1.stop()
+
+
+def test_a_lost_launcher_is_seen_from_the_parent_pid():
+    """Under torchrun the agent is the parent: a re-parented worker, or one whose recorded
+    parent is init already, has lost it; one whose parent is the recorded one has not."""
+    assert faults.launcher_gone(None) is None  # not under torchrun: nothing to lose
+    assert faults.launcher_gone(os.getppid()) is None
+    assert "is gone" in faults.launcher_gone(os.getppid() + 1_000_000)
+    assert "before it started" in faults.launcher_gone(1)
+
+
+def test_a_stopped_peer_is_not_blamed(store_env):
+    """Ctrl-C / a scheduler's SIGTERM stops every rank: a peer that recorded being stopped is
+    not reported as the failing one (it was "rank 1 failed: KeyboardInterrupt")."""
+    w0, w1 = _pair()
+    try:
+        w1.record_exit("stopped by SIGINT")
+        w1.stop()
+        assert w0.diagnose() == []
     finally:
         w0.stop()
 

@@ -300,10 +300,12 @@ class TokenLoader:
         self.tokens = tokens
         self.target_len = seq_len // 2 if task == "seq2seq" else 0
         need = 2 * seq_len + self.target_len
-        if len(tokens) < need:
-            raise ValueError(f"{what} has {len(tokens)} tokens, too few for blocks of "
-                             f"{seq_len} (at least {need} are needed); use a smaller --seq-len "
-                             "or more data.")
+        if len(tokens) < need:  # bad input (exit status 2), like an empty file
+            from .sources import InputError
+
+            raise InputError(what, f"has {len(tokens)} tokens, too few for blocks of {seq_len} "
+                             f"(at least {need} are needed).", "use a smaller --seq-len or more "
+                             "data.")
         self.sampler = BlockSampler(len(self.tokens) - self.target_len, seq_len, seed)
         self.batches_drawn = 0
         self._fingerprint: str | None = None

@@ -169,18 +169,31 @@ def _expand(entry: str) -> list[Path]:
         if not found:
             raise InputError(entry, "the glob matches no file.",
                              "check the pattern (quote it so the shell does not expand it).")
-        return found
+        return _not_all_empty(entry, found)
     if path.is_dir():
         found = sorted(p for p in path.rglob("*.txt") if p.is_file())
         if not found:
             raise InputError(entry, "the directory holds no *.txt file and is not a dataset "
                              "saved with `datasets` (no dataset_info.json).",
                              f"pass a glob such as '{entry}/*.md', or the files themselves.")
-        return found
+        return _not_all_empty(entry, found)
     if not path.is_file():
         raise InputError(entry, "no such file or directory.",
                          "pass an existing text file, glob, .jsonl file or saved dataset.")
-    return [path]
+    return _not_all_empty(entry, [path])
+
+
+def _not_all_empty(entry: str, files: list[Path]) -> list[Path]:
+    """`files`, unless every one is empty (0 bytes): then the entry gives nothing to train on,
+    which is bad input (exit status 2, before anything is written), not a failure found later
+    as "too few tokens"."""
+    if all(f.stat().st_size == 0 for f in files):
+        what = ("the file is empty (0 bytes)" if files == [Path(entry)] else
+                f"every file it names is empty (0 bytes: {', '.join(map(str, files[:3]))}"
+                f"{', ...' if len(files) > 3 else ''})")
+        raise InputError(entry, f"{what}: there is no text to train on.",
+                         "pass a file that holds text, or leave it out of --data.")
+    return files
 
 
 def _not_utf8(path: Path, e: UnicodeDecodeError) -> InputError:

@@ -20,8 +20,27 @@ agent store, which outlives any worker), so a main thread blocked in a store ope
 stall them. Only a process that created its process group runs a `PeerWatch` (a `slapo train`
 launched by torchrun); a caller's group (tests, notebooks) is left alone.
 
+Two more ways a run ends that are not a rank's own failure, both answered with one line:
+
+- **the launcher is gone** (torchrun's agent SIGKILLed, or the node holding the job's store
+  lost): torchrun starts every worker in a session of its own, so nothing signals them, and the
+  workers' collectives go on between themselves: they kept training and writing checkpoints, and
+  a `--resume` started meanwhile raced them. The heartbeat thread checks every `HEARTBEAT_S`
+  that this process's parent is still the agent that started it (under torchrun) and that the
+  job's store answers; when either fails it prints one line (local rank 0) and ends the process
+  (`os._exit`): a save cut short leaves only its `.tmp` directory, which nothing reads.
+- **a stop signal** (Ctrl-C: torchrun forwards SIGINT to every worker; SIGTERM from a job
+  scheduler): `trap_stop_signals` records which signal came, so whatever exception the main
+  thread then unwinds with (a KeyboardInterrupt, DCP's wrapper of it, the gloo error of a peer
+  that stopped first) it is reported as a stop, not as a failure: no peer is blamed, and
+  `slapo train` prints one line naming the newest checkpoint and the command that resumes it
+  (`slapo/cli.py`). A SIGTERM sent because a peer died (torchrun does so) still names the peer.
+
 `SLAPO_FAULT` is a **test hook**, read only by `planned()`: `ACTION:POINT=STEP:rank=R` with
-ACTION `kill` (SIGKILL this process) or `raise` (an `InjectedFault`), and POINT `step` (training
+ACTION `kill` (SIGKILL this process), `raise` (an `InjectedFault`), `sigint` (Ctrl-C at that
+point: SIGINT to torchrun's agent, which forwards it to every worker, or to this process
+without a launcher; then wait here until it arrives) or `sigterm` (the same with SIGTERM, as a
+job scheduler stops a job), and POINT `step` (training
 step STEP, after its backward, before the optimizer update), `save` (the checkpoint of step STEP,
 after the tensors and RNG files are written, before the completion marker), `pp` (the first
 pipeline-stage forward of training step STEP) or `pp_backward` (the first pipeline-stage
@@ -45,15 +64,17 @@ from typing import Any
 from ..errors import SlapoError
 
 ENV = "SLAPO_FAULT"
-ACTIONS = ("kill", "raise")
+ACTIONS = ("kill", "raise", "sigint", "sigterm")
 POINTS = ("step", "save", "pp", "pp_backward")
 HEARTBEAT_S = 0.25   # how often a rank heartbeats (and checks its peers)
 SILENT_S = 1.5       # a peer silent this long, with no exit recorded, is reported as dead
 DIAGNOSE_S = 3.0     # the longest a failing rank waits to learn who failed
 HANG_S = 30.0        # a peer silent this long stops this rank, whatever --dist-timeout says
+SIGNAL_WAIT_S = 60.0  # the `sigint` test action waits this long for its signal to come back
 
-__all__ = ["ENV", "Fault", "InjectedFault", "PeerFailure", "PeerWatch", "install", "note_step",
-           "planned", "point"]
+__all__ = ["ENV", "Fault", "InjectedFault", "PeerFailure", "PeerWatch", "Terminated", "install",
+           "launched_by_torchrun", "note_phase", "note_step", "phase", "planned", "point",
+           "set_stop_hint", "stop_hint", "stop_signals_trapped", "stopped_by"]
 
 
 class InjectedFault(RuntimeError):
@@ -130,6 +151,8 @@ def point(name: str, step: int | None = None) -> None:
 
 def _fire(fault: Fault) -> None:
     where = f"{fault.point} of step {fault.step} on rank {fault.rank}"
+    if fault.action in ("sigint", "sigterm"):
+        _signal_here(signal.SIGINT if fault.action == "sigint" else signal.SIGTERM, where)
     if fault.action == "kill":
         print(f"{ENV}: killing rank {fault.rank} (SIGKILL) at the {where}", file=sys.stderr,
               flush=True)
@@ -166,13 +189,112 @@ def install(rank: int, environ: dict[str, str] | None = None) -> Fault | None:
     return fault
 
 
+def _signal_here(signum: signal.Signals, where: str) -> None:
+    """Ctrl-C (SIGINT) or a scheduler's SIGTERM at this point: the signal to the launcher
+    (torchrun's agent forwards it to every worker, as it does for a Ctrl-C in the terminal) or,
+    without one, to this process; then wait for it here, so it lands at exactly this point."""
+    target = os.getppid() if launched_by_torchrun() else os.getpid()
+    who = f"the launcher (pid {target})" if target != os.getpid() else "this process"
+    print(f"{ENV}: sending {signum.name} to {who} at the {where}", file=sys.stderr, flush=True)
+    os.kill(target, signum)
+    deadline = time.monotonic() + SIGNAL_WAIT_S
+    while time.monotonic() < deadline:
+        time.sleep(0.05)
+    raise InjectedFault(f"{ENV}: the {signum.name} sent at the {where} did not arrive within "
+                        f"{SIGNAL_WAIT_S:.0f} s")
+
+
+# ---- stop signals (Ctrl-C, SIGTERM) and where the run was ---------------------------------------
+# signal: the first stop signal received (None: none); finishing: the rank is recording how it
+# ends (a signal then is only recorded); hint: () -> "the newest checkpoint ...; resume with ...";
+# phase: what the run is doing ("in step 7", "during the save of step 6"), for the one line.
+_STOP: dict[str, Any] = {"signal": None, "finishing": False, "hint": None, "phase": None}
+
+
+def launched_by_torchrun() -> bool:
+    """Started by torchrun's agent (which is then this process's parent)?"""
+    return "TORCHELASTIC_RUN_ID" in os.environ
+
+
+def _on_stop_signal(signum: int, frame: Any) -> None:
+    if _STOP["signal"] is None:
+        _STOP["signal"] = signum
+    if _STOP["finishing"]:
+        return  # recording how this rank ends (bounded): let it finish
+    if signum == signal.SIGINT:
+        raise KeyboardInterrupt
+    raise Terminated("terminated by SIGTERM (torchrun sends it to every rank when one fails, "
+                     "a job scheduler when it stops the job)")
+
+
+def _trap() -> dict[int, Any]:
+    """Install the stop-signal handler for SIGINT and SIGTERM (main thread only); return the
+    handlers it replaced."""
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    return {s: signal.signal(s, _on_stop_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+
+
+@contextlib.contextmanager
+def stop_signals_trapped(hint: Any = None):
+    """For the span of a `slapo train` command: record which stop signal arrives (SIGINT
+    raises KeyboardInterrupt, SIGTERM `Terminated`, as before) so `stopped_by` can tell a stop
+    from a failure; `hint()` says where the run can be resumed from. The previous handlers are
+    restored afterwards (the command may run inside another program, e.g. a test)."""
+    _STOP.update(signal=None, finishing=False, hint=hint, phase=None)
+    previous = _trap()
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        _STOP.update(signal=None, hint=None, finishing=False, phase=None)
+
+
+def set_stop_hint(hint: Any) -> None:
+    """`hint()` -> text naming the newest checkpoint and the command that resumes it."""
+    _STOP["hint"] = hint
+
+
+def stop_hint() -> str:
+    """The hint's text ("" without one, or if it fails: it runs while the process stops)."""
+    try:
+        return _STOP["hint"]() if _STOP["hint"] is not None else ""
+    except Exception:  # noqa: BLE001 - a hint must never hide the stop itself
+        return ""
+
+
+def note_phase(text: str) -> None:
+    """What the run is doing now ("in step 7"), named by the line a stop prints."""
+    _STOP["phase"] = text
+
+
+def phase() -> str | None:
+    return _STOP["phase"]
+
+
+def stopped_by(exc: BaseException | None = None) -> int | None:
+    """The stop signal this process received (SIGINT, SIGTERM), or SIGINT when `exc` (or an
+    error it was raised from) is a KeyboardInterrupt with no handler installed; else None."""
+    if _STOP["signal"] is not None:
+        return int(_STOP["signal"])
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, KeyboardInterrupt):
+            return int(signal.SIGINT)
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
 # ---- who failed: heartbeats and exit records through the job's store ---------------------------
 _COMM_HINTS = ("connection closed", "connection reset", "broken pipe", "timed out", "timeout",
                "nccl", "gloo", "socket", "peer")
 
 
 def is_comm_failure(exc: BaseException | None) -> bool:
-    """Did this rank stop because talking to another rank failed (not for its own reason)?
+    """Did this rank stop because talking to another rank failed, or because it was stopped
+    from outside (SIGTERM, Ctrl-C), rather than for its own reason?
 
     The exception's causes count too: torch's pipeline stage re-raises whatever its forward
     hit (e.g. FSDP2's parameter all-gather finding its peer gone) as a bare
@@ -200,7 +322,7 @@ def describe(exc: BaseException) -> str:
 
 
 def _is_comm_error(exc: BaseException) -> bool:
-    if isinstance(exc, Terminated):
+    if isinstance(exc, (Terminated, KeyboardInterrupt)):  # stopped from outside, not by itself
         return True
     import torch.distributed as dist
 
@@ -221,12 +343,15 @@ class PeerWatch:
 
     A daemon thread adds 1 to this rank's counter every `HEARTBEAT_S` and watches its peers':
     one that neither advances nor records an exit for `hang_s` stops this rank (`on_hang`).
-    `diagnose` names the ranks that died or failed, for the message of a rank that stopped on
-    a communication error."""
+    The same thread stops this rank when the launcher is gone (`on_launcher_lost`): its parent
+    is no longer the torchrun agent that started it, or the job's store (which the agent keeps)
+    fails to answer. `diagnose` names the ranks that died or failed, for the message of a rank
+    that stopped on a communication error."""
 
     def __init__(self, store: Any, rank: int, world: int, hang_s: float = HANG_S):
         self.store, self.rank, self.world, self.hang_s = store, rank, world, hang_s
         self.prefix = _key_prefix()
+        self.parent = launcher_pid()
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self.finishing = False  # set by finish_watch: SIGTERM no longer interrupts
@@ -284,14 +409,33 @@ class PeerWatch:
     # -- the thread
     def _loop(self) -> None:
         while not self._stop.wait(HEARTBEAT_S):
-            try:
-                self._beat()
-                silent = self._silent_peers(time.monotonic())
-            except Exception:  # noqa: BLE001 - the store is gone: the job is ending anyway
+            lost = self.launcher_gone()  # before touching a store that may have died with it
+            if lost is None:
+                try:
+                    self._beat()
+                    silent = self._silent_peers(time.monotonic())
+                except Exception as e:  # noqa: BLE001 - any store failure: its keeper is gone
+                    lost = ("the job's store (kept by the launcher at "
+                            f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}) "
+                            f"stopped answering ({str(e).strip().splitlines()[0][:160]})")
+            if self._stop.is_set():
+                return  # the run has ended: whatever happens to the launcher now is not ours
+            if lost is not None:
+                self.on_launcher_lost(lost)
                 return
             hung = [r for r, s in silent if s >= self.hang_s]
-            if hung and not self._stop.is_set():
+            if hung:
                 self.on_hang(hung)
+
+    def launcher_gone(self) -> str | None:
+        """Why the launcher is known to be gone (`launcher_gone`), checked before each store
+        call: the agent is seen exiting before its sockets close, so the store is not asked in
+        vain (a failed store call prints a C++ stack trace)."""
+        return launcher_gone(self.parent)
+
+    def on_launcher_lost(self, why: str) -> None:
+        """The launcher is gone: end this process now (`launcher_lost`)."""
+        launcher_lost(why)
 
     def _silent_peers(self, now: float) -> list[tuple[int, float]]:
         """(peer, seconds since its counter last moved) for peers with no exit record."""
@@ -356,36 +500,104 @@ class PeerWatch:
         return found, pending
 
 
+# ---- a lost launcher ---------------------------------------------------------------------------
+_LAUNCHER: dict[str, Any] = {"pid": None, "thread": None}
+
+
+def launcher_pid() -> int | None:
+    """The pid of torchrun's agent, this process's parent, as first seen (None without
+    torchrun). Recorded once, so a later re-parenting shows."""
+    if _LAUNCHER["pid"] is None and launched_by_torchrun():
+        _LAUNCHER["pid"] = os.getppid()
+    return _LAUNCHER["pid"]
+
+
+def launcher_gone(pid: int | None) -> str | None:
+    """Why the launcher `pid` is known to be gone, or None: this process was re-parented (the
+    agent is dead: under torchrun a worker is its own session, so no signal reaches it), the
+    agent has begun to exit, or it was gone before this process looked (parent pid 1)."""
+    if pid is None:
+        return None
+    if pid == 1:
+        return "its launcher (torchrun's agent) was gone before it started (killed)"
+    if os.getppid() != pid or _exiting(pid):
+        return f"its launcher (torchrun's agent, pid {pid}) is gone (killed, or its node was lost)"
+    return None
+
+
+def launcher_lost(why: str) -> None:
+    """The launcher is gone: nothing will stop this job's workers, and they would go on training
+    and writing checkpoints (racing a `--resume` started meanwhile), or wait at start-up for a
+    store that is gone. Say so once per node and end the process now (the main thread may be
+    inside a collective or a store call, which no exception would interrupt)."""
+    if os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0")) == "0":
+        hint = stop_hint()
+        print(f"slapo train: error: stopped: {why}; every worker of the job stops with it; "
+              + (hint or "rerun the command with --resume to continue from the newest intact "
+                 "checkpoint."), file=sys.stderr, flush=True)
+    with contextlib.suppress(Exception):
+        sys.stdout.flush()
+    os._exit(1)
+
+
+def watch_launcher() -> None:
+    """Under torchrun, a daemon thread that ends this process when the agent that started it is
+    gone (`launcher_lost`), from the start of the command: before the process group exists a
+    worker whose agent died waits on the dead store until its timeout, and the `PeerWatch`
+    (which also notices a store that stops answering) starts only after it. Idempotent."""
+    pid = launcher_pid()
+    if pid is None or _LAUNCHER["thread"] is not None:
+        return
+
+    def loop() -> None:
+        while (why := launcher_gone(pid)) is None:
+            time.sleep(HEARTBEAT_S)
+        launcher_lost(why)
+
+    _LAUNCHER["thread"] = threading.Thread(target=loop, name="slapo-launcher-watch",
+                                           daemon=True)
+    _LAUNCHER["thread"].start()
+
+
+_PF_EXITING = 0x4  # Linux task flag: the process has begun to exit (include/linux/sched.h)
+
+
+def _exiting(pid: int) -> bool:
+    """Has process `pid` begun to exit (Linux; False where /proc cannot tell)? Its flags
+    field (the 9th of /proc/PID/stat) has PF_EXITING from the start of the kernel's exit, before
+    its files (the store's sockets) are closed; a zombie is exiting too."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            fields = fh.read().rsplit(b")", 1)[1].split()
+    except (OSError, IndexError):
+        return False
+    return fields[0] in (b"Z", b"X") or bool(int(fields[6]) & _PF_EXITING)
+
+
 # ---- the two ends of a run ---------------------------------------------------------------------
 def start_watch(rank: int, world: int) -> PeerWatch | None:
-    """Start heartbeating (and stop on a silent peer); trap SIGTERM so a rank the launcher stops
-    unwinds through `finish_watch` and says why."""
+    """Start heartbeating (and stop on a silent peer or a lost launcher); trap SIGTERM and
+    SIGINT so a rank the launcher stops unwinds through `finish_watch` and says why."""
+    watch_launcher()
     watch = PeerWatch.start(rank, world)
-    if watch is not None and threading.current_thread() is threading.main_thread():
-        def on_term(signum, frame):
-            if not watch.finishing:
-                raise Terminated("terminated by SIGTERM (torchrun stops every rank when one "
-                                 "fails)")
-        signal.signal(signal.SIGTERM, on_term)
+    if watch is not None:
+        _STOP.update(signal=None, finishing=False)
+        _trap()
     return watch
 
 
 def finish_watch(watch: PeerWatch | None, exc: BaseException | None) -> None:
     """Record how this rank ends; if it stopped on a communication error, raise a `PeerFailure`
-    naming the ranks that died or failed (chained to the original error)."""
+    naming the ranks that died or failed (chained to the original error). A rank stopped by a
+    signal records `stopped by SIG...` (its peers do not name it); after Ctrl-C nobody is."""
     if watch is None:
         return
-    watch.finishing = True  # a SIGTERM from now on must not cut the diagnosis short
-    comm = is_comm_failure(exc)
-    if exc is None:
-        watch.record_exit("done")
-    else:
-        kind = "comm" if comm else "own"
-        watch.record_exit(f"error {kind}: {describe(exc)}")
-    culprits: list[tuple[int, str]] = []
-    if comm:
-        with contextlib.suppress(Exception):  # the store may be gone with the job
-            culprits = watch.diagnose()
+    watch.finishing = True  # a stop signal from now on must not cut the diagnosis short
+    _STOP["finishing"] = True
+    try:
+        culprits = _record_and_diagnose(watch, exc)
+    finally:
+        _STOP["finishing"] = False
     watch.stop()
     if culprits:
         raise PeerFailure(
@@ -393,3 +605,20 @@ def finish_watch(watch: PeerWatch | None, exc: BaseException | None) -> None:
             + f". (This rank saw: {type(exc).__name__}: {str(exc)[:300]}) Fix: the job stops "
             "as a whole; rerun the same command with --resume to continue from the newest "
             "intact checkpoint.") from exc
+
+
+def _record_and_diagnose(watch: PeerWatch, exc: BaseException | None) -> list[tuple[int, str]]:
+    comm = is_comm_failure(exc)
+    stop = stopped_by(exc) if exc is not None else None
+    if stop is not None:  # not this rank's failure: peers must not blame it
+        watch.record_exit(f"stopped by {signal.Signals(stop).name}")
+    elif exc is None:
+        watch.record_exit("done")
+    else:
+        kind = "comm" if comm else "own"
+        watch.record_exit(f"error {kind}: {describe(exc)}")
+    if not comm or stop == signal.SIGINT:  # Ctrl-C stops every rank: nobody to name
+        return []
+    with contextlib.suppress(Exception):  # the store may be gone with the job
+        return watch.diagnose()
+    return []

@@ -32,6 +32,7 @@ from typing import Any
 import torch.distributed as dist  # noqa: F401  (tests patch `loop.dist`)
 
 from ..profile import meter
+from . import faults
 from .assemble import Run, build, make_trainable, schedule  # noqa: F401  (re-exported)
 from .config import (  # noqa: F401  (re-exported)
     CKPT_POLICIES,
@@ -58,7 +59,7 @@ from .report import (  # noqa: F401  (re-exported)
     write_metrics,
 )
 from .resume import check_identity, pick_checkpoint, resume, save  # noqa: F401  (re-exported)
-from .setup import Env, data_parallel, setup, teardown  # noqa: F401  (re-exported)
+from .setup import Env, claim_out, data_parallel, setup, teardown  # noqa: F401  (re-exported)
 
 
 # ---- step -------------------------------------------------------------------------------------
@@ -96,6 +97,8 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     env = setup(cfg)
     log = print if env.is_main else (lambda *a, **k: None)
     try:
+        faults.watch_launcher()  # under torchrun (one process too): stop when it is gone
+        faults.note_phase("while setting up")
         run = build(cfg, env, log)
         log(f"slapo train: {cfg.model} ({trained_parameters(run):,} parameters on rank 0), "
             f"{env.world} process(es) ({env.dims}), device {env.device}, precision "
@@ -104,23 +107,35 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
             f"schedule {run.schedule_note}")
         if cfg.resume_target() is not None:
             resume(run, log)
+        claim_out(cfg, env)  # --out is this run's: run.json (--overwrite: the old run removed)
         meter.reset_peak(env.device)
         with open_metrics_log(run) as mlog:
             bar = progress_bar(run)
             while run.step < cfg.steps:
+                faults.note_phase(f"in step {run.step + 1}")
                 train_one_step(run)
                 if cfg.eval_every and run.step % cfg.eval_every == 0:
                     evaluate(run, mlog)
                 log_step(run, bar, mlog)
                 if cfg.out and cfg.save_every and run.step % cfg.save_every == 0:
-                    save(run)
+                    save_noted(run)
             bar.close()
             if cfg.out and (run.resumed_from != run.step) and not (
                     cfg.save_every and run.step % cfg.save_every == 0):
-                save(run)  # the final state, unless just saved (or nothing was trained)
+                save_noted(run)  # the final state, unless just saved (or nothing was trained)
+            faults.note_phase(f"after step {run.step} (computing the final metrics)")
             return finish(run, log, mlog)
     finally:
         teardown(env)
+
+
+def save_noted(run: Run) -> None:
+    """`save`, with the phase a stop names. A stop inside a save abandons it: what it wrote
+    stays in its `.tmp` directory, which nothing reads and the next save of that step replaces;
+    every published checkpoint is intact (`run_state.save` publishes by an atomic rename)."""
+    faults.note_phase(f"during the save of step {run.step}")
+    save(run)
+    faults.note_phase(f"after step {run.step}")
 
 
 @contextlib.contextmanager

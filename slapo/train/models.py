@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch.nn as nn
 
@@ -159,6 +160,31 @@ def get_model_spec(name: str) -> ModelSpec:
         raise ValueError(f"unknown model {name!r}; choose one of: {', '.join(MODELS)}, or pass "
                          "a local HF model directory (config.json) or a config.json file")
     return spec
+
+
+def shadowed_model(name: str) -> Path | None:
+    """The local model directory a registry name also names: `./NAME` holding a config.json
+    (what `--model DIR` fine-tunes). None for a name outside the registry (it is a path
+    already), or a directory without a config.json (e.g. a run's --out named after its model:
+    not a model, so the name is not ambiguous)."""
+    if name.lower().replace("-", "_") not in MODELS:
+        return None
+    path = Path(name)
+    return path if (path / "config.json").is_file() else None
+
+
+def check_unambiguous(name: str) -> None:
+    """Refuse a `--model` that is both a registry name and a local model directory: the
+    registry used to win without a word, training a fresh model where the user meant to
+    fine-tune theirs. Neither reading is safe to guess, so both ways out are named."""
+    local = shadowed_model(name)
+    if local is not None:
+        spec = get_model_spec(name)
+        raise ValueError(
+            f"--model {name} is ambiguous: it names the registry architecture {spec.name!r} "
+            f"and also the local model directory ./{local} (it holds a config.json). Pass "
+            f"--model ./{local} to fine-tune that directory, or run from another directory "
+            f"(or rename ./{local}) to train a fresh {spec.name!r}")
 
 
 def build_model(name: str, size: ModelSize) -> tuple[nn.Module, ModelSpec]:
