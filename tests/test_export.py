@@ -4,10 +4,12 @@
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from slapo.data.sources import InputError
 from slapo.train.export import export_run
@@ -163,6 +165,25 @@ def test_export_names_a_missing_step_and_lists_the_saved_ones(tmp_path, one_thre
     assert result.step == 1
 
 
+def test_a_failed_export_leaves_nothing_behind(tmp_path, one_thread, monkeypatch):
+    """Whatever fails after writing began (here the reload check), neither OUT nor OUT.tmp
+    is left: nothing that looks like an export, nothing to clean up by hand."""
+    from slapo.train import TrainConfig, export, train
+
+    train(TrainConfig(**{**TINY, "model": "gpt2", "hidden_size": 32, "num_heads": 2,
+                         "seq_len": 16, "batch_size": 2, "steps": 1,
+                         "out": str(tmp_path / "run")}))
+
+    def failing_check(directory, model, task):
+        assert (directory / "model.safetensors").is_file()  # it fails after writing
+        raise RuntimeError("export check failed: planted")
+
+    monkeypatch.setattr(export, "_check_reload", failing_check)
+    with pytest.raises(RuntimeError, match="planted"):
+        export_run(tmp_path / "run", tmp_path / "hf", log=lambda *a: None)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
+
+
 def test_slapo_export_command(tmp_path, one_thread, capsys):
     from slapo.cli import main
 
@@ -237,3 +258,151 @@ def test_save_pretrained_of_a_sharded_model_writes_whole_tensors(request, tmp_pa
         got = loaded.eval()(input_ids=ids).logits
     torch.testing.assert_close(got, res[0]["logits"], rtol=1e-4, atol=1e-4)
     assert loaded.transformer.h[0].attn.c_attn.weight.shape == (32, 96)  # whole, not (32, 48)
+
+
+# ---- one run per --out: a fresh run never damages another ------------------------------------
+CLI = ["--model", "gpt2", "--hidden-size", "32", "--num-layers", "2", "--num-heads", "2",
+       "--seq-len", "16", "--batch-size", "2", "--no-progress", "--no-plot",
+       "--eval-batches", "0"]
+
+
+def _files(root: Path) -> dict[str, bytes]:
+    """Every file under `root` with its bytes (what "nothing changed" compares)."""
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*"))
+            if p.is_file()}
+
+
+def _steps(out: Path) -> list[int]:
+    from slapo.train import run_state as ckpt
+
+    return sorted(ckpt.step_of(p) for p in ckpt.candidates(out))
+
+
+def test_a_fresh_run_into_a_run_directory_is_refused_and_changes_nothing(tmp_path, one_thread,
+                                                                        capsys):
+    """Exit status 2 naming the directory and the three ways on; not one byte changes (the
+    old run's metrics, checkpoints, run id, and the user's own file)."""
+    from slapo.cli import main
+
+    out = tmp_path / "run"
+    assert main(["train", *CLI, "--steps", "2", "--save-every", "1", "--out", str(out)]) == 0
+    (out / "notes.txt").write_text("mine")
+    before = _files(out)
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        main(["train", *CLI, "--steps", "3", "--seed", "5", "--out", str(out)])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert str(out) in err and "already holds a run" in err
+    assert "--resume" in err and "--overwrite" in err and "another --out" in err
+    assert _files(out) == before
+    with pytest.raises(ValueError, match="--overwrite replaces the run"):
+        from slapo.train import TrainConfig
+
+        TrainConfig(out=str(out), overwrite=True, resume="latest").check()
+    # a directory with only the user's files (or an empty one) takes a fresh run
+    free = tmp_path / "free"
+    free.mkdir()
+    (free / "notes.txt").write_text("mine")
+    assert main(["train", *CLI, "--steps", "1", "--out", str(free)]) == 0
+    assert (free / "notes.txt").read_text() == "mine" and _steps(free) == [1]
+
+
+def job_refuse_then_overwrite(out: str) -> dict:
+    """Every rank: a run, a fresh run into it (refused on every rank, before the process
+    group is used: no rank waits for another), then --overwrite."""
+    from slapo.train import TrainConfig, train
+
+    torch.set_num_threads(1)
+    opts = {**TINY, "model": "gpt2", "hidden_size": 32, "num_heads": 2, "seq_len": 16,
+            "batch_size": 4, "steps": 1, "tp": 2, "out": out}
+    train(TrainConfig(**opts))
+    first = json.loads((Path(out) / "run.json").read_text())["run_id"]
+    try:
+        train(TrainConfig(**{**opts, "seed": 1}))
+        refused = None
+    except InputError as e:
+        refused = str(e)
+    train(TrainConfig(**{**opts, "seed": 1, "overwrite": True}))
+    second = json.loads((Path(out) / "run.json").read_text())["run_id"]
+    # rank 0 cannot claim (run.json is a directory): every rank stops at once, none waits
+    bad = Path(out + "-bad")
+    if dist.get_rank() == 0:
+        (bad / "run.json").mkdir(parents=True)
+        (bad / "run.json" / "x").write_text("in the way")
+    dist.barrier()
+    t0 = time.monotonic()
+    try:
+        train(TrainConfig(**{**opts, "out": str(bad)}))
+        claim_error = None
+    except Exception as e:  # noqa: BLE001 - what each rank raised is the result
+        claim_error = f"{type(e).__name__}: {e}"
+    return {"refused": refused, "first": first, "second": second, "claim_error": claim_error,
+            "claim_s": time.monotonic() - t0}
+
+
+@pytest.mark.dist
+def test_a_fresh_run_into_a_run_directory_is_refused_on_every_rank(dist2, tmp_path):
+    res = dist2.run(job_refuse_then_overwrite, str(tmp_path / "run"), timeout=240)
+    for r in res:
+        assert r["refused"] is not None and "already holds a run" in r["refused"]
+        assert r["first"] != r["second"]
+        assert r["claim_s"] < 30  # the collectives' timeout is 60 s
+    assert "run.json" in res[0]["claim_error"] and "Error" in res[0]["claim_error"]
+    assert "rank 0 could not prepare --out" in res[1]["claim_error"]
+    assert export_run(tmp_path / "run", tmp_path / "hf", log=lambda *a: None).step == 1
+
+
+def test_overwrite_replaces_the_old_run_cleanly(tmp_path, one_thread):
+    """--overwrite: the old run's checkpoints, metrics and run id are gone (the user's file
+    stays); export and --resume then see only the new run."""
+    from slapo.train import TrainConfig, train
+
+    out = tmp_path / "run"
+    opts = {**TINY, "model": "gpt2", "hidden_size": 32, "num_heads": 2, "seq_len": 16,
+            "batch_size": 2, "out": str(out)}
+    train(TrainConfig(**{**opts, "steps": 4, "save_every": 1}))
+    old_id = json.loads((out / "run.json").read_text())["run_id"]
+    (out / "notes.txt").write_text("mine")
+    new = train(TrainConfig(**{**opts, "steps": 2, "seed": 3, "overwrite": True}))
+    assert _steps(out) == [2]  # not the old run's 1, 3, 4
+    assert (out / "notes.txt").read_text() == "mine"
+    assert json.loads((out / "run.json").read_text())["run_id"] != old_id
+    records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2]
+    assert json.loads((out / "metrics.json").read_text())["losses"] == new["losses"]
+    assert export_run(out, tmp_path / "hf", log=lambda *a: None).step == 2
+    resumed = train(TrainConfig(**{**opts, "steps": 3, "seed": 3, "resume": "latest"}))
+    assert resumed["resumed_from"] == 2 and resumed["losses"][:2] == new["losses"]
+
+
+def test_export_and_resume_ignore_a_foreign_checkpoint(tmp_path, one_thread, capsys):
+    """A newer checkpoint of another run copied into the directory (or one an interrupted
+    --overwrite left behind) is never exported nor resumed, and is left alone."""
+    import shutil
+
+    from slapo.train import TrainConfig, train
+    from slapo.train import run_state as ckpt
+
+    opts = {**TINY, "model": "gpt2", "hidden_size": 32, "num_heads": 2, "seq_len": 16,
+            "batch_size": 2}
+    train(TrainConfig(**{**opts, "steps": 2, "out": str(tmp_path / "a")}))
+    train(TrainConfig(**{**opts, "steps": 4, "seed": 9, "out": str(tmp_path / "b")}))
+    foreign = ckpt.checkpoint_dir(tmp_path / "a", 4)
+    shutil.copytree(ckpt.checkpoint_dir(tmp_path / "b", 4), foreign)
+    assert ckpt.verify(foreign) is None  # intact, newer, and not this run's
+    kept = _files(foreign)
+
+    result = export_run(tmp_path / "a", tmp_path / "hf", log=lambda *a: None)
+    assert result.step == 2 and result.checkpoint.name == "step_000002"
+    with pytest.raises(InputError, match="belongs to another run"):
+        export_run(tmp_path / "a", tmp_path / "hf4", step=4)
+    assert not (tmp_path / "hf4").exists()
+
+    capsys.readouterr()
+    resumed = train(TrainConfig(**{**opts, "steps": 3, "save_every": 1, "keep_last": 1,
+                                   "out": str(tmp_path / "a"), "resume": "latest"}))
+    assert resumed["resumed_from"] == 2
+    assert "step_000004: it belongs to another run" in capsys.readouterr().err
+    assert _files(foreign) == kept  # neither replaced nor pruned by keep_last
+    assert _steps(tmp_path / "a") == [3, 4]

@@ -83,6 +83,7 @@ class RunOptions:
     out: str | None = None
     resume: str | None = None   # "latest" (the newest intact checkpoint in `out`) or a dir
     resume_or_start: bool = False  # resume from `out` if it has a checkpoint, else start fresh
+    overwrite: bool = False     # a fresh run replaces the run in `out` (else: refused)
     save_every: int = 0         # 0: only at the end (when `out` is given)
     keep_last: int = 0          # keep the N newest checkpoints (0: keep all)
     dist_timeout: float = DIST_TIMEOUT_S  # seconds a collective may wait for a peer
@@ -176,6 +177,11 @@ class RunOptions:
     def _check_out(self) -> None:
         if self.out is not None and Path(self.out).exists() and not Path(self.out).is_dir():
             raise ValueError(f"--out {self.out} is a file, not a directory")
+        if self.overwrite and self.out is None:
+            raise ValueError("--overwrite needs --out DIR (the run directory to replace)")
+        if self.overwrite and self.resume_target() is not None:
+            raise ValueError("--overwrite replaces the run in --out, --resume / "
+                             "--resume-or-start continue it: pass one of them")
 
     def _check_inputs(self) -> None:
         """--model, --data, --tokenizer: the paths exist and hold what they should (cheap: the

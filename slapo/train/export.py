@@ -14,12 +14,17 @@ Consolidation needs no process group: DCP's metadata holds every tensor's global
 tensor is read at full size, whatever the tp / pp / dp-shard layout that wrote it. A shard of a
 fused parameter (GPT-2's `c_attn`, saved as `[..., blocks, rest, ...]`) is reshaped back.
 
-Checks, before anything is written: the checkpoint is verified (marker, sizes, sha256); every
-parameter of the model must come from the checkpoint (a missing one is an error, never a random
-init); after writing, the directory is loaded back with `AutoModel*.from_pretrained` and its
-logits on a probe batch must equal the consolidated model's (`check=False` skips this).
-The output directory is written as `OUT.tmp` and renamed, so a failed export leaves nothing that
-looks complete.
+A `--model DIR` run is rebuilt as `slapo train` built it: parameters on meta, filled from the
+checkpoint, buffers as the constructor computes them (`allocate_for_checkpoint`: non-persistent
+buffers such as rotary `inv_freq` or BERT's `position_ids` are in no checkpoint).
+
+Checks, before anything is written: the checkpoint is verified (marker, sizes, sha256) and is
+the directory's own run's (`run_state.owner_problem`: a checkpoint of another run copied into
+it is never exported); every parameter of the model must come from the checkpoint (a missing
+one is an error, never a random init); after writing, the directory is loaded back with
+`AutoModel*.from_pretrained` and its logits on a probe batch must equal the consolidated
+model's (`check=False` skips this). The output directory is written as `OUT.tmp` and renamed;
+a failure on the way removes `OUT.tmp`, so a failed export leaves nothing behind.
 """
 
 from __future__ import annotations
@@ -55,7 +60,9 @@ class ExportResult:
 
 # ---- which checkpoint --------------------------------------------------------------------------
 def pick(run_dir: Path, step: int | None) -> Path:
-    """The newest intact checkpoint of `run_dir` (or the one of `step`), verified."""
+    """The newest intact checkpoint of `run_dir`'s run (or the one of `step`), verified. A
+    checkpoint of another run in the directory (see `run_state.owner_problem`) is never taken:
+    the export must be the model this run trained."""
     run_dir = Path(run_dir)
     if not (run_dir / ckpt.CHECKPOINTS).is_dir():
         raise InputError(str(run_dir), "is not a `slapo train` run directory (no "
@@ -64,9 +71,10 @@ def pick(run_dir: Path, step: int | None) -> Path:
                          "(--save-every N, or the final save).")
     if step is not None:
         path = ckpt.checkpoint_dir(run_dir, step)
-        reason = ckpt.verify(path) if path.is_dir() else "no such checkpoint"
+        reason = (ckpt.owner_problem(path, ckpt.run_id(run_dir)) or ckpt.verify(path)
+                  if path.is_dir() else "no such checkpoint")
         if reason is not None:
-            steps = sorted(ckpt.step_of(p) for p in ckpt.candidates(run_dir))
+            steps = sorted(ckpt.step_of(p) for p in ckpt.own_candidates(run_dir))
             have = ", ".join(map(str, steps)) or "none"
             raise InputError(str(path), f"cannot export step {step}: {reason}.",
                              f"pick one of the saved steps ({have}) or leave --step out.")
@@ -113,11 +121,44 @@ def unsharded_model(cfg) -> tuple[nn.Module, str, str | None]:
     source = pretrained.model_source(cfg.model) if pretrained.is_model_path(cfg.model) else None
     tok_dir = _tokenizer_source(cfg, source)
     if source is not None:  # parameters on meta until the checkpoint fills them (all must)
-        return source.build_empty(dropout=cfg.dropout).to_empty(device="cpu"), source.task(), \
-            tok_dir
+        return allocate_for_checkpoint(source.build_empty(dropout=cfg.dropout), cfg.model), \
+            source.task(), tok_dir
     tokenizer = load_tokenizer(tok_dir)
     model = build_model(cfg.model, cfg.size(tokenizer))[0]
     return model, get_model_spec(cfg.model).task, tok_dir
+
+
+def allocate_for_checkpoint(model: nn.Module, where: str) -> nn.Module:
+    """Allocate (uninitialised, on CPU) the meta parameters and persistent buffers of a model
+    built by `ModelSource.build_empty`, which the checkpoint then fills; every tensor the
+    constructor computed stays as computed.
+
+    Why not `model.to_empty()`: it re-allocates *every* tensor, also the non-persistent buffers
+    the constructor computed from the config (LLaMA's rotary `inv_freq`, BERT's `position_ids`
+    and `token_type_ids`), which no checkpoint holds, so they stayed uninitialised memory: wrong
+    logits, or an index out of bounds. The run trained with the constructor's values (`slapo
+    train` builds the same way), and `from_pretrained` recomputes them the same way, so keeping
+    them is what reproduces the trained model, for any architecture. A tied parameter stays one
+    tensor under all its names. A non-persistent buffer left on meta could be filled by nothing:
+    refused, naming it."""
+    new: dict[int, torch.Tensor] = {}
+    for path, mod in model.named_modules(remove_duplicate=False):
+        for kind, table in (("p", mod._parameters), ("b", mod._buffers)):
+            for name, t in table.items():
+                if t is None or t.device.type != "meta":
+                    continue
+                if kind == "b" and name in mod._non_persistent_buffers_set:
+                    full = f"{path}.{name}" if path else name
+                    raise InputError(where, f"the model's non-persistent buffer {full} is "
+                                     "built on the meta device; no checkpoint holds it, so "
+                                     "export cannot recompute it.",
+                                     "please report this architecture to Slapo.")
+                if id(t) not in new:
+                    value = torch.empty(t.shape, dtype=t.dtype)
+                    new[id(t)] = (nn.Parameter(value, requires_grad=t.requires_grad)
+                                  if kind == "p" else value)
+                table[name] = new[id(t)]
+    return model
 
 
 def _auto_class(task: str):
@@ -196,23 +237,34 @@ def export_run(run_dir: str | Path, out: str | Path, *, step: int | None = None,
     model.eval()
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
+    try:  # whatever fails (the check, a full disk, Ctrl-C), no `OUT.tmp` is left behind
+        info = {"run": str(Path(run_dir).resolve()), "run_id": ckpt.manifest_run_id(path),
+                "checkpoint": path.name, "step": trainer["step"], "model": cfg.model,
+                "task": task,
+                "tokenizer": tok_dir or "bytes (slapo.data.ByteTokenizer: ids 0-255 are "
+                "bytes; 256 pad, 257 bos, 258 eos, 259 mask)"}
+        diff = _write(tmp, model, task, tok_dir, info, check)
+        if out.exists():
+            shutil.rmtree(out)
+        tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    log(f"exported {path} (step {trainer['step']}, {count} tensors) to {out}"
+        + (f"; reloaded logits match (max diff {diff:.1e})" if diff is not None else ""))
+    return ExportResult(out, path, trainer["step"], count, tok_dir, diff)
+
+
+def _write(tmp: Path, model: nn.Module, task: str, tok_dir: str | None, info: dict,
+           check: bool) -> float | None:
+    """The export into `tmp`: weights, tokenizer, provenance; then (`check`) the reload check."""
     model.save_pretrained(tmp, safe_serialization=True)
     if tok_dir is not None:
         from transformers import AutoTokenizer
 
         AutoTokenizer.from_pretrained(tok_dir, local_files_only=True).save_pretrained(tmp)
-    info = {"run": str(Path(run_dir).resolve()), "checkpoint": path.name,
-            "step": trainer["step"], "model": cfg.model, "task": task,
-            "tokenizer": tok_dir or "bytes (slapo.data.ByteTokenizer: ids 0-255 are bytes; "
-            "256 pad, 257 bos, 258 eos, 259 mask)"}
     (tmp / EXPORT_FILE).write_text(json.dumps(info, indent=1))
-    diff = _check_reload(tmp, model, task) if check else None
-    if out.exists():
-        shutil.rmtree(out)
-    tmp.rename(out)
-    log(f"exported {path} (step {trainer['step']}, {count} tensors) to {out}"
-        + (f"; reloaded logits match (max diff {diff:.1e})" if diff is not None else ""))
-    return ExportResult(out, path, trainer["step"], count, tok_dir, diff)
+    return _check_reload(tmp, model, task) if check else None
 
 
 def _check_reload(directory: Path, model: nn.Module, task: str) -> float:

@@ -33,8 +33,9 @@ def save(run: Any) -> Path:
 def pick_checkpoint(run: Any) -> Path | None:
     """Collective. The checkpoint to resume from, verified (marker, sizes, sha256).
 
-    `--resume` (latest): the newest intact checkpoint in --out; newer damaged ones are skipped
-    with a warning naming each and why (and recorded in metrics.json as `resume_skipped`).
+    `--resume` (latest): the newest intact checkpoint of the run in --out (`run_state`'s run
+    ids: one of another run is never picked); newer damaged or foreign ones are skipped with a
+    warning naming each and why (and recorded in metrics.json as `resume_skipped`).
     None only with --resume-or-start and no checkpoint at all. `--resume DIR`: that checkpoint,
     or an error saying what is wrong with it.
     """
@@ -51,9 +52,10 @@ def pick_checkpoint(run: Any) -> Path | None:
         warn(run, f"skipping checkpoint {bad}: {why}")
         run.resume_skipped.append({"checkpoint": str(bad), "reason": why})
     if path is None and skipped:
-        raise ckpt.CheckpointError(Path(cfg.out) / ckpt.CHECKPOINTS, "no intact checkpoint to "
-                                   "resume from (every one is listed above with its fault); "
-                                   "start a fresh run in another --out, or repair one")
+        raise ckpt.CheckpointError(Path(cfg.out) / ckpt.CHECKPOINTS, "no intact checkpoint of "
+                                   "this run to resume from (every one is listed above with "
+                                   "why it was skipped); start a fresh run in another --out "
+                                   "(or --overwrite this one), or repair one")
     if path is not None and skipped:
         warn(run, f"resuming from {path.name}, the newest intact checkpoint")
     return path

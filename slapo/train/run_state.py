@@ -7,8 +7,15 @@ Layout of one checkpoint, `OUT/checkpoints/step_000010/`:
   and optimizer state dicts (HF keys; each rank writes its own shards),
 - `rng_rank{r}.json`: every RNG stream of rank r (torch, CUDA, python, numpy, Slapo's TP stream),
 - `trainer.json`: step, loss history, data-sampler state and the run's config (rank 0),
-- `COMPLETE.json`: the completion marker, written last: format version, step, world size, and
-  the size and sha256 of every other file.
+- `COMPLETE.json`: the completion marker, written last: format version, step, world size, the
+  run id of the directory's run, and the size and sha256 of every other file.
+
+Which run a checkpoint belongs to. A fresh run writes a new run id into `OUT/run.json` before
+anything else (`claim`), and every checkpoint's `COMPLETE.json` records the run id of the
+directory it was saved in. `--resume` and `slapo export` consider only the checkpoints of the
+directory's run (`owner_problems`): one copied in from elsewhere, or left behind by the run an
+`--overwrite` replaced, is skipped with its reason. A directory without `run.json` (written by
+a Slapo before run ids) keeps the old rule: every checkpoint in it is the run's.
 
 Crash safety. Every rank writes into `step_000010.tmp/`; once all are done, each rank hashes its
 share of the files, rank 0 writes `COMPLETE.json` (fsynced) and renames the directory to
@@ -66,6 +73,13 @@ from ..files import fsync_dir, write_synced
 from . import faults, shard_layout
 
 CHECKPOINTS = "checkpoints"
+RUN_FILE = "run.json"
+# What a `slapo train` run writes into --out besides RUN_FILE (`--overwrite` removes exactly
+# these; anything else in the directory is the user's and stays).
+RUN_OUTPUTS = (CHECKPOINTS, "metrics.json", "metrics.jsonl", "metrics.csv", "metrics.png",
+               "tensorboard", "wandb")
+# The ones whose presence means the directory holds a run (a fresh run would damage them).
+RUN_MARKS = (CHECKPOINTS, "metrics.json", "metrics.jsonl", "metrics.csv")
 TRAINER_FILE = "trainer.json"
 MARKER = "COMPLETE.json"
 DCP_METADATA = ".metadata"
@@ -115,6 +129,75 @@ def candidates(out: Path) -> list[Path]:
 def latest(out: Path) -> Path | None:
     """The newest checkpoint in `out` that has a completion marker (not verified: cheap)."""
     return next((p for p in candidates(out) if (p / MARKER).is_file()), None)
+
+
+# ---- which run a directory and a checkpoint belong to -------------------------------------------
+def run_id(out: Path) -> str | None:
+    """The run id of the run in `out` (`OUT/run.json`), or None (no run file: a directory from
+    a Slapo before run ids, or none yet)."""
+    path = Path(out) / RUN_FILE
+    if not path.is_file():
+        return None
+    data = read_json(path)
+    if not (isinstance(data, dict) and isinstance(data.get("run_id"), str)):
+        raise CheckpointError(path, "not a slapo run file (needs a string run_id)")
+    return data["run_id"]
+
+
+def holds_run(out: Path) -> list[str]:
+    """The run outputs in `out` that a fresh run there would overwrite or mix with (published
+    checkpoints, metrics); [] when there are none: a missing or empty directory, only the
+    user's own files, only the run file of a run that wrote nothing, or only the `.tmp` of a
+    killed first save (never read; retention removes it)."""
+    out = Path(out)
+    found = [f"{CHECKPOINTS}/"] if candidates(out) else []
+    return found + [name for name in RUN_MARKS if name != CHECKPOINTS and (out / name).exists()]
+
+
+def claim(out: Path, *, overwrite: bool = False) -> str:
+    """Make `out` a fresh run's: write a new run id into `OUT/run.json` (first, so that any
+    checkpoint still there from now on belongs to another run), then, with `overwrite`, remove
+    the old run's outputs (`RUN_OUTPUTS`; nothing else). Rank 0 only. Returns the new id."""
+    import uuid
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    new = uuid.uuid4().hex
+    tmp = out / (RUN_FILE + ".tmp")
+    write_synced(tmp, json.dumps({"format": "slapo-train-run", "run_id": new}))
+    tmp.replace(out / RUN_FILE)
+    fsync_dir(out)
+    if overwrite:
+        for name in RUN_OUTPUTS:
+            p = out / name
+            if p.is_dir():
+                shutil.rmtree(p)
+            elif p.exists():
+                p.unlink()
+    return new
+
+
+def manifest_run_id(path: Path) -> str | None:
+    """The run id a checkpoint's `COMPLETE.json` records (None: not recorded, or unreadable)."""
+    try:
+        m = read_json(Path(path) / MARKER)
+    except CheckpointError:
+        return None
+    value = m.get("run_id") if isinstance(m, dict) else None
+    return value if isinstance(value, str) else None
+
+
+def owner_problem(path: Path, owner: str | None) -> str | None:
+    """Why the checkpoint at `path` is not the run `owner`'s (None: it is, or `owner` is None:
+    a directory without run ids, where every checkpoint counts). A checkpoint without a marker
+    is left to `verify` to report."""
+    if owner is None or not (Path(path) / MARKER).is_file():
+        return None
+    found = manifest_run_id(path)
+    if found == owner:
+        return None
+    return (f"it belongs to another run (run id {found or 'not recorded'}; this directory's "
+            f"run is {owner}): not this run's checkpoint, left alone")
 
 
 @contextlib.contextmanager
@@ -401,9 +484,12 @@ def _hash_share(tmp: Path, names: list[str], rank: int, world: int) -> dict[str,
             for n in names[rank::world]}
 
 
-def _write_marker(tmp: Path, step: int, world: int, files: dict[str, dict]) -> None:
+def _write_marker(tmp: Path, step: int, world: int, files: dict[str, dict],
+                  run: str | None = None) -> None:
     manifest = {"format": FORMAT, "version": VERSION, "step": step, "world_size": world,
                 "hash": "sha256", "files": dict(sorted(files.items()))}
+    if run is not None:
+        manifest["run_id"] = run
     write_synced(tmp / MARKER, json.dumps(manifest, indent=1))
     fsync_dir(tmp)
 
@@ -464,14 +550,29 @@ def find_resumable(out: Path, rank: int = 0, world: int = 1
     """Collective. The newest intact checkpoint in `out` (or None), and the newer ones skipped
     with the reason each was skipped (newest first)."""
     root = Path(out) / CHECKPOINTS
-    names = _broadcast([p.name for p in candidates(out)])
+    # decided on rank 0 for all: every rank must make the same `verify_all` calls
+    names, foreign = _broadcast(_listing(Path(out)))
     skipped: list[tuple[Path, str]] = []
     for name in names:
-        reason = verify_all(root / name, rank, world)
+        reason = foreign.get(name) or verify_all(root / name, rank, world)
         if reason is None:
             return root / name, skipped
         skipped.append((root / name, reason))
     return None, skipped
+
+
+def _listing(out: Path) -> tuple[list[str], dict[str, str]]:
+    """The checkpoint names in `out` (newest first) and, by name, why one is another run's."""
+    owner = run_id(out)
+    paths = candidates(out)
+    foreign = {p.name: why for p in paths if (why := owner_problem(p, owner)) is not None}
+    return [p.name for p in paths], foreign
+
+
+def own_candidates(out: Path) -> list[Path]:
+    """`candidates` of the directory's own run (see `owner_problem`)."""
+    owner = run_id(out)
+    return [p for p in candidates(out) if owner_problem(p, owner) is None]
 
 
 # ---- save -------------------------------------------------------------------------------------
@@ -492,7 +593,8 @@ def _publish(tmp: Path, path: Path) -> None:
 def prune(out: Path, step: int, keep_last: int) -> list[Path]:
     """Retention: keep the `keep_last` newest checkpoints up to `step` (0: keep all); remove
     older ones and stale `.tmp`/`.old` directories of earlier steps. Checkpoints of later steps
-    (from a run this one resumed behind) are left alone. Returns what was removed."""
+    (from a run this one resumed behind) and other runs' checkpoints are left alone. Returns
+    what was removed."""
     root = Path(out) / CHECKPOINTS
     removed = []
     for p in root.iterdir() if root.is_dir() else ():
@@ -500,7 +602,7 @@ def prune(out: Path, step: int, keep_last: int) -> list[Path]:
         if suffix in ("tmp", "old") and stem[5:].isdigit() and int(stem[5:]) < step:
             removed.append(p)
     if keep_last > 0:
-        removed += [p for p in candidates(out) if step_of(p) <= step][keep_last:]
+        removed += [p for p in own_candidates(out) if step_of(p) <= step][keep_last:]
     for p in removed:
         shutil.rmtree(p, ignore_errors=True)
     return removed
@@ -531,7 +633,8 @@ def save(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
     shares = _all_gather(_hash_share(tmp, names, rank, world))
     if rank == 0:
         _write_marker(tmp, int(trainer["step"]), world, {k: v for s in shares
-                                                          for k, v in s.items()})
+                                                          for k, v in s.items()},
+                      run=run_id(path.parent.parent))
         _publish(tmp, path)
         prune(path.parent.parent, int(trainer["step"]), keep_last)
     _barrier()

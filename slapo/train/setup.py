@@ -23,11 +23,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..data.sources import InputError
 from ..distributed.group import leave_process_group
 from ..runtime.mesh import ParallelDims, init_mesh
 from . import faults
+from . import run_state as ckpt
 
-__all__ = ["Env", "data_parallel", "local_device", "seed_training_rng", "setup", "teardown"]
+__all__ = ["Env", "check_out", "claim_out", "data_parallel", "local_device",
+           "seed_training_rng", "setup", "teardown"]
 
 
 @dataclass
@@ -76,6 +79,7 @@ def setup(cfg: Any) -> Env:
     world = _job_world()
     dims = ParallelDims.for_world(world, tp=cfg.tp or 1, pp=cfg.pp_stages or 1)
     _check_batch(cfg, dims)
+    check_out(cfg)  # every rank, before anything is written
     env = Env(world=world, dims=dims)
     if world == 1 and not dist.is_initialized():
         env.device = local_device(cfg.device)
@@ -91,6 +95,54 @@ def setup(cfg: Any) -> Env:
     if cfg.out is not None:
         check_shared_out(Path(cfg.out), env.rank)
     return env
+
+
+def _trains_into_out(cfg: Any) -> bool:
+    return cfg.out is not None and not getattr(cfg, "progressive", False)
+
+
+def check_out(cfg: Any) -> None:
+    """A fresh run (no --resume) must not start in a directory that holds a run: it would
+    overwrite the run's metrics and mix its checkpoints with the old run's, after which
+    `--resume` and `slapo export` could pick the other run's. Refused (InputError: exit status
+    2), naming the directory, what it holds and the three ways on, before anything is written
+    (every rank, in `setup`, before the process group is used). `--overwrite` replaces the old
+    run (`claim_out`); the user's own files never count."""
+    if not _trains_into_out(cfg) or cfg.overwrite or cfg.resume_target() is not None:
+        return
+    found = ckpt.holds_run(Path(cfg.out))
+    if found:
+        raise InputError(str(cfg.out), f"already holds a run ({', '.join(found)}); a fresh run "
+                         "there would overwrite its metrics and mix its checkpoints with the "
+                         "new run's.", "pass --resume to continue that run, --overwrite to "
+                         "replace it, or another --out directory.")
+
+
+def claim_out(cfg: Any, env: Env) -> None:
+    """Collective; the loop calls it once the run is built (so bad input found while building
+    still leaves --out untouched) and before anything is written there. Rank 0: a fresh run
+    writes a new run id into `OUT/run.json` (`run_state.claim`; with --overwrite it then removes
+    the old run's outputs), so its checkpoints carry that id and `--resume` / `slapo export`
+    take only them. A resumed run keeps the directory's id; a directory without run id and
+    without checkpoints (a `--resume DIR` fork, a `--resume-or-start` with nothing to resume)
+    gets a new one. Every rank learns how rank 0 fared: a failure there stops every rank now,
+    naming it, instead of leaving them waiting in the next collective."""
+    if not _trains_into_out(cfg):
+        return
+    failure, error = None, None
+    if env.is_main:
+        try:
+            out = Path(cfg.out)
+            if cfg.resume_target() is None or (ckpt.run_id(out) is None
+                                               and not ckpt.candidates(out)):
+                ckpt.claim(out, overwrite=cfg.overwrite)
+        except Exception as e:  # noqa: BLE001 - re-raised below, on rank 0 as itself
+            failure, error = f"{type(e).__name__}: {e}", e
+    failure = ckpt._broadcast(failure)
+    if error is not None:
+        raise error
+    if failure is not None:
+        raise RuntimeError(f"rank 0 could not prepare --out {cfg.out}: {failure}")
 
 
 def check_shared_out(out: Path, rank: int) -> None:
