@@ -12,10 +12,17 @@ swapping the instance's class for a cached subclass that keeps the original name
 - *wrappers* (checkpoint, fork_rng, ...) wrap the call, in the order they were applied.
 
 Both are plain objects stored on the instance, so `deepcopy` and `torch.compile` see through them.
+
+The patched class's `forward` keeps the original forward's signature (`__signature__`, and its
+name and docstring): callers decide what to pass by reading it. Hugging Face's `generate` passes
+`position_ids` (and `logits_to_keep`, an encoder's arguments, ...) only to a forward whose
+signature names them; with `(*args, **kwargs)` left-padded prompts were generated with the
+wrong positions (issue 29).
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -73,6 +80,26 @@ def _bind(wrapper: ForwardWrapper, module: nn.Module, inner: Callable) -> Callab
     return call
 
 
+def _forward_like(original: Callable) -> Callable:
+    """The patched `forward` (`_SlapoPatched.forward`) dressed as `original`: its signature,
+    name and docstring, so `inspect.signature(module.forward)` is the original's. No
+    `__wrapped__`: code that unwraps (dynamo, `inspect.unwrap`) must find the patched call, not
+    skip the wrappers and kernel."""
+
+    def forward(self, *args, **kwargs):
+        return _SlapoPatched.forward(self, *args, **kwargs)
+
+    for attr in ("__name__", "__qualname__", "__doc__"):
+        value = getattr(original, attr, None)
+        if value is not None:
+            setattr(forward, attr, value)
+    try:
+        forward.__signature__ = inspect.signature(original)
+    except (TypeError, ValueError):  # no signature to read (a builtin): keep the generic one
+        pass
+    return forward
+
+
 def _patched_class(cls: type) -> type:
     if getattr(cls, "_slapo_patched", False):
         return cls
@@ -82,6 +109,7 @@ def _patched_class(cls: type) -> type:
             "__module__": cls.__module__,
             "__qualname__": cls.__qualname__,
             "_slapo_original_class": cls,
+            "forward": _forward_like(cls.forward),
         })
         _PATCHED_CLASSES[cls] = new
     return new

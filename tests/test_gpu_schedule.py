@@ -485,9 +485,11 @@ def test_fused_loss_runs_on_fake_tensors():
 @pytest.mark.parametrize("family", ["llama", "t5"])
 def test_checkpointing_turns_the_kv_cache_off_without_a_warning(family):
     """Issue 12: `--ckpt-ratio` on LLaMA printed a warning to pass use_cache=False, which no
-    flag could do; the schedule is for training, so `apply` turns the cache off itself. T5's
-    decoder stack reads its own copy of the config (transformers 5.x): it kept building a cache
-    every step, and the warning's call was a graph break in every compiled checkpointed block."""
+    flag could do; the schedule is for training, so `apply` turns the cache off itself (for
+    calls that do not ask for one; the configs stay the user's: issue 29, and
+    tests/test_generate_schedule.py). T5's decoder stack reads its own copy of the config
+    (transformers 5.x): it kept building a cache every step, and the warning's call was a graph
+    break in every compiled checkpointed block."""
     import warnings
 
     import models
@@ -496,9 +498,11 @@ def test_checkpointing_turns_the_kv_cache_off_without_a_warning(family):
 
     ckpt_primitive._WARNED.clear()  # the warning is once per class and process
     model = models.t5(seed=0) if family == "t5" else _pair("llama")[1]
+    configs = [m.config.use_cache for m in model.modules() if "config" in m.__dict__
+               and hasattr(m.config, "use_cache")]
     model_schedule.apply(model, ckpt_ratio=1.0)
-    assert all(m.config.use_cache is False for m in model.modules() if "config" in m.__dict__
-               and hasattr(m.config, "use_cache"))
+    assert configs == [m.config.use_cache for m in model.modules() if "config" in m.__dict__
+                       and hasattr(m.config, "use_cache")]
     batch = models.batch_for("t5") if family == "t5" else dict(zip(("input_ids", "labels"),
                                                                    _batch("llama")))
     with warnings.catch_warnings():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -10,6 +11,7 @@ from typing import Any
 import torch.nn as nn
 
 from ..errors import SchedulingError
+from ..module_patch import module_meta
 from ..schedule import Schedule, create_schedule
 from . import _common
 from . import sequence_parallel as _sp
@@ -128,8 +130,9 @@ def apply(model_or_sch: nn.Module | Schedule, *, tp: int | None = None, ckpt_rat
       matmul/attention outputs, recompute elementwise ops; torch's SAC), for the
       `ckpt_ratio` share of layers;
     - `compile_blocks`: compile every transformer layer with `torch.compile` (True: inductor;
-      a string or callable is the backend), one graph shared by identical layers; sets
-      `config.use_cache=False` (a KV cache makes each layer a separate graph);
+      a string or callable is the backend), one graph shared by identical layers; calls
+      that pass no `use_cache` run without a KV cache (a cache makes each layer a separate
+      graph), as with checkpointing; the config is not changed (`_training_without_cache`);
     - `fused_loss`: the LM head and cross-entropy as one chunked op (no logits; see
       `model_schedule.fused_loss`); needs an unsharded head (`vocab_parallel=False` under TP);
     - `kernels`: swap in Slapo's fused GPU kernels (RMSNorm, LayerNorm, SwiGLU, GELU; see
@@ -278,17 +281,63 @@ def compile_layers(sch: Schedule, layers: list[Schedule], compile_blocks: bool |
 
 
 def _training_without_cache(sch: Schedule) -> None:
-    """`config.use_cache = False`: checkpointed and compiled layers train without a KV cache (a
-    schedule is for training; pass `use_cache=True` to a call to get one back for generation).
-    Every config in the model: T5's decoder stack holds a copy of the model's config and, in
-    transformers 5.x, reads `use_cache` from its own (the model passes None down), so only
-    turning the model's off still built a cache in every training step."""
-    seen: set[int] = set()
-    for mod in sch.mod.modules():
-        cfg = mod.__dict__.get("config")
-        if cfg is not None and id(cfg) not in seen and getattr(cfg, "use_cache", False):
-            seen.add(id(cfg))
-            cfg.use_cache = False
+    """Calls that do not ask for a KV cache run without one: checkpointed layers must not
+    append to a cache twice (recomputation), and compiled layers would specialise on the
+    `layer_idx` a cache is indexed by. A forward pre-hook on the root passes `use_cache=False`
+    when the caller passed no `use_cache` and no cache (so every layer, T5's decoder stack with
+    its own config copy included, gets False from its parent); `generate` passes `use_cache`
+    itself, so generation keeps its cache (`generation_config.use_cache`).
+
+    The model's configs are left as the user made them: setting `config.use_cache = False`
+    here (as before) was written to disk by `save_pretrained`, so a saved model generated
+    without a cache once loaded (issue 29). Installed once; `deepcopy` copies the hook."""
+    root = sch.mod
+    if _use_cache_position(type(root)) is None:  # the root takes no `use_cache`: no cache
+        return
+    meta = module_meta(root, create=True)
+    if not meta.get("no_cache_unless_asked"):
+        root.register_forward_pre_hook(_no_cache_unless_asked, with_kwargs=True)
+        meta["no_cache_unless_asked"] = True
+
+
+_USE_CACHE_AT: dict[type, int | None] = {}
+_ABSENT = -1  # `use_cache` is a keyword-only parameter (or read from **kwargs)
+
+
+def _use_cache_position(cls: type) -> int | None:
+    """Where `use_cache` sits among the positional arguments of `cls.forward` (`_ABSENT`:
+    keyword only), None when the forward does not name it."""
+    if cls not in _USE_CACHE_AT:
+        try:
+            params = list(inspect.signature(cls.forward).parameters.values())[1:]  # no self
+        except (TypeError, ValueError):
+            params = []
+        names = [p.name for p in params]
+        if "use_cache" not in names:
+            _USE_CACHE_AT[cls] = None
+        else:
+            positional = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY,
+                                                               p.POSITIONAL_OR_KEYWORD)]
+            _USE_CACHE_AT[cls] = positional.index("use_cache") if "use_cache" in positional \
+                else _ABSENT
+    return _USE_CACHE_AT[cls]
+
+
+def _is_cache(value: Any) -> bool:
+    return hasattr(value, "get_seq_length") and hasattr(value, "update")
+
+
+def _no_cache_unless_asked(module: nn.Module, args: tuple, kwargs: dict):
+    """The root's pre-hook (see `_training_without_cache`): `use_cache=False` unless the call
+    passes `use_cache` (by keyword or position) or a cache to continue."""
+    if kwargs.get("use_cache") is not None:
+        return None
+    at = _use_cache_position(type(module))
+    if at is None or (at != _ABSENT and len(args) > at):
+        return None
+    if any(_is_cache(v) for v in (*args, *kwargs.values())):
+        return None
+    return args, {**kwargs, "use_cache": False}
 
 
 def _set_attention(sch: Schedule, attention: str) -> None:
