@@ -344,6 +344,16 @@ def _set_attention(sch: Schedule, attention: str) -> None:
     """"eager": HF's eager attention (the model's config says so, every attention module reads
     it); "sdpa" / "flash": Slapo's attention core in every HF attention module."""
     if attention == "eager":
+        configured = getattr(getattr(sch.mod, "config", None), "_attn_implementation", None)
+        if configured not in (None, "eager"):
+            warnings.warn(f"attention='eager' replaces the model's configured "
+                          f"{configured!r} attention with HF's eager one, and the two differ on "
+                          "a query that sees no key (left padding under a causal mask): eager "
+                          "gives it uniform weights over every key, later ones too, SDPA zeros. "
+                          "A left-padded batch whose labels supervise the first real token "
+                          "from a padding position then has another loss (by ~1e-3 in the "
+                          "tests' models); leave attention unset, or pass 'sdpa', to compute "
+                          "what the model as configured computes (docs/ops.md).", stacklevel=3)
         _force_hf_eager(sch.mod)
         return
     from ..op import SDPAttention, is_hf_attention, use_attention_core
