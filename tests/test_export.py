@@ -404,5 +404,12 @@ def test_export_and_resume_ignore_a_foreign_checkpoint(tmp_path, one_thread, cap
                                    "out": str(tmp_path / "a"), "resume": "latest"}))
     assert resumed["resumed_from"] == 2
     assert "step_000004: it belongs to another run" in capsys.readouterr().err
-    assert _files(foreign) == kept  # neither replaced nor pruned by keep_last
+    assert _files(foreign) == kept  # not pruned by keep_last
     assert _steps(tmp_path / "a") == [3, 4]
+    # this run reaching step 4 keeps the other run's step 4, moved aside, byte for byte
+    train(TrainConfig(**{**opts, "steps": 4, "save_every": 1, "keep_last": 1,
+                         "out": str(tmp_path / "a"), "resume": "latest"}))
+    other = json.loads((tmp_path / "b" / "run.json").read_text())["run_id"]
+    assert _files(foreign.with_name(f"step_000004.other-run-{other}")) == kept
+    assert _steps(tmp_path / "a") == [4]
+    assert ckpt.owner_problem(foreign, ckpt.run_id(tmp_path / "a")) is None  # its own now

@@ -578,10 +578,15 @@ def own_candidates(out: Path) -> list[Path]:
 # ---- save -------------------------------------------------------------------------------------
 def _publish(tmp: Path, path: Path) -> None:
     """Rename the finished `tmp` to `path` atomically; an existing `path` (the same step saved
-    by an earlier run) is moved aside first and removed after."""
+    by an earlier run) is moved aside first and removed after. One of another run (see
+    `owner_problem`) is not this run's to delete: it is kept, renamed `step_N.other-run-ID`
+    (a name no resume or export reads)."""
     old = path.with_name(path.name + ".old")
     if old.exists():
         shutil.rmtree(old)
+    if path.exists() and owner_problem(path, run_id(path.parent.parent)) is not None:
+        other = manifest_run_id(path) or "unknown"
+        path.rename(path.with_name(f"{path.name}.other-run-{other}"))
     if path.exists():
         path.rename(old)
     tmp.rename(path)
