@@ -206,10 +206,11 @@ def _add_export_parser(sub: Any) -> None:
 def _export(args: argparse.Namespace) -> int:
     from .data import InputError
     from .train.export import export_run
+    from .train.run_state import CheckpointError
 
     try:
         export_run(args.run_dir, args.out, step=args.step, check=args.check, force=args.force)
-    except InputError as e:
+    except (InputError, CheckpointError) as e:  # a bad argument; a damaged run file
         print(f"slapo export: error: {e}", file=sys.stderr)
         return 2
     return 0
@@ -349,10 +350,7 @@ def main(argv: list[str] | None = None) -> int:
     faults.watch_launcher()  # under torchrun: stop if the agent dies, from the start
     try:
         cfg = parse_train_args(argv[1:])
-        from .train.models import check_unambiguous
-
-        check_unambiguous(cfg.model)  # before check(): it would take the registry reading
-        cfg.check()
+        cfg.check()  # refuses an ambiguous --model too (`train.models.check_unambiguous`)
     except (UsageError, ValueError) as e:
         train_parser.error(_name_config_file(str(e), argv[1:]))  # exits with status 2
     from .train.loop import train

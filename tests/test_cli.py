@@ -136,6 +136,12 @@ def test_a_registry_name_shadowed_by_a_model_directory_is_refused(tmp_path, monk
 
     check_unambiguous("gpt2")
     assert shadowed_model("./llama") is None  # a path already: not a registry name
+    # the Python API refuses it too (TrainConfig.check, which `train(cfg)` runs first)
+    from slapo.train.loop import train
+
+    with pytest.raises(ValueError, match="--model llama is ambiguous"):
+        train(parse_train_args(["--model", "llama", "--steps", "1", "--out", "run2", *TINY]))
+    assert not (tmp_path / "run2").exists()
 
 
 # ---- a stop: one line naming the newest checkpoint and the resume command ----------------------

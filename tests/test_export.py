@@ -199,6 +199,12 @@ def test_slapo_export_command(tmp_path, one_thread, capsys):
     assert main(["export", str(tmp_path / "nothing"), "--out", str(tmp_path / "x")]) == 2
     assert "slapo export: error:" in capsys.readouterr().err
     assert not (tmp_path / "x").exists()
+    # a damaged run file: one line naming it (was a traceback), nothing written
+    (tmp_path / "run" / "run.json").write_text("garbage")
+    assert main(["export", str(tmp_path / "run"), "--out", str(tmp_path / "y")]) == 2
+    err = capsys.readouterr().err
+    assert "slapo export: error:" in err and "run.json: not a JSON file" in err, err
+    assert "Traceback" not in err and not (tmp_path / "y").exists()
 
 
 def job_save_pretrained(out: str, how: str) -> dict:

@@ -24,7 +24,7 @@ from ..model_schedule.knobs import CKPT_POLICIES, KnobError, ScheduleKnobs, knob
 from . import pretrained
 from . import run_state as ckpt
 from .metrics_log import check_sinks
-from .models import ModelSize, get_model_spec
+from .models import ModelSize, check_unambiguous, get_model_spec
 
 __all__ = ["CKPT_POLICIES", "DEVICES", "DIST_TIMEOUT_S", "MULTI_STAGE", "PP_SCHEDULES",
            "PRECISIONS", "RUN_IDENTITY", "RUN_LAYOUT", "RunOptions", "TrainConfig", "config_fields", "flag",
@@ -190,6 +190,7 @@ class RunOptions:
             pretrained.model_source(self.model)
         else:
             get_model_spec(self.model)
+            check_unambiguous(self.model)  # `slapo train` and `train(cfg)` alike
         if self.data is not None and prepared_dir(self.data) is not None:
             check_prepared(prepared_dir(self.data))  # meta.json and file sizes, no read
         elif self.data is not None:
