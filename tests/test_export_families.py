@@ -166,7 +166,8 @@ def test_export_of_every_family_from_a_directory_one_process(tmp_path, one_threa
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("layout", ["tp2", "pp2", "fsdp2"])
+@pytest.mark.parametrize("layout", ["tp2", "pp2",
+                                    pytest.param("fsdp2", marks=pytest.mark.slow)])
 def test_export_of_every_family_from_a_directory(dist2, tmp_path, layout):
     dirs = save_family_dirs(tmp_path / "src")
     ranks = dist2.run(job_train_every_family, dirs, str(tmp_path), layout, timeout=600)

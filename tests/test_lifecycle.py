@@ -93,6 +93,7 @@ def _intact_and_quiet(out: Path) -> list[int]:
 
 
 @pytest.mark.dist
+@pytest.mark.slow  # > 30 s: collected first (tests/conftest.py)
 def test_killing_the_launcher_stops_every_worker(tmp_path, dist2, straight):
     out = tmp_path / "run"
     launch = Launch(out, "--steps", "1000")
@@ -152,6 +153,7 @@ def _one_line(text: str, start: str) -> str:
 
 
 @pytest.mark.dist
+@pytest.mark.slow  # > 30 s: collected first (tests/conftest.py)
 def test_ctrl_c_in_a_save_prints_one_line_and_resumes(tmp_path, dist2, straight):
     out, text = _stopped_by_signal(tmp_path, "sigint:save=3:rank=1", "SIGINT")
     newest = ckpt.checkpoint_dir(out, 2)
