@@ -275,18 +275,19 @@ def check_fusable(sch: Schedule) -> LossPlan:
 
 def honours_num_items(forward: Callable) -> bool:
     """Whether an HF head class's `forward` divides its loss by `num_items_in_batch` when given
-    (what HF's Trainer passes under gradient accumulation): it does when it computes the loss
-    through `self.loss_function`. Read from the installed transformers, because classes differ
-    and releases change them: in 5.23 the causal LMs do; BERT's, RoBERTa's and ALBERT's masked
-    LM and T5 call `CrossEntropyLoss()` and take the plain mean, ignoring the argument (a table
-    that said BERT and RoBERTa honour it trained them with another loss scale than HF's)."""
-    try:
-        return "self.loss_function" in inspect.getsource(forward)
-    except (OSError, TypeError) as e:  # no source: refuse rather than guess the loss scale
+    (what HF's Trainer passes under gradient accumulation): the step's own rule
+    (`runtime.token_mean.forward_divides_by_num_items`, read from the installed source: in
+    5.23 the causal LMs do; BERT's, RoBERTa's and ALBERT's masked LM and T5 take the plain
+    mean). Without a source the fused loss cannot match the model's loss scale, so it refuses."""
+    from ..runtime.token_mean import forward_divides_by_num_items
+
+    honours = forward_divides_by_num_items(forward)
+    if honours is None:
         raise SchedulingError("", f"fused_loss cannot read {forward.__qualname__}'s source to "
-                              f"tell whether it honours num_items_in_batch ({e}).",
+                              "tell whether it honours num_items_in_batch.",
                               "install transformers with its sources, or pass "
-                              "fused_loss=False.") from e
+                              "fused_loss=False.")
+    return honours
 
 
 def fuse_loss(sch: Schedule) -> None:

@@ -86,8 +86,11 @@ def loss_divides_by_num_items(model: nn.Module | None) -> bool | None:
         return False
     from ..module_patch import original_class
 
-    cls = original_class(model)
-    forward = getattr(cls, "forward", None)
+    return forward_divides_by_num_items(getattr(original_class(model), "forward", None))
+
+
+def forward_divides_by_num_items(forward) -> bool | None:
+    """`loss_divides_by_num_items` of one HF head class's `forward` (None: no source)."""
     try:
         return "self.loss_function" in inspect.getsource(forward)
     except (OSError, TypeError):
