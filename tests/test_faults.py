@@ -626,14 +626,22 @@ def test_backward_fault_under_torchrun_stops_every_rank_with_the_named_error(tmp
     assert [ckpt.step_of(p) for p in ckpt.candidates(tmp_path / "run")] == [1]
 
 
+# 4 ranks, dp x pp or tp x pp: the failing rank's stage (ranks are pp-outer) and its note
+LOCKSTEP = {"fsdp2": (["--dp-shard"], "stage 1 backward on rank 1. With FSDP2"),
+            "tp": (["--tp", "2"], "stage 0 backward on rank 1. With tensor parallelism")}
+
+
 @pytest.mark.dist
 @pytest.mark.slow
-def test_backward_fault_with_fsdp2_replicas_stops_the_job_at_once(tmp_path):
-    """dp=2 x pp=2 with --dp-shard (4 ranks): a stage backward that raises cannot keep its
-    FSDP2 replica's all-gathers and reduce-scatters in step (the job hung until the collective
-    timeout), so it is raised at once: every rank exits well before --dist-timeout 600, the
-    failing rank with its own error and a note saying why, the others naming it."""
-    launch = Launch(tmp_path / "run", "--steps", "3", "--pp-stages", "2", "--dp-shard",
+@pytest.mark.parametrize("layout", sorted(LOCKSTEP))
+def test_backward_fault_with_peers_in_lockstep_stops_the_job_at_once(tmp_path, layout):
+    """dp=2 x pp=2 with --dp-shard, or tp=2 x pp=2 (4 ranks): a stage backward that raises
+    cannot keep its FSDP2 replica's all-gathers and reduce-scatters, or its tp peer's
+    all-reduces, in step (the job hung until the collective timeout; the tp case is issue 29's),
+    so it is raised at once: every rank exits well before --dist-timeout 600, the failing rank
+    with its own error and a note saying why, the others naming it."""
+    flags, note = LOCKSTEP[layout]
+    launch = Launch(tmp_path / "run", "--steps", "3", "--pp-stages", "2", *flags,
                     fault="raise:pp_backward=2:rank=1", nproc=4)
     try:
         t0 = _announced(launch, what="raising on rank")
@@ -643,30 +651,7 @@ def test_backward_fault_with_fsdp2_replicas_stops_the_job_at_once(tmp_path):
     text = launch.text
     assert launch.proc.returncode != 0, text[-3000:]
     assert end - t0 < KILL_BOUND_S, (end - t0, text[-3000:])
-    assert "slapo: raised in pipeline stage 1 backward on rank 1. With FSDP2" in text, text[-3000:]
+    assert f"slapo: raised in pipeline {note}" in text, text[-3000:]
     injected = "InjectedFault: SLAPO_FAULT: injected failure at the pp_backward of step 2 on rank 1"
     peers = [line for line in text.splitlines() if line.startswith("slapo train: error: rank")]
     assert peers and all(f"stopped: rank 1 failed: {injected}" in line for line in peers), peers
-
-
-@pytest.mark.dist
-@pytest.mark.slow
-def test_backward_fault_with_tp_peers_stops_the_job_at_once(tmp_path):
-    """tp=2 x pp=2 (4 ranks): a backward failing on one tp rank skipped its blocks'
-    all-reduces, and its tp peer waited in them until the collective timeout (issue 29: the
-    whole job hung). Raised at once like the FSDP2 case: every rank exits well before
-    --dist-timeout 600, the failing rank with its own error and a note naming tp, the others
-    naming it."""
-    launch = Launch(tmp_path / "run", "--steps", "3", "--pp-stages", "2", "--tp", "2",
-                    fault="raise:pp_backward=2:rank=1", nproc=4)
-    try:
-        t0 = _announced(launch, what="raising on rank")
-        end = launch.wait(KILL_BOUND_S + 120)
-    finally:
-        launch.stop()
-    text = launch.text
-    assert launch.proc.returncode != 0, text[-3000:]
-    assert end - t0 < KILL_BOUND_S, (end - t0, text[-3000:])
-    # ranks 0, 1 hold stage 0 (pp outer, tp inner)
-    assert "slapo: raised in pipeline stage 0 backward on rank 1. With tensor parallelism" \
-        in text, text[-3000:]
