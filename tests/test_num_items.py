@@ -151,6 +151,62 @@ def test_the_number_is_honoured_not_replaced():
     assert dl < 1e-6 and dg < 1e-6
 
 
+def llama_head(kind: str):
+    """A tiny LLaMA with a per-sample head: HF's generic sequence-classification head calls
+    `self.loss_function` *without* `num_items_in_batch` (a plain mean), the question-answering
+    head hands it on (a sum over the batch divided by it)."""
+    import models
+    import transformers as tf
+
+    cfg = models.llama(seed=0, layers=2).config
+    cfg.pad_token_id, cfg.num_labels = 0, 3
+    torch.manual_seed(0)
+    cls = tf.LlamaForSequenceClassification if kind == "seq" else tf.LlamaForQuestionAnswering
+    return cls(cfg).eval()
+
+
+def _per_sample_step(kind: str, batch: dict, k: int) -> tuple[float, float]:
+    """`step_like_one_process` for the per-sample heads (built by `llama_head`)."""
+    ref = llama_head(kind)
+    want = ref(**batch).loss
+    want.backward()
+    model = llama_head(kind)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    tm, _ = slapo.build(slapo.create_schedule(model), optimizer=torch.optim.SGD,
+                        optimizer_kwargs={"lr": LR}, grad_accum=k)
+    loss = tm.train_step(batch)
+    scale = max(p.grad.abs().max().item() for p in ref.parameters() if p.grad is not None)
+    worst = max(((before[n] - p.detach()) / LR - g.grad).abs().max().item() / scale
+                for (n, p), g in zip(model.named_parameters(), ref.parameters(), strict=True)
+                if g.grad is not None)
+    return abs(loss - want.item()) / abs(want.item()), worst
+
+
+def test_per_sample_heads_with_num_items_equal_one_process(one_thread):
+    """Whether a head divides by the number is read from its call of `self.loss_function`,
+    not from the call's presence: LLaMA's sequence-classification head ignores the number (a
+    rule that only looked for `self.loss_function` summed its unit means, k times the loss),
+    its question-answering head divides by it (each unit's loss is then a share of one sum:
+    `UnitSum`)."""
+    import models
+
+    from slapo.runtime.token_mean import forward_divides_by_num_items
+
+    seq, qa = llama_head("seq"), llama_head("qa")
+    assert forward_divides_by_num_items(type(seq).forward) is False
+    assert forward_divides_by_num_items(type(qa).forward) is True
+    ids = models.ids(batch=8, seq=16, seed=5).clamp(min=1)  # no padding id: the last token
+    g = torch.Generator().manual_seed(6)
+    batches = {"seq": {"input_ids": ids, "labels": torch.randint(0, 3, (8,), generator=g)},
+               "qa": {"input_ids": ids, "start_positions": torch.randint(0, 16, (8,), generator=g),
+                      "end_positions": torch.randint(0, 16, (8,), generator=g)}}
+    for kind, batch in batches.items():
+        for n in (8, 45):
+            for k in (2, 4):
+                dl, dg = _per_sample_step(kind, {**batch, "num_items_in_batch": torch.tensor(n)}, k)
+                assert dl < 1e-5 and dg < 1e-5, (kind, n, k, dl, dg)
+
+
 def test_fused_loss_with_num_items_equals_one_process(one_thread):
     for num_items in ("true", "other"):
         batch = make_batch("llama", num_items)

@@ -42,7 +42,9 @@ the user's code.
 
 from __future__ import annotations
 
+import ast
 import inspect
+import textwrap
 from dataclasses import dataclass
 
 import torch
@@ -78,9 +80,9 @@ def label_shift(model: nn.Module | None) -> int | None:
 
 def loss_divides_by_num_items(model: nn.Module | None) -> bool | None:
     """Whether the model's own loss divides a sum by `num_items_in_batch` when given one: it
-    does when its class's forward computes the loss through `self.loss_function` (HF's causal
-    LMs, token-classification heads of newer models); BERT's, RoBERTa's, ALBERT's heads and T5
-    call `CrossEntropyLoss()` and ignore it. Read from the installed source (classes differ
+    does when its class's forward hands it to `self.loss_function` (HF's causal LMs, question
+    answering; `forward_divides_by_num_items`); BERT's, RoBERTa's, ALBERT's heads and T5 call
+    `CrossEntropyLoss()`, and the generic classification heads call the loss without it. Read from the installed source (classes differ
     and releases change them); None when the source cannot be read."""
     if model is None:
         return False
@@ -90,11 +92,22 @@ def loss_divides_by_num_items(model: nn.Module | None) -> bool | None:
 
 
 def forward_divides_by_num_items(forward) -> bool | None:
-    """`loss_divides_by_num_items` of one HF head class's `forward` (None: no source)."""
+    """`loss_divides_by_num_items` of one HF head class's `forward` (None: no source): whether
+    it hands `num_items_in_batch` to `self.loss_function`, i.e. calls it with `**kwargs` (where
+    the Trainer's keyword arrives) or with the keyword named. Calling `self.loss_function` is
+    not enough: HF's generic sequence- and token-classification heads call it without the
+    keyword (a plain mean), the causal LMs and question answering with `**kwargs`."""
     try:
-        return "self.loss_function" in inspect.getsource(forward)
-    except (OSError, TypeError):
+        tree = ast.parse(textwrap.dedent(inspect.getsource(forward)))
+    except (OSError, TypeError, SyntaxError):
         return None
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                and node.func.attr == "loss_function"
+                and isinstance(node.func.value, ast.Name) and node.func.value.id == "self"
+                and any(k.arg in (None, NUM_ITEMS) for k in node.keywords)):
+            return True
+    return False
 
 
 @dataclass(frozen=True)
