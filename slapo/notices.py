@@ -27,6 +27,12 @@ def notice_once(key: str, message: str, stacklevel: int = 3,
     return True
 
 
+def was_shown(key: str) -> bool:
+    """Whether `notice_once(key, ...)` has shown its notice (callers skip the work of deciding
+    again, e.g. a host sync in every training step)."""
+    return key in _SHOWN
+
+
 def reset_notices() -> None:
     """Forget which notices were shown (tests)."""
     _SHOWN.clear()

@@ -52,7 +52,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ..errors import SchedulingError
-from ..notices import notice_once
+from ..notices import notice_once, was_shown
 from .batch import Batch
 from .mesh import MeshInfo
 
@@ -302,17 +302,22 @@ def _unknown_denominator(loss: ModelLoss, parts: list[Batch], dp: int, given: fl
     return None
 
 
+_UNIT_MEAN = "unit-mean-loss"
+
+
 class UnitMeanNotice(UserWarning):
     """A per-token loss is averaged over units, which is not the one-process token mean."""
 
 
 def _notice_unit_mean(parts: list[Batch]) -> None:
+    if was_shown(_UNIT_MEAN):  # decided once: no host sync in every later step
+        return
     labels = parts[0].get("labels") if parts and isinstance(parts[0], dict) else None
     if not isinstance(labels, torch.Tensor) or labels.dim() < 2:
         return  # one label per sample: equal units, the unit mean is the batch mean
     if not any(bool((p["labels"] == IGNORE_INDEX).any()) for p in parts):
         return
-    notice_once("unit-mean-loss", "slapo: the batch's labels mark ignored tokens (-100) per "
+    notice_once(_UNIT_MEAN, "slapo: the batch's labels mark ignored tokens (-100) per "
                 "position, and this loss is averaged over the step's units (accumulation "
                 "slices, micro-batches, data-parallel ranks) with equal weights: when units "
                 "hold different numbers of supervised tokens that is not the mean one process "
