@@ -434,7 +434,9 @@ def resume_command(args: list[str], has_checkpoint: bool) -> str:
         i += 1
     kept.append("--resume" if has_checkpoint else "--resume-or-start")
     launcher = "slapo train"
-    if "TORCHELASTIC_RUN_ID" in os.environ:  # started by torchrun
+    from .train.faults import launched_by_torchrun
+
+    if launched_by_torchrun():
         n = os.environ.get("LOCAL_WORLD_SIZE", "1")
         nodes = "" if os.environ.get("WORLD_SIZE", n) == n else " [your node options]"
         launcher = f"torchrun{nodes} --nproc-per-node {n} -m slapo.cli train"
