@@ -9,8 +9,9 @@
     slapo train --data data/books --tokenizer tok/     # the token files, memory-mapped
 
 Options come from three places, later ones winning: `TrainConfig`'s defaults, the TOML file
-(`--config`; keys are the option names, with `_` or `-`, at top level or in any table such as
-`[schedule]`), then the flags given on the command line.
+(`--config`; keys are the option names, with `_` or `-`, in their section's table such as
+`[training]` or `[schedule]`, or at top level or in any other table), then the flags given on
+the command line. Each option is declared once, with its help, in `slapo/train/config.py`.
 
 Exit status: 0 done; 2 bad input (a flag, the TOML file, a path: one `error:` line, nothing
 written); 1 a failure once the run started; 128 + N when stopped by signal N (130: Ctrl-C,
@@ -24,76 +25,10 @@ import os
 import shlex
 import signal
 import sys
-from dataclasses import fields
 from pathlib import Path
 from typing import Any, NoReturn
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # configs only: never reach the Hub
-
-# Help of the run's own options. The schedule knobs' help, kinds and choices come from
-# `slapo.model_schedule.knobs.ScheduleKnobs` (via TrainConfig's field metadata): no second list.
-HELP = {
-    "model": "architecture (small config): gpt2, llama, opt, gpt_neo, bert, roberta, albert, "
-             "t5; or a local HF model directory (config.json + optional model.safetensors: "
-             "fine-tune it) or a config.json file",
-    "data": "training text: files, globs, directories of *.txt, .jsonl files (comma-separated), "
-            "or a dataset directory saved with `datasets` save_to_disk, or a directory written "
-            "by `slapo prepare-data` (default: the shipped corpus)",
-    "text_field": "the JSONL field / dataset column that holds the text",
-    "tokenizer": "a local AutoTokenizer directory (default: the model directory's tokenizer if "
-                 "it has one, else byte tokens)",
-    "val_fraction": "share of the data held out for the val loss (JSONL/dataset: of the "
-                    "records; text files: each file's tail; 0: none)",
-    "dp_shard": "data-parallel ranks shard weights, gradients and optimizer state (FSDP2) "
-                "instead of replicating them (DDP)",
-    "pp_schedule": "pipeline schedule with --pp-stages > 1 (default 1F1B); Interleaved1F1B, "
-                   "LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble, DualPipeV run 2 stages "
-                   "per rank",
-    "grad_accum": "gradient accumulation: slices of each batch, one optimizer step",
-    "steps": "total optimizer steps (a resumed run continues up to this)",
-    "batch_size": "global batch size (samples per step, over all data-parallel ranks)",
-    "seq_len": "tokens per sample",
-    "lr": "peak learning rate (AdamW)",
-    "min_lr_ratio": "cosine decay to lr * this at the last step (1: constant LR)",
-    "warmup": "linear warm-up steps",
-    "weight_decay": "AdamW weight decay",
-    "grad_clip": "clip the gradient norm to this (0: no clipping)",
-    "dropout": "dropout probability of the model",
-    "seed": "seed of the model init, data order and dropout",
-    "hidden_size": "model width",
-    "num_layers": "number of layers (T5: split between encoder and decoder)",
-    "num_heads": "attention heads",
-    "out": "run directory: metrics.json, metrics.png, checkpoints/",
-    "resume": "resume from the newest intact checkpoint in --out (or from the checkpoint "
-              "directory given); an error if there is none. The number of processes, --tp, "
-              "--pp-stages, SP and vocabulary parallelism may differ from the run's (the random "
-              "streams then restart)",
-    "resume_or_start": "resume from the newest intact checkpoint in --out if there is one, "
-                       "else start a fresh run there (for restartable job scripts)",
-    "overwrite": "replace the run already in --out (its checkpoints, metrics and run id are "
-                 "removed first); without it a fresh run into a directory holding a run is "
-                 "refused",
-    "save_every": "checkpoint every N steps (0: only at the end); needs --out",
-    "keep_last": "keep only the N newest checkpoints (0: keep all; keep 2 or more so a damaged "
-                 "newest one can fall back)",
-    "dist_timeout": "seconds a collective waits for a peer before the job fails (raise it for "
-                    "long checkpoint saves or first-step compiles)",
-    "eval_batches": "val-loss batches per evaluation (0: no val loss)",
-    "eval_every": "also evaluate every N steps (0: only at the end); val loss and perplexity "
-                  "go to the progress bar and metrics.jsonl",
-    "tensorboard": "also log to TensorBoard (OUT/tensorboard; needs the tensorboard package)",
-    "wandb": "also log to this Weights & Biases project (needs the wandb package; "
-             "WANDB_MODE=offline works)",
-    "progress": "show the progress bar",
-    "plot": "write metrics.png",
-    "precision": "fp32, or bf16 / fp16 mixed precision: autocast forward and loss on fp32 master "
-                 "weights and optimizer state (fp16 adds a gradient scaler)",
-    "device": "auto (CUDA when available), cpu or cuda",
-    "progressive": "apply the schedule steps one at a time (SDPA, fusion, Tempo, checkpointing, "
-                   "TP with several processes), verify each against HF eager and print a table "
-                   "of speed, memory and correctness; --steps is per step",
-}
-
 
 class UsageError(ValueError):
     """A bad option: reported as `slapo train: error: ...` with exit status 2."""
@@ -151,9 +86,9 @@ def _add_prepare_parser(sub: Any) -> None:
     p.add_argument("--tokenizer", default=None, metavar="DIR",
                    help="a local AutoTokenizer directory (default: byte tokens); train with "
                    "the same one")
-    p.add_argument("--text-field", default="text", metavar="F", help=HELP["text_field"])
+    p.add_argument("--text-field", default="text", metavar="F", help=_option_help("text_field"))
     p.add_argument("--val-fraction", type=float, default=0.1, metavar="X",
-                   help=HELP["val_fraction"] + " (default: 0.1)")
+                   help=_option_help("val_fraction") + " (default: 0.1)")
     p.add_argument("--seed", type=int, default=0, metavar="S", help="seed of the JSONL/dataset "
                    "val draw; train with the same --seed to match --data SPEC in memory "
                    "(default: 0)")
@@ -216,38 +151,39 @@ def _export(args: argparse.Namespace) -> int:
     return 0
 
 
+def _option_help(name: str) -> str:
+    """An option's one help text: its field's `metadata["help"]` (`slapo.train.config`)."""
+    from .train.config import option_fields
+
+    return next(f.metadata["help"] for _, f in option_fields() if f.name == name)
+
+
 def _add_train_options(train: argparse.ArgumentParser) -> None:
-    """One flag per TrainConfig field: `--name-with-dashes`, typed by the field; a schedule
-    knob's help and choices are the schema's (`model_schedule.knobs`)."""
-    from .train.config import DEVICES, PP_SCHEDULES, PRECISIONS, TrainConfig
+    """One flag per TrainConfig option, section by section: `--name-with-dashes`, typed, with
+    the field's help and choices (a schedule knob's: the schema's, `model_schedule.knobs`)."""
+    from .train.config import SECTIONS, config_fields, option_fields
 
-    choices = {"precision": PRECISIONS, "device": DEVICES, "pp_schedule": PP_SCHEDULES}
-    for f in fields(TrainConfig):
-        flag = "--" + f.name.replace("_", "-")
-        kind = _base_type(f.type)
-        knob = f.metadata.get("knob", False)
-        text = ("schedule knob: " + f.metadata["help"]) if knob else HELP.get(f.name, "")
-        if knob and f.metadata.get("choices"):
-            choices[f.name] = f.metadata["choices"]
-        if f.default is not None:
-            text += f" (default: {f.default})"
-        elif knob:
-            text += f" (not given: apply's default, {_knob_default(f.name)})"
+    types = config_fields()
+    groups = {s: train.add_argument_group(f"{s} options", cls.__doc__.splitlines()[0])
+              for s, cls in SECTIONS.items()}
+    for section, f in option_fields():
+        group, flag = groups[section], "--" + f.name.replace("_", "-")
+        kind, knob, choices = _base_type(types[f.name]), section == "schedule", \
+            f.metadata.get("choices")
+        text = ("schedule knob: " if knob else "") + f.metadata["help"]
+        text += (f" (not given: apply's default, {f.default})" if knob
+                 else f" (default: {f.default})" if f.default is not None else "")
         if f.name == "resume":
-            train.add_argument(flag, nargs="?", const="latest", metavar="CKPT_DIR", help=text)
+            group.add_argument(flag, nargs="?", const="latest", metavar="CKPT_DIR", help=text)
         elif kind == "bool":
-            train.add_argument(flag, action=argparse.BooleanOptionalAction, help=text)
-        elif f.name in choices:
-            train.add_argument(flag, choices=choices[f.name], help=text)
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, help=text)
+        elif choices and f.metadata.get("check"):  # its own validator refuses other values
+            group.add_argument(flag, metavar="{" + ",".join(choices) + "}", help=text)
+        elif choices:
+            group.add_argument(flag, choices=choices, help=text)
         else:
-            train.add_argument(flag, type={"int": int, "float": float, "str": str}[kind],
+            group.add_argument(flag, type={"int": int, "float": float, "str": str}[kind],
                                metavar=f.name.upper(), help=text)
-
-
-def _knob_default(name: str) -> Any:
-    from .model_schedule.knobs import spec
-
-    return spec(name)["default"]
 
 
 def load_toml(path: str) -> dict[str, Any]:
@@ -350,7 +286,10 @@ def main(argv: list[str] | None = None) -> int:
     faults.watch_launcher()  # under torchrun: stop if the agent dies, from the start
     try:
         cfg = parse_train_args(argv[1:])
-        cfg.check()  # refuses an ambiguous --model too (`train.models.check_unambiguous`)
+        cfg.check()  # the values
+        from .train.setup import check_inputs
+
+        check_inputs(cfg)  # the paths and the device (an ambiguous --model too)
     except (UsageError, ValueError) as e:
         train_parser.error(_name_config_file(str(e), argv[1:]))  # exits with status 2
     from .train.loop import train

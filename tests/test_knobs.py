@@ -33,15 +33,22 @@ def test_schema_fields_are_exactly_applys_knobs():
     for f in knobs.knob_fields():  # same defaults, one help text, a kind for the parsers
         assert params[f.name].default == f.default, f.name
         assert f.metadata["help"] and f.metadata["kind"] in knobs.KINDS
+    # the defaults are written once: `apply`'s own `def` declares no knob (its signature is
+    # generated from the schema), so a default changed in knobs.py is the one apply runs with
+    code = model_schedule.apply.__code__
+    assert code.co_kwonlyargcount == 2 and code.co_flags & inspect.CO_VARKEYWORDS
 
 
 def test_train_flags_and_config_fields_are_the_schema():
-    from slapo.train.config import RunOptions, TrainConfig
+    from slapo.train.config import SECTIONS, TrainConfig, config_fields, option_fields
 
-    knob_fields = [f for f in fields(TrainConfig) if f.metadata.get("knob")]
-    assert [f.name for f in knob_fields] == list(knobs.names())
-    assert {f.name for f in fields(TrainConfig)} == {f.name for f in fields(RunOptions)} | set(
-        knobs.names())
+    # the schedule section IS the schema: its fields are the schema's Field objects
+    assert SECTIONS["schedule"] is ScheduleKnobs
+    assert [f for s, f in option_fields() if s == "schedule"] == list(knobs.knob_fields())
+    assert [f.name for f in fields(TrainConfig)] == list(SECTIONS)  # sections, declared
+    assert set(config_fields()) == {f.name for cls in SECTIONS.values() for f in fields(cls)}
+    for _, f in option_fields():  # one help text per option, nowhere else
+        assert f.metadata["help"], f.name
     flags = _flags()
     for name in knobs.names():
         dashed = "--" + name.replace("_", "-")

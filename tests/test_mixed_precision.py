@@ -205,7 +205,7 @@ def test_mixed_precision_argument_combinations():
 
 
 def test_precision_is_a_no_op_in_fp32():
-    p = Precision(None)
+    p = Precision()
     loss = torch.ones((), requires_grad=True)
     assert p.loss_for_backward(loss) is loss
     m = torch.nn.Linear(2, 2)
@@ -409,8 +409,8 @@ def test_cli_precision_from_toml_and_bad_values(tmp_path, capsys):
     cfg = tmp_path / "run.toml"
     cfg.write_text('[run]\nprecision = "bf16"\ndevice = "cpu"\n')
     parsed = parse_train_args(["--config", str(cfg)])
-    assert (parsed.precision, parsed.device, parsed.mixed_precision()) == ("bf16", "cpu", "bf16")
-    assert parse_train_args([]).mixed_precision() is None
+    assert (parsed.precision, parsed.device, parsed.training.precision) == ("bf16", "cpu", "bf16")
+    assert parse_train_args([]).precision == "fp32"
     cfg.write_text('precision = "half"\n')
     with pytest.raises(SystemExit) as e:
         main(["train", "--config", str(cfg)])

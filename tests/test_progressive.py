@@ -245,14 +245,14 @@ def test_gpu_plan_uses_the_gpu_schedule_in_bf16():
     from slapo.train.demo import _plan
 
     plan = _plan(1, torch.device("cuda", 0), "inductor")
-    assert plan["mixed_precision"] == "bf16" and plan["baseline_attention"] == "sdpa"
+    assert plan["precision"] == "bf16" and plan["baseline_attention"] == "sdpa"
     last = plan["steps"][-1].knobs
     assert last == {"attention": "sdpa", "compile_blocks": True,
                     "fused_loss": True, "ckpt_ratio": 1.0, "ckpt_policy": "selective"}
     tp = _plan(2, torch.device("cuda", 0), "inductor")["steps"][-1].knobs
     assert tp["tp"] == 2 and tp["vocab_parallel"] is False
     cpu = _plan(1, torch.device("cpu"), "inductor")
-    assert "mixed_precision" not in cpu and cpu["steps"][0].name == "baseline (HF eager)"
+    assert "precision" not in cpu and cpu["steps"][0].name == "baseline (HF eager)"
     assert not any("tp" in s.knobs for s in cpu["steps"])  # tp degree 1: no TP step
     assert _plan(2, torch.device("cpu"), "inductor")["steps"][-1].knobs["tp"] == 2
 
@@ -264,17 +264,18 @@ def test_progressive_refuses_a_pipeline_before_building(capsys):
 
 
 def test_two_precision_spellings_at_once_are_refused():
-    """`autocast_dtype` is the older spelling of `mixed_precision`: both together is ambiguous
-    and refused before the baseline is built."""
+    """`autocast_dtype` and `mixed_precision` are older spellings of `precision`: two together
+    are ambiguous and refused before the baseline is built."""
     import torch
 
     from slapo import progressive
     from slapo.errors import SlapoError
 
     built = []
-    with pytest.raises(SlapoError, match="one of mixed_precision"):
-        progressive.run(lambda: built.append(1), [], mixed_precision="fp16",
-                        autocast_dtype=torch.bfloat16, log=lambda s: None)
+    for spelling in ({"mixed_precision": "fp16"}, {"precision": "fp16"}):
+        with pytest.raises(SlapoError, match="pass one of precision"):
+            progressive.run(lambda: built.append(1), [], **spelling,
+                            autocast_dtype=torch.bfloat16, log=lambda s: None)
     assert not built
 
 

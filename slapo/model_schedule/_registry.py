@@ -15,7 +15,7 @@ from ..module_patch import module_meta
 from ..schedule import Schedule, create_schedule
 from . import _common
 from . import sequence_parallel as _sp
-from .knobs import ATTENTION, CKPT_POLICIES, ScheduleKnobs  # noqa: F401  (old names)
+from .knobs import ATTENTION, CKPT_POLICIES, ScheduleKnobs, knob_fields  # noqa: F401  (old names)
 
 
 @dataclass
@@ -110,47 +110,54 @@ def layers_of(sch: Schedule, family: Family) -> list[Schedule]:
     return out
 
 
-def apply(model_or_sch: nn.Module | Schedule, *, tp: int | None = None, ckpt_ratio: float = 0.0,
-          attention: str | None = None, fuse: bool = False, fuse_compiler: str = "inductor",
-          tempo: bool = False, pp_stages: int = 1,
-          sequence_parallel: bool = False, vocab_parallel: bool = True, group=None,
-          mesh=None, ckpt_policy: str = "full", compile_blocks: bool | str = False,
-          fused_loss: bool = False, kernels: bool = False) -> Schedule:
+def apply(model_or_sch: nn.Module | Schedule, *, group=None, mesh=None,
+          **knobs: Any) -> Schedule:
     """Schedule a Hugging Face model of a supported family (see the package docstring), or a
     torchvision-layout ResNet/WideResNet (detected by its modules; `tp`, `ckpt_ratio`,
     `ckpt_policy`, `pp_stages` apply, the transformer knobs are refused: `wideresnet.py`).
 
-    Every knob is a field of `model_schedule.knobs.ScheduleKnobs`, which documents it once
-    (`help(ScheduleKnobs)`) and validates the values; `group` / `mesh` say where the schedule's
-    tensor-parallel group comes from. `attention=None` keeps the model's own attention;
+    Every knob is a field of `model_schedule.knobs.ScheduleKnobs`, which declares its default
+    and documents it once (`help(ScheduleKnobs)`; `apply`'s signature is generated from it) and
+    validates the values; `group` / `mesh` say where the schedule's tensor-parallel group comes
+    from. `attention=None` keeps the model's own attention;
     "eager" forces HF's eager attention (one meaning in train, tune and the progressive demo).
 
-    GPU knobs (composable with the rest):
-    - `ckpt_policy`: "full" (recompute the whole checkpointed layer) or "selective" (keep
-      matmul/attention outputs, recompute elementwise ops; torch's SAC), for the
-      `ckpt_ratio` share of layers;
-    - `compile_blocks`: compile every transformer layer with `torch.compile` (True: inductor;
-      a string or callable is the backend), one graph shared by identical layers; calls
-      that pass no `use_cache` run without a KV cache (a cache makes each layer a separate
-      graph), as with checkpointing; the config is not changed (`_training_without_cache`);
-    - `fused_loss`: the LM head and cross-entropy as one chunked op (no logits; see
-      `model_schedule.fused_loss`); needs an unsharded head (`vocab_parallel=False` under TP);
-    - `kernels`: swap in Slapo's fused GPU kernels (RMSNorm, LayerNorm, SwiGLU, GELU; see
-      `model_schedule.kernels`), exact PyTorch fallbacks on CPU. With `fuse=True` too, the
-      LLaMA family's MLPs take the SwiGLU kernel instead of `fuse`'s compiled SwiGLU.
+    What the knobs' help does not say: with `compile_blocks`, calls that pass no `use_cache`
+    run without a KV cache (a cache makes each layer a separate graph), as with checkpointing,
+    and the model's config is not changed (`_training_without_cache`); with `kernels` and
+    `fuse`, the LLaMA family's MLPs take the SwiGLU kernel instead of `fuse`'s compiled SwiGLU.
     """
     sch = model_or_sch if isinstance(model_or_sch, Schedule) else \
         create_schedule(model_or_sch, group=group, mesh=mesh)
     family = detect(sch.mod)
-    ws = sch.tp_size
     # every check first: a rejected call leaves the model and the schedule's history untouched
-    knobs = ScheduleKnobs(tp=tp, ckpt_ratio=ckpt_ratio, ckpt_policy=ckpt_policy,
-                          attention=attention, fuse=fuse, fuse_compiler=fuse_compiler,
-                          tempo=tempo, pp_stages=pp_stages, sequence_parallel=sequence_parallel,
-                          vocab_parallel=vocab_parallel, compile_blocks=compile_blocks,
-                          fused_loss=fused_loss, kernels=kernels).validate(sch.path)
+    checked = ScheduleKnobs.from_given(knobs).validate(sch.path)
     if family.schedule is not None:  # a non-transformer family (WideResNet) owns its concerns
-        return family.schedule(sch, knobs)
+        return family.schedule(sch, checked)
+    return _apply_knobs(sch, family, **checked.as_kwargs())
+
+
+def _knob_signature() -> inspect.Signature:
+    """`apply`'s signature for `help()`, editors and `inspect`: the schema's knobs as keyword
+    parameters with the schema's defaults (declared once, in `knobs.py`)."""
+    head = [inspect.Parameter("model_or_sch", inspect.Parameter.POSITIONAL_OR_KEYWORD),
+            inspect.Parameter("group", inspect.Parameter.KEYWORD_ONLY, default=None),
+            inspect.Parameter("mesh", inspect.Parameter.KEYWORD_ONLY, default=None)]
+    knobs = [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default,
+                               annotation=f.type) for f in knob_fields()]
+    return inspect.Signature(head + knobs, return_annotation="Schedule")
+
+
+apply.__signature__ = _knob_signature()
+
+
+def _apply_knobs(sch: Schedule, family: Family, *, tp: int | None, ckpt_ratio: float,
+                 ckpt_policy: str, attention: str | None, fuse: bool, fuse_compiler: str,
+                 tempo: bool, pp_stages: int, sequence_parallel: bool, vocab_parallel: bool,
+                 compile_blocks: bool | str, fused_loss: bool, kernels: bool) -> Schedule:
+    """`apply` once the knobs passed the schema (every value given: the defaults are the
+    schema's): the checks that need the model, then the concerns in a visible order."""
+    ws = sch.tp_size
     tp = ws if tp is None else tp
     _validate(sch, family, tp, ws, sequence_parallel, pp_stages, vocab_parallel, fused_loss)
     _validate_plan(sch, family, tp, attention, fuse, kernels, pp_stages,
@@ -180,7 +187,7 @@ def apply(model_or_sch: nn.Module | Schedule, *, tp: int | None = None, ckpt_rat
                           "saves more than the compiled plain layer (CPU-measured) but its GPU "
                           "time is not yet measured (the earlier opaque path: +32% on one H100 "
                           "BERT-large layer; benchmarks/tempo_gpu.py, docs/tempo.md). Selective "
-                          "checkpointing trades memory for time there.", stacklevel=2)
+                          "checkpointing trades memory for time there.", stacklevel=3)
 
         apply_tempo(sch, attention=attention in (None, "eager"))  # an explicit core wins;
         # fused activations are already inside compiled regions, so Tempo takes the rest
@@ -353,7 +360,7 @@ def _set_attention(sch: Schedule, attention: str) -> None:
                           "A left-padded batch whose labels supervise the first real token "
                           "from a padding position then has another loss (by ~1e-3 in the "
                           "tests' models); leave attention unset, or pass 'sdpa', to compute "
-                          "what the model as configured computes (docs/ops.md).", stacklevel=3)
+                          "what the model as configured computes (docs/ops.md).", stacklevel=4)
         _force_hf_eager(sch.mod)
         return
     from ..op import SDPAttention, is_hf_attention, use_attention_core
@@ -368,7 +375,7 @@ def _set_attention(sch: Schedule, attention: str) -> None:
         warnings.warn(f"attention={attention!r} changed nothing in {type(sch.mod).__name__}: "
                       "none of its attention modules calls HF's attention-function registry, "
                       "where Slapo's core goes, so the model keeps its own attention.",
-                      stacklevel=3)
+                      stacklevel=4)
 
 
 def _force_hf_eager(model: nn.Module) -> None:

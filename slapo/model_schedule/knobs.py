@@ -56,7 +56,7 @@ def _knob(default: Any, help: str, kind: str, *, choices: tuple | None = None,
 
 @dataclass
 class ScheduleKnobs:
-    """The knobs of `slapo.model_schedule.apply`, one field each (see the module docstring)."""
+    """The knobs of `slapo.model_schedule.apply`, one field each (`model_schedule/knobs.py`)."""
 
     tp: int | None = _knob(
         None, "tensor-parallel degree: Megatron column/row-parallel layers over the mesh's "

@@ -22,7 +22,7 @@ bytes at the demo batch — and timed there:
   where a new batch shape recompiles compiled regions).
 
 **One step loop.** Every variant trains through `slapo.build(sch, ...)`'s
-`TrainModule.train_step` (AdamW; `mixed_precision="bf16"` on GPU is build's autocast, fp32
+`TrainModule.train_step` (AdamW; `precision="bf16"` on GPU is build's autocast, fp32
 master weights), timed by `slapo.runtime.train_step.time_steps`: the step `slapo train` runs.
 Peak memory per row is `slapo.profile.meter`'s (`peak_bytes`, JSON only).
 

@@ -21,10 +21,10 @@ def hf_loss(out) -> torch.Tensor:
     return out.loss
 
 
-def trainable(sch: Schedule, lr: float, mixed_precision: str | None) -> TrainModule:
-    """The step `slapo train` runs: `slapo.build` with AdamW and build's mixed precision."""
+def trainable(sch: Schedule, lr: float, precision: str) -> TrainModule:
+    """The step `slapo train` runs: `slapo.build` with AdamW in `precision`."""
     model, _ = build(sch, optimizer=torch.optim.AdamW, optimizer_kwargs={"lr": lr},
-                     mixed_precision=mixed_precision)
+                     precision=precision)
     return model
 
 

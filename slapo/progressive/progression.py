@@ -13,6 +13,7 @@ import torch.nn as nn
 from .. import model_schedule
 from ..distributed import group as _g
 from ..errors import SchedulingError, SlapoError, VerificationError
+from ..runtime.precision import precision_arg
 from ..schedule import Schedule, create_schedule
 from ..verify import Verify
 from .budget import BatchSource, Budget, tiled_batches
@@ -95,13 +96,15 @@ def _tp_group(mesh):
     return mesh.get_group("tp")
 
 
-def _precision(mixed_precision: str | None, autocast_dtype: torch.dtype | None) -> str | None:
-    """build's `mixed_precision`; `autocast_dtype` is the older spelling of the same choice."""
+def _precision(precision: str, mixed_precision: str | None,
+               autocast_dtype: torch.dtype | None) -> str:
+    """build's `precision`; `mixed_precision` and `autocast_dtype` are earlier spellings of the
+    same choice (`build` checks the name)."""
     if autocast_dtype is None:
-        return mixed_precision
-    if mixed_precision is not None or autocast_dtype not in _PRECISION:
-        raise SlapoError(f"pass one of mixed_precision ('bf16'/'fp16') or autocast_dtype "
-                         f"(torch.bfloat16/float16), got {mixed_precision!r} and "
+        return precision_arg(precision, mixed_precision)
+    if mixed_precision is not None or precision != "fp32" or autocast_dtype not in _PRECISION:
+        raise SlapoError(f"pass one of precision ('bf16'/'fp16') or autocast_dtype "
+                         f"(torch.bfloat16/float16), got {mixed_precision or precision!r} and "
                          f"{autocast_dtype!r}")
     return _PRECISION[autocast_dtype]
 
@@ -118,7 +121,8 @@ def _knobs_for(step: Step, previous: dict, accepted: set[str] | None,
 def run(make_model: Callable[[], nn.Module], batches: Iterator[dict] | list[dict], *,
         steps: list[Step] | None = None, train_steps: int = 6, warmup: int = 2,
         lr: float = 1e-3, device: torch.device | str | None = None,
-        mixed_precision: str | None = None, autocast_dtype: torch.dtype | None = None,
+        precision: str = "fp32", mixed_precision: str | None = None,
+        autocast_dtype: torch.dtype | None = None,
         baseline_attention: str = "eager", budget_max_factor: int = 0, budget_steps: int = 2,
         make_batch: Callable[[int], dict] | None = None, mesh=None,
         log: Callable[[str], None] = print) -> list[StepResult]:
@@ -127,8 +131,9 @@ def run(make_model: Callable[[], nn.Module], batches: Iterator[dict] | list[dict
     `make_model()` must build the same weights on every call and every rank (seed it).
     `batches` yields dicts of keyword inputs with labels (HF models return `.loss`).
     `device`: where to run (default: the model's). Verification always runs in fp32; training
-    and byte counts run in `mixed_precision` ("bf16"/"fp16": `slapo.build`'s autocast with fp32
-    master weights; `autocast_dtype=torch.bfloat16` is the older spelling).
+    and byte counts run in `precision` ("bf16"/"fp16": `slapo.build`'s autocast with fp32
+    master weights; `mixed_precision="bf16"` and `autocast_dtype=torch.bfloat16` are the older
+    spellings).
     `baseline_attention`: the HF attention of the baseline ("eager"; "sdpa" on GPU).
     `mesh`: the job's ("dp", "pp", "tp") DeviceMesh (module docstring): schedules live on its
     "tp" group, the default steps add a TP step of that degree, dp replicas each run the whole
@@ -142,7 +147,7 @@ def run(make_model: Callable[[], nn.Module], batches: Iterator[dict] | list[dict
     if budget_max_factor < 0 or budget_steps < 1:
         raise SlapoError(f"budget_max_factor must be >= 0 (got {budget_max_factor}) and "
                          f"budget_steps >= 1 (got {budget_steps})")
-    precision = _precision(mixed_precision, autocast_dtype)
+    precision = _precision(precision, mixed_precision, autocast_dtype)
     group = _tp_group(mesh)
     batches = list(batches)
     if device is not None:

@@ -42,7 +42,7 @@ from .pipeline_runner import (
     make_stages,
     plan_pipeline,
 )
-from .precision import Precision, check_autocast, check_mixed_precision, module_device_type
+from .precision import Precision, check_autocast, module_device_type, precision_arg
 from .shape_errors import name_shape_errors
 from .token_mean import ModelLoss
 from .train_step import (
@@ -105,11 +105,11 @@ def mesh_info(sch: Schedule, mesh) -> MeshInfo:
     return info
 
 
-def _check_precision_target(kind: str | None, target: str | None) -> None:
-    if kind is not None and target == "deepspeed":
-        raise SchedulingError("", f"mixed_precision={kind!r} with target='deepspeed': DeepSpeed "
+def _check_precision_target(precision: str, target: str | None) -> None:
+    if precision != "fp32" and target == "deepspeed":
+        raise SchedulingError("", f"precision={precision!r} with target='deepspeed': DeepSpeed "
                               "manages precision itself.",
-                              f"drop mixed_precision and put {{'{kind}': {{'enabled': True}}}} "
+                              f"drop precision and put {{'{precision}': {{'enabled': True}}}} "
                               "in deepspeed_config.")
 
 
@@ -135,9 +135,9 @@ def _job_group(info: MeshInfo):
     return dist.new_group(ranks=info.mesh.mesh.flatten().tolist())
 
 
-def make_precision(kind: str | None, device_type: str, info: MeshInfo) -> Precision:
-    group = _job_group(info) if kind == "fp16" else None
-    return Precision(kind, device_type, group)
+def make_precision(precision: str, device_type: str, info: MeshInfo) -> Precision:
+    group = _job_group(info) if precision == "fp16" else None
+    return Precision(precision, device_type, group)
 
 
 def _check_pipeline_dp(pipeline: str | None, data_parallel: str | None, info: MeshInfo) -> None:
@@ -232,7 +232,7 @@ def build(sch: Schedule, *, optimizer: Callable | None = None,
           reshard_after_forward: bool | int = True, loss_fn: LossFn | None = None,
           grad_clip: float | None = None, grad_accum: int = 1, batch_is_global: bool = True,
           target: str | None = None, deepspeed_config: dict | None = None,
-          mixed_precision: str | None = None, **spellings_2023: Any
+          precision: str = "fp32", mixed_precision: str | None = None, **spellings_2023: Any
           ) -> tuple[TrainModule, torch.optim.Optimizer | None]:
     """Return `(model, optimizer)` for a schedule; `model.train_step(batch) -> float` trains.
 
@@ -272,7 +272,8 @@ def build(sch: Schedule, *, optimizer: Callable | None = None,
     - The returned loss is the mean over the global batch (exactly, for losses that are means
       over samples of equal weight), as a float on every rank.
 
-    `mixed_precision`: None (default; "fp32" is the same), "bf16" or "fp16". Weights and
+    `precision`: "fp32" (default), "bf16" or "fp16" (`mixed_precision=` is its earlier name, and
+    None its earlier spelling of "fp32"; `slapo.runtime.precision.check_precision`). Weights and
     optimizer state stay fp32; forward and loss run under `torch.autocast(device_type, dtype)`;
     "fp16" adds a gradient scaler (unscaled before clipping; a step with inf/NaN gradients on
     any rank is skipped on every rank and counted in `model.precision.skipped_steps`). With
@@ -293,13 +294,13 @@ def build(sch: Schedule, *, optimizer: Callable | None = None,
     _check_schedule(sch)
     _check_optimizer(sch, optimizer)
     _check_step_args(grad_accum, grad_clip, target)
-    kind = check_mixed_precision(mixed_precision)
-    _check_precision_target(kind, target)
+    precision = precision_arg(precision, mixed_precision)  # the one check of the name
+    _check_precision_target(precision, target)
     info = mesh_info(sch, mesh)
     check_data_parallel(data_parallel, info)
     _check_pipeline_dp(pipeline, data_parallel, info)
     device_type = _run_device_type(sch, device, info)
-    check_autocast(kind, device_type)
+    check_autocast(precision, device_type)
     config = StepConfig(info, grad_accum, grad_clip, 1, batch_is_global,
                         loss=ModelLoss.of(sch.mod, loss_fn is not None))
     name_shape_errors(sch.mod, sch)  # a shape error inside a scheduled module names the shard
@@ -319,14 +320,14 @@ def build(sch: Schedule, *, optimizer: Callable | None = None,
                             optimizer_kwargs=optimizer_kwargs, loss_fn=loss_fn, device=device,
                             init_weights=init_weights, seed=seed, data_parallel=data_parallel,
                             reshard_after_forward=reshard_after_forward,
-                            precision=make_precision(kind, device_type, info))
+                            precision=make_precision(precision, device_type, info))
     return _build_pipeline(sch, info, config, pipeline=pipeline,
                            num_microbatches=num_microbatches, virtual_stages=virtual_stages,
                            optimizer=optimizer, optimizer_kwargs=optimizer_kwargs,
                            loss_fn=loss_fn, device=device, init_weights=init_weights, seed=seed,
                            data_parallel=data_parallel,
                            reshard_after_forward=reshard_after_forward,
-                           precision=make_precision(kind, device_type, info))
+                           precision=make_precision(precision, device_type, info))
 
 
 def _build_local(sch: Schedule, info: MeshInfo, config: StepConfig, *, optimizer,

@@ -1,7 +1,13 @@
 """Mixed precision for the training step: one `Precision` object owns autocast and loss scaling.
 
-`build(sch, ..., mixed_precision="bf16" | "fp16" | None)` makes one `Precision` and hands it to
-the step loop (`TrainModule.train_step`) and its runner; nothing else knows about dtypes:
+One vocabulary from `slapo train --precision` to autocast: the name is `precision`, its values
+are `PRECISIONS` ("fp32", "bf16", "fp16"), `check_precision` is the one check (and the one place
+where None, the older spelling of "fp32", is translated), and `Precision(precision)` is the one
+object that acts on it. `build(sch, ..., precision="bf16")` checks the name once and hands one
+`Precision` to the step loop (`TrainModule.train_step`) and its runner; nothing else knows about
+dtypes. (`build(mixed_precision=...)`, `Verify(mixed_precision=...)` and
+`progressive.run(mixed_precision=...)` take the earlier keyword at the public edge:
+`precision_arg`.)
 
 - **Master weights and optimizer state stay fp32.** Parameters are never cast; the optimizer
   sees the fp32 parameters and fp32 gradients.
@@ -49,42 +55,63 @@ import torch.nn as nn
 
 from ..errors import SchedulingError
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-MIXED_PRECISION = (None, "fp32", "bf16", "fp16")  # "fp32" means None (off)
+PRECISIONS = ("fp32", "bf16", "fp16")  # the one list: --precision, build, Verify, tune
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}  # autocast's dtype (fp32: no autocast)
 
 
-def check_mixed_precision(value) -> str | None:
-    """Return the canonical precision (None, "bf16" or "fp16"); raise on anything else.
+class PrecisionError(SchedulingError):
+    """A precision name outside `PRECISIONS`; `value` is what was given."""
 
-    Called first thing in `build`, on every rank, so a bad value fails before anything is
-    placed, wrapped or communicated."""
-    if value is None or value == "fp32":
-        return None
-    if isinstance(value, str) and value in DTYPES:
+    def __init__(self, value: object, arg: str):
+        self.value = value
+        super().__init__("", f"{arg}={value!r} is not supported.",
+                         "use 'fp32' (the default), 'bf16' or 'fp16'.")
+
+
+def check_precision(value: object, arg: str = "precision") -> str:
+    """The one check of a precision name: return it ("fp32", "bf16" or "fp16"), None read as
+    "fp32" (its earlier spelling); anything else raises `PrecisionError` naming `arg`.
+
+    `build` calls it first thing, on every rank, so a bad value fails before anything is
+    placed, wrapped or communicated; `TrainConfig.check` calls it for `--precision`."""
+    if value is None:
+        return "fp32"
+    if isinstance(value, str) and value in PRECISIONS:
         return value
-    raise SchedulingError("", f"mixed_precision={value!r} is not supported.",
-                          "use None (fp32, the default), 'bf16' or 'fp16'.")
+    raise PrecisionError(value, arg)
 
 
-def check_autocast(kind: str | None, device_type: str) -> None:
+def precision_arg(precision: str | None, mixed_precision: str | None) -> str:
+    """The precision a public entry point was given: `precision=`, or `mixed_precision=` (the
+    earlier keyword, accepted at the edge only); both given (and different) is refused."""
+    if mixed_precision is None:
+        return check_precision(precision)
+    if precision not in (None, "fp32"):
+        raise SchedulingError("", f"precision={precision!r} and mixed_precision="
+                              f"{mixed_precision!r} both given.", "pass precision= only "
+                              "(mixed_precision is its earlier name).")
+    return check_precision(mixed_precision, "mixed_precision")
+
+
+def check_autocast(precision: str, device_type: str) -> None:
     """Refuse a (device, dtype) pair that autocast would silently ignore (it only warns)."""
-    if kind is None:
+    if precision == "fp32":
         return
     try:
         available = torch.amp.is_autocast_available(device_type)
     except RuntimeError:  # not a device type at all
         available = False
     if not available:
-        raise SchedulingError("", f"mixed_precision={kind!r}: torch has no autocast for device "
+        raise SchedulingError("", f"precision={precision!r}: torch has no autocast for device "
                               f"type {device_type!r}.", "use a cpu or cuda device, or "
-                              "mixed_precision=None.")
+                              "precision='fp32'.")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        with torch.autocast(device_type, dtype=DTYPES[kind]):
+        with torch.autocast(device_type, dtype=DTYPES[precision]):
             enabled = torch.is_autocast_enabled(device_type)
     if not enabled or any("not supported" in str(w.message) for w in caught):
-        raise SchedulingError("", f"mixed_precision={kind!r}: this torch's {device_type} "
-                              f"autocast does not support {DTYPES[kind]}.",
+        raise SchedulingError("", f"precision={precision!r}: this torch's {device_type} "
+                              f"autocast does not support {DTYPES[precision]}.",
                               "use 'bf16' (supported on CPU and recent GPUs).")
 
 
@@ -100,16 +127,16 @@ def module_device_type(*modules: nn.Module, default: str = "cpu") -> str:
 class Precision:
     """Autocast context and (fp16) loss scaling for one trained model; see the module doc.
 
-    `kind`: None (fp32: every method is a no-op pass-through), "bf16" or "fp16".
-    `group`: the process group every rank of the job is in (the scaler's inf/NaN check is
-    reduced over it); None for one process.
+    `name`: a checked precision (`check_precision`): "fp32" (every method is a no-op
+    pass-through), "bf16" or "fp16". `group`: the process group every rank of the job is in
+    (the scaler's inf/NaN check is reduced over it); None for one process.
     """
 
-    def __init__(self, kind: str | None = None, device_type: str = "cpu", group=None):
-        self.kind = check_mixed_precision(kind)
+    def __init__(self, name: str = "fp32", device_type: str = "cpu", group=None):
+        self.name = name
         self.device_type = device_type
-        self.dtype = DTYPES.get(self.kind) if self.kind else None
-        self.scaler = self._make_scaler(group) if self.kind == "fp16" else None
+        self.dtype = DTYPES.get(name)  # None for fp32: no autocast
+        self.scaler = self._make_scaler(group) if name == "fp16" else None
         self.skipped_steps = 0
         self.last_step_skipped = False
 
@@ -121,12 +148,7 @@ class Precision:
         return torch.amp.GradScaler(self.device_type)
 
     def __repr__(self) -> str:
-        return f"Precision({self.kind or 'fp32'!r}, device_type={self.device_type!r})"
-
-    @property
-    def name(self) -> str:
-        """"fp32", "bf16" or "fp16" (for logs and metrics)."""
-        return self.kind or "fp32"
+        return f"Precision({self.name!r}, device_type={self.device_type!r})"
 
     # ---- forward --------------------------------------------------------------------------
     def autocast(self) -> contextlib.AbstractContextManager:
@@ -211,5 +233,5 @@ class Precision:
             self.scaler.load_state_dict(dict(state["scaler"]))
 
 
-__all__ = ["DTYPES", "MIXED_PRECISION", "Precision", "check_autocast", "check_mixed_precision",
-           "module_device_type"]
+__all__ = ["DTYPES", "PRECISIONS", "Precision", "PrecisionError", "check_autocast",
+           "check_precision", "module_device_type", "precision_arg"]

@@ -195,5 +195,5 @@ def make_trainable(sch: Any, cfg: Any, env: Env) -> tuple[torch.optim.Optimizer,
         optimizer_kwargs=cfg.optimizer_kwargs(),
         grad_clip=cfg.grad_clip, data_parallel=data_parallel(cfg, env),
         pipeline=pipeline, virtual_stages=cfg.stages_per_rank() if pipeline else None,
-        grad_accum=cfg.grad_accum, mixed_precision=cfg.mixed_precision())
+        grad_accum=cfg.grad_accum, precision=cfg.precision)
     return optimizer, trainable.train_step

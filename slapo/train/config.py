@@ -1,36 +1,39 @@
-"""`TrainConfig`: every option of `slapo train`, and the checks that run before anything is built.
+"""`TrainConfig`: every option of `slapo train`, declared once, in sections, and its value checks.
 
-The schedule knobs are not declared here: `TrainConfig` is `RunOptions` (the options of the run
-itself) plus one field per `model_schedule.knobs.ScheduleKnobs` field, generated from the schema
-with `None` ("not given": `apply`'s default) as the default and the schema's help text, kind and
-choices as field metadata. So the CLI flags, TOML keys and `--help` (`slapo.cli`) cover every knob
-`apply` takes, under the same name, with one meaning; `cfg.tp`-style reads and flat
-`TrainConfig(model=..., attention="sdpa", tp=2)` construction work as before.
+The config is nested, as torchtitan's `JobConfig` is: one dataclass per concern (`ArchOptions`,
+`CorpusOptions`, `TrainingOptions`, `OptimizerOptions`, `ParallelismOptions`,
+`CheckpointOptions`, `LoggingOptions`) and the schedule section, which *is*
+`model_schedule.knobs.ScheduleKnobs` (the knob schema, not a copy). Each field's
+`metadata["help"]` is its only help text: the `--flags` and `--help` (`slapo.cli`), the TOML keys
+and `slapo tune`'s knob spaces derive from the fields. An option's name is unique across the
+sections, so it is also its flag (`--seq-len`), its TOML key (`seq-len`/`seq_len`, at top level
+or in any table, e.g. `[training]`), its key in a checkpoint's saved config (`options()`), and
+its flat attribute: `cfg.seq_len` reads `cfg.training.seq_len`, `cfg.tp` reads
+`cfg.schedule.tp`, and `TrainConfig(model="gpt2", tp=2)` fills the sections.
+
+A schedule knob can be *not given* (`--tp` absent): `cfg.tp` is then None and `knobs()` leaves
+it out, so `apply` uses its default; `cfg.schedule` holds the value `apply` runs with either way.
+
+`check()` checks values only (no file, device or import is touched): the checks that need the
+filesystem or a device live in `train/setup.py` (`check_inputs`).
 """
 
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass, fields
-from pathlib import Path
+from dataclasses import MISSING, Field, dataclass, field, fields
 from typing import Any
 
-import torch
-
-from ..data import check_tokenizer_dir
-from ..data.prepared import check_prepared, prepared_dir
-from ..data.sources import is_saved_dataset
+from ..errors import SchedulingError
 from ..model_schedule.knobs import CKPT_POLICIES, KnobError, ScheduleKnobs, knob_fields
-from . import pretrained
-from . import run_state as ckpt
-from .metrics_log import check_sinks
-from .models import ModelSize, check_unambiguous, get_model_spec
+from ..runtime.precision import PRECISIONS, check_precision
+from .models import MODELS, ModelSize
 
 __all__ = ["CKPT_POLICIES", "DEVICES", "DIST_TIMEOUT_S", "MULTI_STAGE", "PP_SCHEDULES",
-           "PRECISIONS", "RUN_IDENTITY", "RUN_LAYOUT", "RunOptions", "TrainConfig", "config_fields", "flag",
-           "knob_names"]
+           "PRECISIONS", "RUN_IDENTITY", "RUN_LAYOUT", "SECTIONS", "ArchOptions",
+           "CheckpointOptions", "CorpusOptions", "LoggingOptions", "OptimizerOptions",
+           "ParallelismOptions", "TrainConfig", "TrainingOptions", "config_fields", "flag",
+           "knob_names", "option_fields"]
 
-PRECISIONS = ("fp32", "bf16", "fp16")
 DEVICES = ("auto", "cpu", "cuda")
 DIST_TIMEOUT_S = 60.0   # --dist-timeout default: long saves or first compiles may need more
 PP_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble",
@@ -47,79 +50,246 @@ RUN_IDENTITY = ("model", "batch_size", "seq_len", "seed", "hidden_size", "num_la
 RUN_LAYOUT = ("tp", "pp_stages", "sequence_parallel", "vocab_parallel")
 
 
+PROGRESSIVE_INPUTS = ("--progressive compares schedules on a registry model and the shipped "
+                      "corpus; drop --data, --tokenizer and a --model path")
+
+
 def flag(name: str) -> str:
     """The `--flag` spelling of an option name (without the dashes)."""
     return name.replace("_", "-")
 
 
 def knob_names() -> tuple[str, ...]:
-    """The schedule knobs, in the schema's order: the TrainConfig fields passed to `apply`."""
+    """The schedule knobs, in the schema's order: the options passed to `apply`."""
     return tuple(f.name for f in knob_fields())
 
 
+def _opt(default: Any, help: str, *, choices: tuple | None = None, check: Any = None) -> Any:
+    """An option: its default and its one help text (`choices`: the values `check()` and the
+    CLI accept; `check`: the one validator of the option, when it is not a `choices` test)."""
+    return field(default=default, metadata={"help": help, "choices": choices, "check": check})
+
+
+# ---- the sections -----------------------------------------------------------------------------
 @dataclass
-class RunOptions:
-    """The options of the run itself (data, model, optimizer, engine, output). `TrainConfig`
-    adds the schedule knobs; the CLI flags and TOML keys have the same names."""
+class ArchOptions:
+    """What is trained: a registry architecture at a small size, or a local HF model."""
 
-    model: str = "gpt2"         # a registry name, a local HF model directory or a config.json
-    data: str | None = None     # files / globs / .jsonl / saved or prepared dir (None: corpus)
-    text_field: str = "text"    # the JSONL field / dataset column holding the text
-    tokenizer: str | None = None  # a local AutoTokenizer directory (None: bytes, or the model's)
-    val_fraction: float = 0.1   # share of the data held out for the val loss
-    steps: int = 50
-    batch_size: int = 8
-    seq_len: int = 64
-    lr: float = 1e-3
-    min_lr_ratio: float = 0.1   # cosine decay to lr * min_lr_ratio at `steps` (1.0: constant)
-    warmup: int = 0             # linear warm-up steps
-    weight_decay: float = 0.0
-    grad_clip: float | None = 1.0
-    dropout: float = 0.0
-    seed: int = 0
-    hidden_size: int = 128
-    num_layers: int = 4
-    num_heads: int = 4
-    out: str | None = None
-    resume: str | None = None   # "latest" (the newest intact checkpoint in `out`) or a dir
-    resume_or_start: bool = False  # resume from `out` if it has a checkpoint, else start fresh
-    overwrite: bool = False     # a fresh run replaces the run in `out` (else: refused)
-    save_every: int = 0         # 0: only at the end (when `out` is given)
-    keep_last: int = 0          # keep the N newest checkpoints (0: keep all)
-    dist_timeout: float = DIST_TIMEOUT_S  # seconds a collective may wait for a peer
-    eval_batches: int = 4       # val-loss batches per evaluation (0: no val loss)
-    eval_every: int = 0         # also evaluate every N steps (0: only at the end)
-    tensorboard: bool = False   # also log to TensorBoard, in OUT/tensorboard
-    wandb: str | None = None    # also log to this Weights & Biases project
-    progress: bool = True
-    plot: bool = True
-    progressive: bool = False   # run the progressive-optimization demo instead of training
-    precision: str = "fp32"     # fp32, or bf16 / fp16 mixed precision (fp32 master weights)
-    device: str = "auto"        # auto (CUDA when available), cpu or cuda
-    dp_shard: bool = False      # data-parallel ranks shard weights and optimizer (FSDP2), not DDP
-    pp_schedule: str | None = None  # pipeline schedule with --pp-stages > 1 (default 1F1B)
-    grad_accum: int = 1         # slices of each batch, one backward each, one optimizer step
+    model: str = _opt("gpt2", "architecture (small config): gpt2, llama, opt, gpt_neo, bert, "
+                      "roberta, albert, t5; or a local HF model directory (config.json + "
+                      "optional model.safetensors: fine-tune it) or a config.json file")
+    hidden_size: int = _opt(128, "model width")
+    num_layers: int = _opt(4, "number of layers (T5: split between encoder and decoder)")
+    num_heads: int = _opt(4, "attention heads")
+    dropout: float = _opt(0.0, "dropout probability of the model")
 
-    # ---- checks -------------------------------------------------------------------------------
+
+@dataclass
+class CorpusOptions:
+    """The training text and how it is tokenised and split."""
+
+    data: str | None = _opt(None, "training text: files, globs, directories of *.txt, .jsonl "
+                            "files (comma-separated), or a dataset directory saved with "
+                            "`datasets` save_to_disk, or a directory written by `slapo "
+                            "prepare-data` (default: the shipped corpus)")
+    text_field: str = _opt("text", "the JSONL field / dataset column that holds the text")
+    tokenizer: str | None = _opt(None, "a local AutoTokenizer directory (default: the model "
+                                 "directory's tokenizer if it has one, else byte tokens)")
+    val_fraction: float = _opt(0.1, "share of the data held out for the val loss (JSONL/"
+                               "dataset: of the records; text files: each file's tail; 0: none)")
+
+
+@dataclass
+class TrainingOptions:
+    """The steps: how many, how big, in which precision, on which device."""
+
+    steps: int = _opt(50, "total optimizer steps (a resumed run continues up to this)")
+    batch_size: int = _opt(8, "global batch size (samples per step, over all data-parallel "
+                           "ranks)")
+    seq_len: int = _opt(64, "tokens per sample")
+    grad_accum: int = _opt(1, "gradient accumulation: slices of each batch, one optimizer step")
+    seed: int = _opt(0, "seed of the model init, data order and dropout")
+    precision: str = _opt("fp32", "fp32, or bf16 / fp16 mixed precision: autocast forward and "
+                          "loss on fp32 master weights and optimizer state (fp16 adds a "
+                          "gradient scaler)", choices=PRECISIONS, check=check_precision)
+    device: str = _opt("auto", "auto (CUDA when available), cpu or cuda", choices=DEVICES)
+    dist_timeout: float = _opt(DIST_TIMEOUT_S, "seconds a collective waits for a peer before "
+                               "the job fails (raise it for long checkpoint saves or "
+                               "first-step compiles)")
+    progressive: bool = _opt(False, "apply the schedule steps one at a time (SDPA, fusion, "
+                             "Tempo, checkpointing, TP with several processes), verify each "
+                             "against HF eager and print a table of speed, memory and "
+                             "correctness; --steps is per step")
+
+
+@dataclass
+class OptimizerOptions:
+    """AdamW and its learning-rate schedule (linear warm-up, cosine decay)."""
+
+    lr: float = _opt(1e-3, "peak learning rate (AdamW)")
+    min_lr_ratio: float = _opt(0.1, "cosine decay to lr * this at the last step (1: constant "
+                               "LR)")
+    warmup: int = _opt(0, "linear warm-up steps")
+    weight_decay: float = _opt(0.0, "AdamW weight decay")
+    grad_clip: float | None = _opt(1.0, "clip the gradient norm to this (0: no clipping)")
+
+
+@dataclass
+class ParallelismOptions:
+    """How the data-parallel ranks hold the model and how a pipeline is scheduled (the degrees
+    `--tp` and `--pp-stages` are schedule knobs: the schedule section)."""
+
+    dp_shard: bool = _opt(False, "data-parallel ranks shard weights, gradients and optimizer "
+                          "state (FSDP2) instead of replicating them (DDP)")
+    pp_schedule: str | None = _opt(None, "pipeline schedule with --pp-stages > 1 (default "
+                                   "1F1B); Interleaved1F1B, LoopedBFS, InterleavedZeroBubble, "
+                                   "ZBVZeroBubble, DualPipeV run 2 stages per rank",
+                                   choices=PP_SCHEDULES)
+
+
+@dataclass
+class CheckpointOptions:
+    """The run directory: where checkpoints go, and where a run resumes from."""
+
+    out: str | None = _opt(None, "run directory: metrics.json, metrics.png, checkpoints/")
+    resume: str | None = _opt(None, "resume from the newest intact checkpoint in --out (or from "
+                              "the checkpoint directory given); an error if there is none. The "
+                              "number of processes, --tp, --pp-stages, SP and vocabulary "
+                              "parallelism may differ from the run's (the random streams then "
+                              "restart)")
+    resume_or_start: bool = _opt(False, "resume from the newest intact checkpoint in --out if "
+                                 "there is one, else start a fresh run there (for restartable "
+                                 "job scripts)")
+    overwrite: bool = _opt(False, "replace the run already in --out (its checkpoints, metrics "
+                           "and run id are removed first); without it a fresh run into a "
+                           "directory holding a run is refused")
+    save_every: int = _opt(0, "checkpoint every N steps (0: only at the end); needs --out")
+    keep_last: int = _opt(0, "keep only the N newest checkpoints (0: keep all; keep 2 or more "
+                          "so a damaged newest one can fall back)")
+
+
+@dataclass
+class LoggingOptions:
+    """What the run reports: val loss, logs, progress bar, plot."""
+
+    eval_batches: int = _opt(4, "val-loss batches per evaluation (0: no val loss)")
+    eval_every: int = _opt(0, "also evaluate every N steps (0: only at the end); val loss and "
+                           "perplexity go to the progress bar and metrics.jsonl")
+    tensorboard: bool = _opt(False, "also log to TensorBoard (OUT/tensorboard; needs the "
+                             "tensorboard package)")
+    wandb: str | None = _opt(None, "also log to this Weights & Biases project (needs the wandb "
+                             "package; WANDB_MODE=offline works)")
+    progress: bool = _opt(True, "show the progress bar")
+    plot: bool = _opt(True, "write metrics.png")
+
+
+# {section attribute: its dataclass}, in the order `--help` and `options()` list them.
+SECTIONS: dict[str, type] = {
+    "arch": ArchOptions, "corpus": CorpusOptions, "training": TrainingOptions,
+    "optimizer": OptimizerOptions, "parallelism": ParallelismOptions,
+    "schedule": ScheduleKnobs, "checkpoint": CheckpointOptions, "logging": LoggingOptions}
+
+
+def option_fields() -> list[tuple[str, Field]]:
+    """(section, field) of every option, in `SECTIONS` order; the schedule section's fields are
+    the knob schema's (`metadata["kind"]`, `choices`, `help`)."""
+    return [(s, f) for s, cls in SECTIONS.items() for f in fields(cls)]
+
+
+_OWNER = {f.name: s for s, f in option_fields()}  # option name -> its section
+assert len(_OWNER) == len(option_fields()), "an option name must be unique across sections"
+
+
+def config_fields() -> dict[str, str]:
+    """{option name: its type annotation string}, for the CLI and TOML parsers. A knob may be
+    not given, so its type admits None."""
+    return {f.name: (f"{f.metadata['kind']} | None" if s == "schedule" else f.type)
+            for s, f in option_fields()}
+
+
+# ---- the config -------------------------------------------------------------------------------
+@dataclass(init=False, eq=False)
+class TrainConfig:
+    """Every option of `slapo train`, in its section (see the module docstring).
+
+    `TrainConfig(steps=5, tp=2)` takes options by name; `TrainConfig(training=TrainingOptions(
+    steps=5))` takes sections (a knob of a `schedule=ScheduleKnobs(...)` section counts as
+    given where it differs from the schema's default). Read either way: `cfg.steps` is
+    `cfg.training.steps`."""
+
+    arch: ArchOptions
+    corpus: CorpusOptions
+    training: TrainingOptions
+    optimizer: OptimizerOptions
+    parallelism: ParallelismOptions
+    schedule: ScheduleKnobs
+    checkpoint: CheckpointOptions
+    logging: LoggingOptions
+
+    def __init__(self, **given: Any):
+        sections = {s: given.pop(s) for s in SECTIONS if s in given}
+        unknown = sorted(set(given) - set(_OWNER))
+        if unknown:
+            raise TypeError(f"TrainConfig() got unexpected option(s) {', '.join(unknown)}")
+        knobs_given = {k for k in given if _OWNER[k] == "schedule" and given[k] is not None}
+        if "schedule" in sections:
+            default = ScheduleKnobs()
+            knobs_given |= {k for k in knob_names()
+                            if getattr(sections["schedule"], k) != getattr(default, k)}
+        for s, cls in SECTIONS.items():
+            section = sections.get(s) or cls()
+            mine = {k: v for k, v in given.items() if _OWNER[k] == s
+                    and not (s == "schedule" and v is None)}
+            object.__setattr__(self, s, _replaced(section, mine))
+        object.__setattr__(self, "_given_knobs", frozenset(knobs_given))
+
+    def __getattr__(self, name: str) -> Any:
+        """`cfg.<option>`: the value in its section (a knob not given: None)."""
+        section = _OWNER.get(name)
+        if section is None or section not in self.__dict__:
+            raise AttributeError(f"{type(self).__name__!r} has no option {name!r}")
+        if section == "schedule" and name not in self.__dict__.get("_given_knobs", ()):
+            return None
+        return getattr(self.__dict__[section], name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        """`cfg.<option> = v` sets it in its section (a knob: given, or not given for None)."""
+        section = _OWNER.get(name)
+        if section is None:
+            object.__setattr__(self, name, value)
+            return
+        if section == "schedule":
+            given = self.__dict__["_given_knobs"]
+            if value is None:
+                given, value = given - {name}, getattr(ScheduleKnobs(), name)
+            else:
+                given = given | {name}
+            object.__setattr__(self, "_given_knobs", given)
+        setattr(self.__dict__[section], name, value)
+
+    def __eq__(self, other: object) -> bool:
+        """Equal options, a knob given or not included (`--tp 1` is not "no --tp")."""
+        if not isinstance(other, TrainConfig):
+            return NotImplemented
+        return self.options() == other.options()
+
+    def options(self) -> dict[str, Any]:
+        """{option name: value}, flat (a knob not given: None): what a checkpoint, the metrics
+        and the logs record as the run's config, and what `TrainConfig(**options)` rebuilds."""
+        return {f.name: getattr(self, f.name) for _, f in option_fields()}
+
+    # ---- checks (values only: no file, device or import) --------------------------------------
     def check(self) -> None:
-        """Reject bad values before anything is built, with the option's name in the message.
-        Paths (--model, --data, --tokenizer) raise InputError (exit status 2) naming the path."""
-        self._check_inputs()
+        """Reject bad values before anything is built, with the option's `--flag` in the
+        message. The checks that touch files or devices are `train.setup.check_inputs`."""
         self._check_numbers()
+        self._check_choices()
         self._check_out()
         self._check_resume()
         if self.save_every and self.out is None:
             raise ValueError("--save-every needs --out DIR (where checkpoints are written)")
         self._check_logging()
         self.schedule_knobs()  # the knob values, by the schema
-        if self.precision not in PRECISIONS:
-            raise ValueError(f"--precision must be one of {', '.join(PRECISIONS)}, got "
-                             f"{self.precision!r}")
-        if self.device not in DEVICES:
-            raise ValueError(f"--device must be one of {', '.join(DEVICES)}, got {self.device!r}")
-        if self.device == "cuda" and not torch.cuda.is_available():
-            raise ValueError("--device cuda: no CUDA device is available here (use --device cpu "
-                             "or auto)")
         self._check_engine()
         self._check_shape()
 
@@ -144,13 +314,28 @@ class RunOptions:
         if self.grad_clip is not None and not self.grad_clip >= 0:
             raise ValueError(f"--grad-clip must be > 0 (or 0: no clipping), got "
                              f"{self.grad_clip}")
+        if not self.text_field:
+            raise ValueError("--text-field must not be empty")
+        if not 0 <= self.val_fraction < 1:
+            raise ValueError(f"--val-fraction must be in [0, 1), got {self.val_fraction}")
+
+    def _check_choices(self) -> None:
+        """An option with `choices` (or its own validator: --precision) holds one of them."""
+        for s, f in option_fields():
+            meta, value = f.metadata, getattr(self, f.name)
+            if s == "schedule" or value is None or meta["choices"] is None:
+                continue
+            if not _holds_choice(meta, value):
+                raise ValueError(f"--{flag(f.name)} must be one of {', '.join(meta['choices'])}"
+                                 f", got {value!r}")
 
     def _check_shape(self) -> None:
         """A registry model's size against itself and the parallel degrees, here rather than
         when the model is built (a raw HF error) or sharded (after the job started): the
-        width splits into heads, the heads over --tp ranks, the layers over the stages."""
-        if pretrained.is_model_path(self.model):
-            return  # its sizes are in its config.json; `apply` checks them before any change
+        width splits into heads, the heads over --tp ranks, the layers over the stages. (A
+        model path's sizes are in its config.json; `apply` checks them before any change.)"""
+        if self.model.lower().replace("-", "_") not in MODELS:
+            return  # a path, or an unknown name: `setup.check_inputs` says which
         if self.hidden_size % self.num_heads:
             raise ValueError(f"--hidden-size {self.hidden_size} is not divisible by "
                              f"--num-heads {self.num_heads}")
@@ -172,52 +357,19 @@ class RunOptions:
         if self.eval_every and not self.eval_batches:
             raise ValueError("--eval-every needs --eval-batches >= 1 (the batches each "
                              "evaluation averages over)")
-        check_sinks(self.tensorboard, self.wandb)
 
     def _check_out(self) -> None:
-        if self.out is not None and Path(self.out).exists() and not Path(self.out).is_dir():
-            raise ValueError(f"--out {self.out} is a file, not a directory")
         if self.overwrite and self.out is None:
             raise ValueError("--overwrite needs --out DIR (the run directory to replace)")
         if self.overwrite and self.resume_target() is not None:
             raise ValueError("--overwrite replaces the run in --out, --resume / "
                              "--resume-or-start continue it: pass one of them")
 
-    def _check_inputs(self) -> None:
-        """--model, --data, --tokenizer: the paths exist and hold what they should (cheap: the
-        data is read in `build`, which reports a bad line or field the same way)."""
-        if pretrained.is_model_path(self.model):
-            pretrained.model_source(self.model)
-        else:
-            get_model_spec(self.model)
-            check_unambiguous(self.model)  # `slapo train` and `train(cfg)` alike
-        if self.data is not None and prepared_dir(self.data) is not None:
-            check_prepared(prepared_dir(self.data))  # meta.json and file sizes, no read
-        elif self.data is not None:
-            from ..data.sources import _expand
-
-            entries = [e.strip() for e in self.data.split(",") if e.strip()]
-            if not (len(entries) == 1 and is_saved_dataset(Path(entries[0]))):
-                for entry in entries or [""]:
-                    _expand(entry)
-        if self.tokenizer is not None:
-            check_tokenizer_dir(self.tokenizer)
-        if not self.text_field:
-            raise ValueError("--text-field must not be empty")
-        if not 0 <= self.val_fraction < 1:
-            raise ValueError(f"--val-fraction must be in [0, 1), got {self.val_fraction}")
-
     def _check_engine(self) -> None:
-        if self.progressive and (self.data or self.tokenizer
-                                 or pretrained.is_model_path(self.model)):
-            raise ValueError("--progressive compares schedules on a registry model and the "
-                             "shipped corpus; drop --data, --tokenizer and a --model path")
-        if self.pp_schedule is not None:
-            if self.pp_schedule not in PP_SCHEDULES:
-                raise ValueError(f"--pp-schedule must be one of {', '.join(PP_SCHEDULES)}, "
-                                 f"got {self.pp_schedule!r}")
-            if (self.pp_stages or 1) < 2:
-                raise ValueError("--pp-schedule needs --pp-stages 2 or more (a pipeline)")
+        if self.progressive and (self.data or self.tokenizer):
+            raise ValueError(PROGRESSIVE_INPUTS)
+        if self.pp_schedule is not None and (self.pp_stages or 1) < 2:
+            raise ValueError("--pp-schedule needs --pp-stages 2 or more (a pipeline)")
         if self.batch_size % self.grad_accum:
             raise ValueError(f"--batch-size {self.batch_size} is not divisible by --grad-accum "
                              f"{self.grad_accum}")
@@ -227,7 +379,7 @@ class RunOptions:
         return "latest" if self.resume_or_start and self.resume is None else self.resume
 
     def _check_resume(self) -> None:
-        """--resume must find something: a typo in --out must not silently start over."""
+        """The --resume combinations (whether there is something to resume: `check_inputs`)."""
         target = self.resume_target()
         if target is None:
             return
@@ -236,14 +388,6 @@ class RunOptions:
                              f"it cannot be combined with a checkpoint directory ({target})")
         if target == "latest" and self.out is None:
             raise ValueError("--resume needs --out DIR (the run directory holding checkpoints)")
-        if target != "latest" and not Path(target).is_dir():
-            raise ValueError(f"--resume {target}: no such checkpoint directory")
-        if target == "latest" and not self.resume_or_start and not ckpt.candidates(
-                Path(self.out)):
-            raise ValueError(f"--resume: no checkpoint in {Path(self.out) / ckpt.CHECKPOINTS}; "
-                             "drop --resume to start a fresh run there, or pass "
-                             "--resume-or-start to resume when a checkpoint exists and start "
-                             "fresh otherwise")
 
     # ---- derived values -----------------------------------------------------------------------
     def pipeline_schedule(self) -> str | None:
@@ -262,10 +406,6 @@ class RunOptions:
     def optimizer_kwargs(self) -> dict[str, Any]:
         """AdamW's arguments: the one definition `slapo train` and tune trials step with."""
         return {"lr": self.lr, "weight_decay": self.weight_decay, "betas": (0.9, 0.95)}
-
-    def mixed_precision(self) -> str | None:
-        """The `slapo.build(mixed_precision=...)` value: None for fp32."""
-        return None if self.precision == "fp32" else self.precision
 
     def knobs(self) -> dict[str, Any]:
         """The `model_schedule.apply` keyword arguments that were given. `--fused-loss` needs an
@@ -296,20 +436,25 @@ class RunOptions:
                          **vocab)
 
 
-def _given_field(f: dataclasses.Field) -> tuple[str, str, dataclasses.Field]:
-    """A schema knob as an optional TrainConfig option: None means "not given"."""
-    return f.name, f"{f.metadata['kind']} | None", dataclasses.field(
-        default=None, metadata={**f.metadata, "knob": True})
+def _holds_choice(meta: dict[str, Any], value: Any) -> bool:
+    """`value` is one of the option's choices, asked of its own validator if it has one (the
+    precision's one check is `runtime.precision.check_precision`)."""
+    if meta["check"] is None:
+        return value in meta["choices"]
+    try:
+        meta["check"](value)
+    except SchedulingError:
+        return False
+    return True
 
 
-TrainConfig = dataclasses.make_dataclass(
-    "TrainConfig", [_given_field(f) for f in knob_fields()], bases=(RunOptions,))
-TrainConfig.__module__ = __name__
-TrainConfig.__doc__ = """Every option of `slapo train`: `RunOptions` plus one optional field per
-schedule knob of `model_schedule.knobs.ScheduleKnobs` (None: not given). The CLI flags and TOML
-keys have the same names."""
+def _replaced(section: Any, values: dict[str, Any]) -> Any:
+    """A copy of `section` with `values` set (the caller's section object is not changed)."""
+    kwargs = {f.name: getattr(section, f.name) for f in fields(section) if f.init}
+    return type(section)(**{**kwargs, **values})
 
 
-def config_fields() -> dict[str, Any]:
-    """{option name: its type annotation string}, for the CLI and TOML parsers."""
-    return {f.name: f.type for f in fields(TrainConfig)}
+def default_of(name: str) -> Any:
+    """The default of option `name` (a knob: the schema's, what `apply` runs with)."""
+    f = next(f for _, f in option_fields() if f.name == name)
+    return None if f.default is MISSING else f.default

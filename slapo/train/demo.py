@@ -43,9 +43,9 @@ CPU_NOTE = ("CPU VM, shared cores: absolute tokens/s swing between runs, so comp
 
 def _plan(tp: int, device: torch.device, fuse_compiler: str) -> dict[str, Any]:
     """Steps and measurement settings for the device (`tp`: the mesh's tp degree): the GPU
-    schedule in bf16 (build's mixed precision) on CUDA."""
+    schedule in bf16 (build's `precision`) on CUDA."""
     if device.type == "cuda":
-        return dict(steps=progressive.gpu_steps(tp), mixed_precision="bf16",
+        return dict(steps=progressive.gpu_steps(tp), precision="bf16",
                     baseline_attention="sdpa")
     return dict(steps=progressive.default_steps(tp, fuse_compiler=fuse_compiler))
 
@@ -81,7 +81,7 @@ def run_progressive(cfg: Any, log: Callable[..., None] = print) -> list[dict]:
         say = log if env.is_main else (lambda *_: None)
         tp = tp_degree(env.mesh)
         plan = _plan(tp, env.device, cfg.fuse_compiler or "inductor")
-        precision = "bf16 autocast" if plan.get("mixed_precision") else "fp32"
+        precision = "bf16 autocast" if plan.get("precision") else "fp32"
         say(f"Progressive optimization of {cfg.model} ({cfg.hidden_size} hidden, "
             f"{cfg.num_layers} layers) on the shipped corpus: batch {cfg.batch_size} x "
             f"{cfg.seq_len} tokens, {steps} AdamW steps per variant, {env.world} process(es) "

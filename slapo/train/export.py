@@ -29,7 +29,6 @@ a failure on the way removes `OUT.tmp`, so a failed export leaves nothing behind
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import shutil
 from dataclasses import dataclass
@@ -90,9 +89,9 @@ def pick(run_dir: Path, step: int | None) -> Path:
 # ---- the model the run trained ---------------------------------------------------------------
 def run_config(trainer: dict[str, Any], path: Path):
     """The run's TrainConfig from its trainer.json (unknown keys from a newer Slapo: error)."""
-    from .config import TrainConfig
+    from .config import TrainConfig, config_fields
 
-    names = {f.name for f in dataclasses.fields(TrainConfig)}
+    names = set(config_fields())
     saved = trainer["config"]
     unknown = sorted(set(saved) - names)
     if unknown:

@@ -25,7 +25,6 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -59,7 +58,14 @@ from .report import (  # noqa: F401  (re-exported)
     write_metrics,
 )
 from .resume import check_identity, pick_checkpoint, resume, save  # noqa: F401  (re-exported)
-from .setup import Env, claim_out, data_parallel, setup, teardown  # noqa: F401  (re-exported)
+from .setup import (  # noqa: F401  (re-exported)
+    Env,
+    check_inputs,
+    claim_out,
+    data_parallel,
+    setup,
+    teardown,
+)
 
 
 # ---- step -------------------------------------------------------------------------------------
@@ -94,6 +100,7 @@ def train_one_step(run: Run) -> float:
 def train(cfg: TrainConfig) -> dict[str, Any]:
     """Run training as configured; return the metrics (also written to cfg.out on rank 0)."""
     cfg.check()
+    check_inputs(cfg)
     env = setup(cfg)
     log = print if env.is_main else (lambda *a, **k: None)
     try:
@@ -143,7 +150,7 @@ def open_metrics_log(run: Run):
     """The streaming log (rank 0 writes; see metrics_log), closed however the run ends."""
     cfg = run.cfg
     mlog = MetricsLog(cfg.out, enabled=run.env.is_main, tensorboard=cfg.tensorboard,
-                      wandb=cfg.wandb, config=asdict(cfg), resumed_from=run.resumed_from)
+                      wandb=cfg.wandb, config=cfg.options(), resumed_from=run.resumed_from)
     try:
         yield mlog
     finally:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import sys
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -129,7 +128,7 @@ def metrics(run: Any, val: float | None, peak: int) -> dict[str, Any]:
         "device": str(run.env.device),
         "torch": torch.__version__,
         "graph_breaks": graph_breaks(run.graph_breaks_before),
-        "config": asdict(run.cfg),
+        "config": run.cfg.options(),
     }
 
 

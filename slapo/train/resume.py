@@ -5,7 +5,6 @@ The checkpoint format itself (DCP files, marker, checksums, safe loaders) is `ru
 
 from __future__ import annotations
 
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +22,7 @@ def save(run: Any) -> Path:
     """Collective. Checkpoint everything the next step depends on into `out/checkpoints/`."""
     path = ckpt.checkpoint_dir(Path(run.cfg.out), run.step)
     trainer = {"step": run.step, "losses": run.losses, "step_times": run.step_times,
-               "data": run.data.state_dict(), "config": asdict(run.cfg),
+               "data": run.data.state_dict(), "config": run.cfg.options(),
                "precision": run.precision.state_dict(),  # fp16: the loss scale
                "evals": run.evals}
     ckpt.save(path, run.model, run.optimizer, trainer, run.env.rank, keep_last=run.cfg.keep_last)

@@ -23,13 +23,19 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..data.sources import InputError
+from ..data import check_tokenizer_dir
+from ..data.prepared import check_prepared, prepared_dir
+from ..data.sources import InputError, is_saved_dataset
+from ..data.sources import _expand as expand_source
 from ..distributed.group import leave_process_group
 from ..runtime.mesh import ParallelDims, init_mesh
-from . import faults
+from . import faults, pretrained
 from . import run_state as ckpt
+from .config import PROGRESSIVE_INPUTS
+from .metrics_log import check_sinks
+from .models import check_unambiguous, get_model_spec
 
-__all__ = ["Env", "check_out", "claim_out", "data_parallel", "local_device",
+__all__ = ["Env", "check_inputs", "check_out", "claim_out", "data_parallel", "local_device",
            "seed_training_rng", "setup", "teardown"]
 
 
@@ -69,6 +75,56 @@ def _check_batch(cfg: Any, dims: ParallelDims) -> None:
         raise ValueError(f"--batch-size {cfg.batch_size} is not divisible into {dims.dp} "
                          f"data-parallel ranks x {cfg.grad_accum} accumulation steps x "
                          f"{cfg.microbatches()} micro-batches = {parts}; use a multiple of it.")
+
+
+# ---- the checks that touch files, devices or imports (the value checks: TrainConfig.check) ----
+def check_inputs(cfg: Any) -> None:
+    """What `TrainConfig.check` cannot see without touching the machine: --model, --data and
+    --tokenizer exist and hold what they should (cheap: the data is read in `build`, which
+    reports a bad line or field the same way; a path raises InputError, exit status 2), --out is
+    a directory, --resume finds a checkpoint (a typo in --out must not silently start over),
+    --device cuda has a GPU, and the asked-for loggers import. Run by `slapo train` and
+    `train(cfg)` after `cfg.check()`, before anything is built."""
+    _check_model_and_data(cfg)
+    if cfg.out is not None and Path(cfg.out).exists() and not Path(cfg.out).is_dir():
+        raise ValueError(f"--out {cfg.out} is a file, not a directory")
+    _check_resume_target(cfg)
+    if cfg.device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: no CUDA device is available here (use --device cpu "
+                         "or auto)")
+    check_sinks(cfg.tensorboard, cfg.wandb)
+
+
+def _check_model_and_data(cfg: Any) -> None:
+    if pretrained.is_model_path(cfg.model):
+        pretrained.model_source(cfg.model)
+        if cfg.progressive:
+            raise ValueError(PROGRESSIVE_INPUTS)
+    else:
+        get_model_spec(cfg.model)
+        check_unambiguous(cfg.model)  # `slapo train` and `train(cfg)` alike
+    if cfg.data is not None and prepared_dir(cfg.data) is not None:
+        check_prepared(prepared_dir(cfg.data))  # meta.json and file sizes, no read
+    elif cfg.data is not None:
+        entries = [e.strip() for e in cfg.data.split(",") if e.strip()]
+        if not (len(entries) == 1 and is_saved_dataset(Path(entries[0]))):
+            for entry in entries or [""]:
+                expand_source(entry)
+    if cfg.tokenizer is not None:
+        check_tokenizer_dir(cfg.tokenizer)
+
+
+def _check_resume_target(cfg: Any) -> None:
+    target = cfg.resume_target()
+    if target is None or target == "latest" and cfg.resume_or_start:
+        return
+    if target != "latest" and not Path(target).is_dir():
+        raise ValueError(f"--resume {target}: no such checkpoint directory")
+    if target == "latest" and not ckpt.candidates(Path(cfg.out)):
+        raise ValueError(f"--resume: no checkpoint in {Path(cfg.out) / ckpt.CHECKPOINTS}; "
+                         "drop --resume to start a fresh run there, or pass "
+                         "--resume-or-start to resume when a checkpoint exists and start "
+                         "fresh otherwise")
 
 
 def setup(cfg: Any) -> Env:
@@ -171,7 +227,7 @@ def check_shared_out(out: Path, rank: int) -> None:
 
 
 def _use_cuda(device: str = "auto") -> bool:
-    """--device: "cuda" (checked to exist by TrainConfig.check), "cpu", or "auto": CUDA if
+    """--device: "cuda" (checked to exist by `check_inputs`), "cpu", or "auto": CUDA if
     available, or, when a process group already exists, what its backend runs on (NCCL: CUDA)."""
     if device != "auto":
         return device == "cuda"

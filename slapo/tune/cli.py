@@ -257,10 +257,15 @@ def _check_device(device: str) -> None:
 
 
 def _check_precisions(precisions: tuple) -> None:
-    from ..train.config import PRECISIONS
+    from ..runtime.precision import PRECISIONS, PrecisionError, check_precision
 
-    bad = [p for p in precisions if p not in PRECISIONS]
-    if bad or not precisions:
+    try:
+        for p in precisions:
+            check_precision(p)  # the one check of a precision name
+        ok = bool(precisions)
+    except PrecisionError:
+        ok = False
+    if not ok:
         raise ValueError(f"--precisions must name some of {', '.join(PRECISIONS)}, got "
                          f"{','.join(precisions) or 'nothing'}.")
 

@@ -34,9 +34,9 @@ def apply_knobs() -> dict[str, Any]:
 
 
 def build_knobs(config: Config) -> dict[str, Any]:
-    """The `slapo.build` keyword arguments of a config ("fp32" is build's None)."""
-    prec = config.get("mixed_precision", "fp32")
-    return {"mixed_precision": None if prec in (None, "fp32") else prec}
+    """The `slapo.build` keyword arguments of a config: its "mixed_precision" symbol (the
+    space's name of build's `precision`, kept for the records databases hold) as `precision`."""
+    return {"precision": config.get("mixed_precision", "fp32")}
 
 
 def _tune(name: str) -> Callable[[], tuple]:

@@ -139,11 +139,12 @@ def _autocast(config: Config, cache: bool = True) -> Any:
 
     import torch
 
-    prec = config.get("mixed_precision") or "fp32"
+    from ..runtime.precision import DTYPES, check_precision
+
+    prec = check_precision(config.get("mixed_precision"))
     if prec == "fp32":
         return contextlib.nullcontext()
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[prec]
-    return torch.autocast("cpu", dtype=dtype, cache_enabled=cache)
+    return torch.autocast("cpu", dtype=DTYPES[prec], cache_enabled=cache)
 
 
 def fake_mode() -> Any:
@@ -186,7 +187,9 @@ def cuda_autocast_lists(config: Config) -> Any:
 
     import torch
 
-    if (config.get("mixed_precision") or "fp32") == "fp32":
+    from ..runtime.precision import check_precision
+
+    if check_precision(config.get("mixed_precision")) == "fp32":
         return contextlib.nullcontext()
     lib = torch.library.Library("aten", "IMPL")  # noqa: TOR901 - scoped, destroyed on exit
     for name in _CUDA_FP32_OPS + _CUDA_FP32_OPT_DTYPE:

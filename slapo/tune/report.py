@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from ..model_schedule import knobs as _schema
+from ..runtime.precision import check_precision
 from .driver import OBJECTIVE, TuneReport, status_counts
 from .space import Config, config_key
 
@@ -115,7 +116,7 @@ def train_command(config: Config, options: dict[str, Any] | None = None) -> str:
             words += _flag(name, value)
     for name, value in config.items():
         if name == "mixed_precision":
-            words += _flag("precision", value or "fp32")
+            words += _flag("precision", check_precision(value))  # None: an old record's fp32
         elif name == "batch_size" or name in knob_names:
             words += _flag(name, value)
     return " ".join(words)

@@ -34,8 +34,9 @@ training mode to check where dropout draws its numbers (`slapo.verify.rng_check`
 sharded regions, shared in replicated ones. With pipeline cuts, every parameter must belong to
 exactly one stage, and the stages run in sequence must compute the model's forward.
 
-Mixed precision (`mixed_precision="bf16"` or `"fp16"`): both models run forward and loss under
-`torch.autocast` (weights stay fp32, as in `slapo.build(..., mixed_precision=...)`), and the
+Mixed precision (`precision="bf16"` or `"fp16"`; `mixed_precision=` is the earlier keyword):
+both models run forward and loss under `torch.autocast` (weights stay fp32, as in
+`slapo.build(..., precision=...)`), and the
 tolerances come from the model itself instead of constants: a third copy of the *original* runs
 in fp32, and each tensor's measured discrepancy `d = max|original(autocast) - original(fp32)|`
 is the roundoff that precision causes on this model at that tensor. The scheduled model passes
@@ -64,7 +65,7 @@ from ..distributed import group as _g
 from ..distributed.rng import get_rng_tracker
 from ..errors import SchedulingError, VerificationError
 from ..init import has_meta_tensors, materialize
-from ..runtime.precision import DTYPES, check_autocast, check_mixed_precision, module_device_type
+from ..runtime.precision import DTYPES, check_autocast, module_device_type, precision_arg
 from ..runtime.shape_errors import shape_errors_named
 from ..schedule import Schedule
 from .localise import flatten as _flatten
@@ -108,9 +109,10 @@ class Verify:
                  example_kwargs: dict | None = None, rtol: float = 1e-5, atol: float | None = None,
                  optimizer: Callable | None = None, eval_mode: bool = True, seed: int = 2023,
                  enable: bool = True, init_weights: Callable | None = None, init_seed: int = 0,
-                 device: torch.device | str = "cpu", mixed_precision: str | None = None,
-                 mp_tolerance: float = 4.0, localise: bool = True, check_rng: bool = True):
-        self.mixed_precision = check_mixed_precision(mixed_precision)
+                 device: torch.device | str = "cpu", precision: str = "fp32",
+                 mixed_precision: str | None = None, mp_tolerance: float = 4.0,
+                 localise: bool = True, check_rng: bool = True):
+        self.precision = precision_arg(precision, mixed_precision)  # the earlier keyword too
         if not (isinstance(mp_tolerance, (int, float)) and mp_tolerance > 0):
             raise SchedulingError("", f"mp_tolerance={mp_tolerance!r} must be a positive "
                                   "number.", "pass e.g. mp_tolerance=4.0.")
@@ -195,7 +197,7 @@ class Verify:
                        f"{tuple(ref.shape)}.")
             return
         got, ref = got.detach().double(), ref.detach().double()
-        if self.mixed_precision is not None:
+        if self.precision != "fp32":
             self._close_mixed(name, got, ref, base, floor)
             return
         err = (got - ref).abs().max().item() if ref.numel() else 0.0
@@ -212,7 +214,7 @@ class Verify:
         """|got - ref| <= mp_tolerance * max(d, floor), d = max|ref - base| (module doc)."""
         if base is None or base.shape != ref.shape:
             self._fail(name, f"{name}: no fp32 value of the original to measure the "
-                       f"{self.mixed_precision} roundoff against.")
+                       f"{self.precision} roundoff against.")
             return
         base = base.detach().double()
         err = (got - ref).abs().max().item() if ref.numel() else 0.0
@@ -223,9 +225,9 @@ class Verify:
         self.report[name], self.baseline[name], self.tolerance[name] = err, d, atol
         if not err <= atol:
             self._fail(name,
-                       f"{name} does not match the original under {self.mixed_precision}: max "
+                       f"{name} does not match the original under {self.precision}: max "
                        f"abs error {err:.3e} > tolerance {atol:.3e} = {self.mp_tolerance:g} x "
-                       f"the original's own {self.mixed_precision}-vs-fp32 error "
+                       f"the original's own {self.precision}-vs-fp32 error "
                        f"{max(d, floor):.3e} (max |original| {scale:.3e}).")
 
     def _fail(self, name: str, message: str) -> None:
@@ -246,11 +248,11 @@ class Verify:
 
     def _autocast(self, model: nn.Module, enabled: bool):
         """The forward/loss context of `model`: autocast under mixed precision, else nothing."""
-        if self.mixed_precision is None or not enabled:
+        if self.precision == "fp32" or not enabled:
             return contextlib.nullcontext()
         device_type = module_device_type(model, default=torch.device(self.device).type)
-        check_autocast(self.mixed_precision, device_type)
-        return torch.autocast(device_type, dtype=DTYPES[self.mixed_precision])
+        check_autocast(self.precision, device_type)
+        return torch.autocast(device_type, dtype=DTYPES[self.precision])
 
     def _run(self, model: nn.Module, amp: bool = True):
         tracker = get_rng_tracker()
@@ -295,7 +297,7 @@ class Verify:
             raise VerificationError("Verify.check() called before entering the context.")
         model, ref = self._copies()
         # mixed precision: the original once more, in fp32, to measure its own roundoff
-        base = sharding.deepcopy_model(ref) if self.mixed_precision else None
+        base = sharding.deepcopy_model(ref) if self.precision != "fp32" else None
         modes = (model.training, ref.training)
         saved = {n: p.detach().clone() for n, p in model.named_parameters()}
         failure = None
