@@ -42,7 +42,13 @@ from .pipeline_runner import (
     make_stages,
     plan_pipeline,
 )
-from .precision import Precision, check_autocast, module_device_type, precision_arg
+from .precision import (
+    Precision,
+    PrecisionName,
+    check_autocast,
+    module_device_type,
+    precision_arg,
+)
 from .shape_errors import name_shape_errors
 from .token_mean import ModelLoss
 from .train_step import (
@@ -135,7 +141,7 @@ def _job_group(info: MeshInfo):
     return dist.new_group(ranks=info.mesh.mesh.flatten().tolist())
 
 
-def make_precision(precision: str, device_type: str, info: MeshInfo) -> Precision:
+def make_precision(precision: PrecisionName, device_type: str, info: MeshInfo) -> Precision:
     group = _job_group(info) if precision == "fp16" else None
     return Precision(precision, device_type, group)
 
@@ -232,7 +238,8 @@ def build(sch: Schedule, *, optimizer: Callable | None = None,
           reshard_after_forward: bool | int = True, loss_fn: LossFn | None = None,
           grad_clip: float | None = None, grad_accum: int = 1, batch_is_global: bool = True,
           target: str | None = None, deepspeed_config: dict | None = None,
-          precision: str = "fp32", mixed_precision: str | None = None, **spellings_2023: Any
+          precision: PrecisionName = "fp32", mixed_precision: str | None = None,
+          **spellings_2023: Any
           ) -> tuple[TrainModule, torch.optim.Optimizer | None]:
     """Return `(model, optimizer)` for a schedule; `model.train_step(batch) -> float` trains.
 

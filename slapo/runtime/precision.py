@@ -48,6 +48,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import warnings
+from typing import Literal, get_args
 
 import torch
 import torch.distributed as dist
@@ -55,7 +56,8 @@ import torch.nn as nn
 
 from ..errors import SchedulingError
 
-PRECISIONS = ("fp32", "bf16", "fp16")  # the one list: --precision, build, Verify, tune
+PrecisionName = Literal["fp32", "bf16", "fp16"]  # the type of a checked precision name
+PRECISIONS: tuple[str, ...] = get_args(PrecisionName)  # the one list: --precision, build, tune
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}  # autocast's dtype (fp32: no autocast)
 
 
@@ -68,7 +70,7 @@ class PrecisionError(SchedulingError):
                          "use 'fp32' (the default), 'bf16' or 'fp16'.")
 
 
-def check_precision(value: object, arg: str = "precision") -> str:
+def check_precision(value: object, arg: str = "precision") -> PrecisionName:
     """The one check of a precision name: return it ("fp32", "bf16" or "fp16"), None read as
     "fp32" (its earlier spelling); anything else raises `PrecisionError` naming `arg`.
 
@@ -81,7 +83,7 @@ def check_precision(value: object, arg: str = "precision") -> str:
     raise PrecisionError(value, arg)
 
 
-def precision_arg(precision: str | None, mixed_precision: str | None) -> str:
+def precision_arg(precision: str | None, mixed_precision: str | None) -> PrecisionName:
     """The precision a public entry point was given: `precision=`, or `mixed_precision=` (the
     earlier keyword, accepted at the edge only); both given (and different) is refused."""
     if mixed_precision is None:
@@ -132,10 +134,10 @@ class Precision:
     (the scaler's inf/NaN check is reduced over it); None for one process.
     """
 
-    def __init__(self, name: str = "fp32", device_type: str = "cpu", group=None):
+    def __init__(self, name: PrecisionName = "fp32", device_type: str = "cpu", group=None):
         self.name = name
         self.device_type = device_type
-        self.dtype = DTYPES.get(name)  # None for fp32: no autocast
+        self.dtype = None if name == "fp32" else DTYPES[name]  # fp32: no autocast
         self.scaler = self._make_scaler(group) if name == "fp16" else None
         self.skipped_steps = 0
         self.last_step_skipped = False
@@ -233,5 +235,5 @@ class Precision:
             self.scaler.load_state_dict(dict(state["scaler"]))
 
 
-__all__ = ["DTYPES", "PRECISIONS", "Precision", "PrecisionError", "check_autocast",
+__all__ = ["DTYPES", "PRECISIONS", "Precision", "PrecisionError", "PrecisionName", "check_autocast",
            "check_precision", "module_device_type", "precision_arg"]
