@@ -281,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.parse_args(argv)  # prints help / the error for an unknown command and exits
         return 2
     train_parser = _train_parser(parser)
-    from .train import faults
+    from .train import faults, stop_signals
 
     faults.watch_launcher()  # under torchrun: stop if the agent dies, from the start
     try:
@@ -294,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
         train_parser.error(_name_config_file(str(e), argv[1:]))  # exits with status 2
     from .train.loop import train
 
-    with faults.stop_signals_trapped(hint=lambda: resume_hint(cfg, argv[1:])):
+    with stop_signals.stop_signals_trapped(hint=lambda: resume_hint(cfg, argv[1:])):
         try:
             if cfg.progressive:
                 from .train.demo import run_progressive
@@ -314,9 +314,9 @@ def _train_ended(e: BaseException, cfg: Any, args: list[str], train_parser: _Par
     Anything else is a bug, raised with its traceback."""
     from .data import InputError
     from .errors import SlapoError
-    from .train import faults
+    from .train import faults, stop_signals
 
-    stop = faults.stopped_by(e)
+    stop = stop_signals.stopped_by(e)
     if stop is not None and not isinstance(e, faults.PeerFailure):  # PeerFailure: a peer died
         if int(os.environ.get("RANK", "0")) == 0:  # one line for the job, not one per rank
             print(stopped_line(stop, cfg, args), file=sys.stderr, flush=True)
@@ -332,10 +332,10 @@ def _train_ended(e: BaseException, cfg: Any, args: list[str], train_parser: _Par
 def stopped_line(signum: int, cfg: Any, args: list[str]) -> str:
     """`slapo train: stopped by Ctrl-C (SIGINT) in step 7; the newest checkpoint is ...;
     resume with: ...` (one line: the traceback of an interrupt says nothing a user needs)."""
-    from .train import faults
+    from .train import stop_signals
 
     name = "Ctrl-C (SIGINT)" if signum == signal.SIGINT else signal.Signals(signum).name
-    where = faults.phase()
+    where = stop_signals.phase()
     return f"slapo train: stopped by {name}{f' {where}' if where else ''}; " + resume_hint(
         cfg, args)
 
@@ -373,7 +373,7 @@ def resume_command(args: list[str], has_checkpoint: bool) -> str:
         i += 1
     kept.append("--resume" if has_checkpoint else "--resume-or-start")
     launcher = "slapo train"
-    from .train.faults import launched_by_torchrun
+    from .train.stop_signals import launched_by_torchrun
 
     if launched_by_torchrun():
         n = os.environ.get("LOCAL_WORLD_SIZE", "1")

@@ -53,7 +53,7 @@ def runnable_schedules(cases: list[tuple]) -> list[tuple]:
     """The (schedule name, ...) cases this torch trains: the zero-bubble schedules are refused
     before torch 2.13 (its split backward double-counts a weight used twice on one path,
     pytorch issue 180952; `tests/test_pipeline_runtime.py` checks the refusal)."""
-    from slapo.runtime.pipeline_runner import SPLIT_BACKWARD, split_backward_is_exact
+    from slapo.runtime.split_backward import SPLIT_BACKWARD, split_backward_is_exact
 
     exact = split_backward_is_exact()
     return [c for c in cases if exact or c[0] not in SPLIT_BACKWARD]

@@ -16,7 +16,8 @@ ROOT = Path(__file__).resolve().parents[1] / "slapo"
 
 # Bottom to top; a module may import its own layer and the layers below (docs/architecture.md).
 LAYERS: list[tuple[str, ...]] = [
-    ("errors", "notices", "files", "distributed", "module_patch", "sharding", "init"),
+    ("errors", "notices", "files", "faultpoints", "distributed", "module_patch", "sharding",
+     "init"),
     ("graph", "op", "primitives", "schedule"),
     ("runtime", "pipeline", "verify", "profile", "consolidate"),
     ("model_schedule",),
@@ -115,6 +116,18 @@ def test_no_import_cycles_between_packages():
     for start in sorted(graph):
         visit(start, [start])
     assert not cycles, "\n".join(" -> ".join(c) for c in cycles[:10])
+
+
+def test_fault_injection_is_behind_the_test_seam():
+    """Production code holds no fault-injection logic: `SLAPO_FAULT` is read in one place
+    (`slapo/faultpoints.py`, the no-op seam production paths call), and only the run's setup,
+    which arms the test hook, imports `train/fault_injection.py`."""
+    readers = sorted(str(p.relative_to(ROOT.parent)) for p in MODULES.values()
+                     if '"SLAPO_FAULT"' in p.read_text())
+    assert readers == ["slapo/faultpoints.py"], readers
+    importers = sorted(name for name, path in MODULES.items() for target, _ in _imports(name, path)
+                       if target == "slapo.train.fault_injection")
+    assert importers == ["slapo.train.setup"], importers
 
 
 def test_primitive_methods_are_generated_from_the_primitives():

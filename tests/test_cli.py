@@ -9,7 +9,7 @@ import signal
 import pytest
 
 from slapo.cli import main, parse_train_args, resume_command
-from slapo.train import faults
+from slapo.train import fault_injection
 from slapo.train import run_state as ckpt
 
 TINY = ["--hidden-size", "32", "--num-layers", "2", "--num-heads", "2", "--seq-len", "16",
@@ -163,11 +163,11 @@ def test_ctrl_c_prints_one_line_and_the_run_resumes_bit_identically(point, tmp_p
     out = tmp_path / "run"
     argv = [*TINY, "--steps", "5", "--save-every", "1", "--out", str(out)]
     before = signal.getsignal(signal.SIGINT)
-    monkeypatch.setenv(faults.ENV, f"sigint:{point}=3:rank=0")
+    monkeypatch.setenv(fault_injection.ENV, f"sigint:{point}=3:rank=0")
     assert main(["train", *argv]) == 130
     assert signal.getsignal(signal.SIGINT) is before  # the command's handlers are undone
     err = capsys.readouterr().err
-    lines = [line for line in err.splitlines() if not line.startswith(faults.ENV)]
+    lines = [line for line in err.splitlines() if not line.startswith(fault_injection.ENV)]
     assert len(lines) == 1 and "Traceback" not in err, err
     where = "in step 3" if point == "step" else "during the save of step 3"
     newest = ckpt.checkpoint_dir(out, 2)
@@ -178,7 +178,7 @@ def test_ctrl_c_prints_one_line_and_the_run_resumes_bit_identically(point, tmp_p
     leftovers = sorted(p.name for p in (out / "checkpoints").iterdir())
     assert leftovers == ["step_000001", "step_000002"] + (["step_000003.tmp"] if point == "save"
                                                           else [])
-    monkeypatch.delenv(faults.ENV)
+    monkeypatch.delenv(fault_injection.ENV)
     command = shlex.split(lines[0].split("resume with: ")[1])
     assert command[:2] == ["slapo", "train"] and command[-1] == "--resume"
     assert main(command[1:]) == 0
@@ -193,10 +193,10 @@ def test_ctrl_c_prints_one_line_and_the_run_resumes_bit_identically(point, tmp_p
 def test_sigterm_without_a_launcher_is_a_stop_too(tmp_path, capsys, monkeypatch, one_thread):
     """A job scheduler's SIGTERM to a one-process run: exit status 143, the same one line."""
     out = tmp_path / "run"
-    monkeypatch.setenv(faults.ENV, "sigterm:step=2:rank=0")
+    monkeypatch.setenv(fault_injection.ENV, "sigterm:step=2:rank=0")
     rc = main(["train", *TINY, "--steps", "4", "--save-every", "1", "--out", str(out)])
     err = [line for line in capsys.readouterr().err.splitlines()
-           if not line.startswith(faults.ENV)]
+           if not line.startswith(fault_injection.ENV)]
     assert rc == 143 and len(err) == 1, err
     assert err[0].startswith(f"slapo train: stopped by SIGTERM in step 2; the newest checkpoint "
                              f"is {ckpt.checkpoint_dir(out, 1)} (step 1); resume with: "), err

@@ -29,7 +29,7 @@ import pytest
 import torch
 from reference import runnable_schedules
 
-from slapo.train import faults
+from slapo.train import fault_injection, faults
 from slapo.train import run_state as ckpt
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -40,16 +40,44 @@ TINY_PP = dict(hidden_size=64, num_layers=2, num_heads=4, seq_len=32, batch_size
 
 # ---- SLAPO_FAULT, the test hook ----------------------------------------------------------------
 def test_fault_spec_parses_and_bad_specs_say_how():
-    assert faults.parse("kill:step=3:rank=1") == faults.Fault("kill", "step", 3, 1)
-    assert faults.parse("raise:pp=1:rank=0") == faults.Fault("raise", "pp", 1, 0)
-    assert faults.parse("raise:pp_backward=2:rank=1") == faults.Fault("raise", "pp_backward",
-                                                                      2, 1)
-    assert faults.planned({}) is None
-    assert faults.planned({faults.ENV: "kill:save=2:rank=0"}).point == "save"
+    parse, Fault = fault_injection.parse, fault_injection.Fault
+    assert parse("kill:step=3:rank=1") == Fault("kill", "step", 3, 1)
+    assert parse("raise:pp=1:rank=0") == Fault("raise", "pp", 1, 0)
+    assert parse("raise:pp_backward=2:rank=1") == Fault("raise", "pp_backward", 2, 1)
+    assert fault_injection.planned({}) is None
+    assert fault_injection.planned({fault_injection.ENV: "kill:save=2:rank=0"}).point == "save"
     for bad in ("kill", "kill:step=3", "boom:step=3:rank=1", "kill:step=x:rank=1",
                 "kill:nowhere=3:rank=1", "kill:step=0:rank=1", "kill:step=3:rank=1:extra=2"):
         with pytest.raises(ValueError, match="ACTION:POINT=STEP:rank=R"):
-            faults.parse(bad)
+            fault_injection.parse(bad)
+
+
+def test_the_fault_seam_does_nothing_until_a_test_enables_it():
+    """Production code reaches its fault points through `slapo.faultpoints` only: without a
+    hook they do nothing; an enabled hook sees every point (and is disabled again, restoring
+    the one before, e.g. the `SLAPO_FAULT` hook an earlier in-process run armed)."""
+    from slapo import faultpoints
+
+    seen = []
+
+    class Recording:
+        def reach(self, point, step):
+            seen.append((point, step))
+
+        def steps_done(self, done):
+            seen.append(("done", done))
+
+    outer = Recording()
+    disable_outer = faultpoints.enable(outer)
+    disable = faultpoints.enable(Recording())
+    faultpoints.reach("save", 3)
+    faultpoints.steps_done(2)
+    disable()
+    faultpoints.reach("pp_backward")  # back to the outer hook
+    disable_outer()
+    assert seen == [("save", 3), ("done", 2), ("pp_backward", None)]
+    assert faultpoints.requested({faultpoints.ENV: "kill:save=2:rank=0"}) == "kill:save=2:rank=0"
+    assert faultpoints.requested({}) == ""
 
 
 def test_fault_hook_raises_at_the_named_step_and_save(tmp_path, monkeypatch, one_thread):
@@ -59,16 +87,16 @@ def test_fault_hook_raises_at_the_named_step_and_save(tmp_path, monkeypatch, one
 
     opts = dict(hidden_size=32, num_layers=1, num_heads=2, seq_len=16, batch_size=2, steps=3,
                 progress=False, plot=False, eval_batches=0, save_every=1)
-    monkeypatch.setenv(faults.ENV, "raise:step=2:rank=0")
-    with pytest.raises(faults.InjectedFault, match="step of step 2 on rank 0"):
+    monkeypatch.setenv(fault_injection.ENV, "raise:step=2:rank=0")
+    with pytest.raises(fault_injection.InjectedFault, match="step of step 2 on rank 0"):
         train(TrainConfig(**opts, out=str(tmp_path / "a")))
     assert [ckpt.step_of(p) for p in ckpt.candidates(tmp_path / "a")] == [1]
-    monkeypatch.setenv(faults.ENV, "raise:save=1:rank=0")
-    with pytest.raises(faults.InjectedFault, match="save of step 1"):
+    monkeypatch.setenv(fault_injection.ENV, "raise:save=1:rank=0")
+    with pytest.raises(fault_injection.InjectedFault, match="save of step 1"):
         train(TrainConfig(**opts, out=str(tmp_path / "b")))
     assert ckpt.candidates(tmp_path / "b") == []
     assert (tmp_path / "b" / "checkpoints" / "step_000001.tmp").is_dir()
-    monkeypatch.delenv(faults.ENV)
+    monkeypatch.delenv(fault_injection.ENV)
     assert len(train(TrainConfig(**opts, out=str(tmp_path / "c")))["losses"]) == 3  # unset
 
 
@@ -455,9 +483,9 @@ class Launch:
 
         env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
                "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-        env.pop(faults.ENV, None)
+        env.pop(fault_injection.ENV, None)
         if fault:
-            env[faults.ENV] = fault
+            env[fault_injection.ENV] = fault
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                "--nproc-per-node", str(nproc), "-m", "slapo.cli", "train", *FLAGS,
                "--dist-timeout", "600", "--out", str(out), *flags]
@@ -594,8 +622,8 @@ def _announced(launch: Launch, timeout: float = 300, what: str = "killing rank")
     """When the faulty rank printed its SLAPO_FAULT line (just before SIGKILLing itself, or
     before raising with `what="raising on rank"`)."""
     deadline = time.monotonic() + timeout
-    while (t := launch.when(f"{faults.ENV}: {what}")) is None:
-        assert launch.proc.poll() is None or launch.when(faults.ENV) is not None, \
+    while (t := launch.when(f"{fault_injection.ENV}: {what}")) is None:
+        assert launch.proc.poll() is None or launch.when(fault_injection.ENV) is not None, \
             launch.text[-3000:]
         assert time.monotonic() < deadline, launch.text[-3000:]
         time.sleep(0.05)

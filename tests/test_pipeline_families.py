@@ -30,7 +30,7 @@ PIPELINED = ["bert_mlm", "roberta", "gpt2", "gpt_neo", "opt", "llama", "qwen2", 
 
 def _batches(family: str) -> list[dict]:
     """Four steps whose sequence length changes (16, 8, 16, 12): a pipeline re-infers its
-    stage shapes when the batch's change (`pipeline_runner.forget_inferred_shapes`)."""
+    stage shapes when the batch's change (`pipeline_guards.forget_inferred_shapes`)."""
     import models
 
     return [models.batch_for(family, batch=4, seq=n, seed=s)
@@ -454,7 +454,7 @@ def test_split_backward_hazards_names_the_weight_no_input_reaches():
     """Read off one forward's autograd graph: the stage starting T5's decoder sends on the
     position bias its first block makes from positions alone; no other stage has such a
     weight (the encoder's bias is made on stage 0, whose backward torch never splits)."""
-    from slapo.runtime.pipeline_runner import split_backward_hazards
+    from slapo.runtime.split_backward import split_backward_hazards
 
     stages, inputs = _t5_stages_and_inputs()
     found = {}
@@ -676,7 +676,7 @@ def test_bert_token_type_ids_reach_the_first_stage():
     types[:, 8:] = 1
     batch = {"input_ids": ids, "token_type_ids": types}
     want = ref(**batch).logits
-    from slapo.runtime.pipeline_runner import first_stage_args
+    from slapo.runtime.pipeline_inputs import first_stage_args
 
     got = run_stages(stages, *first_stage_args(stages[0], batch))
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
@@ -688,7 +688,7 @@ def test_bert_token_type_ids_reach_the_first_stage():
 def test_forward_inputs_the_stages_ignore_are_refused_on_every_rank(case, key):
     """A batch entry the model's forward would use but no stage takes would be dropped
     silently; every stage (each pp rank checks with its own) refuses it, naming it."""
-    from slapo.runtime.pipeline_runner import check_batch_inputs
+    from slapo.runtime.pipeline_inputs import check_batch_inputs
 
     sch = slapo.create_schedule(CASES[case]())
     _cut_every_layer(sch)
@@ -710,7 +710,8 @@ def test_a_torch_whose_split_backward_double_counts_is_refused(monkeypatch):
     from torch.distributed.pipelining import _backward
     from torch.distributed.pipelining.schedules import get_schedule_class
 
-    from slapo.runtime import pipeline_runner as pr
+    from slapo.runtime import split_backward as pr
+    from slapo.runtime.pipeline_plan import PipelinePlan
 
     if Version(torch.__version__.split("+")[0]) >= Version("2.13"):
         assert pr.split_backward_is_exact()  # fixed in 2.13 (2.11, the GPU image's, is not)
@@ -728,10 +729,10 @@ def test_a_torch_whose_split_backward_double_counts_is_refused(monkeypatch):
     try:
         assert not pr.split_backward_is_exact()
         for name in pr.SPLIT_BACKWARD:
-            plan = pr.PipelinePlan(get_schedule_class(name), name, 2, 2, 4)
+            plan = PipelinePlan(get_schedule_class(name), name, 2, 2, 4)
             with pytest.raises(slapo.SchedulingError, match="180952"):
                 pr.check_split_backward([], plan)
-        pr.check_split_backward([], pr.PipelinePlan(get_schedule_class("1F1B"), "1F1B", 2, 1, 2))
+        pr.check_split_backward([], PipelinePlan(get_schedule_class("1F1B"), "1F1B", 2, 1, 2))
     finally:
         pr.split_backward_is_exact.cache_clear()
 

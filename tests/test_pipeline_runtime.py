@@ -12,7 +12,7 @@ import pytest
 import torch
 from reference import LR, make_batches, reference_losses
 
-from slapo.runtime.pipeline_runner import SPLIT_BACKWARD, split_backward_is_exact
+from slapo.runtime.split_backward import SPLIT_BACKWARD, split_backward_is_exact
 
 pytestmark = pytest.mark.dist
 

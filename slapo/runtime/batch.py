@@ -96,7 +96,7 @@ def call(module, batch: Batch, *, loss_fn_given: bool = False):
 
     With a user `loss_fn` (`loss_fn_given`), mapping entries the model's forward does not name
     are that loss function's own (`{"x": images, "labels": y}` for a torchvision net) and are
-    not passed to the forward, as the pipeline stages do (`pipeline_runner.check_batch_inputs`).
+    not passed to the forward, as the pipeline stages do (`pipeline_inputs.check_batch_inputs`).
     Without one every entry goes to the forward, so a misspelt key still fails there; a forward
     that takes `**kwargs` also gets every entry."""
     if isinstance(batch, Mapping):

@@ -32,16 +32,10 @@ from ..schedule import Schedule
 from .data_parallel import apply_data_parallel, check_data_parallel
 from .mesh import MeshInfo
 from .partition import check_stage_coverage, partition
-from .pipeline_runner import (
-    PipelineRunner,
-    TiedWeights,
-    check_cuts,
-    check_split_backward,
-    find_tied,
-    make_schedule,
-    make_stages,
-    plan_pipeline,
-)
+from .pipeline_guards import make_stages
+from .pipeline_plan import check_cuts, make_schedule, plan_pipeline
+from .pipeline_runner import PipelineRunner
+from .pipeline_tied import TiedWeights, find_tied
 from .precision import (
     Precision,
     PrecisionName,
@@ -50,6 +44,7 @@ from .precision import (
     precision_arg,
 )
 from .shape_errors import name_shape_errors
+from .split_backward import check_split_backward
 from .token_mean import ModelLoss
 from .train_step import (
     LocalRunner,

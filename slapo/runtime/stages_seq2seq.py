@@ -175,7 +175,7 @@ class T5Stage(FusedLossStage, nn.Module):
         self.scale = decoder_output_scale(root) if last else 1.0
         # torch's split weight pass (zero-bubble schedules) gets the decoder's position-bias
         # weight wrong, or fails, on a later stage that makes the bias from it
-        # (`pipeline_runner.check_split_backward`); the first stage's backward is not split
+        # (`split_backward.check_split_backward`); the first stage's backward is not split
         self.split_backward = first or not self.starts_decoder
         self.init_fused_loss(root, last)
         for path in self.paths():

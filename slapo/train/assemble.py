@@ -142,7 +142,7 @@ def _pipeline_names(sch, cfg: Any, env: Env) -> set[str] | None:
         return None
     from ..runtime.build import mesh_info
     from ..runtime.partition import partition
-    from ..runtime.pipeline_runner import plan_pipeline
+    from ..runtime.pipeline_plan import plan_pipeline
 
     info = mesh_info(sch, env.mesh)
     plan = plan_pipeline(pipeline, info, None, cfg.stages_per_rank())

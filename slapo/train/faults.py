@@ -1,4 +1,4 @@
-"""A rank that dies or fails in a `slapo train` job: who it was, a bounded exit, a test hook.
+"""A rank that dies or fails in a `slapo train` job: who it was, a bounded exit.
 
 What happens without this module (measured: torchrun, 2 gloo ranks on CPU, one rank SIGKILLed
 mid-step): the survivor's next collective fails within a second ("Connection reset by peer",
@@ -29,24 +29,10 @@ Two more ways a run ends that are not a rank's own failure, both answered with o
   that this process's parent is still the agent that started it (under torchrun) and that the
   job's store answers; when either fails it prints one line (local rank 0) and ends the process
   (`os._exit`): a save cut short leaves only its `.tmp` directory, which nothing reads.
-- **a stop signal** (Ctrl-C: torchrun forwards SIGINT to every worker; SIGTERM from a job
-  scheduler): `trap_stop_signals` records which signal came, so whatever exception the main
-  thread then unwinds with (a KeyboardInterrupt, DCP's wrapper of it, the gloo error of a peer
-  that stopped first) it is reported as a stop, not as a failure: no peer is blamed, and
-  `slapo train` prints one line naming the newest checkpoint and the command that resumes it
-  (`slapo/cli.py`). A SIGTERM sent because a peer died (torchrun does so) still names the peer.
+- **a stop signal** (Ctrl-C, a job scheduler's SIGTERM): `stop_signals.py` records which signal
+  came, so the run is reported as a stop, not as a failure (no peer is blamed).
 
-`SLAPO_FAULT` is a **test hook**, read only by `planned()`: `ACTION:POINT=STEP:rank=R` with
-ACTION `kill` (SIGKILL this process), `raise` (an `InjectedFault`), `sigint` (Ctrl-C at that
-point: SIGINT to torchrun's agent, which forwards it to every worker, or to this process
-without a launcher; then wait here until it arrives) or `sigterm` (the same with SIGTERM, as a
-job scheduler stops a job), and POINT `step` (training
-step STEP, after its backward, before the optimizer update), `save` (the checkpoint of step STEP,
-after the tensors and RNG files are written, before the completion marker), `pp` (the first
-pipeline-stage forward of training step STEP) or `pp_backward` (the first pipeline-stage
-backward of training step STEP, raised inside the guarded backward, as a failing autograd
-Function would be). Steps are counted as the run counts them (1-based, continued across
-`--resume`). Example: `SLAPO_FAULT=kill:save=3:rank=1`.
+The `SLAPO_FAULT` test hook that kills or fails a rank at a named point: `fault_injection.py`.
 """
 
 from __future__ import annotations
@@ -57,234 +43,30 @@ import signal
 import sys
 import threading
 import time
-from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
 from ..errors import SlapoError
+from .stop_signals import (
+    Terminated,
+    finishing,
+    launched_by_torchrun,
+    stop_hint,
+    stopped_by,
+    trap_for_run,
+)
 
-ENV = "SLAPO_FAULT"
-ACTIONS = ("kill", "raise", "sigint", "sigterm")
-POINTS = ("step", "save", "pp", "pp_backward")
 HEARTBEAT_S = 0.25   # how often a rank heartbeats (and checks its peers)
 SILENT_S = 1.5       # a peer silent this long, with no exit recorded, is reported as dead
 DIAGNOSE_S = 3.0     # the longest a failing rank waits to learn who failed
 HANG_S = 30.0        # a peer silent this long stops this rank, whatever --dist-timeout says
-SIGNAL_WAIT_S = 60.0  # the `sigint` test action waits this long for its signal to come back
 
-__all__ = ["ENV", "Fault", "InjectedFault", "PeerFailure", "PeerWatch", "Terminated", "install",
-           "launched_by_torchrun", "note_phase", "note_step", "phase", "planned", "point",
-           "set_stop_hint", "stop_hint", "stop_signals_trapped", "stopped_by"]
-
-
-class InjectedFault(RuntimeError):
-    """Raised by `SLAPO_FAULT=raise:...`: an error that exists only because a test asked."""
+__all__ = ["PeerFailure", "PeerWatch", "finish_watch", "is_comm_failure", "start_watch",
+           "watch_launcher"]
 
 
 class PeerFailure(SlapoError):
     """This rank stopped because another rank died or failed; the message names it."""
-
-
-class Terminated(SlapoError):
-    """The launcher (or a job scheduler) sent SIGTERM: torchrun does so when another rank died."""
-
-
-# ---- the test hook: SLAPO_FAULT ----------------------------------------------------------------
-@dataclass(frozen=True)
-class Fault:
-    """One planned fault: `action` at `point` of training step `step`, on global rank `rank`."""
-
-    action: str
-    point: str
-    step: int
-    rank: int
-
-    def fires(self, point: str, step: int, rank: int) -> bool:
-        return (point, step, rank) == (self.point, self.step, self.rank)
-
-
-def parse(spec: str) -> Fault:
-    """`kill:step=3:rank=1` -> Fault("kill", "step", 3, 1); a clear error for anything else."""
-    usage = (f"{ENV} must look like ACTION:POINT=STEP:rank=R with ACTION in {ACTIONS} and "
-             f"POINT in {POINTS} (e.g. kill:save=3:rank=1), got {spec!r}")
-    parts = spec.strip().split(":")
-    if len(parts) != 3 or parts[0] not in ACTIONS:
-        raise ValueError(usage)
-    fields = dict(p.split("=", 1) for p in parts[1:] if "=" in p)
-    points = [p for p in POINTS if p in fields]
-    if len(fields) != 2 or len(points) != 1 or "rank" not in fields:
-        raise ValueError(usage)
-    try:
-        step, rank = int(fields[points[0]]), int(fields["rank"])
-    except ValueError:
-        raise ValueError(usage) from None
-    if step < 1 or rank < 0:
-        raise ValueError(usage)
-    return Fault(parts[0], points[0], step, rank)
-
-
-def planned(environ: dict[str, str] | None = None) -> Fault | None:
-    """The fault `SLAPO_FAULT` asks for, or None: the one place the variable is read."""
-    spec = (os.environ if environ is None else environ).get(ENV, "")
-    return parse(spec) if spec else None
-
-
-_PLAN: dict[str, Any] = {"fault": None, "rank": 0, "done": 0}  # done: completed steps
-
-
-def note_step(done: int) -> None:
-    """The run's completed steps (set on resume, so STEP counts as the run does)."""
-    _PLAN["done"] = done
-
-
-def point(name: str, step: int | None = None) -> None:
-    """Fire the planned fault if it is for `name` at `step` (default: the step in progress) on
-    this rank. Costs one dict lookup when no fault is planned."""
-    fault = _PLAN["fault"]
-    if fault is None:
-        return
-    step = _PLAN["done"] + 1 if step is None else step
-    if fault.fires(name, step, _PLAN["rank"]):
-        _PLAN["fault"] = None  # once
-        _fire(fault)
-
-
-def _fire(fault: Fault) -> None:
-    where = f"{fault.point} of step {fault.step} on rank {fault.rank}"
-    if fault.action in ("sigint", "sigterm"):
-        _signal_here(signal.SIGINT if fault.action == "sigint" else signal.SIGTERM, where)
-    if fault.action == "kill":
-        print(f"{ENV}: killing rank {fault.rank} (SIGKILL) at the {where}", file=sys.stderr,
-              flush=True)
-        os.kill(os.getpid(), signal.SIGKILL)
-    print(f"{ENV}: raising on rank {fault.rank} at the {where}", file=sys.stderr, flush=True)
-    raise InjectedFault(f"{ENV}: injected failure at the {where}")
-
-
-def install(rank: int, environ: dict[str, str] | None = None) -> Fault | None:
-    """Arm the fault `SLAPO_FAULT` plans (if any) for this rank: optimizer hooks count steps and
-    fire `step`; a global forward pre-hook fires `pp` in pipeline stage modules (marked by
-    `slapo.runtime.pipeline_runner.make_stages`); a stage backward hook
-    (`pipeline_runner.register_stage_backward_hook`) fires `pp_backward`; `save` fires from
-    `run_state.save`."""
-    fault = planned(environ)
-    _PLAN.update(fault=fault, rank=rank, done=0)
-    if fault is None or fault.rank != rank or _PLAN.get("hooked"):
-        return fault
-    from torch.nn.modules.module import register_module_forward_pre_hook
-    from torch.optim.optimizer import (
-        register_optimizer_step_post_hook,
-        register_optimizer_step_pre_hook,
-    )
-
-    from ..runtime.pipeline_runner import register_stage_backward_hook
-
-    register_optimizer_step_pre_hook(lambda *a: point("step"))
-    register_optimizer_step_post_hook(lambda *a: note_step(_PLAN["done"] + 1))
-    register_module_forward_pre_hook(
-        lambda m, a: point("pp") if getattr(m, "slapo_pipeline_stage", None) is not None
-        else None)
-    register_stage_backward_hook(lambda stage_id: point("pp_backward"))
-    _PLAN["hooked"] = True
-    return fault
-
-
-def _signal_here(signum: signal.Signals, where: str) -> None:
-    """Ctrl-C (SIGINT) or a scheduler's SIGTERM at this point: the signal to the launcher
-    (torchrun's agent forwards it to every worker, as it does for a Ctrl-C in the terminal) or,
-    without one, to this process; then wait for it here, so it lands at exactly this point."""
-    target = os.getppid() if launched_by_torchrun() else os.getpid()
-    who = f"the launcher (pid {target})" if target != os.getpid() else "this process"
-    print(f"{ENV}: sending {signum.name} to {who} at the {where}", file=sys.stderr, flush=True)
-    os.kill(target, signum)
-    deadline = time.monotonic() + SIGNAL_WAIT_S
-    while time.monotonic() < deadline:
-        time.sleep(0.05)
-    raise InjectedFault(f"{ENV}: the {signum.name} sent at the {where} did not arrive within "
-                        f"{SIGNAL_WAIT_S:.0f} s")
-
-
-# ---- stop signals (Ctrl-C, SIGTERM) and where the run was ---------------------------------------
-# signal: the first stop signal received (None: none); finishing: the rank is recording how it
-# ends (a signal then is only recorded); hint: () -> "the newest checkpoint ...; resume with ...";
-# phase: what the run is doing ("in step 7", "during the save of step 6"), for the one line.
-_STOP: dict[str, Any] = {"signal": None, "finishing": False, "hint": None, "phase": None}
-
-
-def launched_by_torchrun() -> bool:
-    """Started by torchrun's agent (which is then this process's parent)?"""
-    return "TORCHELASTIC_RUN_ID" in os.environ
-
-
-def _on_stop_signal(signum: int, frame: Any) -> None:
-    if _STOP["signal"] is None:
-        _STOP["signal"] = signum
-    if _STOP["finishing"]:
-        return  # recording how this rank ends (bounded): let it finish
-    if signum == signal.SIGINT:
-        raise KeyboardInterrupt
-    raise Terminated("terminated by SIGTERM (torchrun sends it to every rank when one fails, "
-                     "a job scheduler when it stops the job)")
-
-
-def _trap() -> dict[int, Any]:
-    """Install the stop-signal handler for SIGINT and SIGTERM (main thread only); return the
-    handlers it replaced."""
-    if threading.current_thread() is not threading.main_thread():
-        return {}
-    return {s: signal.signal(s, _on_stop_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-
-
-@contextlib.contextmanager
-def stop_signals_trapped(hint: Any = None):
-    """For the span of a `slapo train` command: record which stop signal arrives (SIGINT
-    raises KeyboardInterrupt, SIGTERM `Terminated`, as before) so `stopped_by` can tell a stop
-    from a failure; `hint()` says where the run can be resumed from. The previous handlers are
-    restored afterwards (the command may run inside another program, e.g. a test)."""
-    _STOP.update(signal=None, finishing=False, hint=hint, phase=None)
-    previous = _trap()
-    try:
-        yield
-    finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
-        _STOP.update(signal=None, hint=None, finishing=False, phase=None)
-
-
-def set_stop_hint(hint: Any) -> None:
-    """`hint()` -> text naming the newest checkpoint and the command that resumes it."""
-    _STOP["hint"] = hint
-
-
-def stop_hint() -> str:
-    """The hint's text ("" without one, or if it fails: it runs while the process stops)."""
-    try:
-        return _STOP["hint"]() if _STOP["hint"] is not None else ""
-    except Exception:  # noqa: BLE001 - a hint must never hide the stop itself
-        return ""
-
-
-def note_phase(text: str) -> None:
-    """What the run is doing now ("in step 7"), named by the line a stop prints."""
-    _STOP["phase"] = text
-
-
-def phase() -> str | None:
-    return _STOP["phase"]
-
-
-def stopped_by(exc: BaseException | None = None) -> int | None:
-    """The stop signal this process received (SIGINT, SIGTERM), or SIGINT when `exc` (or an
-    error it was raised from) is a KeyboardInterrupt with no handler installed; else None."""
-    if _STOP["signal"] is not None:
-        return int(_STOP["signal"])
-    seen: set[int] = set()
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        if isinstance(exc, KeyboardInterrupt):
-            return int(signal.SIGINT)
-        exc = exc.__cause__ or exc.__context__
-    return None
 
 
 # ---- who failed: heartbeats and exit records through the job's store ---------------------------
@@ -581,8 +363,7 @@ def start_watch(rank: int, world: int) -> PeerWatch | None:
     watch_launcher()
     watch = PeerWatch.start(rank, world)
     if watch is not None:
-        _STOP.update(signal=None, finishing=False)
-        _trap()
+        trap_for_run()
     return watch
 
 
@@ -593,11 +374,8 @@ def finish_watch(watch: PeerWatch | None, exc: BaseException | None) -> None:
     if watch is None:
         return
     watch.finishing = True  # a stop signal from now on must not cut the diagnosis short
-    _STOP["finishing"] = True
-    try:
+    with finishing():
         culprits = _record_and_diagnose(watch, exc)
-    finally:
-        _STOP["finishing"] = False
     watch.stop()
     if culprits:
         raise PeerFailure(

@@ -31,7 +31,7 @@ from typing import Any
 import torch.distributed as dist  # noqa: F401  (tests patch `loop.dist`)
 
 from ..profile import meter
-from . import faults
+from . import faults, stop_signals
 from .assemble import Run, build, make_trainable, schedule  # noqa: F401  (re-exported)
 from .config import (  # noqa: F401  (re-exported)
     CKPT_POLICIES,
@@ -105,7 +105,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     log = print if env.is_main else (lambda *a, **k: None)
     try:
         faults.watch_launcher()  # under torchrun (one process too): stop when it is gone
-        faults.note_phase("while setting up")
+        stop_signals.note_phase("while setting up")
         run = build(cfg, env, log)
         log(f"slapo train: {cfg.model} ({trained_parameters(run):,} parameters on rank 0), "
             f"{env.world} process(es) ({env.dims}), device {env.device}, precision "
@@ -119,7 +119,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         with open_metrics_log(run) as mlog:
             bar = progress_bar(run)
             while run.step < cfg.steps:
-                faults.note_phase(f"in step {run.step + 1}")
+                stop_signals.note_phase(f"in step {run.step + 1}")
                 train_one_step(run)
                 if cfg.eval_every and run.step % cfg.eval_every == 0:
                     evaluate(run, mlog)
@@ -130,7 +130,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
             if cfg.out and (run.resumed_from != run.step) and not (
                     cfg.save_every and run.step % cfg.save_every == 0):
                 save_noted(run)  # the final state, unless just saved (or nothing was trained)
-            faults.note_phase(f"after step {run.step} (computing the final metrics)")
+            stop_signals.note_phase(f"after step {run.step} (computing the final metrics)")
             return finish(run, log, mlog)
     finally:
         teardown(env)
@@ -140,9 +140,9 @@ def save_noted(run: Run) -> None:
     """`save`, with the phase a stop names. A stop inside a save abandons it: what it wrote
     stays in its `.tmp` directory, which nothing reads and the next save of that step replaces;
     every published checkpoint is intact (`run_state.save` publishes by an atomic rename)."""
-    faults.note_phase(f"during the save of step {run.step}")
+    stop_signals.note_phase(f"during the save of step {run.step}")
     save(run)
-    faults.note_phase(f"after step {run.step}")
+    stop_signals.note_phase(f"after step {run.step}")
 
 
 @contextlib.contextmanager

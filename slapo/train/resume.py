@@ -8,9 +8,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from .. import faultpoints
 from ..model_schedule.knobs import ScheduleKnobs
 from ..model_schedule.knobs import names as knob_names
-from . import faults
 from . import run_state as ckpt
 from .config import RUN_IDENTITY, RUN_LAYOUT, TrainConfig, flag
 from .report import warn
@@ -109,7 +109,7 @@ def resume(run: Any, log=print) -> None:
     if "precision" in trainer:
         run.precision.load_state_dict(trainer["precision"])
     run.resumed_from = run.step
-    faults.note_step(run.step)  # SLAPO_FAULT steps count as the run does
+    faultpoints.steps_done(run.step)  # SLAPO_FAULT steps count as the run does
     log(f"resumed from {path} at step {run.step}")
     if changed:
         log(f"note: resumed on another layout ({', '.join(changed)}): weights, optimizer "

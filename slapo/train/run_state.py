@@ -68,9 +68,10 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+from .. import faultpoints
 from ..errors import SlapoError
 from ..files import fsync_dir, write_synced
-from . import faults, shard_layout
+from . import shard_layout
 
 CHECKPOINTS = "checkpoints"
 RUN_FILE = "run.json"
@@ -632,7 +633,7 @@ def save(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
     write_synced(tmp / rng_file(rank), json.dumps(rng_state()))
     if rank == 0:
         write_synced(tmp / TRAINER_FILE, json.dumps(trainer))
-    faults.point("save", int(trainer["step"]))  # test hook: die mid-save (SLAPO_FAULT)
+    faultpoints.reach("save", int(trainer["step"]))  # test hook: die mid-save (SLAPO_FAULT)
     _barrier()
     names = _broadcast(sorted(p.name for p in tmp.iterdir() if p.name != MARKER))
     shares = _all_gather(_hash_share(tmp, names, rank, world))

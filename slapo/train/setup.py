@@ -29,7 +29,7 @@ from ..data.sources import InputError, is_saved_dataset
 from ..data.sources import _expand as expand_source
 from ..distributed.group import leave_process_group
 from ..runtime.mesh import ParallelDims, init_mesh
-from . import faults, pretrained
+from . import fault_injection, faults, pretrained
 from . import run_state as ckpt
 from .config import PROGRESSIVE_INPUTS
 from .metrics_log import check_sinks
@@ -139,13 +139,13 @@ def setup(cfg: Any) -> Env:
     env = Env(world=world, dims=dims)
     if world == 1 and not dist.is_initialized():
         env.device = local_device(cfg.device)
-        faults.install(0)
+        fault_injection.install(0)
         return env
     owns = not dist.is_initialized()
     env.mesh = init_mesh(dims=dims, device=cfg.device, timeout_s=cfg.dist_timeout)
     env.rank, env.owns_process_group = dist.get_rank(), owns
     env.device = local_device(cfg.device)
-    faults.install(env.rank)
+    fault_injection.install(env.rank)
     if owns:
         env.watch = faults.start_watch(env.rank, world)
     if cfg.out is not None:

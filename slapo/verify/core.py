@@ -411,7 +411,7 @@ class Verify:
         for a meta model (no values; `build`'s stages run on materialised weights) and for
         inputs a pipeline refuses anyway (a padding mask a stage kind does not take)."""
         from ..runtime.partition import run_stages
-        from ..runtime.pipeline_runner import (
+        from ..runtime.pipeline_inputs import (
             check_batch_inputs,
             first_stage_args,
             stage_masks,
