@@ -140,8 +140,8 @@ def _add_export_parser(sub: Any) -> None:
 
 def _export(args: argparse.Namespace) -> int:
     from .data import InputError
+    from .train.checkpoints import CheckpointError
     from .train.export import export_run
-    from .train.run_state import CheckpointError
 
     try:
         export_run(args.run_dir, args.out, step=args.step, check=args.check, force=args.force)
@@ -344,15 +344,15 @@ def resume_hint(cfg: Any, args: list[str]) -> str:
     """Where a stopped run can go on from, and the command: the newest checkpoint in --out (a
     published one: saves are atomic, so it is complete; `--resume` verifies it and falls back
     to an older one if it was damaged since) and this command with `--resume`."""
-    from .train import run_state as ckpt
+    from .train import checkpoints
 
     if cfg.out is None:
         return "nothing was saved (no --out); rerun the command to start over."
-    newest = ckpt.latest(Path(cfg.out))
+    newest = checkpoints.latest(Path(cfg.out))
     command = resume_command(args, newest is not None)
     if newest is None:
         return f"no checkpoint in {cfg.out} yet; start over with: {command}"
-    return (f"the newest checkpoint is {newest} (step {ckpt.step_of(newest)}); resume with: "
+    return (f"the newest checkpoint is {newest} (step {checkpoints.step_of(newest)}); resume with: "
             f"{command}")
 
 

@@ -581,18 +581,18 @@ RESUME_CASES: dict[str, tuple[list, tuple]] = {
 def _forge_identity(run: Path, override: str) -> None:
     """Give the checkpoint another run's option (as one written by a tp=2 job), keeping its
     checksums valid: the file is what such a job would have written."""
-    from slapo.train import run_state
+    from slapo.train import checkpoints
 
-    (ckpt,) = run_state.candidates(run)
-    trainer = ckpt / run_state.TRAINER_FILE
+    (ckpt,) = checkpoints.candidates(run)
+    trainer = ckpt / checkpoints.TRAINER_FILE
     state = json.loads(trainer.read_text())
     key, value = override.split("=")
     state["config"][key] = int(value)
     trainer.write_text(json.dumps(state))
-    manifest_path = ckpt / run_state.MARKER
+    manifest_path = ckpt / checkpoints.MARKER
     manifest = json.loads(manifest_path.read_text())
-    manifest["files"][run_state.TRAINER_FILE] = {"size": trainer.stat().st_size,
-                                                 "sha256": run_state.sha256(trainer)}
+    manifest["files"][checkpoints.TRAINER_FILE] = {"size": trainer.stat().st_size,
+                                                 "sha256": checkpoints.sha256(trainer)}
     manifest_path.write_text(json.dumps(manifest))
 
 

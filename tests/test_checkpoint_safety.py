@@ -28,6 +28,7 @@ import pytest
 import torch
 
 from slapo.cli import main
+from slapo.train import checkpoint_read, checkpoints
 from slapo.train import run_state as ckpt
 
 TINY = ["--hidden-size", "64", "--num-layers", "2", "--num-heads", "4", "--seq-len", "32",
@@ -79,10 +80,10 @@ def _payload(marker: Path, torch_format: bool = False) -> bytes:
 
 def _reseal(ck: Path, name: str) -> None:
     """Update COMPLETE.json so the forged file passes the integrity check."""
-    manifest = json.loads((ck / ckpt.MARKER).read_text())
+    manifest = json.loads((ck / checkpoints.MARKER).read_text())
     data = (ck / name).read_bytes()
     manifest["files"][name] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
-    (ck / ckpt.MARKER).write_text(json.dumps(manifest))
+    (ck / checkpoints.MARKER).write_text(json.dumps(manifest))
 
 
 def _forge_file(ck: Path, name: str, data: bytes) -> None:
@@ -116,7 +117,7 @@ def _resume_fails(out: Path, ck: Path, capsys) -> str:
 @pytest.mark.parametrize("name", [".metadata", "rng_rank0.json", "trainer.json"])
 def test_crafted_pickle_in_a_checkpoint_file_is_refused(runs, tmp_path, capsys, name):
     out = _copy(runs, tmp_path)
-    ck, marker = ckpt.checkpoint_dir(out, 6), tmp_path / "PWNED"
+    ck, marker = checkpoints.checkpoint_dir(out, 6), tmp_path / "PWNED"
     _forge_file(ck, name, _payload(marker, torch_format=name != ".metadata"))
     assert ckpt.verify(ck) is None  # the forged marker matches: only the loader stands guard
     err = _resume_fails(out, ck, capsys)
@@ -129,7 +130,7 @@ def test_crafted_pickle_in_a_checkpoint_file_is_refused(runs, tmp_path, capsys, 
 def test_crafted_pickle_in_a_distcp_item_is_refused(runs, tmp_path, capsys, fqn):
     """A non-tensor item (our planner) and a tensor item (DCP's own weights-only load)."""
     out = _copy(runs, tmp_path)
-    ck, marker = ckpt.checkpoint_dir(out, 6), tmp_path / "PWNED"
+    ck, marker = checkpoints.checkpoint_dir(out, 6), tmp_path / "PWNED"
     shard = _forge_dcp_item(ck, fqn, _payload(marker, torch_format=True))
     err = _resume_fails(out, ck, capsys)
     assert shard in err and "Traceback" not in err, err
@@ -138,10 +139,10 @@ def test_crafted_pickle_in_a_distcp_item_is_refused(runs, tmp_path, capsys, fqn)
 
 def test_crafted_completion_marker_is_refused(runs, tmp_path, capsys):
     out = _copy(runs, tmp_path)
-    ck, marker = ckpt.checkpoint_dir(out, 6), tmp_path / "PWNED"
-    (ck / ckpt.MARKER).write_bytes(_payload(marker))
+    ck, marker = checkpoints.checkpoint_dir(out, 6), tmp_path / "PWNED"
+    (ck / checkpoints.MARKER).write_bytes(_payload(marker))
     err = _resume_fails(out, ck, capsys)
-    assert ckpt.MARKER in err and "not a JSON file" in err, err
+    assert checkpoints.MARKER in err and "not a JSON file" in err, err
     assert not marker.exists()
 
 
@@ -150,12 +151,12 @@ def test_legacy_pickled_rng_file_is_never_read(runs, tmp_path, capsys):
     (no marker) is refused; next to a new-format one the file is simply never opened."""
     out = _copy(runs, tmp_path)
     marker = tmp_path / "PWNED"
-    old = ckpt.checkpoint_dir(out, 3)
-    (old / ckpt.MARKER).unlink()
+    old = checkpoints.checkpoint_dir(out, 3)
+    (old / checkpoints.MARKER).unlink()
     (old / "rng_rank0.pt").write_bytes(_payload(marker, torch_format=True))
     err = _resume_fails(out, old, capsys)
     assert "no COMPLETE.json" in err
-    new = ckpt.checkpoint_dir(out, 6)
+    new = checkpoints.checkpoint_dir(out, 6)
     (new / "rng_rank0.pt").write_bytes(_payload(marker, torch_format=True))
     assert main(["train", *TINY, "--steps", "7", "--out", str(out), "--resume"]) == 0
     assert not marker.exists()
@@ -168,8 +169,8 @@ def test_legacy_pickled_rng_file_is_never_read(runs, tmp_path, capsys):
 def test_metadata_unpickler_resolves_only_metadata_classes(tmp_path, module, name):
     data = b"\x80\x04\x95\x00\x00\x00\x00\x00\x00\x00\x00\x8c" + bytes([len(module)]) + \
         module.encode() + b"\x8c" + bytes([len(name)]) + name.encode() + b"\x93."
-    with pytest.raises(ckpt.CheckpointError, match=f"refusing to unpickle {module}.{name}"):
-        ckpt._MetadataUnpickler(io.BytesIO(data), tmp_path / ".metadata").load()
+    with pytest.raises(checkpoints.CheckpointError, match=f"refusing to unpickle {module}.{name}"):
+        checkpoint_read._MetadataUnpickler(io.BytesIO(data), tmp_path / ".metadata").load()
 
 
 # ---- damaged checkpoints: fall back to the newest intact one ----------------------------------
@@ -177,14 +178,14 @@ def _kill_mid_save(ck: Path) -> str:
     """What kill -9 during a save leaves: a `.tmp` directory, half written, never renamed."""
     tmp = ck.with_name(ck.name + ".tmp")
     ck.rename(tmp)
-    (tmp / ckpt.MARKER).unlink()
+    (tmp / checkpoints.MARKER).unlink()
     shard = tmp / "__0_0.distcp"
     shard.write_bytes(shard.read_bytes()[:1000])
     return ""  # not a published checkpoint: nothing to skip, nothing to warn about
 
 
 def _no_marker(ck: Path) -> str:
-    (ck / ckpt.MARKER).unlink()
+    (ck / checkpoints.MARKER).unlink()
     return "no COMPLETE.json"
 
 
@@ -212,7 +213,7 @@ def _flip_byte(ck: Path) -> str:
 def test_damaged_newest_checkpoint_falls_back_with_identical_losses(runs, tmp_path, capsys,
                                                                    damage):
     out = _copy(runs, tmp_path)
-    newest = ckpt.checkpoint_dir(out, 6)
+    newest = checkpoints.checkpoint_dir(out, 6)
     why = damage(newest)
     capsys.readouterr()
     m = train(out, *STEPS, "--resume")
@@ -231,7 +232,7 @@ def test_damaged_newest_checkpoint_falls_back_with_identical_losses(runs, tmp_pa
 
 def test_explicit_damaged_checkpoint_is_an_error(runs, tmp_path, capsys):
     out = _copy(runs, tmp_path)
-    ck = ckpt.checkpoint_dir(out, 6)
+    ck = checkpoints.checkpoint_dir(out, 6)
     _flip_byte(ck)
     err = _resume_fails(out, ck, capsys)
     assert "does not match its sha256" in err and "--resume` with no directory" in err
@@ -240,7 +241,7 @@ def test_explicit_damaged_checkpoint_is_an_error(runs, tmp_path, capsys):
 def test_every_checkpoint_damaged_is_an_error(runs, tmp_path, capsys):
     out = _copy(runs, tmp_path)
     for step in (3, 6):
-        _missing_file(ckpt.checkpoint_dir(out, step))
+        _missing_file(checkpoints.checkpoint_dir(out, step))
     rc = main(["train", *TINY, *STEPS, "--out", str(out), "--resume"])
     err = capsys.readouterr().err
     assert rc == 1 and "no intact checkpoint" in err
@@ -309,7 +310,7 @@ def test_keep_last_keeps_the_newest_and_removes_stale_temp_dirs(tmp_path):
 
 def test_keep_all_by_default(tmp_path):
     train(tmp_path, "--steps", "4", "--save-every", "2")
-    assert [p.name for p in ckpt.candidates(tmp_path)] == ["step_000004", "step_000002"]
+    assert [p.name for p in checkpoints.candidates(tmp_path)] == ["step_000004", "step_000002"]
 
 
 def test_dist_timeout_reaches_init_process_group(monkeypatch):
@@ -374,7 +375,7 @@ def test_sigkill_during_a_save_resumes_from_an_intact_checkpoint(tmp_path, capsy
     proc = subprocess.Popen([sys.executable, "-m", "slapo.cli", "train", *flags, "--steps",
                              "100000", "--save-every", "2", "--out", str(out)], env=env,
                             cwd=root, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    tmp4 = ckpt.checkpoint_dir(out, 4).with_name("step_000004.tmp")
+    tmp4 = checkpoints.checkpoint_dir(out, 4).with_name("step_000004.tmp")
     try:
         deadline = time.monotonic() + 120
         while not tmp4.exists():
@@ -387,7 +388,7 @@ def test_sigkill_during_a_save_resumes_from_an_intact_checkpoint(tmp_path, capsy
         proc.wait()
         proc.stderr.close()
     assert proc.returncode == -signal.SIGKILL
-    published = ckpt.checkpoint_dir(out, 4).exists()
+    published = checkpoints.checkpoint_dir(out, 4).exists()
     print("killed", "after" if published else "during", "the step-4 save")
     assert published or tmp4.exists()  # either the save finished or its .tmp is left over
     straight = train(tmp_path / "straight", *flags[len(TINY):], "--steps", "6")["losses"]

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from slapo.train import checkpoints
 from slapo.train import run_state as ckpt
 
 TINY = dict(hidden_size=64, num_layers=2, num_heads=4, seq_len=32, batch_size=8, steps=6,
@@ -52,17 +53,17 @@ def test_two_ranks_fall_back_past_damaged_checkpoints(dist2, tmp_path):
     base = tmp_path / "base"
     straight = dist2.run(job_train, {**TINY, "out": str(base), "save_every": 3})
     assert straight[0]["losses"] == straight[1]["losses"]
-    assert sorted(p.name for p in ckpt.checkpoint_dir(base, 6).iterdir()) == [
+    assert sorted(p.name for p in checkpoints.checkpoint_dir(base, 6).iterdir()) == [
         ".metadata", "COMPLETE.json", "__0_0.distcp", "__1_0.distcp", "rng_rank0.json",
         "rng_rank1.json", "trainer.json"]
     for damage in (_flip, _truncate, _missing):
         out = tmp_path / damage.__name__
         shutil.copytree(base, out)
-        why = damage(ckpt.checkpoint_dir(out, 6))
+        why = damage(checkpoints.checkpoint_dir(out, 6))
         resumed = dist2.run(job_train, {**TINY, "out": str(out), "resume": "latest"})
         for rank in (0, 1):
             assert resumed[rank]["resumed_from"] == 3, damage.__name__
             assert resumed[rank]["losses"] == straight[0]["losses"], damage.__name__
             [skipped] = resumed[rank]["skipped"]
             assert skipped["checkpoint"].endswith("step_000006") and why in skipped["reason"]
-        assert ckpt.verify(ckpt.checkpoint_dir(out, 6)) is None  # re-saved intact
+        assert ckpt.verify(checkpoints.checkpoint_dir(out, 6)) is None  # re-saved intact

@@ -9,7 +9,7 @@ import signal
 import pytest
 
 from slapo.cli import main, parse_train_args, resume_command
-from slapo.train import fault_injection
+from slapo.train import checkpoints, fault_injection
 from slapo.train import run_state as ckpt
 
 TINY = ["--hidden-size", "32", "--num-layers", "2", "--num-heads", "2", "--seq-len", "16",
@@ -170,11 +170,11 @@ def test_ctrl_c_prints_one_line_and_the_run_resumes_bit_identically(point, tmp_p
     lines = [line for line in err.splitlines() if not line.startswith(fault_injection.ENV)]
     assert len(lines) == 1 and "Traceback" not in err, err
     where = "in step 3" if point == "step" else "during the save of step 3"
-    newest = ckpt.checkpoint_dir(out, 2)
+    newest = checkpoints.checkpoint_dir(out, 2)
     assert lines[0].startswith(f"slapo train: stopped by Ctrl-C (SIGINT) {where}; the newest "
                                f"checkpoint is {newest} (step 2); resume with: slapo train "), err
-    assert [ckpt.step_of(p) for p in ckpt.candidates(out)] == [2, 1]
-    assert all(ckpt.verify(p) is None for p in ckpt.candidates(out))
+    assert [checkpoints.step_of(p) for p in checkpoints.candidates(out)] == [2, 1]
+    assert all(ckpt.verify(p) is None for p in checkpoints.candidates(out))
     leftovers = sorted(p.name for p in (out / "checkpoints").iterdir())
     assert leftovers == ["step_000001", "step_000002"] + (["step_000003.tmp"] if point == "save"
                                                           else [])
@@ -199,4 +199,4 @@ def test_sigterm_without_a_launcher_is_a_stop_too(tmp_path, capsys, monkeypatch,
            if not line.startswith(fault_injection.ENV)]
     assert rc == 143 and len(err) == 1, err
     assert err[0].startswith(f"slapo train: stopped by SIGTERM in step 2; the newest checkpoint "
-                             f"is {ckpt.checkpoint_dir(out, 1)} (step 1); resume with: "), err
+                             f"is {checkpoints.checkpoint_dir(out, 1)} (step 1); resume with: "), err

@@ -279,9 +279,9 @@ def _files(root: Path) -> dict[str, bytes]:
 
 
 def _steps(out: Path) -> list[int]:
-    from slapo.train import run_state as ckpt
+    from slapo.train import checkpoints
 
-    return sorted(ckpt.step_of(p) for p in ckpt.candidates(out))
+    return sorted(checkpoints.step_of(p) for p in checkpoints.candidates(out))
 
 
 def test_a_fresh_run_into_a_run_directory_is_refused_and_changes_nothing(tmp_path, one_thread,
@@ -387,15 +387,15 @@ def test_export_and_resume_ignore_a_foreign_checkpoint(tmp_path, one_thread, cap
     --overwrite left behind) is never exported nor resumed, and is left alone."""
     import shutil
 
-    from slapo.train import TrainConfig, train
+    from slapo.train import TrainConfig, checkpoints, run_owner, train
     from slapo.train import run_state as ckpt
 
     opts = {**TINY, "model": "gpt2", "hidden_size": 32, "num_heads": 2, "seq_len": 16,
             "batch_size": 2}
     train(TrainConfig(**{**opts, "steps": 2, "out": str(tmp_path / "a")}))
     train(TrainConfig(**{**opts, "steps": 4, "seed": 9, "out": str(tmp_path / "b")}))
-    foreign = ckpt.checkpoint_dir(tmp_path / "a", 4)
-    shutil.copytree(ckpt.checkpoint_dir(tmp_path / "b", 4), foreign)
+    foreign = checkpoints.checkpoint_dir(tmp_path / "a", 4)
+    shutil.copytree(checkpoints.checkpoint_dir(tmp_path / "b", 4), foreign)
     assert ckpt.verify(foreign) is None  # intact, newer, and not this run's
     kept = _files(foreign)
 
@@ -418,4 +418,4 @@ def test_export_and_resume_ignore_a_foreign_checkpoint(tmp_path, one_thread, cap
     other = json.loads((tmp_path / "b" / "run.json").read_text())["run_id"]
     assert _files(foreign.with_name(f"step_000004.other-run-{other}")) == kept
     assert _steps(tmp_path / "a") == [4]
-    assert ckpt.owner_problem(foreign, ckpt.run_id(tmp_path / "a")) is None  # its own now
+    assert run_owner.owner_problem(foreign, run_owner.run_id(tmp_path / "a")) is None  # its own now

@@ -29,8 +29,7 @@ import pytest
 import torch
 from reference import runnable_schedules
 
-from slapo.train import fault_injection, faults
-from slapo.train import run_state as ckpt
+from slapo.train import checkpoints, fault_injection, faults
 
 ROOT = Path(__file__).resolve().parents[1]
 POOL_TIMEOUT_S = 60  # tests/dist_pool.py's gloo timeout: "promptly" must be far below it
@@ -90,11 +89,11 @@ def test_fault_hook_raises_at_the_named_step_and_save(tmp_path, monkeypatch, one
     monkeypatch.setenv(fault_injection.ENV, "raise:step=2:rank=0")
     with pytest.raises(fault_injection.InjectedFault, match="step of step 2 on rank 0"):
         train(TrainConfig(**opts, out=str(tmp_path / "a")))
-    assert [ckpt.step_of(p) for p in ckpt.candidates(tmp_path / "a")] == [1]
+    assert [checkpoints.step_of(p) for p in checkpoints.candidates(tmp_path / "a")] == [1]
     monkeypatch.setenv(fault_injection.ENV, "raise:save=1:rank=0")
     with pytest.raises(fault_injection.InjectedFault, match="save of step 1"):
         train(TrainConfig(**opts, out=str(tmp_path / "b")))
-    assert ckpt.candidates(tmp_path / "b") == []
+    assert checkpoints.candidates(tmp_path / "b") == []
     assert (tmp_path / "b" / "checkpoints" / "step_000001.tmp").is_dir()
     monkeypatch.delenv(fault_injection.ENV)
     assert len(train(TrainConfig(**opts, out=str(tmp_path / "c")))["losses"]) == 3  # unset
@@ -593,7 +592,7 @@ def test_sigkill_from_outside_mid_step(tmp_path, ddp_reference):
     out = tmp_path / "run"
     launch = Launch(out, "--steps", "1000")
     try:
-        published = ckpt.checkpoint_dir(out, 3)
+        published = checkpoints.checkpoint_dir(out, 3)
         deadline = time.monotonic() + 300
         while not published.exists():
             assert launch.proc.poll() is None, launch.text[-3000:]
@@ -606,7 +605,7 @@ def test_sigkill_from_outside_mid_step(tmp_path, ddp_reference):
         died_within_bound(launch, t_kill)
     finally:
         launch.stop()
-    done = max(ckpt.step_of(p) for p in ckpt.candidates(out))
+    done = max(checkpoints.step_of(p) for p in checkpoints.candidates(out))
     assert done >= 3
     resume_matches(out, ddp_reference, resumed_from=done)
 
@@ -655,7 +654,7 @@ def test_backward_fault_under_torchrun_stops_every_rank_with_the_named_error(tmp
             f"{injected} (stage 1 backward)") in text, text[-3000:]
     assert "stopped: rank 1" not in text, text[-3000:]  # no PeerFailure: nobody died
     assert end - t0 < KILL_BOUND_S, (end - t0, text[-3000:])
-    assert [ckpt.step_of(p) for p in ckpt.candidates(tmp_path / "run")] == [1]
+    assert [checkpoints.step_of(p) for p in checkpoints.candidates(tmp_path / "run")] == [1]
 
 
 # 4 ranks, dp x pp or tp x pp: the failing rank's stage (ranks are pp-outer) and its note

@@ -32,6 +32,7 @@ from pathlib import Path
 import pytest
 from test_faults import FLAGS, POOL_TIMEOUT_S, Launch, _announced, job_cli_losses
 
+from slapo.train import checkpoints
 from slapo.train import run_state as ckpt
 
 # Every process of the job gone this soon after the kill or the signal. What it tells apart:
@@ -69,7 +70,7 @@ def _tree(root: Path) -> dict[str, tuple[int, int]]:
 
 def _wait_for_checkpoint(launch: Launch, out: Path, step: int) -> None:
     deadline = time.monotonic() + 300
-    while not ckpt.checkpoint_dir(out, step).exists():
+    while not checkpoints.checkpoint_dir(out, step).exists():
         assert launch.proc.poll() is None, launch.text[-3000:]
         assert time.monotonic() < deadline, f"no checkpoint {step} after 300 s"
         time.sleep(0.01)
@@ -90,8 +91,8 @@ def _intact_and_quiet(out: Path) -> list[int]:
     before = _tree(out)
     time.sleep(1.0)
     assert _tree(out) == before, "something still writes into --out"
-    steps = [ckpt.step_of(p) for p in ckpt.candidates(out)]
-    for p in ckpt.candidates(out):
+    steps = [checkpoints.step_of(p) for p in checkpoints.candidates(out)]
+    for p in checkpoints.candidates(out):
         assert ckpt.verify(p) is None, p
     return steps
 
@@ -160,7 +161,7 @@ def _one_line(text: str, start: str) -> str:
 @pytest.mark.slow  # > 30 s: collected first (tests/conftest.py)
 def test_ctrl_c_in_a_save_prints_one_line_and_resumes(tmp_path, dist2, straight):
     out, text = _stopped_by_signal(tmp_path, "sigint:save=3:rank=1", "SIGINT")
-    newest = ckpt.checkpoint_dir(out, 2)
+    newest = checkpoints.checkpoint_dir(out, 2)
     line = _one_line(text, "slapo train: stopped by Ctrl-C (SIGINT) during the save of step 3; "
                      f"the newest checkpoint is {newest} (step 2); resume with: torchrun "
                      "--nproc-per-node 2 -m slapo.cli train ")
@@ -174,5 +175,5 @@ def test_ctrl_c_in_a_save_prints_one_line_and_resumes(tmp_path, dist2, straight)
 def test_sigterm_in_a_step_is_a_stop_not_a_failure(tmp_path, dist2, straight):
     out, text = _stopped_by_signal(tmp_path, "sigterm:step=3:rank=1", "SIGTERM")
     _one_line(text, "slapo train: stopped by SIGTERM ")
-    assert "the newest checkpoint is " + str(ckpt.checkpoint_dir(out, 2)) in text
+    assert "the newest checkpoint is " + str(checkpoints.checkpoint_dir(out, 2)) in text
     assert _intact_and_quiet(out) == [2, 1]

@@ -25,6 +25,7 @@ import random
 import pytest
 from test_faults import KILL_BOUND_S, Launch, _announced, reference
 
+from slapo.train import checkpoints
 from slapo.train import run_state as ckpt
 
 SEED = 0  # its plan kills mid-save and mid-pipeline-forward, on both ranks (checked below)
@@ -48,7 +49,7 @@ def plan(seed: int, kills: int, steps: int) -> list[tuple[str, int, int]]:
 
 def newest_intact(out) -> int:
     path, _ = ckpt.find_resumable(out)
-    return 0 if path is None else ckpt.step_of(path)
+    return 0 if path is None else checkpoints.step_of(path)
 
 
 @pytest.mark.dist
@@ -68,7 +69,7 @@ def test_soak_random_kills_lose_and_repeat_no_step(dist2, tmp_path):
         assert launch.proc.returncode != 0 and end - t_kill < KILL_BOUND_S, launch.text[-3000:]
         assert f"rank {rank} died" in launch.text, launch.text[-3000:]
         assert newest_intact(out) == step - 1, (point, step, rank)
-        kept = ckpt.read_trainer(ckpt.checkpoint_dir(out, step - 1))["losses"] if step > 1 \
+        kept = ckpt.read_trainer(checkpoints.checkpoint_dir(out, step - 1))["losses"] if step > 1 \
             else []
         assert kept == straight[:step - 1]  # every checkpoint's history is a prefix
     last = Launch(out, *flags)

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from slapo.cli import main
+from slapo.train import checkpoints
 from slapo.train import run_state as ckpt
 
 TINY = ["--hidden-size", "64", "--num-layers", "2", "--num-heads", "4", "--seq-len", "64",
@@ -42,7 +43,7 @@ def test_train_50_steps_lowers_loss(tmp_path):
     assert m["peak_memory_bytes"] > 10 * 2**20
     assert m["config"]["model"] == "gpt2" and m["steps"] == 50
     assert (tmp_path / "metrics.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert ckpt.latest(tmp_path).name == "step_000050"  # the final state is saved
+    assert checkpoints.latest(tmp_path).name == "step_000050"  # the final state is saved
 
 
 def test_resume_gives_identical_losses(tmp_path):
@@ -94,7 +95,7 @@ def test_resume_latest_continues_the_run_in_out(tmp_path):
     (tmp_path / "checkpoints" / "step_000009.tmp").mkdir()  # an interrupted save: ignored
     m = train(tmp_path, *flags, "--steps", "8", "--resume")
     assert m["resumed_from"] == 6 and len(m["losses"]) == 8
-    assert ckpt.latest(tmp_path).name == "step_000008"
+    assert checkpoints.latest(tmp_path).name == "step_000008"
 
 
 def test_resume_refuses_a_different_run(tmp_path, capsys):
@@ -106,14 +107,14 @@ def test_resume_refuses_a_different_run(tmp_path, capsys):
 
 
 def test_latest_picks_highest_complete_checkpoint(tmp_path):
-    assert ckpt.latest(tmp_path) is None
+    assert checkpoints.latest(tmp_path) is None
     for step, complete in ((5, True), (40, True), (100, False)):
-        d = ckpt.checkpoint_dir(tmp_path, step)
+        d = checkpoints.checkpoint_dir(tmp_path, step)
         d.mkdir(parents=True)
         if complete:
-            (d / ckpt.MARKER).write_text("{}")
+            (d / checkpoints.MARKER).write_text("{}")
     (tmp_path / "checkpoints" / "step_000200.tmp").mkdir()
-    assert ckpt.latest(tmp_path).name == "step_000040"
+    assert checkpoints.latest(tmp_path).name == "step_000040"
 
 
 def test_sigkill_then_resume_matches_uninterrupted(tmp_path):
@@ -128,10 +129,10 @@ def test_sigkill_then_resume_matches_uninterrupted(tmp_path):
                              "--steps", "100000", "--save-every", "10", "--out", str(killed)],
                             env=env, cwd=ROOT, stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE)
-    step10 = ckpt.checkpoint_dir(killed, 10)
+    step10 = checkpoints.checkpoint_dir(killed, 10)
     try:
         deadline = time.monotonic() + 120
-        while not (step10 / ckpt.MARKER).exists():
+        while not (step10 / checkpoints.MARKER).exists():
             assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
             assert time.monotonic() < deadline, "no step-10 checkpoint after 120 s"
             time.sleep(0.02)

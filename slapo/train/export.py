@@ -19,7 +19,7 @@ checkpoint, buffers as the constructor computes them (`allocate_for_checkpoint`:
 buffers such as rotary `inv_freq` or BERT's `position_ids` are in no checkpoint).
 
 Checks, before anything is written: the checkpoint is verified (marker, sizes, sha256) and is
-the directory's own run's (`run_state.owner_problem`: a checkpoint of another run copied into
+the directory's own run's (`run_owner.owner_problem`: a checkpoint of another run copied into
 it is never exported); every parameter of the model must come from the checkpoint (a missing
 one is an error, never a random init); after writing, the directory is loaded back with
 `AutoModel*.from_pretrained` and its logits on a probe batch must equal the consolidated
@@ -39,6 +39,7 @@ import torch
 import torch.nn as nn
 
 from ..data.sources import InputError
+from . import checkpoint_read, checkpoints, run_owner
 from . import run_state as ckpt
 from .pretrained import TASK_CLASSES
 
@@ -60,20 +61,20 @@ class ExportResult:
 # ---- which checkpoint --------------------------------------------------------------------------
 def pick(run_dir: Path, step: int | None) -> Path:
     """The newest intact checkpoint of `run_dir`'s run (or the one of `step`), verified. A
-    checkpoint of another run in the directory (see `run_state.owner_problem`) is never taken:
+    checkpoint of another run in the directory (see `run_owner.owner_problem`) is never taken:
     the export must be the model this run trained."""
     run_dir = Path(run_dir)
-    if not (run_dir / ckpt.CHECKPOINTS).is_dir():
+    if not (run_dir / checkpoints.CHECKPOINTS).is_dir():
         raise InputError(str(run_dir), "is not a `slapo train` run directory (no "
-                         f"{ckpt.CHECKPOINTS}/ inside).",
+                         f"{checkpoints.CHECKPOINTS}/ inside).",
                          "pass the --out directory of a run that saved checkpoints "
                          "(--save-every N, or the final save).")
     if step is not None:
-        path = ckpt.checkpoint_dir(run_dir, step)
-        reason = (ckpt.owner_problem(path, ckpt.run_id(run_dir)) or ckpt.verify(path)
+        path = checkpoints.checkpoint_dir(run_dir, step)
+        reason = (run_owner.owner_problem(path, run_owner.run_id(run_dir)) or ckpt.verify(path)
                   if path.is_dir() else "no such checkpoint")
         if reason is not None:
-            steps = sorted(ckpt.step_of(p) for p in ckpt.own_candidates(run_dir))
+            steps = sorted(checkpoints.step_of(p) for p in run_owner.own_candidates(run_dir))
             have = ", ".join(map(str, steps)) or "none"
             raise InputError(str(path), f"cannot export step {step}: {reason}.",
                              f"pick one of the saved steps ({have}) or leave --step out.")
@@ -81,7 +82,7 @@ def pick(run_dir: Path, step: int | None) -> Path:
     path, skipped = ckpt.find_resumable(run_dir)
     if path is None:
         why = "; ".join(f"{p.name}: {r}" for p, r in skipped) or "none saved"
-        raise InputError(str(run_dir / ckpt.CHECKPOINTS), f"no intact checkpoint ({why}).",
+        raise InputError(str(run_dir / checkpoints.CHECKPOINTS), f"no intact checkpoint ({why}).",
                          "export another run, or resume this one to write a checkpoint.")
     return path
 
@@ -95,7 +96,7 @@ def run_config(trainer: dict[str, Any], path: Path):
     saved = trainer["config"]
     unknown = sorted(set(saved) - names)
     if unknown:
-        raise InputError(str(Path(path) / ckpt.TRAINER_FILE), f"the run's config has options this Slapo does not "
+        raise InputError(str(Path(path) / checkpoints.TRAINER_FILE), f"the run's config has options this Slapo does not "
                          f"know: {', '.join(unknown)}.", "export with the Slapo that trained it.")
     values = {k: tuple(v) if isinstance(v, list) else v for k, v in saved.items()}
     return TrainConfig(**values)
@@ -172,7 +173,7 @@ def load_checkpoint_model(path: Path, model: nn.Module) -> int:
     tensors were read. Every parameter must be in the checkpoint."""
     import torch.distributed.checkpoint as dcp
 
-    meta = ckpt._SafeReader(str(path)).read_metadata().state_dict_metadata
+    meta = checkpoint_read.SafeReader(str(path)).read_metadata().state_dict_metadata
     saved = {k[len("model."):]: m for k, m in meta.items() if k.startswith("model.")}
     own = model.state_dict()
     missing = [k for k in own if k not in saved and not _tied_elsewhere(model, k, saved)]
@@ -188,8 +189,8 @@ def load_checkpoint_model(path: Path, model: nn.Module) -> int:
                              f"{tuple(own[k].shape)} in the model.",
                              "export with the --model / size options the run trained with.")
     with ckpt._quiet_single_process():
-        dcp.load({"model": state}, storage_reader=ckpt._SafeReader(str(path)),
-                 planner=ckpt._SafeLoadPlanner(path), no_dist=True)
+        dcp.load({"model": state}, storage_reader=checkpoint_read.SafeReader(str(path)),
+                 planner=checkpoint_read.SafeLoadPlanner(path), no_dist=True)
     # a fused-parameter shard is saved in its block layout: the same elements, reshaped
     full = {k: t.reshape(own[k].shape).to(own[k].dtype) for k, t in state.items()}
     model.load_state_dict(full, strict=False)
@@ -237,7 +238,7 @@ def export_run(run_dir: str | Path, out: str | Path, *, step: int | None = None,
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     try:  # whatever fails (the check, a full disk, Ctrl-C), no `OUT.tmp` is left behind
-        info = {"run": str(Path(run_dir).resolve()), "run_id": ckpt.manifest_run_id(path),
+        info = {"run": str(Path(run_dir).resolve()), "run_id": run_owner.manifest_run_id(path),
                 "checkpoint": path.name, "step": trainer["step"], "model": cfg.model,
                 "task": task,
                 "tokenizer": tok_dir or "bytes (slapo.data.ByteTokenizer: ids 0-255 are "

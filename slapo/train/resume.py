@@ -11,6 +11,7 @@ from typing import Any
 from .. import faultpoints
 from ..model_schedule.knobs import ScheduleKnobs
 from ..model_schedule.knobs import names as knob_names
+from . import checkpoints
 from . import run_state as ckpt
 from .config import RUN_IDENTITY, RUN_LAYOUT, TrainConfig, flag
 from .report import warn
@@ -20,7 +21,7 @@ __all__ = ["check_identity", "pick_checkpoint", "resume", "save"]
 
 def save(run: Any) -> Path:
     """Collective. Checkpoint everything the next step depends on into `out/checkpoints/`."""
-    path = ckpt.checkpoint_dir(Path(run.cfg.out), run.step)
+    path = checkpoints.checkpoint_dir(Path(run.cfg.out), run.step)
     trainer = {"step": run.step, "losses": run.losses, "step_times": run.step_times,
                "data": run.data.state_dict(), "config": run.cfg.options(),
                "precision": run.precision.state_dict(),  # fp16: the loss scale
@@ -43,7 +44,7 @@ def pick_checkpoint(run: Any) -> Path | None:
     if target != "latest":
         reason = ckpt.verify_all(Path(target), env.rank, env.world)
         if reason is not None:
-            raise ckpt.CheckpointError(target, f"cannot resume: {reason}. `--resume` with no "
+            raise checkpoints.CheckpointError(target, f"cannot resume: {reason}. `--resume` with no "
                                        "directory picks the newest intact checkpoint in --out.")
         return Path(target)
     path, skipped = ckpt.find_resumable(Path(cfg.out), env.rank, env.world)
@@ -51,7 +52,7 @@ def pick_checkpoint(run: Any) -> Path | None:
         warn(run, f"skipping checkpoint {bad}: {why}")
         run.resume_skipped.append({"checkpoint": str(bad), "reason": why})
     if path is None and skipped:
-        raise ckpt.CheckpointError(Path(cfg.out) / ckpt.CHECKPOINTS, "no intact checkpoint of "
+        raise checkpoints.CheckpointError(Path(cfg.out) / checkpoints.CHECKPOINTS, "no intact checkpoint of "
                                    "this run to resume from (every one is listed above with "
                                    "why it was skipped); start a fresh run in another --out "
                                    "(or --overwrite this one), or repair one")

@@ -1,21 +1,8 @@
-"""Run checkpoints of `slapo train` (DCP): safe to load, crash-safe to write, verified before use.
+"""Run checkpoints of `slapo train` (DCP): crash-safe to write, verified before use, loaded.
 
-(Activation checkpointing is another thing: `slapo.primitives.checkpoint`.)
-
-Layout of one checkpoint, `OUT/checkpoints/step_000010/`:
-- DCP files (`torch.distributed.checkpoint`): `.metadata` and `__{rank}_{i}.distcp`, the model
-  and optimizer state dicts (HF keys; each rank writes its own shards),
-- `rng_rank{r}.json`: every RNG stream of rank r (torch, CUDA, python, numpy, Slapo's TP stream),
-- `trainer.json`: step, loss history, data-sampler state and the run's config (rank 0),
-- `COMPLETE.json`: the completion marker, written last: format version, step, world size, the
-  run id of the directory's run, and the size and sha256 of every other file.
-
-Which run a checkpoint belongs to. A fresh run writes a new run id into `OUT/run.json` before
-anything else (`claim`), and every checkpoint's `COMPLETE.json` records the run id of the
-directory it was saved in. `--resume` and `slapo export` consider only the checkpoints of the
-directory's run (`owner_problems`): one copied in from elsewhere, or left behind by the run an
-`--overwrite` replaced, is skipped with its reason. A directory without `run.json` (written by
-a Slapo before run ids) keeps the old rule: every checkpoint in it is the run's.
+(Activation checkpointing is another thing: `slapo.primitives.checkpoint`.) What one checkpoint
+holds: `checkpoints.py`; which run it belongs to: `run_owner.py`; reading it back without
+running code: `checkpoint_read.py`; the RNG files: `run_rng.py`.
 
 Crash safety. Every rank writes into `step_000010.tmp/`; once all are done, each rank hashes its
 share of the files, rank 0 writes `COMPLETE.json` (fsynced) and renames the directory to
@@ -25,16 +12,6 @@ directory, which nothing reads. On `--resume`, `find_resumable` checks the newes
 it skipped and why. Checksums catch accidents (a truncated copy, a flipped bit, a lost file),
 not attacks: anyone who can write a checkpoint can write a matching marker.
 
-Safety against attacks is the loaders': nothing read back can run code.
-- JSON files (`trainer.json`, `rng_rank{r}.json`, `COMPLETE.json`) hold only data.
-- DCP's `FileSystemReader` unpickles `.metadata` with plain `pickle` and loads non-tensor items
-  (optimizer hyper-parameters) with `torch.load(weights_only=False)`. `_SafeReader` replaces the
-  first with an unpickler that resolves only DCP's own metadata classes, `torch.Size`,
-  dtypes/layouts and paths (any other global is refused before anything is called), and
-  `_SafeLoadPlanner` loads the second with `weights_only=True`. Tensors are loaded by DCP with
-  `weights_only=True` already. torch 2.13 offers no pickle-free format for this state (its
-  safetensors storage holds tensors only, no optimizer hyper-parameters or DTensor shards).
-
 Tensor-parallel parameters are local shards (see `slapo.sharding`), identical in name and shape
 on every rank; DCP would take them for replicas and keep one. They are handed to DCP as DTensors
 of the full tensor, over their TP group, or over the (dp, tp) mesh when FSDP2 shards them
@@ -43,13 +20,8 @@ further (`--dp-shard` with `--tp`): see `shard_layout`.
 
 from __future__ import annotations
 
-import base64
 import contextlib
-import hashlib
-import io
 import json
-import pickle
-import random
 import shutil
 import warnings
 from pathlib import Path
@@ -59,9 +31,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
-from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_state_dict,
@@ -69,136 +39,26 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from .. import faultpoints
-from ..errors import SlapoError
 from ..files import fsync_dir, write_synced
 from . import shard_layout
-
-CHECKPOINTS = "checkpoints"
-RUN_FILE = "run.json"
-# What a `slapo train` run writes into --out besides RUN_FILE (`--overwrite` removes exactly
-# these; anything else in the directory is the user's and stays).
-RUN_OUTPUTS = (CHECKPOINTS, "metrics.json", "metrics.jsonl", "metrics.csv", "metrics.png",
-               "tensorboard", "wandb")
-# The ones whose presence means the directory holds a run (a fresh run would damage them).
-RUN_MARKS = (CHECKPOINTS, "metrics.json", "metrics.jsonl", "metrics.csv")
-TRAINER_FILE = "trainer.json"
-MARKER = "COMPLETE.json"
-DCP_METADATA = ".metadata"
-FORMAT = "slapo-train-checkpoint"
-VERSION = 2
-_CHUNK = 1 << 20
-
-
-class CheckpointError(SlapoError):
-    """A checkpoint that cannot be used: damaged, unsafe, or from a different run/job shape.
-
-    `path` is the file (or directory) at fault; the message names it and says what to do.
-    """
-
-    def __init__(self, path: Path | str, problem: str):
-        self.path = Path(path)
-        self.problem = problem
-        super().__init__(f"{path}: {problem}")
-
-
-def checkpoint_dir(out: Path, step: int) -> Path:
-    return out / CHECKPOINTS / f"step_{step:06d}"
-
-
-def rng_file(rank: int) -> str:
-    return f"rng_rank{rank}.json"
-
-
-def step_of(path: Path) -> int | None:
-    """The step of a published checkpoint directory name (`step_000010`), else None."""
-    digits = path.name[5:]
-    return int(digits) if path.name.startswith("step_") and digits.isdigit() else None
-
-
-def candidates(out: Path) -> list[Path]:
-    """Every published checkpoint directory in `out` (complete or not), newest first.
-
-    `.tmp` (a save in progress or killed) and `.old` (being replaced) directories are not
-    candidates: their names are not `step_` + digits."""
-    root = Path(out) / CHECKPOINTS
-    if not root.is_dir():
-        return []
-    found = [p for p in root.iterdir() if p.is_dir() and step_of(p) is not None]
-    return sorted(found, key=step_of, reverse=True)
-
-
-def latest(out: Path) -> Path | None:
-    """The newest checkpoint in `out` that has a completion marker (not verified: cheap)."""
-    return next((p for p in candidates(out) if (p / MARKER).is_file()), None)
-
-
-# ---- which run a directory and a checkpoint belong to -------------------------------------------
-def run_id(out: Path) -> str | None:
-    """The run id of the run in `out` (`OUT/run.json`), or None (no run file: a directory from
-    a Slapo before run ids, or none yet)."""
-    path = Path(out) / RUN_FILE
-    if not path.is_file():
-        return None
-    data = read_json(path)
-    if not (isinstance(data, dict) and isinstance(data.get("run_id"), str)):
-        raise CheckpointError(path, "not a slapo run file (needs a string run_id)")
-    return data["run_id"]
-
-
-def holds_run(out: Path) -> list[str]:
-    """The run outputs in `out` that a fresh run there would overwrite or mix with (published
-    checkpoints, metrics); [] when there are none: a missing or empty directory, only the
-    user's own files, only the run file of a run that wrote nothing, or only the `.tmp` of a
-    killed first save (never read; retention removes it)."""
-    out = Path(out)
-    found = [f"{CHECKPOINTS}/"] if candidates(out) else []
-    return found + [name for name in RUN_MARKS if name != CHECKPOINTS and (out / name).exists()]
-
-
-def claim(out: Path, *, overwrite: bool = False) -> str:
-    """Make `out` a fresh run's: write a new run id into `OUT/run.json` (first, so that any
-    checkpoint still there from now on belongs to another run), then, with `overwrite`, remove
-    the old run's outputs (`RUN_OUTPUTS`; nothing else). Rank 0 only. Returns the new id."""
-    import uuid
-
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    new = uuid.uuid4().hex
-    tmp = out / (RUN_FILE + ".tmp")
-    write_synced(tmp, json.dumps({"format": "slapo-train-run", "run_id": new}))
-    tmp.replace(out / RUN_FILE)
-    fsync_dir(out)
-    if overwrite:
-        for name in RUN_OUTPUTS:
-            p = out / name
-            if p.is_dir():
-                shutil.rmtree(p)
-            elif p.exists():
-                p.unlink()
-    return new
-
-
-def manifest_run_id(path: Path) -> str | None:
-    """The run id a checkpoint's `COMPLETE.json` records (None: not recorded, or unreadable)."""
-    try:
-        m = read_json(Path(path) / MARKER)
-    except CheckpointError:
-        return None
-    value = m.get("run_id") if isinstance(m, dict) else None
-    return value if isinstance(value, str) else None
-
-
-def owner_problem(path: Path, owner: str | None) -> str | None:
-    """Why the checkpoint at `path` is not the run `owner`'s (None: it is, or `owner` is None:
-    a directory without run ids, where every checkpoint counts). A checkpoint without a marker
-    is left to `verify` to report."""
-    if owner is None or not (Path(path) / MARKER).is_file():
-        return None
-    found = manifest_run_id(path)
-    if found == owner:
-        return None
-    return (f"it belongs to another run (run id {found or 'not recorded'}; this directory's "
-            f"run is {owner}): not this run's checkpoint, left alone")
+from .checkpoint_read import SafeLoadPlanner, SafeReader, error_reason, first_checkpoint_error
+from .checkpoints import (
+    CHECKPOINTS,
+    DCP_METADATA,
+    FORMAT,
+    MARKER,
+    TRAINER_FILE,
+    VERSION,
+    CheckpointError,
+    candidates,
+    plain_name,
+    read_json,
+    rng_file,
+    sha256,
+    step_of,
+)
+from .run_owner import manifest_run_id, own_candidates, owner_problem, run_id
+from .run_rng import load_rng, rng_state
 
 
 @contextlib.contextmanager
@@ -232,220 +92,6 @@ def _broadcast(obj: Any) -> Any:
     box = [obj]
     dist.broadcast_object_list(box, src=0)
     return box[0]
-
-
-# ---- files ------------------------------------------------------------------------------------
-def sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while chunk := fh.read(_CHUNK):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def read_json(path: Path) -> Any:
-    """A JSON file, or a CheckpointError naming it (a pickle or garbage in its place)."""
-    try:
-        return json.loads(Path(path).read_bytes().decode("utf-8"))
-    except FileNotFoundError:
-        raise CheckpointError(path, "missing") from None
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(path, f"not a JSON file ({e}); refusing to read it any other "
-                              "way") from None
-
-
-# ---- RNG state as JSON ------------------------------------------------------------------------
-def _bytes_to_json(t: torch.Tensor) -> str:
-    return base64.b64encode(bytes(t.to(torch.uint8).reshape(-1).tolist())).decode("ascii")
-
-
-def _bytes_from_json(text: str) -> torch.Tensor:
-    return torch.tensor(list(base64.b64decode(text, validate=True)), dtype=torch.uint8)
-
-
-def rng_state() -> dict[str, Any]:
-    """Every RNG stream of this process as JSON-able data (byte states base64-encoded)."""
-    from ..distributed.rng import get_rng_tracker
-
-    version, internal, gauss = random.getstate()
-    state: dict[str, Any] = {
-        "torch": _bytes_to_json(torch.get_rng_state()),
-        "python": {"version": version, "internal": list(internal), "gauss_next": gauss},
-        "slapo_tracker": {name: [_bytes_to_json(cpu), None if cuda is None
-                                 else _bytes_to_json(cuda)]
-                          for name, (cpu, cuda) in get_rng_tracker().get_states().items()},
-    }
-    if torch.cuda.is_available():
-        state["cuda"] = [_bytes_to_json(s) for s in torch.cuda.get_rng_state_all()]
-    try:
-        import numpy as np
-
-        kind, keys, pos, has_gauss, cached = np.random.get_state()
-        state["numpy"] = {"kind": kind, "keys": [int(k) for k in keys], "pos": int(pos),
-                          "has_gauss": int(has_gauss), "cached_gaussian": float(cached)}
-    except ImportError:  # pragma: no cover
-        pass
-    return state
-
-
-def set_rng_state(state: dict[str, Any]) -> None:
-    """Restore what `rng_state` returned (raises KeyError/TypeError/ValueError on bad data)."""
-    from ..distributed.rng import get_rng_tracker
-
-    torch.set_rng_state(_bytes_from_json(state["torch"]))
-    py = state["python"]
-    random.setstate((int(py["version"]), tuple(int(x) for x in py["internal"]),
-                     None if py["gauss_next"] is None else float(py["gauss_next"])))
-    get_rng_tracker().set_states({
-        str(name): (_bytes_from_json(cpu), None if cuda is None else _bytes_from_json(cuda))
-        for name, (cpu, cuda) in state["slapo_tracker"].items()})
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all([_bytes_from_json(s) for s in state["cuda"]])
-    if "numpy" in state:
-        import numpy as np
-
-        n = state["numpy"]
-        np.random.set_state((str(n["kind"]), np.array(n["keys"], dtype=np.uint32),
-                             int(n["pos"]), int(n["has_gauss"]), float(n["cached_gaussian"])))
-
-
-def load_rng(path: Path) -> None:
-    """Restore this rank's RNG streams from its JSON file, naming the file on bad data."""
-    state = read_json(path)
-    try:
-        set_rng_state(state)
-    except (KeyError, TypeError, ValueError, RuntimeError, AttributeError) as e:
-        raise CheckpointError(path, f"not a valid RNG state ({type(e).__name__}: {e})") from None
-
-
-# ---- safe DCP reading -------------------------------------------------------------------------
-_DCP_CLASSES = {
-    "torch.distributed.checkpoint.metadata": {
-        "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
-        "BytesStorageMetadata", "ChunkStorageMetadata", "_MEM_FORMAT_ENCODING"},
-    "torch.distributed.checkpoint.filesystem": {"_StorageInfo", "_StoragePrefix"},
-    "pathlib": {"Path", "PosixPath", "WindowsPath", "PurePath", "PurePosixPath",
-                "PureWindowsPath"},
-    "pathlib._local": {"Path", "PosixPath", "WindowsPath", "PurePath", "PurePosixPath",
-                       "PureWindowsPath"},
-    "torch": {"Size"},
-    "torch.serialization": {"_get_layout"},
-    "collections": {"OrderedDict"},
-}
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    """Resolves only the classes DCP's metadata is made of (data holders with no side effects),
-    plus torch dtype/layout/memory-format constants; refuses every other global, so a crafted
-    `.metadata` cannot reach `os.system`, `eval`, `builtins.getattr` or any importer."""
-
-    def __init__(self, fh, path: Path):
-        super().__init__(fh)
-        self.path = path
-
-    def find_class(self, module: str, name: str) -> Any:
-        if name in _DCP_CLASSES.get(module, ()):
-            return super().find_class(module, name)
-        if module == "torch" and not name.startswith("_"):
-            value = getattr(torch, name, None)
-            if isinstance(value, (torch.dtype, torch.layout, torch.memory_format)):
-                return value
-        raise CheckpointError(self.path, f"refusing to unpickle {module}.{name}: not part of "
-                              "DCP checkpoint metadata (a crafted or foreign file?)")
-
-
-def _plain_name(name: str) -> bool:
-    """A file name inside the checkpoint directory: no separators, no `..`."""
-    return bool(name) and name not in (".", "..") and "/" not in name and "\\" not in name
-
-
-class _SafeReader(FileSystemReader):
-    """DCP's file reader with `.metadata` unpickled by `_MetadataUnpickler`, and every storage
-    entry checked to name a file inside the checkpoint directory."""
-
-    def read_metadata(self, *args: Any, **kwargs: Any):
-        from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
-
-        rank = kwargs.get("rank")
-        name = DCP_METADATA if rank is None else f"__{rank}{DCP_METADATA}"
-        path = Path(str(self.path)) / name
-        try:
-            with open(path, "rb") as fh:
-                metadata = _MetadataUnpickler(fh, path).load()
-        except CheckpointError:
-            raise
-        except FileNotFoundError:
-            raise CheckpointError(path, "missing") from None
-        except Exception as e:  # noqa: BLE001 - any unpickling failure: a damaged file
-            raise CheckpointError(path, f"not readable DCP metadata ({type(e).__name__}: "
-                                  f"{e})") from None
-        if not isinstance(metadata, Metadata):
-            raise CheckpointError(path, f"holds a {type(metadata).__name__}, not DCP Metadata")
-        for info in (metadata.storage_data or {}).values():
-            if not _plain_name(str(getattr(info, "relative_path", ""))):
-                raise CheckpointError(path, f"names a file outside the checkpoint: {info!r}")
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = getattr(self, "load_id", None)
-        return metadata
-
-
-    def read_data(self, plan, planner):
-        """DCP's reader (tensors with `weights_only=True`), with a failure naming the file(s)
-        this rank was reading instead of torch's bare unpickling message."""
-        try:
-            return super().read_data(plan, planner)
-        except CheckpointError:
-            raise
-        except Exception as e:  # noqa: BLE001 - a refused or damaged tensor record
-            files = sorted({self.storage_data[item.storage_index].relative_path
-                            for item in plan.items if item.storage_index in self.storage_data})
-            where = Path(str(self.path)) / (files[0] if len(files) == 1 else
-                                            "{" + ",".join(files) + "}")
-            raise CheckpointError(where, f"refusing to load a tensor record: {_reason(e)}"
-                                  ) from None
-
-
-def _reason(e: BaseException) -> str:
-    """The informative line of a loader error (torch's weights-only refusal names the global
-    it refused several lines down)."""
-    lines = [x.strip() for x in str(e).splitlines() if x.strip()]
-    named = [x for x in lines if "GLOBAL" in x or "Unsupported" in x]
-    return f"{type(e).__name__}: {(named or lines or [''])[0][:300]}"
-
-
-class _SafeLoadPlanner(DefaultLoadPlanner):
-    """DCP's default planner, loading non-tensor items (optimizer hyper-parameters: floats,
-    tuples, strings, None) with `torch.load(weights_only=True)` instead of a full unpickle."""
-
-    def __init__(self, checkpoint_dir: Path | str = "") -> None:
-        super().__init__()
-        self.checkpoint_dir = checkpoint_dir  # for error messages
-
-    def load_bytes(self, read_item, value: io.BytesIO) -> None:
-        from torch.distributed.checkpoint._traverse import set_element
-
-        fqn = read_item.dest_index.fqn
-        try:
-            obj = torch.load(value, weights_only=True)
-        except Exception as e:  # noqa: BLE001 - the weights-only unpickler refused it
-            info = (getattr(self, "metadata", None) and
-                    self.metadata.storage_data.get(read_item.storage_index))
-            where = getattr(info, "relative_path", "a .distcp file")
-            where = Path(str(getattr(self, "checkpoint_dir", ""))) / where
-            raise CheckpointError(where, f"refusing to load {fqn!r}: not plain data "
-                                  f"({_reason(e)})") from None
-        if self.flatten_state_dict:
-            set_element(self.original_state_dict, self.mappings[fqn], obj)
-        else:
-            self.state_dict[fqn] = obj
-
-
-def _first_checkpoint_error(e: BaseException) -> BaseException:
-    """DCP wraps per-rank failures in a CheckpointException: dig out ours, if any."""
-    failures = getattr(e, "failures", None) or {}
-    inner = [pair[0] if isinstance(pair, tuple) else pair for _, pair in sorted(failures.items())]
-    return next((x for x in inner if isinstance(x, CheckpointError)), inner[0] if inner else e)
 
 
 # ---- the state handed to DCP ------------------------------------------------------------------
@@ -509,7 +155,7 @@ def read_manifest(path: Path) -> dict[str, Any]:
         raise CheckpointError(marker, f"not a {FORMAT} v{VERSION} completion marker")
     files = m["files"]
     for name, entry in files.items():
-        if not (_plain_name(name) and isinstance(entry, dict) and isinstance(entry.get("size"),
+        if not (plain_name(name) and isinstance(entry, dict) and isinstance(entry.get("size"),
                 int) and isinstance(entry.get("sha256"), str)):
             raise CheckpointError(marker, f"bad file entry {name!r}: {entry!r}")
     needed = [DCP_METADATA, TRAINER_FILE, *(rng_file(r) for r in range(m["world_size"]))]
@@ -568,12 +214,6 @@ def _listing(out: Path) -> tuple[list[str], dict[str, str]]:
     paths = candidates(out)
     foreign = {p.name: why for p in paths if (why := owner_problem(p, owner)) is not None}
     return [p.name for p in paths], foreign
-
-
-def own_candidates(out: Path) -> list[Path]:
-    """`candidates` of the directory's own run (see `owner_problem`)."""
-    owner = run_id(out)
-    return [p for p in candidates(out) if owner_problem(p, owner) is None]
 
 
 # ---- save -------------------------------------------------------------------------------------
@@ -718,22 +358,22 @@ def load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, rank: i
     verified checkpoint, with loaders that run no code from the files (see the module
     docstring). DCP reads each tensor into whatever this job's model holds (a replica, an FSDP2
     shard), so another number of data-parallel ranks loads the same values."""
-    metadata = _SafeReader(str(path)).read_metadata()  # a refused one: our error, before DCP's
+    metadata = SafeReader(str(path)).read_metadata()  # a refused one: our error, before DCP's
     flat = _flat_optimizer(metadata)
     state, specs, partial, layout = _state(model, optimizer, flat)
     reshaped = _read_whole_where_reshaped(state, metadata)
     try:
         with _quiet_single_process():
-            dcp.load(state, storage_reader=_SafeReader(str(path)), planner=_SafeLoadPlanner(path),
+            dcp.load(state, storage_reader=SafeReader(str(path)), planner=SafeLoadPlanner(path),
                      no_dist=not dist.is_initialized())
     except CheckpointError:
         raise
     except (Exception, CheckpointException) as e:  # noqa: BLE001
-        inner = _first_checkpoint_error(e)
+        inner = first_checkpoint_error(e)
         if isinstance(inner, CheckpointError):
             raise inner from None
         raise CheckpointError(path, "could not load the model/optimizer state: "
-                              f"{_reason(inner)}") from None
+                              f"{error_reason(inner)}") from None
     _scatter_reshaped(state, reshaped)
     if specs:
         with torch.no_grad():
@@ -744,6 +384,7 @@ def load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, rank: i
                        options=StateDictOptions(strict=not partial,
                                                 flatten_optimizer_state_dict=flat))
     except (RuntimeError, KeyError, ValueError) as e:
-        raise CheckpointError(path, f"does not fit this model/optimizer: {_reason(e)}") from None
+        raise CheckpointError(path, "does not fit this model/optimizer: "
+                              f"{error_reason(e)}") from None
     if rng:
         load_rng(Path(path) / rng_file(rank))

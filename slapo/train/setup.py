@@ -29,7 +29,7 @@ from ..data.sources import InputError, is_saved_dataset
 from ..data.sources import _expand as expand_source
 from ..distributed.group import leave_process_group
 from ..runtime.mesh import ParallelDims, init_mesh
-from . import fault_injection, faults, pretrained
+from . import checkpoints, fault_injection, faults, pretrained, run_owner
 from . import run_state as ckpt
 from .config import PROGRESSIVE_INPUTS
 from .metrics_log import check_sinks
@@ -120,8 +120,8 @@ def _check_resume_target(cfg: Any) -> None:
         return
     if target != "latest" and not Path(target).is_dir():
         raise ValueError(f"--resume {target}: no such checkpoint directory")
-    if target == "latest" and not ckpt.candidates(Path(cfg.out)):
-        raise ValueError(f"--resume: no checkpoint in {Path(cfg.out) / ckpt.CHECKPOINTS}; "
+    if target == "latest" and not checkpoints.candidates(Path(cfg.out)):
+        raise ValueError(f"--resume: no checkpoint in {Path(cfg.out) / checkpoints.CHECKPOINTS}; "
                          "drop --resume to start a fresh run there, or pass "
                          "--resume-or-start to resume when a checkpoint exists and start "
                          "fresh otherwise")
@@ -166,7 +166,7 @@ def check_out(cfg: Any) -> None:
     run (`claim_out`); the user's own files never count."""
     if not _trains_into_out(cfg) or cfg.overwrite or cfg.resume_target() is not None:
         return
-    found = ckpt.holds_run(Path(cfg.out))
+    found = run_owner.holds_run(Path(cfg.out))
     if found:
         raise InputError(str(cfg.out), f"already holds a run ({', '.join(found)}); a fresh run "
                          "there would overwrite its metrics and mix its checkpoints with the "
@@ -177,7 +177,7 @@ def check_out(cfg: Any) -> None:
 def claim_out(cfg: Any, env: Env) -> None:
     """Collective; the loop calls it once the run is built (so bad input found while building
     still leaves --out untouched) and before anything is written there. Rank 0: a fresh run
-    writes a new run id into `OUT/run.json` (`run_state.claim`; with --overwrite it then removes
+    writes a new run id into `OUT/run.json` (`run_owner.claim`; with --overwrite it then removes
     the old run's outputs), so its checkpoints carry that id and `--resume` / `slapo export`
     take only them. A resumed run keeps the directory's id; a directory without run id and
     without checkpoints (a `--resume DIR` fork, a `--resume-or-start` with nothing to resume)
@@ -189,9 +189,9 @@ def claim_out(cfg: Any, env: Env) -> None:
     if env.is_main:
         try:
             out = Path(cfg.out)
-            if cfg.resume_target() is None or (ckpt.run_id(out) is None
-                                               and not ckpt.candidates(out)):
-                ckpt.claim(out, overwrite=cfg.overwrite)
+            if cfg.resume_target() is None or (run_owner.run_id(out) is None
+                                               and not checkpoints.candidates(out)):
+                run_owner.claim(out, overwrite=cfg.overwrite)
         except Exception as e:  # noqa: BLE001 - re-raised below, on rank 0 as itself
             failure, error = f"{type(e).__name__}: {e}", e
     failure = ckpt._broadcast(failure)
