@@ -33,7 +33,8 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 
 from ..errors import SchedulingError, TraceError
-from .tracer import _frame_of, _reorder, _restore_buffer_persistence, guard_equal
+from .trace_common import _frame_of, guard_equal
+from .tracer import _reorder, _restore_buffer_persistence
 
 EXPORT_META = "slapo_exported"
 DIALECT_META = "slapo_export_dialect"

@@ -21,17 +21,15 @@ parameters, which would have to be re-assembled. So we keep fx and fix why it fa
 
 Failures raise `TraceError` naming the tracer, the offending operation and the model's source
 line, never a bare fx traceback.
+
+The parts: this file (the tracer and the `GraphModule` it builds), `trace_inputs.py` (binding
+and specialising the inputs), `hf_attention.py` (the attention call as one node),
+`trace_common.py` (node markers, run-time guards, source lines).
 """
 
 from __future__ import annotations
 
-import contextlib
-import functools
-import inspect
-import linecache
-import operator
 import os
-import sys
 import traceback
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -39,123 +37,33 @@ from typing import Any
 import torch
 import torch.fx as fx
 import torch.nn as nn
-from torch.fx.node import has_side_effect, map_aggregate
+from torch.fx.node import map_aggregate
 
 from .. import module_patch, sharding
 from ..errors import TraceError
+from .hf_attention import _hf_attention_as_leaf
+from .trace_common import (
+    _DATA,
+    _UNKNOWN,
+    _VALUE,
+    _fetch,
+    _frame_of,
+    _TraceFailure,
+    _user_frame,
+    guard_absent,
+    guard_equal,
+    guard_kwargs,
+)
+from .trace_inputs import _bind_inputs
 
-_UNKNOWN = object()
-_VALUE, _DATA = "slapo_value", "slapo_data"
 _SHAPE_ATTRS = {"shape", "dtype", "device", "ndim", "is_cuda", "is_sparse", "layout"}
 _SHAPE_METHODS = {"size", "dim", "numel", "get_device", "is_floating_point", "is_contiguous",
                   "element_size", "ndimension", "nelement"}
-_SKIP_FRAMES = (os.sep + "torch" + os.sep, os.sep + "slapo" + os.sep + "graph" + os.sep,
-                "contextlib.py", "functools.py")
-
-
-class TraceGuardError(RuntimeError):
-    """A traced graph was called with inputs that take another path than at trace time."""
-
-
-@has_side_effect
-def guard_equal(value: Any, expected: Any, what: str) -> None:
-    """Run-time check of a decision made at trace time (kept by dead-code elimination)."""
-    if isinstance(value, fx.Proxy):  # re-traced (an inlined GraphModule): stay a node
-        return value.tracer.create_proxy("call_function", guard_equal, (value, expected, what),
-                                         {})
-    if value != expected:
-        raise TraceGuardError(f"the traced graph was specialised on {what} == {expected!r}, "
-                              f"but this call has {value!r}; re-trace with these inputs.")
-
-
-@has_side_effect
-def guard_absent(value: Any, what: str) -> None:
-    """An input traced as None must stay None (an empty KV cache counts as absent)."""
-    if isinstance(value, fx.Proxy):
-        return value.tracer.create_proxy("call_function", guard_absent, (value, what), {})
-    if value is None or _is_empty_cache(value):
-        return
-    raise TraceGuardError(f"the traced graph was specialised on {what} being None/absent, but "
-                          f"this call passes a {type(value).__name__}; re-trace with it.")
-
-
-@has_side_effect
-def guard_kwargs(kwargs: dict, known: tuple, what: str) -> None:
-    """Extra keyword arguments not seen at trace time must be None (they would be ignored)."""
-    if isinstance(kwargs, fx.Proxy):
-        return kwargs.tracer.create_proxy("call_function", guard_kwargs, (kwargs, known, what), {})
-    extra = [k for k, v in kwargs.items() if k not in known and v is not None
-             and not _is_empty_cache(v) and not isinstance(v, bool)]
-    if extra:
-        raise TraceGuardError(f"{what} got keyword argument(s) {extra} that were not present "
-                              "when it was traced; re-trace with example_inputs including them.")
-
-
-def _is_cache(value: Any) -> bool:
-    return any(c.__name__.endswith("Cache") and "transformers" in c.__module__
-               for c in type(value).__mro__)
-
-
-def _is_empty_cache(value: Any) -> bool:
-    if not _is_cache(value):
-        return False
-    try:
-        return int(value.get_seq_length()) == 0
-    except Exception:  # noqa: BLE001 - unknown cache type: treat as in use
-        return False
-
-
-class AttentionCall(nn.Module):
-    """One HF attention-interface call (eager/sdpa/flash...) kept as a single graph node.
-
-    The function receives this module as its `module` argument, so the plain attributes the
-    attention functions read (`is_causal`, `scaling`, `num_key_value_groups`, `config`, ...) are
-    copied from the attention module; `training` follows `model.train()/eval()` as usual.
-    """
-
-    def __init__(self, fn: Callable, owner: nn.Module):
-        super().__init__()
-        self.fn = fn
-        for k, v in vars(owner).items():
-            if not k.startswith("_") and k != "training" and not isinstance(v, (nn.Module,
-                                                                             torch.Tensor)):
-                self.__dict__[k] = v
-        self.train(owner.training)
-
-    def forward(self, *args, **kwargs):
-        return self.fn(self, *args, **kwargs)
-
-    def extra_repr(self) -> str:
-        return getattr(self.fn, "__name__", repr(self.fn))
 
 
 class _ValueProxy(fx.Proxy):
     def __len__(self) -> int:
         return self.tracer.proxy_len(self)  # type: ignore[attr-defined]
-
-
-def _user_frame() -> str:
-    """file:line and code of the innermost model-code frame of the current stack."""
-    for fr in reversed(traceback.extract_stack()[:-1]):
-        if not any(s in fr.filename for s in _SKIP_FRAMES):
-            line = fr.line or linecache.getline(fr.filename, fr.lineno).strip()
-            return f"{fr.filename}:{fr.lineno} ({fr.name}): {line}"
-    return "<unknown source line>"
-
-
-def _frame_of(exc: BaseException) -> str:
-    for fr in reversed(traceback.extract_tb(exc.__traceback__)):
-        if not any(s in fr.filename for s in _SKIP_FRAMES):
-            return f"{fr.filename}:{fr.lineno} ({fr.name}): {fr.line}"
-    return "<unknown source line>"
-
-
-class _TraceFailure(Exception):
-    """Raised inside tracing with an already formatted problem (op + source line)."""
-
-    def __init__(self, op: str, where: str, why: str):
-        self.op, self.where, self.why = op, where, why
-        super().__init__(f"{why} at {op!s} ({where})")
 
 
 def _describe(node: fx.Node) -> str:
@@ -330,204 +238,10 @@ class SlapoTracer(fx.Tracer):
         return list(val.keys())
 
 
-def _fetch(root: nn.Module, target: str):
-    obj: Any = root
-    for part in target.split("."):
-        obj = getattr(obj, part)
-    return obj
-
-
 def _contains_unknown(obj) -> bool:
     found = []
     map_aggregate(obj, lambda a: found.append(True) if a is _UNKNOWN else a)
     return bool(found)
-
-
-# ------------------------------------------------------------------------------------------------
-# HF attention dispatch -> one call_module node
-# ------------------------------------------------------------------------------------------------
-
-def _first_proxy(obj) -> fx.Proxy | None:
-    found: list = []
-
-    def visit(a):
-        if isinstance(a, fx.Proxy):
-            found.append(a)
-        elif isinstance(a, (tuple, list)):
-            for x in a:
-                visit(x)
-        elif isinstance(a, dict):
-            for x in a.values():
-                visit(x)
-
-    visit(obj)
-    return found[0] if found else None
-
-
-def _attention_leaf(fn: Callable) -> Callable:
-    """Wrap an HF attention function: with Proxy inputs it becomes an `AttentionCall` node of
-    the tracer that owns the proxies (nested traces share the patched function)."""
-    if getattr(fn, "_slapo_attention_leaf", False) or not callable(fn):
-        return fn
-
-    @functools.wraps(fn)
-    def leaf(module, *args, **kwargs):
-        proxy = _first_proxy((args, kwargs))
-        tracer = getattr(proxy, "tracer", None)
-        if not isinstance(tracer, SlapoTracer) or not isinstance(module, nn.Module) or \
-                tracer._evaluating:
-            return fn(module, *args, **kwargs)
-        owner = tracer.path_of_module(module)
-        base = f"{owner}.attention_fn" if owner else "attention_fn"
-        target, i = base, 1
-        while target in tracer.extra_modules or _has_attr(tracer.root, target):
-            target, i = f"{base}_{i}", i + 1
-        tracer.extra_modules[target] = AttentionCall(fn, module)
-        return tracer.create_proxy("call_module", target, args, kwargs)
-
-    leaf._slapo_attention_leaf = True
-    return leaf
-
-
-@contextlib.contextmanager
-def _hf_attention_as_leaf(root: nn.Module):
-    """Temporarily route HF attention-interface functions through `AttentionCall` nodes."""
-    try:
-        from transformers import modeling_utils
-    except Exception:  # noqa: BLE001 - transformers absent or broken: nothing to patch
-        yield
-        return
-    mapping = type(modeling_utils.ALL_ATTENTION_FUNCTIONS)._global_mapping
-    saved_mapping = dict(mapping)
-    patched_globals: list[tuple[dict, str, Any]] = []
-    for m in root.modules():
-        g = getattr(sys.modules.get(type(m).__module__), "__dict__", {})
-        fn = g.get("eager_attention_forward")
-        if fn is not None and not getattr(fn, "_slapo_attention_leaf", False):
-            patched_globals.append((g, "eager_attention_forward", fn))
-            g["eager_attention_forward"] = _attention_leaf(fn)
-    try:
-        for k, v in saved_mapping.items():
-            mapping[k] = _attention_leaf(v)
-        yield
-    finally:
-        mapping.clear()
-        mapping.update(saved_mapping)
-        for g, name, fn in patched_globals:
-            g[name] = fn
-
-
-def _has_attr(root: nn.Module, target: str) -> bool:
-    try:
-        _fetch(root, target)
-        return True
-    except AttributeError:
-        return False
-
-
-# ------------------------------------------------------------------------------------------------
-# inputs: placeholders, specialisation and guards
-# ------------------------------------------------------------------------------------------------
-
-def _clone(v):
-    return map_aggregate(v, lambda t: t.detach().clone() if isinstance(t, torch.Tensor) else t) \
-        if isinstance(v, (tuple, list, dict)) else (v.detach().clone()
-                                                    if isinstance(v, torch.Tensor) else v)
-
-
-def _is_tensor_tree(v) -> bool:
-    if isinstance(v, torch.Tensor):
-        return True
-    if isinstance(v, (tuple, list)) and v:
-        return all(_is_tensor_tree(x) for x in v)
-    return False
-
-
-def _bind_inputs(tracer: SlapoTracer, root: nn.Module, example, concrete: dict):
-    """Create placeholders for `root.forward`'s parameters; return (fn, args) for tracing."""
-    fwd = inspect.unwrap(type(root).forward)
-    sig = inspect.signature(fwd)
-    params = list(sig.parameters.values())[1:]
-    ex_args, ex_kwargs = example if example is not None else ((), {})
-    try:
-        bound = inspect.signature(root.forward).bind_partial(*ex_args, **ex_kwargs).arguments
-    except TypeError as e:
-        raise _TraceFailure("the module's inputs", "example_inputs", f"example inputs do not "
-                            f"match the forward signature: {e}") from None
-    call_args: list = [root]
-    call_kwargs: dict = {}
-    for p in params:
-        if p.kind is p.VAR_POSITIONAL:
-            if bound.get(p.name):
-                raise _TraceFailure(f"*{p.name}", "forward signature", "variadic positional "
-                                    "inputs are not supported")
-            continue
-        if p.kind is p.VAR_KEYWORD:
-            kw_proxy = tracer.create_proxy("placeholder", "**" + p.name, (), {})
-            kw_proxy.node.meta[_DATA] = True
-            seen = dict(bound.get(p.name, {}))
-            for k, v in seen.items():
-                call_kwargs[k] = _input_value(tracer, kw_proxy, k, v, getter=True)
-            tracer.create_proxy("call_function", guard_kwargs,
-                                (kw_proxy, tuple(seen), f"{type(root).__name__}.forward"), {})
-            continue
-        default = () if p.default is p.empty else (p.default,)
-        ph = tracer.create_proxy("placeholder", p.name, default, {})
-        ph.node.meta[_DATA] = True
-        if p.name in concrete:
-            value = concrete[p.name]
-        elif p.name in bound:
-            value = bound[p.name]
-        elif p.default is not p.empty:
-            value = p.default
-        else:
-            value = _UNKNOWN  # a required input without an example: a tensor of unknown value
-        v = _input_value(tracer, ph, p.name, value, getter=False,
-                         force_const=p.name in concrete)
-        if p.kind is p.KEYWORD_ONLY:
-            call_kwargs[p.name] = v
-        else:
-            call_args.append(v)
-    fn = type(root).forward
-
-    def run(*a):
-        return fn(*a, **call_kwargs)
-
-    return run, call_args
-
-
-def _input_value(tracer: SlapoTracer, proxy: fx.Proxy, name: str, value, *, getter: bool,
-                 force_const: bool = False):
-    """What the traced forward receives for one input, plus the guard that keeps it honest."""
-    what = f"input {name!r}"
-    if getter:  # an entry of **kwargs
-        if not force_const and _is_tensor_tree(value):
-            p = tracer.create_proxy("call_method", "get", (proxy, name), {})
-            p.node.meta[_VALUE] = _clone(value)
-            p.node.meta[_DATA] = True
-            return p
-        src = tracer.create_proxy("call_method", "get", (proxy, name), {})
-        src.node.meta[_VALUE] = value
-        src.node.meta[_DATA] = True
-        proxy = src
-    if value is _UNKNOWN:
-        proxy.node.meta[_VALUE] = _UNKNOWN
-        return proxy
-    if not force_const and _is_tensor_tree(value):
-        proxy.node.meta[_VALUE] = _clone(value)
-        return proxy
-    if _is_cache(value) and not _is_empty_cache(value):
-        raise _TraceFailure(what, "example_inputs", "a KV cache that already holds keys/values "
-                            "cannot be traced (graphs are for training: use_cache=False)")
-    if value is None or _is_cache(value):
-        tracer.create_proxy("call_function", guard_absent, (proxy, what), {})
-        return None
-    if isinstance(value, (bool, int, float, str)):
-        tracer.create_proxy("call_function", guard_equal, (proxy, value, what), {})
-        return value
-    raise _TraceFailure(what, "example_inputs", f"an input of type {type(value).__name__} cannot "
-                        "be traced (only tensors, tuples of tensors, None, bool/int/float/str "
-                        "and empty KV caches)")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -636,32 +350,3 @@ def _fix_hint(why: str) -> str:
         return "pass example_inputs=(args, kwargs) captured from a real call."
     return ("list the submodule containing this line in leaves=, pass example_inputs=, or "
             "keep this module eager.")
-
-
-def operator_name(target) -> str:
-    """A readable name for a call_function target (used by find and error messages)."""
-    if target is operator.getitem:
-        return "getitem"
-    return getattr(target, "__name__", str(target))
-
-
-def capture_inputs(model: nn.Module, paths, *args, **kwargs) -> dict[str, tuple[tuple, dict]]:
-    """Run `model(*args, **kwargs)` once (no grad) and return the (args, kwargs) each submodule
-    in `paths` received: the `example_inputs` for tracing it."""
-    paths = [paths] if isinstance(paths, str) else list(paths)
-    seen: dict[str, tuple[tuple, dict]] = {}
-    handles = []
-    for p in paths:
-        def hook(mod, a, k, p=p):
-            seen.setdefault(p, (tuple(_clone(x) for x in a), {n: _clone(v) for n, v in k.items()}))
-        handles.append(model.get_submodule(p).register_forward_pre_hook(hook, with_kwargs=True))
-    try:
-        with torch.no_grad():
-            model(*args, **kwargs)
-    finally:
-        for h in handles:
-            h.remove()
-    missing = [p for p in paths if p not in seen]
-    if missing:
-        raise ValueError(f"submodules {missing} were not called by this forward")
-    return seen
