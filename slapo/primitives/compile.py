@@ -37,11 +37,6 @@ def is_compiled(module: nn.Module) -> bool:
     return getattr(module, "_compiled_call_impl", None) is not None
 
 
-def compile_options(module: nn.Module) -> dict[str, Any] | None:
-    """The options this primitive compiled `module` with (None: not compiled by it)."""
-    return module.__dict__.get("_slapo_compile") if is_compiled(module) else None
-
-
 @register_primitive
 class CompilePrimitive(Primitive):
     """Compile this module's call with `torch.compile` (regional compilation; see module doc).
@@ -91,7 +86,6 @@ class CompilePrimitive(Primitive):
         if mode is None:
             del opts["mode"]
         sch.mod._compiled_call_impl = compiled_call(sch.mod, opts)  # as nn.Module.compile
-        sch.mod.__dict__["_slapo_compile"] = opts
 
 
 # dynamo refuses a side effect inside a checkpointed region (it would have to replay it in the
