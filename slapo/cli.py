@@ -102,7 +102,7 @@ def _add_prepare_parser(sub: Any) -> None:
 def _prepare(args: argparse.Namespace) -> int:
     """`slapo prepare-data` (slapo/data/prepared.py): bad input is exit 2, nothing written."""
     from .data import InputError
-    from .data.prepared import prepare
+    from .data.prepare_tokens import prepare
 
     try:
         meta = prepare(args.data, args.out, args.tokenizer, text_field=args.text_field,

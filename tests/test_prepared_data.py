@@ -21,7 +21,7 @@ from user_data import bpe_tokenizer, user_files
 
 from slapo.cli import main
 from slapo.data import InputError, load_corpus, make_data, open_prepared, prepare, sources
-from slapo.data import prepared as prepared_mod
+from slapo.data import prepare_tokens as prepared_mod
 
 TINY = ["--hidden-size", "32", "--num-layers", "2", "--num-heads", "2", "--seq-len", "32",
         "--batch-size", "4", "--no-progress", "--no-plot", "--eval-batches", "1"]

@@ -20,15 +20,9 @@ from .dataset import (
     split_tokens,
 )
 from .loaders import Data, make_data
-from .prepared import (
-    MappedTokens,
-    Prepared,
-    check_prepared,
-    is_prepared,
-    open_prepared,
-    prepare,
-    tokenizer_identity,
-)
+from .prepare_tokens import prepare
+from .prepared import MappedTokens, Prepared, check_prepared, is_prepared, open_prepared
+from .prepared_format import tokenizer_identity
 from .sources import Documents, DocumentStream, InputError, open_documents, read_documents
 from .tokenizer import ByteTokenizer, HFTokenizer, check_tokenizer_dir, load_tokenizer
 
