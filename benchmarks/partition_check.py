@@ -7,7 +7,7 @@ peak memory by 6-12% and the cause is open).
 
 Per model (`slapo.tune.model_spaces.GPU_MODELS`, the benchmark's batch and sequence) and per
 checkpoint mode of `compile_blocks` (none, selective): the *recorded* bytes are
-`capture.record_partition` on fake tensors exactly as `predict_gpu` records them (CPU autocast
+`partition_plan.record_partition` on fake tensors exactly as `predict_gpu` records them (CPU autocast
 with CUDA's op lists); the *real* bytes come from `torch.compile(layer)` (inductor, the
 device's own partitioner and joint passes) on real tensors under CUDA bf16 autocast: the tensors
 its compiled autograd node holds, each storage once, parameters and the layer's inputs excluded,
@@ -55,7 +55,7 @@ def _first_layer(model):
 
 def recorded(spec, mode: str) -> int:
     """The cost model's saved bytes for the first layer (as `predict_gpu` records them)."""
-    from slapo.tune.capture import record_partition
+    from slapo.tune.partition_plan import record_partition
     from slapo.tune.predict_gpu import (
         _autocast,
         _fake_batch,

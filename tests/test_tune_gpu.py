@@ -207,7 +207,7 @@ def test_recorded_partition_is_what_a_real_compile_keeps(spec):
     a real aot_eager compile of the same layer keeps on real tensors: same partitioner."""
     import torch
 
-    from slapo.tune.capture import record_partition
+    from slapo.tune.partition_plan import record_partition
     from slapo.tune.predict_gpu import _autocast, _fake_batch, _fake_model, _layer_call, fake_mode
 
     warnings.simplefilter("ignore")
@@ -239,7 +239,7 @@ def test_partition_costs_count_fused_kernels():
     fused kernel); the chain's intermediate never reaches memory."""
     import torch
 
-    from slapo.tune.capture import record_partition
+    from slapo.tune.partition_plan import record_partition
 
     w = torch.randn(32, 32, requires_grad=True)
     x = torch.randn(16, 32, requires_grad=True)
@@ -256,7 +256,7 @@ def test_kernel_count_is_one_per_launching_op():
     """Views and allocations launch nothing; every other op (in-place ones too) one kernel."""
     import torch
 
-    from slapo.tune.capture import _CostCounter
+    from slapo.tune.op_costs import _CostCounter
 
     a, b = torch.randn(8, 8), torch.randn(8, 8)
     with _CostCounter() as c:

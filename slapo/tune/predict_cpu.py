@@ -33,9 +33,10 @@ from pathlib import Path
 from typing import Any
 
 from ..profile.meter import rss_bytes
-from .capture import _CostCounter, _SavedRecorder
+from .capture import _SavedRecorder
 from .evaluators import TrialSettings, build_scheduled_model
 from .model_spaces import schedule_knobs
+from .op_costs import _CostCounter
 from .space import Config
 from .timing import DeviceConstants, calibrate, roofline_time
 

@@ -9,8 +9,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from .capture import PartitionPlan, _CostCounter, record_partition
 from .model_spaces import schedule_knobs
+from .op_costs import _CostCounter
+from .partition_plan import PartitionPlan, record_partition
 from .space import Config
 from .timing import DeviceConstants, roofline_time
 
@@ -44,7 +45,7 @@ class GPUCostModel:
     fused loss, kernels and autocast's cached bf16 weights are therefore what the product runs.
     A compiled layer (`compile_blocks`) is not emulated by a formula: the first layer is
     compiled once per checkpoint mode with inductor's own AOTAutograd front half
-    (`capture.record_partition`: its decompositions, joint-graph passes and min-cut
+    (`partition_plan.record_partition`: its decompositions, joint-graph passes and min-cut
     partitioner, no code generation) on the fake tensors of the step, at full shape, and every
     compiled layer then runs as a stand-in that holds exactly the bytes that partition keeps
     for backward and allocates its backward graph's peak (`_standin_forward`). AdamW's state
@@ -53,7 +54,7 @@ class GPUCostModel:
     **Time** is a roofline per op class over the same step: matmul/attention FLOPs (forward,
     recomputation, backward) at `device.peak_flops`, the bytes every other op moves at
     `device.mem_bandwidth` (a compiled layer's from its partitioned graphs, one fused kernel
-    per elementwise/reduction region: `capture.graph_costs`), one `device.kernel_launch_s` per
+    per elementwise/reduction region: `partition_plan.graph_costs`), one `device.kernel_launch_s` per
     launched kernel (eager ops one each; a compiled layer its fused and matmul kernels), and
     the fused AdamW step; times `1 / efficiency`. `efficiency` is the one constant fitted to a
     measurement (`calibrate`, on one configuration per model family).

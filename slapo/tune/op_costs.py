@@ -1,0 +1,85 @@
+"""What the ops of one traced call cost: matmul FLOPs (torch's flop registry plus CPU flash
+attention), bytes moved by the other ops, and kernel launches (`_CostCounter`, a dispatch mode)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+_MM_FLOPS: dict[str, Callable[..., int]] = {}
+
+
+def _sdpa_cpu_flops(fwd: bool) -> Callable[..., int]:
+    def count(args: tuple, out: Any) -> int:
+        q, k = args[0], args[1]
+        b, h, sq, d = q.shape
+        sk = k.shape[-2]
+        per = 2 * b * h * sq * sk * d  # one (sq x d) @ (d x sk) product
+        return (2 if fwd else 5) * per  # QK^T, PV; backward: recompute QK^T + dV, dP, dQ, dK
+
+    return count
+
+
+_MM_FLOPS["aten._scaled_dot_product_flash_attention_for_cpu.default"] = _sdpa_cpu_flops(True)
+_MM_FLOPS["aten._scaled_dot_product_flash_attention_for_cpu_backward.default"] = _sdpa_cpu_flops(False)
+
+
+_NO_KERNEL = {getattr(torch.ops.aten, n) for n in (
+    "empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "detach",
+    "lift_fresh", "_local_scalar_dense", "set_", "_unsafe_view", "alias", "_has_compatible_shallow_copy_type")
+    if hasattr(torch.ops.aten, n)}
+
+
+class _CostCounter(TorchDispatchMode):
+    """Matmul FLOPs (torch's flop registry + CPU flash attention) and bytes moved by other ops.
+
+    Bytes moved = bytes read + written by every non-matmul op whose outputs are new storage
+    (views and in-place ops move nothing new). This is the memory-bound half of a roofline.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        from torch.utils.flop_counter import flop_registry
+
+        self.registry = flop_registry
+        self.flops = 0
+        self.bytes = 0
+        self.kernels = 0  # ops that launch a kernel: everything but views and allocations
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        name = str(func)
+        if not func.is_view and func.overloadpacket not in _NO_KERNEL:
+            self.kernels += 1
+        if func.overloadpacket in self.registry:
+            self.flops += int(self.registry[func.overloadpacket](*args, **kwargs, out_val=out))
+        elif name in _MM_FLOPS:
+            self.flops += int(_MM_FLOPS[name](args, out))
+        else:
+            ins = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)]
+            outs = [o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor)]
+            in_st = {_sid(a) for a in ins}
+            if outs and all(_sid(o) not in in_st for o in outs):
+                self.bytes += sum(_tbytes(t) for t in ins) + sum(_tbytes(t) for t in outs)
+        return out
+
+
+def _sid(t: torch.Tensor) -> int:
+    return t.untyped_storage()._cdata
+
+
+def _tbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def is_matmul(func: Any) -> bool:
+    """Matmul and attention kernels: their own kernels (not fused by inductor), their time in
+    the FLOP term; the same op list as the checkpoint primitive's selective policy."""
+    from ..primitives.checkpoint import _SAVE_OPS
+
+    return func in _SAVE_OPS
