@@ -226,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
         print("tempo_gpu.py: no CUDA device (use --device cpu)", file=sys.stderr)
         return 2
     if args.reference:
-        os.environ["SLAPO_TEMPO_TRITON"] = "0"
+        os.environ["SLAPO_TRITON"] = "0"
     print(f"BERT layer h{args.hidden}, {args.batch}x{args.seq}, {args.precision}, dropout "
           f"{args.dropout}, attention {args.attention}, {args.device}")
     run(args)

@@ -369,3 +369,26 @@ def test_backend_errors(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
         K.swiglu(x.float(), x.float(), backend="triton")  # CPU tensors, no interpreter
+
+
+def test_one_triton_policy_for_every_kernel(monkeypatch):
+    """`SLAPO_TRITON` is the one switch of every Triton kernel's "auto" choice (the fused ops
+    here and Tempo's): `0` runs the references, `1` also runs the kernels on CPU tensors under
+    `TRITON_INTERPRET=1`; an explicit backend wins over it."""
+    from slapo.op.kernels import _common
+
+    monkeypatch.setattr(_common, "_TRITON_INSTALLED", True)  # the answer, not the install
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    x = torch.zeros(4)
+    monkeypatch.delenv(_common.ENV, raising=False)
+    assert not _common.use_triton("auto", x)  # CPU tensors: the reference, as before
+    monkeypatch.setenv(_common.ENV, "1")
+    assert _common.use_triton("auto", x)
+    assert not _common.use_triton("auto", x.double())  # no fp64 kernels: the reference
+    assert not _common.use_triton("reference", x)
+    monkeypatch.setenv(_common.ENV, "0")
+    assert not _common.use_triton("auto", x)
+    assert _common.use_triton("triton", x)  # forced: the variable does not override it
+    monkeypatch.delenv("TRITON_INTERPRET")
+    monkeypatch.setenv(_common.ENV, "1")
+    assert not _common.use_triton("auto", x)  # no interpreter: CPU tensors cannot run them

@@ -21,12 +21,13 @@ os.environ["TRITON_INTERPRET"] = "1"  # before slapo.op.tempo_triton is first im
 
 from slapo.op import TempoGELU, TempoLayerNorm, apply_tempo_to_module  # noqa: E402
 from slapo.op import tempo_kernels as tk  # noqa: E402
+from slapo.op.kernels._common import triton_available, use_triton  # noqa: E402
 from slapo.profile import saved_bytes  # noqa: E402
 
 tg = sys.modules["slapo.op.tempo_gelu"]  # `slapo.op.tempo_gelu` is also a function name
 tln = sys.modules["slapo.op.tempo_layernorm"]
 
-needs_triton = pytest.mark.skipif(not tk.triton_available(), reason="triton not installed")
+needs_triton = pytest.mark.skipif(not triton_available(), reason="triton not installed")
 HALF_TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
 
 
@@ -42,8 +43,8 @@ def _grid(dtype: torch.dtype, approximate: str) -> torch.Tensor:
 
 @pytest.fixture
 def triton_on_cpu(monkeypatch):
-    monkeypatch.setenv("SLAPO_TEMPO_TRITON", "1")
-    assert tk.use_triton(torch.zeros(1))
+    monkeypatch.setenv("SLAPO_TRITON", "1")
+    assert use_triton("auto", torch.zeros(1))
 
 
 @needs_triton

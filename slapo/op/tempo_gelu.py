@@ -42,6 +42,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import tempo_kernels
+from .kernels._common import use_triton
 
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 _INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
@@ -268,21 +269,21 @@ def gelu_backward_reference(dy, y, code, approximate: str = "none") -> torch.Ten
 
 def gelu_forward(x: torch.Tensor, approximate: str = "none"):
     """(y, code) by the fastest available kernel (Triton on CUDA, else the reference)."""
-    if tempo_kernels.use_triton(x):
+    if use_triton("auto", x):
         return tempo_kernels.gelu_fwd(x, approximate)
     return gelu_forward_reference(x, approximate)
 
 
 def gelu_code(x: torch.Tensor, y: torch.Tensor, approximate: str = "none") -> torch.Tensor:
     """The code byte for a y computed elsewhere, by the fastest available kernel."""
-    if tempo_kernels.use_triton(x) and tempo_kernels.use_triton(y):
+    if use_triton("auto", x, y):
         return tempo_kernels.gelu_code(x, y, approximate)
     return gelu_code_reference(x.contiguous(), y.contiguous(), approximate)
 
 
 def gelu_backward(dy, y, code, approximate: str = "none") -> torch.Tensor:
     """dx from (dy, y, code) by the fastest available kernel."""
-    if tempo_kernels.use_triton(y):
+    if use_triton("auto", y):
         return tempo_kernels.gelu_bwd(dy, y, code, approximate)
     return gelu_backward_reference(dy, y, code, approximate)
 

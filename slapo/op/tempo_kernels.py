@@ -5,40 +5,18 @@ Triton decides at decoration time whether to compile or interpret (`TRITON_INTER
 module imports them on first use only, so `import slapo` never needs triton, and tests can set
 `TRITON_INTERPRET=1` before the first launch to run the very same kernels on CPU tensors.
 
-Policy (`use_triton`): CUDA tensors use the kernels when triton imports; CPU tensors use them only
-under `TRITON_INTERPRET=1` *and* `SLAPO_TEMPO_TRITON=1` (tests), otherwise the exact PyTorch
-references in `tempo_gelu` / `tempo_layernorm` run. `SLAPO_TEMPO_TRITON=0` forces the references
-everywhere (to compare on GPU).
+Policy: Slapo's one Triton policy, `op.kernels._common.use_triton("auto", ...)`: CUDA tensors use
+the kernels when triton is installed; CPU tensors use them only under `TRITON_INTERPRET=1` *and*
+`SLAPO_TRITON=1` (tests), otherwise the exact PyTorch references in `tempo_gelu` /
+`tempo_layernorm` run. `SLAPO_TRITON=0` forces the references everywhere (to compare on GPU).
 """
 
 from __future__ import annotations
 
-import importlib.util
 import os
 from typing import Any
 
 import torch
-
-_SUPPORTED = (torch.float32, torch.bfloat16, torch.float16)
-
-
-def triton_available() -> bool:
-    """True when the `triton` package can be imported (checked without importing it)."""
-    return importlib.util.find_spec("triton") is not None
-
-
-def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-def use_triton(t: torch.Tensor) -> bool:
-    """Whether Tempo runs its Triton kernels for tensor `t` (see the module docstring)."""
-    flag = os.environ.get("SLAPO_TEMPO_TRITON")
-    if flag == "0" or t.dtype not in _SUPPORTED or not triton_available():
-        return False
-    if t.device.type == "cuda":
-        return True
-    return t.device.type == "cpu" and flag == "1" and interpreting()
 
 
 def compiled_path() -> str:

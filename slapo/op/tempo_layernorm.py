@@ -42,6 +42,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import tempo_kernels
+from .kernels._common import use_triton
 
 _DEFAULT_RATIO = {torch.float64: 1e-6, torch.float32: 1e-2}
 
@@ -95,14 +96,14 @@ def layer_norm_backward_reference(dy2d, ys, weight, bias, rstd, dx_dtype: torch.
 
 def layer_norm_forward(x2d, weight, bias, eps: float, save_dtype: torch.dtype):
     """Fastest available forward: Triton on CUDA, else the reference."""
-    if tempo_kernels.use_triton(x2d):
+    if use_triton("auto", x2d):
         return tempo_kernels.layer_norm_fwd(x2d, weight, bias, eps, x2d.dtype, save_dtype)
     return layer_norm_forward_reference(x2d, weight, bias, eps, save_dtype)
 
 
 def layer_norm_backward(dy2d, ys, weight, bias, rstd, dx_dtype: torch.dtype):
     """Fastest available backward: Triton on CUDA, else the reference."""
-    if tempo_kernels.use_triton(ys) and tempo_kernels.use_triton(dy2d):
+    if use_triton("auto", ys, dy2d):
         return tempo_kernels.layer_norm_bwd(dy2d, ys, weight, bias, rstd, dx_dtype)
     return layer_norm_backward_reference(dy2d, ys, weight, bias, rstd, dx_dtype)
 

@@ -9,6 +9,12 @@ Backends: "auto" runs Triton on CUDA tensors when Triton is installed and PyTorc
 math otherwise; "triton" forces the Triton kernels (on CPU tensors only under
 `TRITON_INTERPRET=1`, Triton's interpreter, which is how the kernels are tested without a GPU);
 "reference" forces the PyTorch math (the exact computation of the module being replaced).
+
+One policy for every Triton kernel in Slapo (these fused ops and Tempo's, `op/tempo_kernels.py`):
+`use_triton`, whose "auto" answer one environment variable, `SLAPO_TRITON`, can change for the
+whole process: `0` runs the references everywhere (to compare on a GPU), `1` also runs the
+kernels on CPU tensors under `TRITON_INTERPRET=1` (tests); unset, "auto" is as above. An
+explicit `backend="triton"` or `"reference"` wins over the variable.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ import os
 import torch
 
 BACKENDS = ("auto", "triton", "reference")
+ENV = "SLAPO_TRITON"
 
 # Widest chunk of a row one program holds in registers; longer rows loop over chunks. Tests lower
 # it (monkeypatch) so tiny rows take the multi-chunk path too.
@@ -73,7 +80,10 @@ def use_triton(backend: str, *tensors: torch.Tensor | None) -> bool:
             raise RuntimeError("backend='triton' needs CUDA tensors, or TRITON_INTERPRET=1 to "
                                "run the kernels on CPU.")
         return True
-    return on_device and supported and triton_available()
+    flag = os.environ.get(ENV)
+    if flag == "0" or not (supported and triton_available()):
+        return False
+    return on_device or (flag == "1" and interpreting() and all(t.device.type == "cpu" for t in ts))
 
 
 def next_power_of_2(n: int) -> int:
