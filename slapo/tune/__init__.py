@@ -32,7 +32,7 @@ __all__ = sorted(_EXPORTS) + ["cost", "planner"]
 def __getattr__(name: str) -> Any:
     if name in _EXPORTS:
         return getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
-    if name in ("cost", "planner", "simulate", "memory", "timing", "capture",
-                "model_spaces", "evaluators", "predict_cpu", "predict_gpu", "cli", "driver", "report"):
+    if name in ("cost", "planner", "simulate", "memory", "timing", "capture", "op_costs",
+                "partition_plan", "model_spaces", "evaluators", "predict_cpu", "predict_gpu", "cli", "driver", "report"):
         return importlib.import_module(f".{name}", __name__)
     raise AttributeError(f"module 'slapo.tune' has no attribute {name!r}")
