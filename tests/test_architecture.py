@@ -130,6 +130,42 @@ def test_fault_injection_is_behind_the_test_seam():
     assert importers == ["slapo.train.setup"], importers
 
 
+def _class_assignments(tree: ast.AST) -> list[int]:
+    """Lines that assign an object's `__class__`: `x.__class__ = C` (also inside a tuple or an
+    augmented/annotated assignment) or `setattr(x, "__class__", C)` / `object.__setattr__`."""
+    lines = []
+    for node in ast.walk(tree):
+        targets = node.targets if isinstance(node, ast.Assign) else \
+            [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else []
+        if any(isinstance(t, ast.Attribute) and t.attr == "__class__"
+               for target in targets for t in ast.walk(target)):
+            lines.append(node.lineno)
+        if isinstance(node, ast.Call):
+            func = node.func
+            name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
+            if name in ("setattr", "__setattr__") and any(
+                    isinstance(a, ast.Constant) and a.value == "__class__" for a in node.args):
+                lines.append(node.lineno)
+    return lines
+
+
+def test_only_module_patch_swaps_a_class():
+    """No class swap on a user's module (issue 30): `build` attaches the trainer as instance
+    attributes (`runtime/built_model.py`). `module_patch` is the one exception: its patch
+    classes run the primitives' wrappers and kernels on the module object itself (FSDP2's
+    `FSDP<Name>` is torch's own)."""
+    bad = [f"{path.relative_to(ROOT.parent)}:{line}" for name, path in sorted(MODULES.items())
+           if name != "slapo.module_patch"
+           for line in _class_assignments(ast.parse(path.read_text()))]
+    assert not bad, "`__class__` assigned outside slapo/module_patch.py:\n" + "\n".join(bad)
+
+
+def test_the_class_swap_check_sees_every_spelling():
+    src = ("m.__class__ = C\n(a, m.__class__) = (1, C)\nsetattr(m, '__class__', C)\n"
+           "object.__setattr__(m, '__class__', C)\nm.cls = C\nsetattr(m, 'x', C)\n")
+    assert _class_assignments(ast.parse(src)) == [1, 2, 3, 4]
+
+
 def test_primitive_methods_are_generated_from_the_primitives():
     spec = importlib.util.spec_from_file_location(
         "gen_primitive_methods", ROOT.parent / "scripts" / "gen_primitive_methods.py")

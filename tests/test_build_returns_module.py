@@ -1,8 +1,8 @@
 """`slapo.build` returns the user's own module (issue 13), and takes the 2023 `build` spellings.
 
-Without a pipeline the built model is the very object the schedule was made from: the same
-class for `isinstance`, the same parameter names and state-dict keys as the unbuilt model, its
-attributes direct (no `model.` prefix), plus `train_step`. Its steps must equal a hand-written
+Without a pipeline the built model is the very object the schedule was made from, of the very
+class it had (issue 30: no class swap), the same parameter names and state-dict keys as the
+unbuilt model, its attributes direct (no `model.` prefix), plus the trainer's `train_step`. Its steps must equal a hand-written
 single-process loop, on one process and on 2 gloo ranks (DDP, FSDP2, TP). With a pipeline a
 `PipelineTrainModule` of this rank's stages is returned (documented in `build`).
 """
@@ -22,8 +22,9 @@ import torch.nn as nn
 from reference import LR, make_batches, reference_losses
 
 import slapo
+from slapo.module_patch import original_class
 from slapo.notices import Slapo2023Notice, reset_notices
-from slapo.runtime.train_step import PipelineTrainModule, TrainModule
+from slapo.runtime.built_model import PipelineTrainModule, TrainModule
 
 
 def _names(model: nn.Module) -> tuple[list[str], list[str]]:
@@ -46,9 +47,8 @@ def test_build_returns_the_users_module(one_thread):
     user_cls, transformer = type(model), model.transformer
     tm, opt = slapo.build(slapo.create_schedule(model), optimizer=torch.optim.AdamW,
                           optimizer_kwargs={"lr": LR}, grad_clip=0.5)
-    assert tm is model and isinstance(tm, user_cls) and isinstance(tm, TrainModule)
-    assert type(tm).__name__ == user_cls.__name__  # repr, HF's save_pretrained architectures
-    assert type(tm).__qualname__ == f"TrainModuleOf{user_cls.__name__}"
+    assert tm is model and isinstance(tm, TrainModule)
+    assert type(tm) is user_cls  # repr, HF's save_pretrained architectures, `type(m) is Cls`
     assert _names(tm) == _names(ref)                 # no `model.` prefix anywhere
     assert tm.transformer is transformer and tm.optimizer is opt
     assert not any(isinstance(m, TrainModule) for m in tm.modules() if m is not tm)
@@ -226,7 +226,13 @@ def test_2023_deepspeed_build_trains(deepspeed_one_rank, tmp_path, one_thread):
 # ------------------------------------------------------------------------------------------------
 
 def _check_module_case(name, tm, model, user_cls, ref_names, ref, batches) -> list[float]:
+    from torch.distributed.fsdp import FSDPModule
+
     assert tm is model and isinstance(tm, user_cls) and isinstance(tm, TrainModule), name
+    # no class of build's own: the user's, FSDP2's (torch's), or under TP the shape-error
+    # wrapper's patch class (`module_patch`, on the parent of sharded modules)
+    cls = type(tm).__bases__[1] if isinstance(tm, FSDPModule) else type(tm)
+    assert cls is user_cls or (name == "tp" and original_class(tm) is user_cls), name
     assert _names(tm) == ref_names, name
     losses = [tm.train_step(b) for b in batches]
     ref_losses = reference_losses(ref, batches, grad_clip=0.5)
@@ -265,10 +271,10 @@ def job_dp_and_tp():
         tm, _ = slapo.build(slapo.create_schedule(model, mesh=mesh), optimizer=torch.optim.AdamW,
                             optimizer_kwargs={"lr": LR}, grad_clip=0.5, **kw)
         out[name] = _check_module_case(name, tm, model, user_cls, ref_names, ref, batches)
-        if name == "fsdp":  # FSDP2's class swap stays underneath ours
+        if name == "fsdp":  # FSDP2's own class swap (torch's), nothing of Slapo's
             from torch.distributed.fsdp import FSDPModule
 
-            assert isinstance(tm, FSDPModule) and type(tm).__name__ == user_cls.__name__
+            assert type(tm).__bases__ == (FSDPModule, user_cls)  # torch's class, on the user's
     _ddp_forward_all_reduces(mesh)
     # TP=2 over both ranks (no mesh, the 2023 way: the schedule's group), 2023 topology
     model = models.gpt2(seed=0)

@@ -283,7 +283,7 @@ def job_stage_raises(fail_rank: int, fail_step: int, retry: bool) -> dict:
                       for p in g["params"]]
             t0 = time.monotonic()
             try:
-                out["losses"].append(run.step_fn(batch))
+                out["losses"].append(run.trainer.train_step(batch))
             except Exception as e:  # noqa: BLE001 - what each rank raised is the result
                 out.update(error=f"{type(e).__name__}: {e}", seconds=time.monotonic() - t0)
                 after = [p.detach() for g in run.optimizer.param_groups for p in g["params"]]
@@ -291,7 +291,7 @@ def job_stage_raises(fail_rank: int, fail_step: int, retry: bool) -> dict:
                                                                            strict=True))
                 if retry:  # the same batch again, without the fault
                     state["step"] = -1
-                    out["retried"] = run.step_fn(batch)
+                    out["retried"] = run.trainer.train_step(batch)
     finally:
         modeling_gpt2.GPT2Block.forward = original
         teardown(env)
@@ -308,7 +308,7 @@ def job_clean_losses() -> list[float]:
     env = setup(cfg)
     try:
         run = build(cfg, env, log=lambda *a, **k: None)
-        return [run.step_fn({k: v.to(env.device) for k, v in
+        return [run.trainer.train_step({k: v.to(env.device) for k, v in
                              run.data.next_batch(cfg.batch_size).items()}) for _ in range(2)]
     finally:
         teardown(env)

@@ -91,7 +91,7 @@ def job_pp_gpt2():
             continue
         tm, opt = slapo.build(sch, optimizer=torch.optim.AdamW, optimizer_kwargs={"lr": LR},
                               pipeline=name, **kw)
-        assert isinstance(tm, slapo.runtime.train_step.PipelineTrainModule)
+        assert isinstance(tm, slapo.runtime.built_model.PipelineTrainModule)
         assert len(tm.stages) == (2 if len(cuts) == 3 else 1)
         # this rank holds only its stages' layers
         held = {n.split(".")[2] for st in tm.stages for n, _ in st.named_parameters()

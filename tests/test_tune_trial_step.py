@@ -1,5 +1,5 @@
-"""One training step: a tune trial trains with the step `slapo train` runs (`build(...).train_step`,
-timed by `runtime.train_step.time_steps`), so the same model, knobs, batches and seed give the
+"""One training step: a tune trial trains with the step `slapo train` runs (the `Trainer` of
+`build_trainer`, timed by `runtime.step_timing.time_steps`), so the same model, knobs, batches and seed give the
 same losses, bit for bit."""
 
 from __future__ import annotations
@@ -39,18 +39,18 @@ def test_tune_trial_and_slapo_train_take_the_same_steps(one_thread, knobs, preci
     assert trial["losses"] == losses
 
 
-def _tiny_trainable(seed: int = 0):
-    from slapo.tune.evaluators import build_scheduled, trainable
+def _tiny_trainer(seed: int = 0):
+    from slapo.tune.evaluators import build_scheduled, trial_trainer
 
     settings = TrialSettings(**SIZE, seed=seed)
     cfg = {"batch_size": 2, "attention": "sdpa"}
-    return trainable(build_scheduled(settings, cfg), settings, cfg)
+    return trial_trainer(build_scheduled(settings, cfg), settings, cfg)
 
 
 def test_time_steps_times_train_step_itself(one_thread):
     """`time_steps` returns one time and the loss of each `train_step`: the losses of a twin
     model stepped by hand, and `fastest(skip)` is the minimum after the warm-up steps."""
-    from slapo.runtime.train_step import time_steps
+    from slapo.runtime.step_timing import time_steps
 
     warnings.simplefilter("ignore")
     g = torch.Generator().manual_seed(1)
@@ -58,9 +58,9 @@ def test_time_steps_times_train_step_itself(one_thread):
     for _ in range(3):
         ids = torch.randint(0, 200, (2, 16), generator=g)
         batches.append({"input_ids": ids, "labels": ids})
-    timed_model = _tiny_trainable()
-    twin = _tiny_trainable()
-    timed = time_steps(timed_model, batches, barrier=True)  # no process group: no barrier
+    timed_trainer = _tiny_trainer()
+    twin = _tiny_trainer()
+    timed = time_steps(timed_trainer, batches, barrier=True)  # no process group: no barrier
     assert timed.losses == [twin.train_step(b) for b in batches]
     assert len(timed.seconds) == 3 and all(s > 0 for s in timed.seconds)
     assert timed.fastest(1) == min(timed.seconds[1:])

@@ -21,9 +21,10 @@ bytes at the demo batch — and timed there:
 * tokens/s at that batch is the fastest of a few AdamW steps (after one warm-up step on GPU,
   where a new batch shape recompiles compiled regions).
 
-**One step loop.** Every variant trains through `slapo.build(sch, ...)`'s
-`TrainModule.train_step` (AdamW; `precision="bf16"` on GPU is build's autocast, fp32
-master weights), timed by `slapo.runtime.train_step.time_steps`: the step `slapo train` runs.
+**One step loop.** Every variant trains through the `Trainer` that `slapo.build` makes
+(`slapo.runtime.build.build_trainer`; AdamW; `precision="bf16"` on GPU is build's autocast,
+fp32 master weights), timed by `slapo.runtime.step_timing.time_steps`: the step `slapo train`
+runs.
 Peak memory per row is `slapo.profile.meter`'s (`peak_bytes`, JSON only).
 
 **Parallel dimensions.** `run(..., mesh=)` takes the job's ("dp", "pp", "tp") mesh

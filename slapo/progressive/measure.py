@@ -9,8 +9,9 @@ import torch.nn as nn
 
 from ..distributed import group as _g
 from ..profile import meter, saved_bytes
-from ..runtime.build import build
-from ..runtime.train_step import TrainModule, time_steps
+from ..runtime.build import build_trainer
+from ..runtime.step_timing import time_steps
+from ..runtime.trainer import Trainer
 from ..schedule import Schedule
 from ..sharding import shard_spec
 from .budget import OVER, Budget, batch_candidates, largest_fitting
@@ -21,21 +22,21 @@ def hf_loss(out) -> torch.Tensor:
     return out.loss
 
 
-def trainable(sch: Schedule, lr: float, precision: str) -> TrainModule:
-    """The step `slapo train` runs: `slapo.build` with AdamW in `precision`."""
-    model, _ = build(sch, optimizer=torch.optim.AdamW, optimizer_kwargs={"lr": lr},
-                     precision=precision)
-    return model
+def trainer(sch: Schedule, lr: float, precision: str) -> Trainer:
+    """The step `slapo train` runs: the `Trainer` of `slapo.build` (`build_trainer`) with
+    AdamW in `precision`."""
+    return build_trainer(sch, optimizer=torch.optim.AdamW, optimizer_kwargs={"lr": lr},
+                         precision=precision)
 
 
-def _train(model: TrainModule, batches: list[dict], warmup: int) -> tuple[float, list]:
+def _train(trained: Trainer, batches: list[dict], warmup: int) -> tuple[float, list]:
     """Seconds per step and the losses of `train_step` on each batch (ranks aligned by a
     barrier around each step, so a TP step's time is its slowest rank's).
 
     The time is the *fastest* step after warm-up: other jobs on a shared machine only ever add
     time to a step, so the minimum is the least disturbed estimate of what the step costs (a
     median still moves with how long a neighbour's burst lasted)."""
-    timed = time_steps(model, batches, barrier=True)
+    timed = time_steps(trained, batches, barrier=True)
     return timed.fastest(warmup), timed.losses
 
 
@@ -54,14 +55,14 @@ def _device(model: nn.Module) -> torch.device:
     return next(model.parameters()).device
 
 
-def _measure_bytes(model: TrainModule, batch: dict) -> int:
-    """Saved-for-backward bytes of one forward, under the step's own autocast
-    (`model.precision`), agreed over ranks. Under autocast the cached low-precision weight
+def _measure_bytes(trained: Trainer, batch: dict) -> int:
+    """Saved-for-backward bytes of one forward of the model, under the step's own autocast
+    (`trained.precision`), agreed over ranks. Under autocast the cached low-precision weight
     copies count too: they are held for backward like any activation."""
-    device = _device(model)
+    device = _device(trained.model)
     try:
-        with model.precision.autocast():
-            n = saved_bytes(model, **batch)
+        with trained.precision.autocast():
+            n = saved_bytes(trained.model, **batch)
     except torch.cuda.OutOfMemoryError:  # a batch past the budget may not fit the device at all
         torch.cuda.empty_cache()
         n = OVER
@@ -79,14 +80,14 @@ def _held(model: nn.Module) -> tuple[int, int]:
     return ways, numel
 
 
-def _at_budget(model: TrainModule, res: StepResult, bud: Budget) -> None:
+def _at_budget(trained: Trainer, res: StepResult, bud: Budget) -> None:
     """Fill `res.budget_*`: the largest measured fit, and tokens/s there (reused at the demo
-    batch, where the step was already timed). The same TrainModule (its optimizer state too)
+    batch, where the step was already timed). The same Trainer (its optimizer state too)
     trains on: timing does not depend on the weights' values."""
     res.budget_bytes = bud.bytes
     cands = batch_candidates(res.batch, bud.max_factor)
     found = largest_fitting(
-        cands, lambda b: _measure_bytes(model, bud.source.get(b, 1)[0]),
+        cands, lambda b: _measure_bytes(trained, bud.source.get(b, 1)[0]),
         bud.bytes, (res.batch, res.saved_bytes))
     if found is None:
         res.note = (res.note + "; " if res.note else "") + "batch 1 exceeds the budget"
@@ -97,16 +98,16 @@ def _at_budget(model: TrainModule, res: StepResult, bud: Budget) -> None:
         res.budget_tokens_per_s = res.tokens_per_s
         return
     batches = bud.source.get(res.budget_batch, bud.warmup + bud.timed_steps)
-    sec, _ = _train(model, batches, bud.warmup)
+    sec, _ = _train(trained, batches, bud.warmup)
     res.budget_tokens_per_s = bud.tokens_per_sample * res.budget_batch / sec
 
 
-def measure_step(trained: TrainModule, res: StepResult, batches: list[dict], warmup: int,
+def measure_step(trained: Trainer, res: StepResult, batches: list[dict], warmup: int,
                  tokens: int, budget: Budget | None) -> None:
     """Bytes at the demo batch, the timed steps (with the meter's peak), the budget search."""
-    res.shard_ways, res.parameters = _held(trained)
+    res.shard_ways, res.parameters = _held(trained.model)
     res.saved_bytes = _measure_bytes(trained, batches[0])
-    device = _device(trained)
+    device = _device(trained.model)
     meter.reset_peak(device)
     sec, res.losses = _train(trained, batches, warmup)
     res.peak_bytes = meter.peak_bytes(device)

@@ -17,7 +17,7 @@ from ..runtime.precision import precision_arg
 from ..schedule import Schedule, create_schedule
 from ..verify import Verify
 from .budget import BatchSource, Budget, tiled_batches
-from .measure import hf_loss, measure_step, trainable
+from .measure import hf_loss, measure_step, trainer
 from .steps import Step, StepResult, default_steps
 
 
@@ -187,7 +187,7 @@ def run(make_model: Callable[[], nn.Module], batches: Iterator[dict] | list[dict
             unavailable |= new_knobs
             log(f"[{step.name}] skipped: {err}")
             continue
-        measure_step(trainable(sch, lr, precision), res, batches[:train_steps], warmup,
+        measure_step(trainer(sch, lr, precision), res, batches[:train_steps], warmup,
                       tokens, budget)
         log(_describe(res))
     _ratios(results)

@@ -9,8 +9,8 @@ The composition order is torchtitan's, each concern one function applied in visi
     -> data parallel (DDP or FSDP2, with FSDP2's MixedPrecisionPolicy) per model or stage
     -> optimizer over what this rank holds
     -> [pipeline] PipelineStage + schedule
-    -> the user's module made trainable in place (`train_step(batch)`; see
-       `train_step.make_trainable`), or with a pipeline a `PipelineTrainModule` of this
+    -> the `Trainer` (`build_trainer`), attached to the user's module (`train_step(batch)`;
+       see `built_model.attach`), or with a pipeline held by a `PipelineTrainModule` of this
        rank's stages
 
 Tensor parallelism is already in the schedule (its primitives ran on the mesh's tp group).
@@ -23,19 +23,20 @@ from typing import Any
 
 import torch
 import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel
 
-from .. import sharding
 from ..distributed.group import guard_gloo_exit
 from ..errors import SchedulingError
 from ..init import has_meta_tensors, materialize
 from ..schedule import Schedule
+from .built_model import OwnForward, PipelineTrainModule, attach, check_trainable, detach
 from .data_parallel import apply_data_parallel, check_data_parallel
 from .mesh import MeshInfo
 from .partition import check_stage_coverage, partition
 from .pipeline_guards import make_stages
 from .pipeline_plan import check_cuts, make_schedule, plan_pipeline
 from .pipeline_runner import PipelineRunner
-from .pipeline_tied import TiedWeights, find_tied
+from .pipeline_tied import find_tied
 from .precision import (
     Precision,
     PrecisionName,
@@ -43,20 +44,12 @@ from .precision import (
     module_device_type,
     precision_arg,
 )
+from .runner import LocalRunner, LossFn
 from .shape_errors import name_shape_errors
 from .split_backward import check_split_backward
 from .token_mean import ModelLoss
-from .train_step import (
-    LocalRunner,
-    LossFn,
-    NormWeights,
-    PipelineTrainModule,
-    StepConfig,
-    TrainModule,
-    TrainState,
-    check_trainable,
-    make_trainable,
-)
+from .train_step import StepConfig, norm_weight_table, norm_weights
+from .trainer import Trainer
 
 TARGETS = (None, "deepspeed")
 
@@ -173,38 +166,6 @@ def place_weights(model: nn.Module, device, info: MeshInfo, init_weights, seed: 
         model.to(device)
 
 
-def norm_weight_table(units: list[nn.Module], info: MeshInfo,
-                      tied: TiedWeights | None = None) -> dict[tuple[int, str], float]:
-    """(id(owning module), parameter name) -> weight of its squared norm (see NormWeights).
-
-    Keyed by module and name, because FSDP2 replaces parameter objects but keeps modules."""
-    table = {}
-    for unit in units:
-        for mod in unit.modules():
-            for name, p in mod._parameters.items():
-                if p is None:
-                    continue
-                spec = sharding.shard_spec(p)
-                w = 1.0 if spec is not None and spec.world_size > 1 else 1.0 / info.tp
-                if tied is not None:
-                    w /= tied.holders.get((id(mod), name), 1)
-                table[(id(mod), name)] = w
-    return table
-
-
-def norm_weights(root: nn.Module, table: dict, dp_sharded: bool) -> NormWeights:
-    """The weights in the order of `root`'s unique parameters (after wrapping)."""
-    params, weights, seen = [], [], set()
-    for mod in root.modules():
-        for name, p in mod._parameters.items():
-            if p is None or id(p) in seen:
-                continue
-            seen.add(id(p))
-            params.append(p)
-            weights.append(table.get((id(mod), name), 1.0))
-    return NormWeights(params, weights, dp_sharded)
-
-
 def make_optimizer(optimizer, params: list[nn.Parameter], optimizer_kwargs: dict | None):
     if optimizer is None:
         return None
@@ -235,16 +196,18 @@ def build(sch: Schedule, *, optimizer: Callable | None = None,
           target: str | None = None, deepspeed_config: dict | None = None,
           precision: PrecisionName = "fp32", mixed_precision: str | None = None,
           **spellings_2023: Any
-          ) -> tuple[TrainModule, torch.optim.Optimizer | None]:
+          ) -> tuple[nn.Module, torch.optim.Optimizer | None]:
     """Return `(model, optimizer)` for a schedule; `model.train_step(batch) -> float` trains.
 
-    The model returned is the schedule's own module object (`sch.mod`, the user's model),
-    made trainable in place: same class for `isinstance`, same `named_parameters()` and
-    `state_dict()` keys, its own attributes, plus `train_step`, `optimizer`, `runner`,
-    `step_config`, `precision` and `local_batch` (see `slapo.runtime.train_step.TrainModule`;
-    `model(...)` runs through DDP when DDP is on). With a pipeline no rank holds the whole
-    model: the result is a `PipelineTrainModule` of this rank's stages. `target="deepspeed"`
-    returns the DeepSpeed engine's wrapper (as 2023 returned the engine).
+    The model returned is the schedule's own module object (`sch.mod`, the user's model), its
+    class unchanged: same `named_parameters()` and `state_dict()` keys, its own attributes,
+    plus the `Trainer`'s `train_step`, `eval_step`, `local_batch`, `optimizer`, `runner`,
+    `step_config` and `precision` as instance attributes (`slapo.runtime.built_model`;
+    `model(...)` runs through DDP when DDP is on; `copy.deepcopy(model)` is the plain model).
+    With a pipeline no rank holds the whole model: the result is a `PipelineTrainModule` of
+    this rank's stages. Both are `slapo.TrainModule`s. `target="deepspeed"` returns the
+    DeepSpeed engine's wrapper (as 2023 returned the engine). `build_trainer` takes the same
+    arguments and returns the `Trainer` itself.
 
     Weights:
     - Meta (delayed-init) tensors are materialised on `device`, shards only, initialised with
@@ -263,7 +226,7 @@ def build(sch: Schedule, *, optimizer: Callable | None = None,
     - `data_parallel`: None, "ddp" or "fsdp" (FSDP2 per block and root, over the dp dimension;
       `reshard_after_forward` True = ZeRO-3, False = keep gathered weights until backward).
 
-    The step (`TrainModule.train_step`):
+    The step (`Trainer.train_step`):
     - `batch`: a dict of tensors (keyword arguments) or a tuple (positional). With
       `batch_is_global` (default) every rank passes the same global batch and each dp rank takes
       its 1/dp of the samples; otherwise each rank passes its own local batch.
@@ -293,74 +256,107 @@ def build(sch: Schedule, *, optimizer: Callable | None = None,
     given = dict(locals())
     if _needs_2023_adapter(given):
         return build(sch, **_adapt_2023(given))
-    _check_schedule(sch)
-    _check_optimizer(sch, optimizer)
-    _check_step_args(grad_accum, grad_clip, target)
-    precision = precision_arg(precision, mixed_precision)  # the one check of the name
-    _check_precision_target(precision, target)
-    info = mesh_info(sch, mesh)
-    check_data_parallel(data_parallel, info)
-    _check_pipeline_dp(pipeline, data_parallel, info)
-    device_type = _run_device_type(sch, device, info)
-    check_autocast(precision, device_type)
-    config = StepConfig(info, grad_accum, grad_clip, 1, batch_is_global,
-                        loss=ModelLoss.of(sch.mod, loss_fn is not None))
-    name_shape_errors(sch.mod, sch)  # a shape error inside a scheduled module names the shard
-    guard_gloo_exit()  # a script that never leaves its gloo group still exits cleanly
     if target == "deepspeed":
-        from .deepspeed import build_deepspeed
+        return _build_deepspeed(sch, given)
+    trainer = _compose(sch, given)
+    return trainer.model, trainer.optimizer
 
-        return build_deepspeed(sch, info, config, optimizer=optimizer,
-                               optimizer_kwargs=optimizer_kwargs, loss_fn=loss_fn,
-                               deepspeed_config=deepspeed_config, device=device,
-                               init_weights=init_weights, seed=seed,
-                               data_parallel=data_parallel, pipeline=pipeline)
-    if pipeline is None:
+
+def build_trainer(sch: Schedule, *, optimizer: Callable | None = None,
+                  init_weights: Callable | None = None, seed: int = 0,
+                  device: torch.device | str | None = None,
+                  optimizer_kwargs: dict | None = None, mesh=None, pipeline: str | None = None,
+                  num_microbatches: int | None = None, virtual_stages: int | None = None,
+                  data_parallel: str | None = None, reshard_after_forward: bool | int = True,
+                  loss_fn: LossFn | None = None, grad_clip: float | None = None,
+                  grad_accum: int = 1, batch_is_global: bool = True,
+                  precision: PrecisionName = "fp32") -> Trainer:
+    """The `Trainer` that `build` makes (same arguments, same composition, without the
+    DeepSpeed target and the earlier spellings): `trainer.train_step(batch)`, `trainer.model`
+    (what `build` returns), `trainer.optimizer`. For code that drives the step itself
+    (`slapo train`, tune trials, the progressive demo)."""
+    return _compose(sch, dict(locals(), target=None, mixed_precision=None))
+
+
+def _compose(sch: Schedule, args: dict[str, Any]) -> Trainer:
+    """`build_trainer` on `build`'s keyword arguments (`args`)."""
+    precision, info, device_type, config = _checked(sch, args)
+    if args["pipeline"] is None:
         _check_pipeline_off(sch, info)
         check_trainable(sch.mod)
-        return _build_local(sch, info, config, optimizer=optimizer,
-                            optimizer_kwargs=optimizer_kwargs, loss_fn=loss_fn, device=device,
-                            init_weights=init_weights, seed=seed, data_parallel=data_parallel,
-                            reshard_after_forward=reshard_after_forward,
-                            precision=make_precision(precision, device_type, info))
-    return _build_pipeline(sch, info, config, pipeline=pipeline,
-                           num_microbatches=num_microbatches, virtual_stages=virtual_stages,
-                           optimizer=optimizer, optimizer_kwargs=optimizer_kwargs,
-                           loss_fn=loss_fn, device=device, init_weights=init_weights, seed=seed,
-                           data_parallel=data_parallel,
-                           reshard_after_forward=reshard_after_forward,
-                           precision=make_precision(precision, device_type, info))
+    common = {k: args[k] for k in ("optimizer", "optimizer_kwargs", "loss_fn", "device",
+                                   "init_weights", "seed", "data_parallel",
+                                   "reshard_after_forward")}
+    common["precision"] = make_precision(precision, device_type, info)  # after every check
+    if args["pipeline"] is None:
+        return _build_local(sch, info, config, **common)
+    return _build_pipeline(sch, info, config, pipeline=args["pipeline"],
+                           num_microbatches=args["num_microbatches"],
+                           virtual_stages=args["virtual_stages"], **common)
+
+
+def _checked(sch: Schedule, args: dict[str, Any]) -> tuple[str, MeshInfo, str, StepConfig]:
+    """Every argument check of `build` (`args`: its keyword arguments), identical on every
+    rank and before anything changes; returns the precision, the mesh, the device type and
+    the step's config."""
+    _check_schedule(sch)
+    _check_optimizer(sch, args["optimizer"])
+    _check_step_args(args["grad_accum"], args["grad_clip"], args["target"])
+    precision = precision_arg(args["precision"], args["mixed_precision"])  # the one check
+    _check_precision_target(precision, args["target"])
+    info = mesh_info(sch, args["mesh"])
+    check_data_parallel(args["data_parallel"], info)
+    _check_pipeline_dp(args["pipeline"], args["data_parallel"], info)
+    device_type = _run_device_type(sch, args["device"], info)
+    check_autocast(precision, device_type)
+    config = StepConfig(info, args["grad_accum"], args["grad_clip"], 1, args["batch_is_global"],
+                        loss=ModelLoss.of(sch.mod, args["loss_fn"] is not None))
+    name_shape_errors(sch.mod, sch)  # a shape error inside a scheduled module names the shard
+    guard_gloo_exit()  # a script that never leaves its gloo group still exits cleanly
+    return precision, info, device_type, config
+
+
+def _build_deepspeed(sch: Schedule, args: dict[str, Any]):
+    """`target="deepspeed"`: the same checks, then the model handed to a DeepSpeed engine."""
+    from .deepspeed import build_deepspeed
+
+    _, info, _, config = _checked(sch, args)
+    return build_deepspeed(sch, info, config, **{k: args[k] for k in (
+        "optimizer", "optimizer_kwargs", "loss_fn", "deepspeed_config", "device",
+        "init_weights", "seed", "data_parallel", "pipeline")})
 
 
 def _build_local(sch: Schedule, info: MeshInfo, config: StepConfig, *, optimizer,
                  optimizer_kwargs, loss_fn, device, init_weights, seed, data_parallel,
-                 reshard_after_forward,
-                 precision: Precision) -> tuple[TrainModule, torch.optim.Optimizer | None]:
+                 reshard_after_forward, precision: Precision) -> Trainer:
     """The whole model on every rank (optionally tensor-parallel), optionally data-parallel;
-    returns the user's module itself, made trainable (`make_trainable`).
+    the trainer is attached to the user's module itself (`built_model.attach`).
 
     Why the same object and not a wrapper: 2023 code (and any user's) reads the model's
     attributes, parameter names and state-dict keys after build; a wrapper adds a prefix to
     all of them. The DDP wrapper lives in the runner (a plain object), FSDP2 already changed
     the class in place."""
     model = sch.mod
+    detach(model)  # built before: its own forward back before DDP wraps it again
     place_weights(model, device, info, init_weights, seed)
     table = norm_weight_table([model], info)
-    wrapped = apply_data_parallel(model, data_parallel, info,
+    wrapped = apply_data_parallel(OwnForward(model) if data_parallel == "ddp" else model,
+                                  data_parallel, info,
                                   reshard_after_forward=reshard_after_forward,
                                   mp_policy=precision.fsdp_policy())
-    opt = make_optimizer(optimizer, _unique_params([wrapped]), optimizer_kwargs)
-    runner = LocalRunner(wrapped, loss_fn, precision)
-    nw = norm_weights(wrapped, table, dp_sharded=data_parallel == "fsdp")
-    state = TrainState(opt, runner, config, nw, precision,
-                       wrapper=wrapped if wrapped is not model else None)
-    return make_trainable(model, state), opt
+    ddp = wrapped if isinstance(wrapped, DistributedDataParallel) else None
+    opt = make_optimizer(optimizer, _unique_params([model]), optimizer_kwargs)
+    runner = LocalRunner(model, loss_fn, precision, ddp=ddp)
+    nw = norm_weights(model, table, dp_sharded=data_parallel == "fsdp")
+    trainer = Trainer(model, [model], opt, runner, config, nw, precision)
+    attach(model, trainer, ddp)
+    return trainer
 
 
 def _build_pipeline(sch: Schedule, info: MeshInfo, config: StepConfig, *, pipeline: str,
                     num_microbatches, virtual_stages, optimizer, optimizer_kwargs, loss_fn,
                     device, init_weights, seed, data_parallel, reshard_after_forward,
-                    precision: Precision) -> tuple[TrainModule, torch.optim.Optimizer | None]:
+                    precision: Precision) -> Trainer:
     """This rank's pipeline stages (each optionally data-parallel) driven by a torch schedule."""
     plan = plan_pipeline(pipeline, info, num_microbatches, virtual_stages)
     check_cuts(sch, plan)
@@ -383,7 +379,9 @@ def _build_pipeline(sch: Schedule, info: MeshInfo, config: StepConfig, *, pipeli
     config.num_microbatches = plan.num_microbatches
     holder = nn.ModuleList(wrapped)
     nw = norm_weights(holder, table, dp_sharded=data_parallel == "fsdp")
-    return PipelineTrainModule(wrapped, TrainState(opt, runner, config, nw, precision)), opt
+    trainer = Trainer(None, mine, opt, runner, config, nw, precision)
+    trainer.model = PipelineTrainModule(wrapped, trainer)
+    return trainer
 
 
 def _place_stage_weights(sch: Schedule, stages: list[nn.Module], device, info: MeshInfo,
@@ -439,4 +437,4 @@ def _adapt_2023(given: dict) -> dict:
     return adapted
 
 
-__all__ = ["build", "install_2023_adapter", "mesh_info"]
+__all__ = ["build", "build_trainer", "install_2023_adapter", "mesh_info"]

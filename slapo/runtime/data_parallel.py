@@ -8,8 +8,8 @@ which is exactly the dp group of the mesh. FSDP2 thus shards the TP shard furthe
 specs of the ones they replace, so checkpoints and consolidation still see the TP layout.
 
 FSDP2 changes the module's class in place; DDP returns a wrapper, which `build` keeps in the
-step's runner (`TrainState.wrapper`), never as a child of the model it returns, so the model's
-parameter names and state-dict keys stay its own (see `slapo.runtime.train_step.TrainModule`).
+step's runner (`LocalRunner.ddp`), never as a child of the model it returns, so the model's
+parameter names and state-dict keys stay its own (see `slapo.runtime.built_model`).
 """
 
 from __future__ import annotations

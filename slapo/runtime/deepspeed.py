@@ -37,8 +37,9 @@ import torch.nn as nn
 from ..errors import SchedulingError
 from .batch import Batch, batch_size, check_divisible, slice_batch
 from .mesh import MeshInfo
+from .runner import LossFn, forward_loss
 from .token_mean import token_mean_over
-from .train_step import LossFn, StepConfig, forward_loss
+from .train_step import StepConfig
 
 _LAUNCH_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 _LOCAL_RANK_ENV = ("LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK")
@@ -184,7 +185,7 @@ def _merge(cfg: dict, key: str, value, default) -> None:
 # ------------------------------------------------------------------------------------------------
 
 class DeepSpeedModule(nn.Module):
-    """A DeepSpeed engine behind `train_step(batch) -> float` (see `TrainModule` for the
+    """A DeepSpeed engine behind `train_step(batch) -> float` (see `Trainer` for the
     contract). Data parallelism is DeepSpeed's, over the whole world: with `batch_is_global`
     each rank takes its 1/world of the samples; the returned loss is the global mean."""
 
@@ -208,8 +209,8 @@ class DeepSpeedModule(nn.Module):
         return self.engine(*args, **kwargs)
 
     def __getattr__(self, name: str):
-        """Attributes the wrapper lacks come from the model (`model.config`), as for
-        TrainModule, then from the engine: a 2023 script's `model.backward(loss)`,
+        """Attributes the wrapper lacks come from the model (`model.config`), as on the
+        module other targets return, then from the engine: a 2023 script's `model.backward(loss)`,
         `model.step()`, `model.save_checkpoint(...)` are DeepSpeed's own."""
         try:
             return super().__getattr__(name)

@@ -14,7 +14,7 @@ import torch.utils._pytree as pytree
 from ..errors import SchedulingError
 from ..module_patch import original_class
 from .batch import Batch
-from .train_step import LossFn
+from .runner import LossFn
 
 
 def first_stage_args(stage: nn.Module, batch: Batch) -> tuple:

@@ -65,9 +65,9 @@ from .pipeline_inputs import (
 from .pipeline_plan import V_SCHEDULES, PipelinePlan
 from .pipeline_tied import TiedWeights
 from .precision import Precision
+from .runner import LossFn, compute_loss
 from .split_backward import SPLIT_BACKWARD, split_backward_hazards
 from .token_mean import Weights
-from .train_step import LossFn, compute_loss
 
 
 class PipelineRunner:

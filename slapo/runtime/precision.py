@@ -4,7 +4,7 @@ One vocabulary from `slapo train --precision` to autocast: the name is `precisio
 are `PRECISIONS` ("fp32", "bf16", "fp16"), `check_precision` is the one check (and the one place
 where None, the older spelling of "fp32", is translated), and `Precision(precision)` is the one
 object that acts on it. `build(sch, ..., precision="bf16")` checks the name once and hands one
-`Precision` to the step loop (`TrainModule.train_step`) and its runner; nothing else knows about
+`Precision` to the step loop (`Trainer.train_step`) and its runner; nothing else knows about
 dtypes. (`build(mixed_precision=...)`, `Verify(mixed_precision=...)` and
 `progressive.run(mixed_precision=...)` take the earlier keyword at the public edge:
 `precision_arg`.)

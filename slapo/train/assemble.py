@@ -1,5 +1,6 @@
-"""Assemble a `slapo train` run: data, model, schedule knobs, pretrained weights, optimizer and
-the one training step (`slapo.build(...).train_step`)."""
+"""Assemble a `slapo train` run: data, model, schedule knobs, pretrained weights, and the one
+training step (the `Trainer` of `slapo.runtime.build.build_trainer`: optimizer, runner,
+precision, `train_step`, `eval_step`)."""
 
 from __future__ import annotations
 
@@ -11,11 +12,12 @@ import torch.nn as nn
 
 from ..data import Data, InputError, TokenLoader, make_data
 from ..init import has_meta_tensors
+from ..runtime.trainer import Trainer
 from . import pretrained
 from .models import build_model, get_model_spec
 from .setup import Env, data_parallel, seed_training_rng
 
-__all__ = ["Run", "build", "make_trainable", "schedule"]
+__all__ = ["Run", "build", "make_trainer", "schedule"]
 
 
 @dataclass
@@ -25,8 +27,7 @@ class Run:
     cfg: Any                    # TrainConfig
     env: Env
     model: nn.Module            # the (scheduled) HF model: state-dict keys are the HF keys
-    optimizer: torch.optim.Optimizer
-    step_fn: Any                # batch -> float loss: the runtime's TrainModule.train_step
+    trainer: Trainer            # the step: train_step, eval_step, optimizer, precision
     data: TokenLoader           # the train loader (its state is saved in checkpoints)
     task: str
     schedule_note: str
@@ -49,17 +50,13 @@ class Run:
         return [lr_at(i, self.cfg) for i in range(self.step)]
 
     @property
-    def trainable(self):
-        """What `slapo.build` returned (the model itself, or a `PipelineTrainModule`): the
-        owner of `step_fn`, with `eval_step` (None for a plain step function)."""
-        return getattr(self.step_fn, "__self__", None)
+    def optimizer(self) -> torch.optim.Optimizer:
+        return self.trainer.optimizer
 
     @property
     def precision(self):
         """The step's `slapo.runtime.precision.Precision` (autocast context, fp16 scaler)."""
-        from ..runtime.precision import Precision
-
-        return getattr(self.trainable, "precision", None) or Precision()
+        return self.trainer.precision
 
 
 def build(cfg: Any, env: Env, log=print) -> Run:
@@ -84,9 +81,9 @@ def build(cfg: Any, env: Env, log=print) -> Run:
     if not has_meta_tensors(model):  # a pipeline rank's other stages stay on meta: build
         model.to(env.device)         # materialises and moves only this rank's stages
     model.train()
-    optimizer, step_fn = make_trainable(sch, cfg, env)
+    trainer = make_trainer(sch, cfg, env)
     seed_training_rng(cfg.seed, env)
-    return Run(cfg, env, model, optimizer, step_fn, data.train, task, note, dataset=data,
+    return Run(cfg, env, model, trainer, data.train, task, note, dataset=data,
                graph_breaks_before=breaks_before)
 
 
@@ -177,23 +174,23 @@ def schedule(model: nn.Module, cfg: Any, env: Env) -> tuple[nn.Module, Any, str]
     return sch.mod, sch, f"applied: {shown}"
 
 
-def make_trainable(sch: Any, cfg: Any, env: Env) -> tuple[torch.optim.Optimizer, Any]:
-    """`slapo.build` the schedule with AdamW on the mesh; return (optimizer, step fn).
+def make_trainer(sch: Any, cfg: Any, env: Env) -> Trainer:
+    """Build the schedule's `Trainer` with AdamW on the mesh (`build_trainer`: what
+    `slapo.build` makes).
 
-    The step is the runtime's `train_step(batch) -> float`: the same call for one process,
+    The step is the trainer's `train_step(batch) -> float`: the same call for one process,
     data parallelism (DDP over the mesh's dp ranks, or FSDP2 with `--dp-shard`, each rank
     taking its slice of the global batch), tensor parallelism (already in the schedule) and
     pipelines (`--pp-stages`, `--pp-schedule`, default 1F1B), `--grad-accum` slices per step,
     with gradient clipping over the whole mesh, in `--precision` (bf16/fp16: autocast on fp32
     master weights; fp16 with a gradient scaler).
     """
-    from ..runtime.build import build as build_trainable
+    from ..runtime.build import build_trainer
 
     pipeline = cfg.pipeline_schedule()
-    trainable, optimizer = build_trainable(
+    return build_trainer(
         sch, optimizer=torch.optim.AdamW, seed=cfg.seed, mesh=env.mesh,
         optimizer_kwargs=cfg.optimizer_kwargs(),
         grad_clip=cfg.grad_clip, data_parallel=data_parallel(cfg, env),
         pipeline=pipeline, virtual_stages=cfg.stages_per_rank() if pipeline else None,
         grad_accum=cfg.grad_accum, precision=cfg.precision)
-    return optimizer, trainable.train_step

@@ -15,7 +15,7 @@ run resumed from step k computes bit-for-bit the losses the uninterrupted run co
 
 The concerns live in their own modules: `config` (TrainConfig and its checks; the schedule
 knobs come from `model_schedule.knobs`), `setup` (Env, mesh, devices), `assemble` (Run, build,
-schedule, make_trainable), `resume` (save, pick, identity, load), `report` (progress, val loss,
+schedule, make_trainer), `resume` (save, pick, identity, load), `report` (progress, val loss,
 metrics, plot) and `run_state` (the checkpoint format). Their names are re-exported here, so
 `from slapo.train.loop import TrainConfig, setup, ...` keeps working.
 """
@@ -32,7 +32,7 @@ import torch.distributed as dist  # noqa: F401  (tests patch `loop.dist`)
 
 from ..profile import meter
 from . import faults, stop_signals
-from .assemble import Run, build, make_trainable, schedule  # noqa: F401  (re-exported)
+from .assemble import Run, build, make_trainer, schedule  # noqa: F401  (re-exported)
 from .config import (  # noqa: F401  (re-exported)
     CKPT_POLICIES,
     DEVICES,
@@ -86,7 +86,7 @@ def train_one_step(run: Run) -> float:
     for group in run.optimizer.param_groups:
         group["lr"] = lr_at(run.step, run.cfg)
     t0 = time.perf_counter()
-    loss = run.step_fn(batch)
+    loss = run.trainer.train_step(batch)
     run.step_times.append(time.perf_counter() - t0)
     run.step += 1
     run.losses.append(float(loss))

@@ -83,7 +83,7 @@ def evaluate(run: Any, log: Any = None) -> float | None:
 
 def val_loss(run: Any) -> float | None:
     """Mean loss on the first `eval_batches` val batches (fixed, independent of the step), by
-    the built model's `eval_step` (forward only, eval mode, the training precision; pipelines
+    the run's `Trainer.eval_step` (forward only, eval mode, the training precision; pipelines
     too). Collective: every rank runs it."""
     if run.cfg.eval_batches == 0 or run.dataset is None:
         return None
@@ -95,7 +95,7 @@ def val_loss(run: Any) -> float | None:
     total = 0.0
     for _ in range(run.cfg.eval_batches):
         batch = {k: v.to(run.env.device) for k, v in val.next_batch(run.cfg.batch_size).items()}
-        total += run.trainable.eval_step(batch)
+        total += run.trainer.eval_step(batch)
     return total / run.cfg.eval_batches
 
 

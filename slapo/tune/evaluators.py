@@ -2,7 +2,7 @@
 
 A trial is `train_trial` run by `CallableEvaluator` in a fresh
 process, so a crash, a hang or running out of memory costs one trial, not the search. The trial
-trains through `slapo.build(...).train_step` with slapo train's model, optimizer and gradient
+trains through the `Trainer` that `slapo.build` makes (`build_trainer`) with slapo train's model, optimizer and gradient
 clipping (what is tuned is what `slapo train` runs; `tests/test_tune_trial_step.py` checks
 that both give the same losses), and reports `throughput` (tokens/s, median over the measured
 steps after warm-up) and `peak_memory_bytes`: `slapo.profile.meter`'s peak since the trial
@@ -116,18 +116,17 @@ def build_scheduled_model(settings: TrialSettings, config: Config) -> Any:
     return build_scheduled(settings, config).mod
 
 
-def trainable(sch: Any, settings: TrialSettings, config: Config) -> Any:
-    """`slapo.build` the schedule as `slapo train` does for one process: AdamW with its
-    lr, weight decay and betas, its gradient clipping, the config's mixed precision."""
+def trial_trainer(sch: Any, settings: TrialSettings, config: Config) -> Any:
+    """The schedule's `Trainer`, built as `slapo train` builds it for one process: AdamW with
+    its lr, weight decay and betas, its gradient clipping, the config's mixed precision."""
     import torch
 
-    from ..runtime.build import build
+    from ..runtime.build import build_trainer
 
     cfg = settings.train_config()
-    model, _ = build(sch, optimizer=torch.optim.AdamW, seed=settings.seed,
-                     optimizer_kwargs=cfg.optimizer_kwargs(),
-                     grad_clip=cfg.grad_clip, **build_knobs(config))
-    return model
+    return build_trainer(sch, optimizer=torch.optim.AdamW, seed=settings.seed,
+                         optimizer_kwargs=cfg.optimizer_kwargs(),
+                         grad_clip=cfg.grad_clip, **build_knobs(config))
 
 
 def trial_batch(settings: TrialSettings, batch_size: int, vocab_size: int) -> dict:
@@ -149,18 +148,18 @@ def train_trial(settings: TrialSettings, config: Config,
     """
     import torch
 
-    from ..runtime.train_step import time_steps
+    from ..runtime.step_timing import time_steps
 
     meter.reset_peak("cpu")
     _guard_address_space(settings.mem_cap_bytes)
     torch.set_num_threads(settings.threads)
     t0 = time.perf_counter()
-    model = trainable(build_scheduled(settings, config), settings, config)
+    trainer = trial_trainer(build_scheduled(settings, config), settings, config)
     bs, seq = int(config["batch_size"]), settings.seq_len
-    batches = batches or [trial_batch(settings, bs, model.config.vocab_size)]
+    batches = batches or [trial_batch(settings, bs, trainer.model.config.vocab_size)]
     build_s = time.perf_counter() - t0
     n = settings.warmup + settings.steps
-    timed = time_steps(model, [batches[i % len(batches)] for i in range(n)])
+    timed = time_steps(trainer, [batches[i % len(batches)] for i in range(n)])
     step = statistics.median(timed.seconds[settings.warmup:] or timed.seconds)
     loss = timed.losses[-1]
     if not loss == loss:  # NaN: a schedule that breaks training is not a fast schedule
@@ -215,7 +214,7 @@ def parse_bytes(text: str | int | float | None) -> int | None:
 
 
 # ------------------------------------------------------------------------------------------------
-# GPU trials: the product's own step, `slapo.build(...).train_step`
+# GPU trials: the product's own step, `build_trainer(...).train_step`
 # ------------------------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -243,8 +242,8 @@ def gpu_train_trial(settings: GPUTrialSettings, config: Config, spec: Any = None
     import transformers
 
     from .. import model_schedule
-    from ..runtime.build import build
-    from ..runtime.train_step import time_steps
+    from ..runtime.build import build_trainer
+    from ..runtime.step_timing import time_steps
     from .model_spaces import GPU_MODELS
 
     spec = spec or GPU_MODELS[settings.model]
@@ -255,11 +254,11 @@ def gpu_train_trial(settings: GPUTrialSettings, config: Config, spec: Any = None
     with dev:
         model = getattr(transformers, spec.model_class)(cfg).train()
     sch = model_schedule.apply(model, **schedule_knobs(config))
-    trained, _ = build(sch, optimizer=torch.optim.AdamW,
-                       optimizer_kwargs=dict(lr=1e-4, fused=dev.type == "cuda"),
-                       **build_knobs(config))
+    trainer = build_trainer(sch, optimizer=torch.optim.AdamW,
+                            optimizer_kwargs=dict(lr=1e-4, fused=dev.type == "cuda"),
+                            **build_knobs(config))
     batch = _gpu_batch(cfg, int(config["batch_size"]), spec.seq, dev, settings.seed)
-    timed = time_steps(trained, [batch] * (settings.warmup + settings.steps))
+    timed = time_steps(trainer, [batch] * (settings.warmup + settings.steps))
     loss = timed.losses[-1]
     if not loss == loss:
         raise FloatingPointError(f"loss is NaN for config {config!r}")
