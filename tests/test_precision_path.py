@@ -2,7 +2,7 @@
 
 The path (docs/architecture.md): `cli.py` (the flag, from the field) -> `train/config.py`
 (`TrainingOptions.precision`, checked by `check_precision`) -> `train/assemble.py`
-(`build(precision=cfg.precision)`) -> `runtime/build.py` (`check_precision` through
+(`build_trainer(precision=cfg.precision)`) -> `runtime/build.py` (`check_precision` through
 `precision_arg`, then `Precision(name)`) -> `runtime/precision.py` (`Precision.autocast`).
 """
 
