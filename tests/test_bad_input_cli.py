@@ -141,8 +141,10 @@ TRAIN_CASES: dict[str, CliCase] = {
     # the schedule knobs (checked by the schema, named by their flag)
     "tp_zero": CliCase(["--tp", "0"], ("--tp: tp must be a positive int",)),
     "tp_above_world": CliCase(["--tp", "2"], ("tp=2", "torchrun --nproc-per-node 2"), rc=1),
+    # the model against a degree is checked once, by the family's plan in `apply` (on the
+    # job's ranks: tests/test_placement.py); one process is refused by the placement first
     "tp_not_dividing_heads": CliCase(["--tp", "2", "--num-heads", "3", "--hidden-size", "96"],
-                                     ("--num-heads 3", "--tp 2")),
+                                     ("tp=2", "torchrun --nproc-per-node 2"), rc=1),
     "ckpt_ratio_above_one": CliCase(["--ckpt-ratio", "2"], ("--ckpt-ratio",)),
     "ckpt_policy_unknown": CliCase(["--ckpt-policy", "some"], ("--ckpt-policy", "'some'")),
     "attention_unknown": CliCase(["--attention", "fast"], ("--attention", "'fast'")),
@@ -152,7 +154,7 @@ TRAIN_CASES: dict[str, CliCase] = {
                                      ("--fuse-compiler", "'nope'")),
     "tempo_with_value": CliCase(["--tempo", "1"], ("unrecognized arguments: 1",)),
     "pp_stages_zero": CliCase(["--pp-stages", "0"], ("--pp-stages",)),
-    "pp_stages_above_layers": CliCase(["--pp-stages", "3"], ("--pp-stages 3", "--num-layers 2")),
+    "pp_stages_above_layers": CliCase(["--pp-stages", "3"], ("pp=3", "torchrun"), rc=1),
     "pp_stages_above_world": CliCase(["--pp-stages", "2"], ("pp=2", "torchrun"), rc=1),
     "sequence_parallel_with_pp": CliCase(["--sequence-parallel", "--pp-stages", "2"],
                                          ("--sequence-parallel",)),

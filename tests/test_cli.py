@@ -43,7 +43,8 @@ ckpt_ratio = 0.5
     cfg = parse_train_args(["--config", cfg_file, "--steps", "3", "--no-fuse", "--model",
                             "gpt2", "--tp", "2"])
     assert (cfg.model, cfg.steps, cfg.seq_len) == ("gpt2", 3, 32)
-    assert cfg.knobs() == {"attention": "sdpa", "fuse": False, "ckpt_ratio": 0.5, "tp": 2}
+    assert cfg.knobs() == {"attention": "sdpa", "fuse": False, "ckpt_ratio": 0.5}
+    assert cfg.tp == 2  # a degree: the placement's (`setup.placement`), not passed to apply
 
 
 def test_flags_without_config_and_resume_forms():
@@ -56,11 +57,13 @@ def test_flags_without_config_and_resume_forms():
 
 
 def test_parallel_knob_flags_reach_the_schedule_knobs():
-    """--sequence-parallel and --vocab-parallel/--no-vocab-parallel are `slapo train` flags."""
+    """--sequence-parallel and --vocab-parallel/--no-vocab-parallel are `slapo train` flags;
+    --tp is the placement's degree (apply reads it from the mesh), validated with the knobs."""
     cfg = parse_train_args(["--tp", "2", "--sequence-parallel", "--no-vocab-parallel"])
-    assert cfg.knobs() == {"tp": 2, "sequence_parallel": True, "vocab_parallel": False}
+    assert cfg.knobs() == {"sequence_parallel": True, "vocab_parallel": False}
+    assert cfg.schedule_knobs().tp == 2
     cfg = parse_train_args(["--tp", "2", "--fused-loss"])  # fused loss needs a whole LM head
-    assert cfg.knobs() == {"tp": 2, "fused_loss": True, "vocab_parallel": False}
+    assert cfg.knobs() == {"fused_loss": True, "vocab_parallel": False}
     with pytest.raises(ValueError, match="--fused-loss: .*vocab_parallel=False"):
         parse_train_args(["--tp", "2", "--fused-loss", "--vocab-parallel"]).schedule_knobs()
 

@@ -91,32 +91,6 @@ def checkpoint_layers(layers: list[Schedule], ratio: float, policy=None) -> int:
 
 # ---- tensor-parallel dropout: per-rank masks inside sharded regions -------------------------
 
-def tp_divisibility(model: nn.Module, tp: int) -> list[str]:
-    """The config sizes a tp-way head/feature split needs divisible, as "name=value" for each
-    that is not (HF configs map `num_attention_heads` to each family's own name, e.g. GPT-2's
-    `n_head`, T5's `num_heads`; `num_key_value_heads` is LLaMA's GQA; the MLP width is
-    `intermediate_size`, GPT-2's `n_inner`, OPT's `ffn_dim`, T5's `d_ff`)."""
-    cfg = getattr(model, "config", None)
-    bad = []
-    for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size", "n_inner",
-                 "ffn_dim", "d_ff"):  # heads, GQA's KV heads, the MLP's sharded features
-        value = getattr(cfg, name, None)
-        if isinstance(value, int) and not isinstance(value, bool) and value % tp:
-            bad.append(f"{name}={value}")
-    return bad
-
-
-def check_tp_heads(sch: Schedule, tp: int) -> None:
-    """Raise before any change when the heads (or KV heads) do not split over `tp` ranks:
-    otherwise the sharded q/k/v reshape fails in the forward with a message naming neither."""
-    bad = tp_divisibility(sch.mod, tp)
-    if bad:
-        raise SchedulingError(sch.path, f"tensor parallelism splits attention heads and MLP "
-                              f"features over tp={tp} ranks, but {', '.join(bad)} is not "
-                              f"divisible by {tp}.", "choose a tp that divides the number of "
-                              "attention heads, of key/value heads and the MLP width.")
-
-
 class HFAttentionCore(AttentionCore):
     """The model's own attention function (`eager_attention_forward` of its modeling file, or
     the registry entry its config names, e.g. "sdpa") behind the attention-core interface.

@@ -224,10 +224,12 @@ def _validate_plan(sch, family, tp, attention, fuse, kernels, pp_stages, sp) -> 
     """The checks that need the model (its layers, heads, plans), before any mutation."""
     layers = layers_of(sch, family)  # a missing layer list fails here, before anything changes
     if tp > 1:
-        _common.check_tp_heads(sch, tp)
-        if family.tp_plan is not None:  # every row of every layer, before the first shard
-            for layer in layers:
-                family.tp_plan.resolve(layer, tp, sequence_parallel=sp)
+        if family.tp_plan is not None:  # the heads, and every row of every layer
+            family.tp_plan.validate(layers, tp, sequence_parallel=sp)
+        else:  # a plan written as code: the heads check a table's `validate` makes
+            from .plan import check_tp_heads
+
+            check_tp_heads(sch, tp)
     if attention == "flash":
         from ..op import flash_attn_available
 
@@ -439,7 +441,7 @@ def _fuse_mlps(sch: Schedule, family: Family, compiler: str) -> None:
 
 
 def _cut_pipeline(sch: Schedule, layers: list[Schedule], stages: int) -> None:
-    _check_pipeline(sch, layers, stages)
+    """Cut `stages` stages (checked by `_check_pipeline` before any change)."""
     per = len(layers) / stages
     for s in range(1, stages):
         layers[round(s * per) - 1].cut_pipeline_stage()

@@ -35,6 +35,9 @@ from ..errors import SchedulingError
 ATTENTION = ("eager", "sdpa", "flash")
 CKPT_POLICIES = ("full", "selective")
 KINDS = ("int", "float", "str", "bool")
+# The knobs that are parallel degrees: their values are checked by `runtime.mesh.check_degree`,
+# the placement's one check, so a degree has one rule and one message wherever it is given.
+DEGREE_KNOBS = ("tp", "pp_stages")
 
 
 class KnobError(SchedulingError):
@@ -178,6 +181,9 @@ def _check_value(f: Field, v: Any, path: str) -> None:
     if f.name == "compile_blocks":
         _check_compile_blocks(v, path)
         return
+    if f.name in DEGREE_KNOBS:
+        _check_degree(f.name, v, path)
+        return
     meta = f.metadata
     if meta["kind"] == "bool":
         _need(isinstance(v, bool), f.name, f"{f.name} must be True or False, got {v!r}.",
@@ -204,6 +210,17 @@ def _check_number(f: Field, v: Any, path: str) -> None:
     else:
         want, example = f"a{' positive' if lo == 1 else ''} {meta['kind']}", f"{f.name}=1"
     _need(ok, f.name, f"{f.name} must be {want}, got {v!r}.", f"pass e.g. {example}.", path)
+
+
+def _check_degree(name: str, v: Any, path: str) -> None:
+    """`tp` and `pp_stages` are parallel degrees: checked by the placement's one check
+    (`runtime.mesh.check_degree`), named as the knob."""
+    from ..runtime.mesh import check_degree
+
+    try:
+        check_degree(name, v)
+    except SchedulingError as e:
+        raise KnobError(name, e.problem, e.fix or "", path) from e
 
 
 def _check_compile_blocks(v: Any, path: str) -> None:

@@ -26,7 +26,7 @@ attributes we divide (`DivideAttr`), and explicit autograd collectives cost noth
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 import torch.nn as nn
@@ -377,6 +377,57 @@ def _check_split(node: Schedule, name: str, axis: int, tp: int, blocks: int, sty
                               "features.")
 
 
+# ---- the degree against the model: the one check of tp against heads and widths ------------
+
+def tp_divisibility(model: nn.Module, tp: int) -> list[str]:
+    """The config sizes a tp-way head/feature split needs divisible, as "name=value" for each
+    that is not (HF configs map `num_attention_heads` to each family's own name, e.g. GPT-2's
+    `n_head`, T5's `num_heads`; `num_key_value_heads` is LLaMA's GQA; the MLP width is
+    `intermediate_size`, GPT-2's `n_inner`, OPT's `ffn_dim`, T5's `d_ff`)."""
+    cfg = getattr(model, "config", None)
+    bad = []
+    for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size", "n_inner",
+                 "ffn_dim", "d_ff"):  # heads, GQA's KV heads, the MLP's sharded features
+        value = getattr(cfg, name, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value % tp:
+            bad.append(f"{name}={value}")
+    return bad
+
+
+def _config_of(node: Schedule) -> tuple[Any, Schedule]:
+    """The HF config governing `node` and the node holding it: the outermost one above it (the
+    model a layer is in: what `apply` was called on), else the first one inside it (a copied
+    block, as the cost model shards)."""
+    found: tuple[Any, Schedule] | None = None
+    at: Schedule | None = node
+    while at is not None:
+        if getattr(at.mod, "config", None) is not None:
+            found = (at.mod.config, at)
+        at = at.parent
+    if found is not None:
+        return found
+    return next((m.config for m in node.mod.modules() if getattr(m, "config", None) is not None),
+                None), node
+
+
+def check_tp_heads(sch: Schedule, tp: int) -> None:
+    """Raise before any change when the heads (or KV heads, or the MLP width) do not split over
+    `tp` ranks: otherwise the sharded q/k/v reshape fails in the forward with a message naming
+    neither. The one check of the tensor-parallel degree against a model (`TPPlan.validate`
+    runs it for `apply`, `shard_block` for the cost model), naming the module whose config it
+    read. Sizes alone can pass where heads do not (LLaMA GQA: 2 KV heads of 16 make 32 rows,
+    which split 4 ways into half heads), so the config is read."""
+    from types import SimpleNamespace
+
+    config, owner = _config_of(sch)
+    bad = tp_divisibility(SimpleNamespace(config=config), tp)
+    if bad:
+        raise SchedulingError(owner.path, f"tensor parallelism splits attention heads and MLP "
+                              f"features over tp={tp} ranks, but {', '.join(bad)} is not "
+                              f"divisible by {tp}.", "choose a tp that divides the number of "
+                              "attention heads, of key/value heads and the MLP width.")
+
+
 # ---- the plan --------------------------------------------------------------------------------
 
 
@@ -398,6 +449,16 @@ class TPPlan:
                 raise SchedulingError("", f"TPPlan row {row!r} is not a (path, style) pair.",
                                       "write rows as ('attn.q_proj', Column()).")
         object.__setattr__(self, "entries", rows)
+
+    def validate(self, layers: list[Schedule], tp: int,
+                 sequence_parallel: bool = False) -> None:
+        """Check the plan against a model before its first change: the degree against the
+        model's heads, KV heads and MLP width (`check_tp_heads`: the one check of tp against a
+        model), then every row of every layer (`resolve`). Mutates nothing."""
+        if layers:
+            check_tp_heads(layers[0], tp)
+        for layer in layers:
+            self.resolve(layer, tp, sequence_parallel)
 
     def apply(self, layer: Schedule, tp: int, sequence_parallel: bool = False) -> None:
         """Shard `layer` `tp` ways (sequence parallel if asked). Every row is resolved and
@@ -504,36 +565,18 @@ def shard_block(block: nn.Module, tp: int, rank: int = 0, plan: TPPlan | None = 
     with `plan_at_tp1=True` the plan applied on a group of one (same kernels as at tp > 1: a
     row-parallel bias is added after the identity reduction, as its own op)."""
     from ..distributed.group import VirtualGroup
+    from ..runtime.mesh import check_degree
     from ..sharding import deepcopy_model
 
-    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
-        raise SchedulingError("", f"tp must be a positive int, got {tp!r}.", "pass e.g. tp=2.")
+    check_degree("tp", tp)
     plan = plan if plan is not None else plan_for(block)
-    _check_heads(block, tp)
     out = deepcopy_model(block)
     if tp == 1 and not plan_at_tp1:
         return out
     sch = create_schedule(out, group=VirtualGroup(tp, rank))
+    check_tp_heads(sch, tp)  # the model's heads (`apply` checks them in `TPPlan.validate`)
     plan.apply(sch, tp)
     return sch.mod
-
-
-def _check_heads(block: nn.Module, tp: int) -> None:
-    """The runtime's check (`apply` runs it on the model's config): heads, KV heads and the MLP
-    width must divide by tp. Sizes alone can pass where heads do not (LLaMA GQA: 2 KV heads of
-    16 make 32 rows, which split 4 ways into half heads), so read the block's config too."""
-    from types import SimpleNamespace
-
-    from ._common import tp_divisibility
-
-    cfg = next((m.config for m in block.modules() if getattr(m, "config", None) is not None),
-               None)
-    bad = tp_divisibility(SimpleNamespace(config=cfg), tp) if cfg is not None else []
-    if bad:
-        raise SchedulingError("", f"{type(block).__name__} cannot split over tp={tp}: "
-                              f"{', '.join(bad)} is not divisible by {tp}.",
-                              "choose a tp that divides the attention heads, the key/value "
-                              "heads and the MLP width.")
 
 
 __all__ = ["Column", "ConvIn", "ConvOut", "DivideAttr", "EnterRegion", "NormChannels",

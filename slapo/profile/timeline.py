@@ -52,7 +52,9 @@ def memory_timeline(
     params = list(model.parameters())
     dev = device or (str(params[0].device) if params else "cpu")
     if dev == "cuda":
-        dev = f"cuda:{torch.cuda.current_device()}"
+        from ..runtime.mesh import local_device
+
+        dev = str(local_device("cuda"))
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.startswith("cuda") else [])
     with profile(activities=acts, profile_memory=True, record_shapes=True, with_stack=True) as prof:
         loss = (loss_fn or default_loss)(_call(model, inputs))

@@ -19,6 +19,7 @@ Tensor parallelism is already in the schedule (its primitives ran on the mesh's 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -34,7 +35,7 @@ from .data_parallel import apply_data_parallel, check_data_parallel
 from .mesh import MeshInfo
 from .partition import check_stage_coverage, partition
 from .pipeline_guards import make_stages
-from .pipeline_plan import check_cuts, make_schedule, plan_pipeline
+from .pipeline_plan import PipelinePlan, check_cuts, make_schedule, plan_pipeline
 from .pipeline_runner import PipelineRunner
 from .pipeline_tied import find_tied
 from .precision import (
@@ -52,12 +53,6 @@ from .train_step import StepConfig, norm_weight_table, norm_weights
 from .trainer import Trainer
 
 TARGETS = (None, "deepspeed")
-
-
-def _default_device(info: MeshInfo | None = None) -> torch.device:
-    if torch.cuda.is_available() and (info is None or info.device_type == "cuda"):
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -112,8 +107,8 @@ def _run_device_type(sch: Schedule, device, info: MeshInfo) -> str:
     if device is not None:
         return torch.device(device).type
     if has_meta_tensors(sch.mod):
-        return _default_device(info).type
-    return module_device_type(sch.mod, default=_default_device(info).type)
+        return info.device.type
+    return module_device_type(sch.mod, default=info.device.type)
 
 
 def _job_group(info: MeshInfo):
@@ -161,7 +156,7 @@ def _check_pipeline_off(sch: Schedule, info: MeshInfo) -> None:
 def place_weights(model: nn.Module, device, info: MeshInfo, init_weights, seed: int) -> None:
     """Materialise meta tensors (this rank's shards only) or move to `device`."""
     if has_meta_tensors(model):
-        materialize(model, device or _default_device(info), init_fn=init_weights, seed=seed)
+        materialize(model, device or info.device, init_fn=init_weights, seed=seed)
     elif device is not None:
         model.to(device)
 
@@ -183,13 +178,77 @@ def _unique_params(modules: list[nn.Module]) -> list[nn.Parameter]:
 
 
 # ------------------------------------------------------------------------------------------------
+# the pipeline's stages: planned once per build
+# ------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class PipelineStages:
+    """A pipeline's plan (schedule, stages per rank, micro-batches) and the schedule's stage
+    modules, checked: what `build(pipeline=...)` runs. Made once per build: a caller that needs
+    the stages before building (`slapo train` reads only this rank's stages' pretrained
+    tensors) makes it with `plan_stages` and passes it as `build(pipeline=stages)`, so the
+    plan and the partition are not made twice."""
+
+    sch: Schedule = field(repr=False)
+    info: MeshInfo = field(repr=False)
+    plan: PipelinePlan
+    stages: list[nn.Module] = field(repr=False)
+
+    def local_ids(self) -> list[int]:
+        """The stages this rank runs."""
+        return self.plan.stage_ids(self.info.pp_rank)
+
+
+def plan_stages(sch: Schedule, *, mesh=None, pipeline: str = "1F1B",
+                num_microbatches: int | None = None,
+                virtual_stages: int | None = None) -> PipelineStages:
+    """Plan `pipeline` on `mesh` (default the schedule's) and split the schedule into its
+    stages from the cuts (every check `build` makes of a pipeline, on every rank)."""
+    _check_schedule(sch)
+    return _plan_stages(sch, mesh_info(sch, mesh), pipeline, num_microbatches, virtual_stages)
+
+
+def _plan_stages(sch: Schedule, info: MeshInfo, pipeline: str, num_microbatches,
+                 virtual_stages) -> PipelineStages:
+    plan = plan_pipeline(pipeline, info, num_microbatches, virtual_stages)
+    check_cuts(sch, plan)
+    all_stages = partition(sch, plan.num_stages)
+    check_stage_coverage(sch.mod, all_stages)  # every parameter trained, by exactly one stage
+    check_split_backward(all_stages, plan)
+    return PipelineStages(sch, info, plan, all_stages)
+
+
+def _check_planned(sch: Schedule, info: MeshInfo, staged: PipelineStages,
+                   num_microbatches, virtual_stages) -> None:
+    """A `PipelineStages` passed to `build` must be this schedule's, on this mesh, and the
+    plan's own micro-batches and stages per rank (not a second, different copy)."""
+    if staged.sch is not sch or staged.info.mesh is not info.mesh:
+        raise SchedulingError(sch.path, "build(pipeline=stages): the stages were planned for "
+                              "another schedule or mesh.", "plan them with plan_stages(sch, "
+                              "mesh=mesh) for the schedule and mesh you build.")
+    plan = staged.plan
+    for name, given, planned in (("num_microbatches", num_microbatches, plan.num_microbatches),
+                                 ("virtual_stages", virtual_stages, plan.virtual_stages)):
+        if given is not None and given != planned:
+            raise SchedulingError(sch.path, f"build(pipeline=stages, {name}={given}): the stages "
+                                  f"were planned with {name}={planned}.",
+                                  "pass it to plan_stages, not to build.")
+
+
+def pipeline_name(pipeline: str | PipelineStages | None) -> str | None:
+    """The schedule name of a `build(pipeline=...)` argument."""
+    return pipeline.plan.name if isinstance(pipeline, PipelineStages) else pipeline
+
+
+# ------------------------------------------------------------------------------------------------
 # build
 # ------------------------------------------------------------------------------------------------
 
 def build(sch: Schedule, *, optimizer: Callable | None = None,
           init_weights: Callable | bool | None = None, seed: int = 0,
           device: torch.device | str | None = None, optimizer_kwargs: dict | None = None,
-          mesh=None, pipeline: str | None = None, num_microbatches: int | None = None,
+          mesh=None, pipeline: str | PipelineStages | None = None,
+          num_microbatches: int | None = None,
           virtual_stages: int | None = None, data_parallel: str | None = None,
           reshard_after_forward: bool | int = True, loss_fn: LossFn | None = None,
           grad_clip: float | None = None, grad_accum: int = 1, batch_is_global: bool = True,
@@ -222,7 +281,8 @@ def build(sch: Schedule, *, optimizer: Callable | None = None,
       "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"),
       over the mesh's pp dimension, with `pp * virtual_stages` stages from the schedule's cuts
       (`virtual_stages` defaults to 1, or 2 for multi-stage schedules) and `num_microbatches`
-      micro-batches per step (default: the number of stages).
+      micro-batches per step (default: the number of stages). Or the `PipelineStages` of
+      `plan_stages(sch, mesh=, pipeline=, ...)`, when the caller needed the stages first.
     - `data_parallel`: None, "ddp" or "fsdp" (FSDP2 per block and root, over the dp dimension;
       `reshard_after_forward` True = ZeRO-3, False = keep gathered weights until backward).
 
@@ -265,7 +325,8 @@ def build(sch: Schedule, *, optimizer: Callable | None = None,
 def build_trainer(sch: Schedule, *, optimizer: Callable | None = None,
                   init_weights: Callable | None = None, seed: int = 0,
                   device: torch.device | str | None = None,
-                  optimizer_kwargs: dict | None = None, mesh=None, pipeline: str | None = None,
+                  optimizer_kwargs: dict | None = None, mesh=None,
+                  pipeline: str | PipelineStages | None = None,
                   num_microbatches: int | None = None, virtual_stages: int | None = None,
                   data_parallel: str | None = None, reshard_after_forward: bool | int = True,
                   loss_fn: LossFn | None = None, grad_clip: float | None = None,
@@ -305,8 +366,11 @@ def _checked(sch: Schedule, args: dict[str, Any]) -> tuple[str, MeshInfo, str, S
     precision = precision_arg(args["precision"], args["mixed_precision"])  # the one check
     _check_precision_target(precision, args["target"])
     info = mesh_info(sch, args["mesh"])
+    pipeline = args["pipeline"]
+    if isinstance(pipeline, PipelineStages):
+        _check_planned(sch, info, pipeline, args["num_microbatches"], args["virtual_stages"])
     check_data_parallel(args["data_parallel"], info)
-    _check_pipeline_dp(args["pipeline"], args["data_parallel"], info)
+    _check_pipeline_dp(pipeline_name(pipeline), args["data_parallel"], info)
     device_type = _run_device_type(sch, args["device"], info)
     check_autocast(precision, device_type)
     config = StepConfig(info, args["grad_accum"], args["grad_clip"], 1, args["batch_is_global"],
@@ -321,9 +385,10 @@ def _build_deepspeed(sch: Schedule, args: dict[str, Any]):
     from .deepspeed import build_deepspeed
 
     _, info, _, config = _checked(sch, args)
-    return build_deepspeed(sch, info, config, **{k: args[k] for k in (
-        "optimizer", "optimizer_kwargs", "loss_fn", "deepspeed_config", "device",
-        "init_weights", "seed", "data_parallel", "pipeline")})
+    return build_deepspeed(sch, info, config, pipeline=pipeline_name(args["pipeline"]),
+                           **{k: args[k] for k in (
+                               "optimizer", "optimizer_kwargs", "loss_fn", "deepspeed_config",
+                               "device", "init_weights", "seed", "data_parallel")})
 
 
 def _build_local(sch: Schedule, info: MeshInfo, config: StepConfig, *, optimizer,
@@ -353,16 +418,15 @@ def _build_local(sch: Schedule, info: MeshInfo, config: StepConfig, *, optimizer
     return trainer
 
 
-def _build_pipeline(sch: Schedule, info: MeshInfo, config: StepConfig, *, pipeline: str,
+def _build_pipeline(sch: Schedule, info: MeshInfo, config: StepConfig, *,
+                    pipeline: str | PipelineStages,
                     num_microbatches, virtual_stages, optimizer, optimizer_kwargs, loss_fn,
                     device, init_weights, seed, data_parallel, reshard_after_forward,
                     precision: Precision) -> Trainer:
     """This rank's pipeline stages (each optionally data-parallel) driven by a torch schedule."""
-    plan = plan_pipeline(pipeline, info, num_microbatches, virtual_stages)
-    check_cuts(sch, plan)
-    all_stages = partition(sch, plan.num_stages)
-    check_stage_coverage(sch.mod, all_stages)  # every parameter trained, by exactly one stage
-    check_split_backward(all_stages, plan)
+    staged = pipeline if isinstance(pipeline, PipelineStages) else \
+        _plan_stages(sch, info, pipeline, num_microbatches, virtual_stages)
+    plan, all_stages = staged.plan, staged.stages
     ids = plan.stage_ids(info.pp_rank)
     mine = [all_stages[i] for i in ids]
     tied = find_tied(all_stages, plan, info.pp_rank)  # before weights are replaced
@@ -392,7 +456,7 @@ def _place_stage_weights(sch: Schedule, stages: list[nn.Module], device, info: M
     owner, the other stages' tensors left on meta."""
     if any(has_meta_tensors(s) for s in stages):
         used = [t for s in stages for t in [*s.parameters(), *s.buffers()]]
-        materialize(sch.mod, device or _default_device(info), init_fn=init_weights, seed=seed,
+        materialize(sch.mod, device or info.device, init_fn=init_weights, seed=seed,
                     only=used)
     elif device is not None:
         for s in stages:
@@ -403,7 +467,7 @@ def _stage_device(stages: list[nn.Module], info: MeshInfo) -> torch.device:
     for s in stages:
         for p in s.parameters():
             return p.device
-    return _default_device(info)
+    return info.device
 
 
 # ------------------------------------------------------------------------------------------------
@@ -437,4 +501,5 @@ def _adapt_2023(given: dict) -> dict:
     return adapted
 
 
-__all__ = ["build", "build_trainer", "install_2023_adapter", "mesh_info"]
+__all__ = ["PipelineStages", "build", "build_trainer", "install_2023_adapter", "mesh_info",
+           "plan_stages"]

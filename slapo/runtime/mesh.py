@@ -1,11 +1,43 @@
-"""`ParallelDims` and `init_mesh`: the parallel degrees, checked once, and the one DeviceMesh
-("dp", "pp", "tp") that every parallelism reads its group from. `MeshInfo` is a rank's view of
-that mesh (degrees, its coordinates, the groups).
+"""The placement: `ParallelDims` (the job's parallel degrees and device, checked once) and the
+one DeviceMesh every parallelism reads its group from (`init_mesh`). `MeshInfo` is one rank's
+view of that mesh (degrees, its coordinates, the groups).
 
-Rank layout follows the convention of Megatron and torchtitan: "tp" is innermost (its ranks are
-consecutive, so on GPUs they share a node and its fast links), then "pp", then "dp" outermost
-(data parallelism tolerates the slowest links). A rank's coordinate is
-`(rank // (pp*tp), rank // tp % pp, rank % tp)`.
+**One placement object.** `slapo train` (`train/setup.py`) makes one `ParallelDims` per run,
+from `--tp`, `--pp-stages`, `--dp-shard`, `--device` and the job's size (`for_world`), and
+everything downstream reads its degrees from it or from the mesh it built: `model_schedule.apply`
+shards over the mesh's "tp" group (`Schedule.tp_size`), `slapo.build` pipelines over "pp" and
+wraps DDP / FSDP2 over "dp". A degree is validated by `check_degree` (a positive int) and
+`for_world` (the ranks divide), nowhere else. torchtitan's `ParallelDims` is the model.
+
+**The degrees** (torchtitan's names): `dp_replicate` x `dp_shard` x `cp` x `tp` x `pp` ranks make
+the job; `ep` (experts) borrows ranks from the others and adds none.
+
+- `dp_replicate`: data-parallel replicas that each hold the whole model (or stage): what DDP
+  runs over (`build(data_parallel="ddp")`).
+- `dp_shard`: data-parallel ranks that shard weights, gradients and optimizer state: what FSDP2
+  runs over (`build(data_parallel="fsdp")`, `slapo train --dp-shard`).
+  Today one of the two is 1 (HSDP, both > 1, is refused): `dp = dp_replicate * dp_shard` is the
+  mesh's one "dp" dimension, and whether its ranks replicate or shard is the placement's
+  `data_parallel` ("ddp" or "fsdp"). A mesh alone does not say which: `ParallelDims.of(mesh)`
+  reports its "dp" ranks as `dp_replicate`.
+- `cp`: context (sequence) parallelism; `ep`: expert parallelism (MoE). Both are fields and are
+  validated here, but > 1 is refused until the context-parallelism and expert-parallelism
+  issues land: they then fill in their dimension, not a new path.
+- `tp`, `pp`: tensor and pipeline parallelism.
+
+**Mesh layout.** Dimensions `("dp", "pp", "tp")`, outermost first (Megatron's and torchtitan's
+convention: "tp" innermost, so its consecutive ranks share a node and its fast links; data
+parallelism outermost, since it tolerates the slowest links). A rank's coordinate is
+`(rank // (pp*tp), rank // tp % pp, rank % tp)`. With cp > 1 a "cp" dimension will sit between
+"pp" and "tp" (`ParallelDims.mesh_dims`); `mesh["dp"]`, `mesh["pp"]` and `mesh["tp"]` always
+exist.
+
+**The device** is decided in one function, `local_device` ("auto": the backend of an existing
+process group, NCCL meaning CUDA, else CUDA when there is a GPU; "cuda" is this rank's current
+CUDA device). **The job's size** is read in one function, `job_world_size` (the process group
+once it exists, else torchrun's WORLD_SIZE, else 1). **The pipeline schedules** and how many
+stages each runs per rank are declared here once (`PP_SCHEDULES`, `stages_per_rank`): they
+decide how many stages the model is cut into.
 """
 
 from __future__ import annotations
@@ -13,6 +45,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -20,42 +53,129 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from ..errors import SchedulingError
 
-MESH_DIMS = ("dp", "pp", "tp")
+MESH_DIMS = ("dp", "pp", "tp")  # the dimensions every mesh has (cp joins them when > 1)
 DEFAULT_TIMEOUT_S = 60
 _TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+DEVICES = ("auto", "cpu", "cuda")
+DEGREES = ("dp_replicate", "dp_shard", "cp", "tp", "pp", "ep")
+# Degrees that are fields but not yet implemented: > 1 is refused, naming what will bring them.
+_NOT_YET = {"cp": "context parallelism (cp > 1) arrives with the context-parallelism issue",
+            "ep": "expert parallelism (ep > 1) arrives with the expert-parallelism (MoE) issue"}
+
+# torch.distributed.pipelining's schedules, by the names `slapo.build(pipeline=...)` and
+# `slapo train --pp-schedule` take. The multi-stage ones run 2 stages per rank by default
+# (torch's PipelineScheduleMulti), the V ones exactly 2, placed V-shaped.
+PP_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble",
+                "ZBVZeroBubble", "DualPipeV")
+MULTI_STAGE = ("Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble",
+               "DualPipeV")
+V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
+
+
+def stages_per_rank(schedule: str | None) -> int:
+    """Stages each pp rank runs by default under `schedule` (None: no pipeline, 1): the model
+    is cut into `pp * stages_per_rank(schedule)` stages."""
+    return 2 if schedule in MULTI_STAGE else 1
+
+
+def check_degree(name: str, value: Any) -> int:
+    """The one check of a parallel degree's value (`ParallelDims` fields, and the `tp` /
+    `pp_stages` knobs of `model_schedule.apply`): a positive int. Returns it."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise SchedulingError("", f"{name} must be a positive int (a parallel degree), got "
+                              f"{value!r}.", f"pass e.g. {name}=1.")
+    return value
+
+
+def job_world_size() -> int:
+    """Ranks of this job, read here only: the process group's size once it exists (it is the
+    truth the collectives run on), else torchrun's WORLD_SIZE, else 1."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def check_device(device: Any) -> str:
+    """The one check of a device request (`--device`, `init_mesh(device=)`)."""
+    if device not in DEVICES:
+        raise SchedulingError("", f"unknown device {device!r}.", f"use one of {', '.join(DEVICES)}.")
+    return device
+
+
+def backend_device_type(backend: str) -> str:
+    """The device type a process-group backend runs on: NCCL on CUDA, everything else CPU."""
+    return "cuda" if "nccl" in str(backend) else "cpu"
+
+
+def device_type(device: str = "auto") -> str:
+    """Where this rank computes, for a `--device` / `init_mesh(device=)` value: "cpu", "cuda",
+    or "auto" (an existing process group's backend decides; without one, CUDA when there is a
+    GPU). The one decision; `local_device` makes the torch device from it."""
+    check_device(device)
+    if device != "auto":
+        return device
+    if dist.is_available() and dist.is_initialized():
+        return backend_device_type(dist.get_backend())
+    nccl = not dist.is_available() or dist.is_nccl_available()
+    return "cuda" if torch.cuda.is_available() and nccl else "cpu"
+
+
+def local_device(device: str = "auto") -> torch.device:
+    """This rank's torch device: `device_type(device)`, with CUDA's current device index (set
+    from LOCAL_RANK by `init_mesh`). Every runtime piece that needs "the device" asks here."""
+    kind = device_type(device)
+    if kind == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(kind)
 
 
 @dataclass(frozen=True)
 class ParallelDims:
-    """The job's parallel degrees: the one place they are checked and turned into a mesh.
+    """The placement: the job's parallel degrees and its device, checked once (module docstring).
 
-    `dp * pp * tp` is the number of ranks. Every app (`slapo train`, `--progressive`, `slapo
-    tune`'s trials, examples) gets its degrees here and its mesh from `init_mesh`, so a degree is
-    validated once, with one message, and no app builds groups by hand (torchtitan's
-    `ParallelDims` is the model).
+    `dp_replicate * dp_shard * cp * tp * pp` is the number of ranks (`world`); `dp` is
+    `dp_replicate * dp_shard`, the mesh's "dp" dimension. `device`: "auto", "cpu" or "cuda"
+    (`local_device()` resolves it). Every app (`slapo train`, `--progressive`, `slapo tune`'s
+    trials, examples) gets its degrees here and its mesh from `init_mesh`, so a degree is
+    validated once, with one message, and no app builds groups by hand.
     """
 
-    dp: int = 1
-    pp: int = 1
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    cp: int = 1
     tp: int = 1
+    pp: int = 1
+    ep: int = 1
+    device: str = "auto"
 
     def __post_init__(self) -> None:
-        for name in MESH_DIMS:
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise SchedulingError("", f"parallel degree {name}={v!r} must be a positive "
-                                      "int.", f"pass e.g. {name}=1.")
+        for name in DEGREES:
+            check_degree(name, getattr(self, name))
+        for name, why in _NOT_YET.items():
+            if getattr(self, name) > 1:
+                raise SchedulingError("", f"{name}={getattr(self, name)}: {why}; it is not "
+                                      "supported yet.", f"use {name}=1.")
+        if self.dp_replicate > 1 and self.dp_shard > 1:
+            raise SchedulingError("", f"dp_replicate={self.dp_replicate} x dp_shard="
+                                  f"{self.dp_shard}: hybrid sharded data parallelism (HSDP) is "
+                                  "not supported yet.", "replicate (DDP) or shard (FSDP2) over "
+                                  "all data-parallel ranks.")
+        check_device(self.device)
 
     @classmethod
-    def for_world(cls, world: int, *, tp: int = 1, pp: int = 1) -> ParallelDims:
-        """The degrees of a job of `world` ranks: `tp` x `pp` as asked, the rest data parallel."""
+    def for_world(cls, world: int, *, tp: int = 1, pp: int = 1, dp_shard: bool = False,
+                  device: str = "auto") -> ParallelDims:
+        """The placement of a job of `world` ranks: `tp` x `pp` as asked, the rest data
+        parallel (sharded, FSDP2, with `dp_shard`; else replicated, DDP)."""
         cls(tp=tp, pp=pp)  # checks tp and pp
         if world % (tp * pp):
             raise SchedulingError(
                 "", f"tp={tp} x pp={pp} = {tp * pp} ranks per model replica does not divide "
                 f"the {world} processes of this job.", f"launch a multiple of {tp * pp} "
                 f"processes (`torchrun --nproc-per-node {tp * pp} ...`), or change tp / pp.")
-        return cls(dp=world // (tp * pp), pp=pp, tp=tp)
+        dp = world // (tp * pp)
+        return cls(dp_replicate=1 if dp_shard else dp, dp_shard=dp if dp_shard else 1,
+                   tp=tp, pp=pp, device=device)
 
     @classmethod
     def of(cls, mesh: DeviceMesh | None) -> ParallelDims:
@@ -63,34 +183,53 @@ class ParallelDims:
         return MeshInfo.of(mesh).dims if mesh is not None else cls()
 
     @property
-    def world(self) -> int:
-        return self.dp * self.pp * self.tp
+    def dp(self) -> int:
+        """Data-parallel ranks: the mesh's "dp" dimension (`dp_replicate * dp_shard`)."""
+        return self.dp_replicate * self.dp_shard
 
     @property
-    def shape(self) -> tuple[int, int, int]:
-        """The mesh shape, in `MESH_DIMS` order (tp innermost)."""
-        return (self.dp, self.pp, self.tp)
+    def data_parallel(self) -> str | None:
+        """What runs over the "dp" ranks: "fsdp" (dp_shard > 1), "ddp" (dp_replicate > 1), or
+        None (one data-parallel rank): `slapo.build(data_parallel=...)`."""
+        if self.dp_shard > 1:
+            return "fsdp"
+        return "ddp" if self.dp_replicate > 1 else None
+
+    @property
+    def world(self) -> int:
+        return self.dp * self.cp * self.pp * self.tp
+
+    @property
+    def mesh_dims(self) -> tuple[str, ...]:
+        """The mesh's dimension names, outermost first ("cp" only when cp > 1)."""
+        return ("dp", "pp", *(("cp",) if self.cp > 1 else ()), "tp")
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The mesh shape, in `mesh_dims` order (tp innermost)."""
+        size = {"dp": self.dp, "pp": self.pp, "cp": self.cp, "tp": self.tp}
+        return tuple(size[d] for d in self.mesh_dims)
+
+    def stages(self, schedule: str | None) -> int:
+        """Pipeline stages the model is cut into under `schedule` (1 without a pipeline)."""
+        return self.pp * stages_per_rank(schedule) if schedule is not None else 1
+
+    def local_device(self) -> torch.device:
+        """This rank's torch device (`local_device(self.device)`)."""
+        return local_device(self.device)
 
     def __str__(self) -> str:
         return f"dp={self.dp} x pp={self.pp} x tp={self.tp}"
 
 
-DEVICES = ("auto", "cpu", "cuda")
-
-
 def _device_and_backend(device: str = "auto") -> tuple[str, str]:
-    """NCCL on CUDA, gloo on CPU: the only pairs that run every collective we use. "auto": CUDA
-    when there is a GPU (and NCCL)."""
-    if device not in DEVICES:
-        raise SchedulingError("", f"init_mesh: unknown device {device!r}.",
-                              f"use one of {', '.join(DEVICES)}.")
-    cuda = torch.cuda.is_available() and dist.is_nccl_available()
-    if device == "cuda" and not cuda:
+    """NCCL on CUDA, gloo on CPU: the only pairs that run every collective we use (the device
+    as `device_type` decides it)."""
+    kind = device_type(device)
+    if kind == "cuda" and not (torch.cuda.is_available() and dist.is_nccl_available()):
         raise SchedulingError("", "init_mesh(device='cuda'): no CUDA device (with NCCL) here.",
                               "use device='cpu' or 'auto'.")
-    if device == "cuda" or (device == "auto" and cuda):
-        return "cuda", "nccl"
-    return "cpu", "gloo"
+    return kind, "nccl" if kind == "cuda" else "gloo"
 
 
 def _init_process_group(world: int, backend: str, timeout_s: float) -> None:
@@ -116,20 +255,13 @@ def _init_process_group(world: int, backend: str, timeout_s: float) -> None:
     dist.init_process_group(backend, timeout=timeout)
 
 
-def job_world_size() -> int:
-    """Ranks of this job: the process group's, else torchrun's WORLD_SIZE, else 1."""
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_world_size()
-    return int(os.environ.get("WORLD_SIZE", "1"))
-
-
 def init_mesh(dp: int | None = 1, pp: int = 1, tp: int = 1, *,
               dims: ParallelDims | None = None, device: str = "auto",
               timeout_s: float = DEFAULT_TIMEOUT_S) -> DeviceMesh:
     """Return a DeviceMesh of shape (dp, pp, tp) named ("dp", "pp", "tp") over all ranks.
 
     The one construction site of meshes and process groups. Pass the degrees, or `dims`
-    (a `ParallelDims`); `dp=None` takes the data-parallel degree from the job's size (all ranks
+    (a `ParallelDims`, the placement, which carries its own device); `dp=None` takes the data-parallel degree from the job's size (all ranks
     not used by tp x pp). Initialises torch.distributed from the torchrun environment when it
     is not initialised yet (`device`: "auto" = NCCL + CUDA when a GPU is there, else gloo +
     CPU; `timeout_s` for every collective). Every rank checks the sizes before any
@@ -137,21 +269,21 @@ def init_mesh(dp: int | None = 1, pp: int = 1, tp: int = 1, *,
     waiting.
     """
     if dims is None:
-        dims = ParallelDims.for_world(job_world_size(), tp=tp, pp=pp) if dp is None else \
-            ParallelDims(dp, pp, tp)
+        dims = ParallelDims.for_world(job_world_size(), tp=tp, pp=pp, device=device) \
+            if dp is None else ParallelDims(dp_replicate=dp, pp=pp, tp=tp, device=device)
     want = dims.world
-    device_type, backend = _device_and_backend(device)
+    kind, backend = _device_and_backend(dims.device)
     if not dist.is_initialized():
         env_world = int(os.environ.get("WORLD_SIZE", "1"))
         if env_world != want and all(k in os.environ for k in _TORCHRUN_ENV):
             raise _size_error(env_world, dims)
         _init_process_group(want, backend, timeout_s)
     else:
-        device_type = "cuda" if "nccl" in str(dist.get_backend()) else "cpu"
+        kind = backend_device_type(dist.get_backend())
     world = dist.get_world_size()
     if world != want:
         raise _size_error(world, dims)
-    return init_device_mesh(device_type, dims.shape, mesh_dim_names=MESH_DIMS)
+    return init_device_mesh(kind, dims.shape, mesh_dim_names=dims.mesh_dims)
 
 
 def _size_error(world: int, dims: ParallelDims) -> SchedulingError:
@@ -204,7 +336,10 @@ class MeshInfo:
 
     @property
     def dims(self) -> ParallelDims:
-        return ParallelDims(self.dp, self.pp, self.tp)
+        """The mesh's degrees; its "dp" ranks count as `dp_replicate` (a mesh does not say
+        whether they replicate or shard: `build(data_parallel=)` does)."""
+        return ParallelDims(dp_replicate=self.dp, pp=self.pp, tp=self.tp,
+                            device=self.device_type)
 
     def submesh(self, dim: str) -> DeviceMesh | None:
         return self.mesh[dim] if self.mesh is not None else None
@@ -212,3 +347,9 @@ class MeshInfo:
     @property
     def device_type(self) -> str:
         return self.mesh.device_type if self.mesh is not None else "cpu"
+
+    @property
+    def device(self) -> torch.device:
+        """This rank's torch device on the mesh (`local_device` of its device type; CPU
+        without a mesh)."""
+        return local_device(self.device_type)

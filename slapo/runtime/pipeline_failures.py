@@ -52,8 +52,8 @@ PREPARE_ORDER = -1
 
 
 def collective_device(info: MeshInfo) -> torch.device:
-    return torch.device("cuda", torch.cuda.current_device()) if info.device_type == "cuda" \
-        else torch.device("cpu")
+    """Where a flag all-reduced over the mesh lives: this rank's device (`MeshInfo.device`)."""
+    return info.device
 
 
 

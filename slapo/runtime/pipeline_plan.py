@@ -11,9 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..errors import SchedulingError
-from .mesh import MeshInfo
-
-V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
+from .mesh import PP_SCHEDULES, V_SCHEDULES, MeshInfo, stages_per_rank
 
 
 @dataclass(frozen=True)
@@ -56,17 +54,17 @@ def plan_pipeline(name: str, info: MeshInfo, num_microbatches: int | None,
     except ValueError as e:
         raise SchedulingError("", f"unknown pipeline schedule {name!r}.",
                               f"{e}".split(". ", 1)[-1]) from None
-    canonical = next(k for k in ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS",
-                                 "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV",
-                                 "PipelineScheduleSingle", "PipelineScheduleMulti")
-                     if k.lower() == name.lower())
+    canonical = next(k for k in (*PP_SCHEDULES, "PipelineScheduleSingle",
+                                 "PipelineScheduleMulti") if k.lower() == name.lower())
     if info.mesh is None or info.pp < 2:
         raise SchedulingError("", f"pipeline={name!r} needs a mesh with pp >= 2 (got pp="
                               f"{info.pp}).", "create the schedule with "
                               "mesh=slapo.init_mesh(pp=2, ...).")
     multi = issubclass(cls, PipelineScheduleMulti)
     if virtual_stages is None:
-        virtual_stages = 2 if multi else 1
+        # the declared default (`mesh.stages_per_rank`), else by torch's kind of schedule
+        virtual_stages = stages_per_rank(canonical) if canonical in PP_SCHEDULES else \
+            (2 if multi else 1)
     if not multi and virtual_stages != 1:
         raise SchedulingError("", f"{canonical} runs one stage per rank, but virtual_stages="
                               f"{virtual_stages}.", "use virtual_stages=1, or a multi-stage "

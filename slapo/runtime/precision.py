@@ -55,6 +55,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ..errors import SchedulingError
+from .mesh import local_device
 
 PrecisionName = Literal["fp32", "bf16", "fp16"]  # the type of a checked precision name
 PRECISIONS: tuple[str, ...] = get_args(PrecisionName)  # the one list: --precision, build, tune
@@ -195,9 +196,7 @@ class Precision:
         """Make sure the scaler's scale exists on this rank, also where no loss is computed
         (pipeline ranks without the last stage), so every rank can unscale and update."""
         if self.scaler is not None and self.scaler._scale is None:
-            device = torch.device("cuda", torch.cuda.current_device()) \
-                if self.device_type == "cuda" else torch.device(self.device_type)
-            self.scaler.scale(torch.zeros((), device=device))
+            self.scaler.scale(torch.zeros((), device=local_device(self.device_type)))
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         """Divide gradients by the scale (fp16), before clipping sees them."""

@@ -218,10 +218,8 @@ def token_mean(loss: ModelLoss | int | None, parts: list[Batch], info: MeshInfo,
     (unknown loss, no labels, or no supervised token anywhere: the unit mean is kept).
     `units`: how many units the step's loss averages over on all ranks (accumulation slices x
     micro-batches x dp), for the checks that only matter when there is more than one."""
-    device = torch.device("cuda", torch.cuda.current_device()) \
-        if info.device_type == "cuda" else torch.device("cpu")
     return token_mean_over(loss, parts, info.dp, info.group("dp") if info.dp > 1 else None,
-                           device, units)
+                           info.device, units)
 
 
 def token_mean_over(loss: ModelLoss | int | None, parts: list[Batch], dp: int, group,

@@ -74,7 +74,7 @@ def clip_grad_norm(nw: NormWeights, max_norm: float, info: MeshInfo) -> torch.Te
     Weighted local squared norms are summed over tp, pp and (FSDP2) dp, so every rank computes
     the norm of the full single-process gradient and applies the same factor.
     """
-    total = torch.zeros((), dtype=torch.float64, device=_device(info))
+    total = torch.zeros((), dtype=torch.float64, device=info.device)
     grads = []
     for p, w in zip(nw.params, nw.weights, strict=True):
         if p.grad is None:
@@ -95,19 +95,13 @@ def clip_grad_norm(nw: NormWeights, max_norm: float, info: MeshInfo) -> torch.Te
 def reduce_loss(loss: torch.Tensor, info: MeshInfo) -> float:
     """The step's loss on every rank: summed over pp (only the rank with the last stage has a
     non-zero value), averaged over dp."""
-    value = loss.detach().double().reshape(1).to(_device(info))
+    value = loss.detach().double().reshape(1).to(info.device)
     if info.pp > 1:
         dist.all_reduce(value, group=info.group("pp"))
     if info.dp > 1:
         dist.all_reduce(value, group=info.group("dp"))
         value /= info.dp
     return float(value.item())
-
-
-def _device(info: MeshInfo) -> torch.device:
-    if info.device_type == "cuda":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 @dataclass

@@ -76,12 +76,14 @@ def build(cfg: Any, env: Env, log=print) -> Run:
     torch.manual_seed(cfg.seed)
     model = _new_model(cfg, source, data)
     model, sch, note = schedule(model, cfg, env)
+    stages = None  # the pipeline, planned once: read by the loader, then built
     if source is not None:
-        _load_pretrained(sch.mod, source, cfg, env, log, sch)
+        stages = pipeline_stages(sch, cfg, env)
+        _load_pretrained(sch.mod, source, cfg, env, log, stages)
     if not has_meta_tensors(model):  # a pipeline rank's other stages stay on meta: build
         model.to(env.device)         # materialises and moves only this rank's stages
     model.train()
-    trainer = make_trainer(sch, cfg, env)
+    trainer = make_trainer(sch, cfg, env, stages)
     seed_training_rng(cfg.seed, env)
     return Run(cfg, env, model, trainer, data.train, task, note, dataset=data,
                graph_breaks_before=breaks_before)
@@ -111,14 +113,14 @@ def _check_fits(cfg: Any, source, data: Data) -> None:
                          f"pass --seq-len {limit} or less.")
 
 
-def _load_pretrained(model: nn.Module, source, cfg: Any, env: Env, log, sch=None) -> None:
+def _load_pretrained(model: nn.Module, source, cfg: Any, env: Env, log, stages=None) -> None:
     """Fill the (scheduled, maybe sharded) meta model from the source's safetensors; a source
     without weights gets the model's own init (seeded per module, identical on every rank).
     A pipeline rank reads only its own stages' tensors (the others stay on meta: `build`
     materialises only this rank's stages)."""
     from ..init import materialize
 
-    only = _pipeline_names(sch, cfg, env) if sch is not None else None
+    only = _stage_names(stages) if stages is not None else None
     counts = pretrained.load_weights(model, source, only=only)
     if counts:
         log(f"loaded {counts['loaded']} tensors from {source.path}"
@@ -131,41 +133,50 @@ def _load_pretrained(model: nn.Module, source, cfg: Any, env: Env, log, sch=None
         materialize(model, env.device, seed=cfg.seed)
 
 
-def _pipeline_names(sch, cfg: Any, env: Env) -> set[str] | None:
-    """The parameter and buffer names of this rank's pipeline stages (None: no pipeline).
-    The same partition and stage placement `slapo.build` uses."""
+def pipeline_stages(sch: Any, cfg: Any, env: Env):
+    """The run's pipeline (`runtime.build.PipelineStages`: plan and stage modules), or None
+    without one. Planned once per run: the pretrained loader reads this rank's stages from
+    it and `build_trainer` runs it (`pipeline=stages`)."""
     pipeline = cfg.pipeline_schedule()
     if pipeline is None:
         return None
-    from ..runtime.build import mesh_info
-    from ..runtime.partition import partition
-    from ..runtime.pipeline_plan import plan_pipeline
+    from ..runtime.build import plan_stages
 
-    info = mesh_info(sch, env.mesh)
-    plan = plan_pipeline(pipeline, info, None, cfg.stages_per_rank())
-    stages = partition(sch, plan.num_stages)
+    return plan_stages(sch, mesh=env.mesh, pipeline=pipeline,
+                       virtual_stages=cfg.stages_per_rank())
+
+
+def _stage_names(stages) -> set[str]:
+    """The parameter and buffer names of this rank's pipeline stages."""
     names: set[str] = set()
-    for i in plan.stage_ids(info.pp_rank):
-        names |= {n for n, _ in stages[i].named_parameters(remove_duplicate=False)}
-        names |= {n for n, _ in stages[i].named_buffers(remove_duplicate=False)}
+    for i in stages.local_ids():
+        names |= {n for n, _ in stages.stages[i].named_parameters(remove_duplicate=False)}
+        names |= {n for n, _ in stages.stages[i].named_buffers(remove_duplicate=False)}
     return names
 
 
 def schedule(model: nn.Module, cfg: Any, env: Env) -> tuple[nn.Module, Any, str]:
     """Apply the given schedule knobs with `slapo.model_schedule.apply` on the run's mesh.
 
-    No knobs: the model as built. Any error of `apply` stops the run: a bad value or an
-    unsupported model with its SchedulingError, a knob not implemented for this model with a
-    ValueError carrying apply's message (never a silent unsharded or unscheduled run).
+    The degrees are the placement's: `apply` shards over the mesh's "tp" group (its size is
+    `--tp`) and cuts as many stages as the placement's pipeline runs (`ParallelDims.stages`);
+    no second copy of either is passed. No knobs, tp 1 and no pipeline: the model as built.
+    Any error of `apply` stops the run: a bad value or an unsupported model with its
+    SchedulingError, a knob not implemented for this model with a ValueError carrying apply's
+    message (never a silent unsharded or unscheduled run).
     """
     from .. import model_schedule
     from ..schedule import create_schedule
+    from .config import knob_names
 
     knobs = cfg.knobs()
-    if not knobs:
+    if env.dims.pp > 1:
+        knobs["pp_stages"] = env.dims.stages(cfg.pipeline_schedule())  # stages, not ranks
+    if not knobs and env.dims.tp == 1:
         return model, create_schedule(model, mesh=env.mesh), \
             "none (no schedule knobs given: the HF model as built)"
-    shown = ", ".join(f"{k}={v}" for k, v in knobs.items())
+    applied = {**knobs, **({"tp": env.dims.tp} if env.dims.tp > 1 else {})}
+    shown = ", ".join(f"{k}={applied[k]}" for k in knob_names() if k in applied)
     extra = {"mesh": env.mesh} if env.mesh is not None else {}
     try:
         sch = model_schedule.apply(model, **knobs, **extra)
@@ -174,7 +185,7 @@ def schedule(model: nn.Module, cfg: Any, env: Env) -> tuple[nn.Module, Any, str]
     return sch.mod, sch, f"applied: {shown}"
 
 
-def make_trainer(sch: Any, cfg: Any, env: Env) -> Trainer:
+def make_trainer(sch: Any, cfg: Any, env: Env, stages=None) -> Trainer:
     """Build the schedule's `Trainer` with AdamW on the mesh (`build_trainer`: what
     `slapo.build` makes).
 
@@ -187,10 +198,10 @@ def make_trainer(sch: Any, cfg: Any, env: Env) -> Trainer:
     """
     from ..runtime.build import build_trainer
 
-    pipeline = cfg.pipeline_schedule()
+    if stages is None:  # the pipeline, planned here unless the loader needed it first
+        stages = pipeline_stages(sch, cfg, env)
     return build_trainer(
         sch, optimizer=torch.optim.AdamW, seed=cfg.seed, mesh=env.mesh,
         optimizer_kwargs=cfg.optimizer_kwargs(),
         grad_clip=cfg.grad_clip, data_parallel=data_parallel(cfg, env),
-        pipeline=pipeline, virtual_stages=cfg.stages_per_rank() if pipeline else None,
-        grad_accum=cfg.grad_accum, precision=cfg.precision)
+        pipeline=stages, grad_accum=cfg.grad_accum, precision=cfg.precision)

@@ -24,7 +24,15 @@ from dataclasses import MISSING, Field, dataclass, field, fields
 from typing import Any
 
 from ..errors import SchedulingError
-from ..model_schedule.knobs import CKPT_POLICIES, KnobError, ScheduleKnobs, knob_fields
+from ..model_schedule.knobs import (
+    CKPT_POLICIES,
+    DEGREE_KNOBS,
+    KnobError,
+    ScheduleKnobs,
+    knob_fields,
+)
+from ..runtime.mesh import DEVICES, MULTI_STAGE, PP_SCHEDULES
+from ..runtime.mesh import stages_per_rank as _stages_per_rank
 from ..runtime.precision import PRECISIONS, check_precision
 from .models import MODELS, ModelSize
 
@@ -34,12 +42,8 @@ __all__ = ["CKPT_POLICIES", "DEVICES", "DIST_TIMEOUT_S", "MULTI_STAGE", "PP_SCHE
            "ParallelismOptions", "TrainConfig", "TrainingOptions", "config_fields", "flag",
            "knob_names", "option_fields"]
 
-DEVICES = ("auto", "cpu", "cuda")
 DIST_TIMEOUT_S = 60.0   # --dist-timeout default: long saves or first compiles may need more
-PP_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble",
-                "ZBVZeroBubble", "DualPipeV")
-MULTI_STAGE = ("Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble",
-               "DualPipeV")  # two stages per rank (torch's PipelineScheduleMulti)
+# DEVICES, PP_SCHEDULES and MULTI_STAGE are the placement's (`slapo.runtime.mesh`), re-exported.
 
 # Options that must match a checkpoint for resuming to continue the same run.
 RUN_IDENTITY = ("model", "batch_size", "seq_len", "seed", "hidden_size", "num_layers",
@@ -330,24 +334,15 @@ class TrainConfig:
                                  f", got {value!r}")
 
     def _check_shape(self) -> None:
-        """A registry model's size against itself and the parallel degrees, here rather than
-        when the model is built (a raw HF error) or sharded (after the job started): the
-        width splits into heads, the heads over --tp ranks, the layers over the stages. (A
-        model path's sizes are in its config.json; `apply` checks them before any change.)"""
+        """A registry model's width against its heads, here rather than when the model is
+        built (a raw HF error). The parallel degrees against the model (heads over --tp ranks,
+        layers over the stages) are checked once, by the family's plan in `apply`, before any
+        change (docs/architecture.md: one validation per degree)."""
         if self.model.lower().replace("-", "_") not in MODELS:
             return  # a path, or an unknown name: `setup.check_inputs` says which
         if self.hidden_size % self.num_heads:
             raise ValueError(f"--hidden-size {self.hidden_size} is not divisible by "
                              f"--num-heads {self.num_heads}")
-        tp = self.tp or 1
-        if isinstance(tp, int) and tp > 1 and self.num_heads % tp:
-            raise ValueError(f"--num-heads {self.num_heads} is not divisible by --tp {tp}: "
-                             "tensor parallelism gives each rank num_heads / tp heads")
-        stages = (self.pp_stages or 1) * self.stages_per_rank()
-        if isinstance(stages, int) and stages > self.num_layers:
-            raise ValueError(f"--pp-stages {self.pp_stages} cuts the model into {stages} "
-                             f"stages, but --num-layers {self.num_layers} gives fewer layers "
-                             "than stages")
 
     def _check_logging(self) -> None:
         for name in ("tensorboard", "wandb"):
@@ -396,8 +391,8 @@ class TrainConfig:
 
     def stages_per_rank(self) -> int:
         """Multi-stage schedules (Interleaved1F1B, ...) run 2 stages per rank, so the model is
-        cut into pp * 2 stages."""
-        return 2 if self.pipeline_schedule() in MULTI_STAGE else 1
+        cut into pp * 2 stages (`runtime.mesh.stages_per_rank`)."""
+        return _stages_per_rank(self.pipeline_schedule())
 
     def microbatches(self) -> int:
         """torch's default: one micro-batch per stage."""
@@ -408,21 +403,25 @@ class TrainConfig:
         return {"lr": self.lr, "weight_decay": self.weight_decay, "betas": (0.9, 0.95)}
 
     def knobs(self) -> dict[str, Any]:
-        """The `model_schedule.apply` keyword arguments that were given. `--fused-loss` needs an
-        unsharded LM head, so with `--tp` > 1 it also turns vocabulary parallelism off unless
-        `--vocab-parallel` was given (which the schema then rejects, naming both)."""
-        knobs = {k: getattr(self, k) for k in knob_names() if getattr(self, k) is not None}
+        """The `model_schedule.apply` keyword arguments that were given, less the parallel
+        degrees (`--tp`, `--pp-stages`): those are the run's placement (`train.setup.placement`),
+        and `apply` reads them from the mesh (tp) and the placement (the stage count) instead
+        of a second copy. `--fused-loss` needs an unsharded LM head, so with `--tp` > 1 it also
+        turns vocabulary parallelism off unless `--vocab-parallel` was given (which the schema
+        then rejects, naming both)."""
+        knobs = {k: getattr(self, k) for k in knob_names()
+                 if getattr(self, k) is not None and k not in DEGREE_KNOBS}
         if knobs.get("fused_loss") and (self.tp or 1) > 1 and "vocab_parallel" not in knobs:
             knobs["vocab_parallel"] = False
-        if "pp_stages" in knobs and knobs["pp_stages"] > 1:
-            knobs["pp_stages"] *= self.stages_per_rank()  # stages to cut, not pipeline ranks
         return knobs
 
     def schedule_knobs(self) -> ScheduleKnobs:
-        """The given knobs as the schema object, validated; a bad value is a ValueError naming
+        """The given knobs and degrees as the schema object, validated (a degree by the
+        placement's one check, `runtime.mesh.check_degree`); a bad value is a ValueError naming
         its `--flag` and the fix."""
+        degrees = {k: getattr(self, k) for k in DEGREE_KNOBS if getattr(self, k) is not None}
         try:
-            return ScheduleKnobs.from_given(self.knobs()).validate()
+            return ScheduleKnobs.from_given({**self.knobs(), **degrees}).validate()
         except KnobError as e:
             raise ValueError(f"--{flag(e.knob)}: {e.problem} Fix: {e.fix}") from None
 

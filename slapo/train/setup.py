@@ -1,8 +1,9 @@
 """Where a `slapo train` run executes: its parallel degrees, mesh, device and random streams.
 
-The degrees come from `ParallelDims.for_world` and the mesh from `init_mesh`, the one place that
-checks degrees and builds process groups (`slapo.runtime.mesh`); nothing here builds a group by
-hand. A single process (no torchrun, no process group) gets no mesh and no process group, as
+The run's placement (`ParallelDims`: degrees, data-parallel style, device) is made here once, by
+`ParallelDims.for_world` from `--tp`, `--pp-stages`, `--dp-shard`, `--device` and the job's size,
+and the mesh by `init_mesh`: `slapo.runtime.mesh` checks the degrees, decides the device and
+builds the process groups; nothing here builds a group by hand or checks a degree itself. A single process (no torchrun, no process group) gets no mesh and no process group, as
 the CPU tests expect; under torchrun every rank gets the ("dp", "pp", "tp") mesh.
 
 Faults (`faults.py`, docs/train.md "Faults"): a run that creates its process group also starts a
@@ -28,7 +29,7 @@ from ..data.prepared import check_prepared, prepared_dir
 from ..data.sources import InputError, is_saved_dataset
 from ..data.sources import _expand as expand_source
 from ..distributed.group import leave_process_group
-from ..runtime.mesh import ParallelDims, init_mesh
+from ..runtime.mesh import ParallelDims, init_mesh, job_world_size, local_device
 from . import checkpoints, fault_injection, faults, pretrained, run_owner
 from . import run_state as ckpt
 from .config import PROGRESSIVE_INPUTS
@@ -41,7 +42,8 @@ __all__ = ["Env", "check_inputs", "check_out", "claim_out", "data_parallel", "lo
 
 @dataclass
 class Env:
-    """The run's place in the job: rank, world, device, mesh (None for one process), degrees."""
+    """The run's place in the job: rank, world, device, mesh (None for one process), and the
+    placement (`dims`) they were made from."""
 
     rank: int = 0
     world: int = 1
@@ -59,13 +61,6 @@ class Env:
     def dp(self) -> int:
         """Data-parallel ranks (`dims.dp`)."""
         return self.dims.dp
-
-
-def _job_world() -> int:
-    """torchrun's WORLD_SIZE, else an existing process group's size, else 1."""
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        return int(os.environ["WORLD_SIZE"])
-    return dist.get_world_size() if dist.is_initialized() else 1
 
 
 def _check_batch(cfg: Any, dims: ParallelDims) -> None:
@@ -132,25 +127,34 @@ def setup(cfg: Any) -> Env:
     collectives time out after --dist-timeout seconds, so a dead rank fails its peers instead of
     hanging them). A bad --tp / --pp-stages for the job's size is a SchedulingError naming the
     torchrun command to launch."""
-    world = _job_world()
-    dims = ParallelDims.for_world(world, tp=cfg.tp or 1, pp=cfg.pp_stages or 1)
+    world = job_world_size()
+    dims = placement(cfg, world)
     _check_batch(cfg, dims)
     check_out(cfg)  # every rank, before anything is written
     env = Env(world=world, dims=dims)
     if world == 1 and not dist.is_initialized():
-        env.device = local_device(cfg.device)
+        env.device = dims.local_device()
         fault_injection.install(0)
         return env
     owns = not dist.is_initialized()
-    env.mesh = init_mesh(dims=dims, device=cfg.device, timeout_s=cfg.dist_timeout)
+    env.mesh = init_mesh(dims=dims, timeout_s=cfg.dist_timeout)
     env.rank, env.owns_process_group = dist.get_rank(), owns
-    env.device = local_device(cfg.device)
+    env.device = dims.local_device()
     fault_injection.install(env.rank)
     if owns:
         env.watch = faults.start_watch(env.rank, world)
     if cfg.out is not None:
         check_shared_out(Path(cfg.out), env.rank)
     return env
+
+
+def placement(cfg: Any, world: int) -> ParallelDims:
+    """The run's one placement: `--tp` and `--pp-stages` as given (None: 1), the other ranks
+    data parallel (FSDP2 with `--dp-shard`, else DDP), on `--device`. `ParallelDims` checks the
+    degrees; nothing before it does (a DDP pipeline is refused by `data_parallel`)."""
+    return ParallelDims.for_world(world, tp=1 if cfg.tp is None else cfg.tp,
+                                  pp=1 if cfg.pp_stages is None else cfg.pp_stages,
+                                  dp_shard=bool(cfg.dp_shard), device=cfg.device)
 
 
 def _trains_into_out(cfg: Any) -> bool:
@@ -226,23 +230,6 @@ def check_shared_out(out: Path, rank: int) -> None:
                          "mount (the same path everywhere).")
 
 
-def _use_cuda(device: str = "auto") -> bool:
-    """--device: "cuda" (checked to exist by `check_inputs`), "cpu", or "auto": CUDA if
-    available, or, when a process group already exists, what its backend runs on (NCCL: CUDA)."""
-    if device != "auto":
-        return device == "cuda"
-    if dist.is_initialized():
-        return "nccl" in str(dist.get_backend())
-    return torch.cuda.is_available()
-
-
-def local_device(device: str = "auto") -> torch.device:
-    """This rank's torch device for `--device`."""
-    if _use_cuda(device):
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
 def teardown(env: Env) -> None:
     """Destroy the process group if this run created it (a caller's group stays).
 
@@ -261,18 +248,18 @@ def teardown(env: Env) -> None:
 
 
 def data_parallel(cfg: Any, env: Env) -> str | None:
-    """"fsdp" (--dp-shard) or "ddp" over more than one data-parallel rank, else None.
+    """The placement's data-parallel style: "fsdp" (--dp-shard) or "ddp" over more than one
+    data-parallel rank, else None.
 
     A pipeline with several data-parallel ranks needs --dp-shard, refused here before anything
     is built: DDP cannot hold a pipeline stage (see `slapo.build`)."""
-    if env.dp == 1:
-        return None
-    if (cfg.pp_stages or 1) > 1 and not cfg.dp_shard:
-        raise ValueError(f"--pp-stages {cfg.pp_stages} on {env.world} processes leaves "
-                         f"{env.dp} data-parallel ranks, and DDP cannot hold a pipeline "
+    dims = env.dims
+    if dims.pp > 1 and dims.data_parallel == "ddp":
+        raise ValueError(f"--pp-stages {dims.pp} on {env.world} processes leaves "
+                         f"{dims.dp} data-parallel ranks, and DDP cannot hold a pipeline "
                          "stage: add --dp-shard (FSDP2 over the data-parallel ranks of each "
                          "stage), or run pp_stages x tp processes")
-    return "fsdp" if cfg.dp_shard else "ddp"
+    return dims.data_parallel
 
 
 def seed_training_rng(seed: int, env: Env) -> None:

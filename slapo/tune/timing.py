@@ -115,7 +115,9 @@ def collective_sweep(sizes: list[int], ops: tuple[str, ...] = ("all_reduce",), g
                            "dist.init_process_group(...) first (e.g. under torchrun).")
     n = dist.get_world_size(group)
     backend = dist.get_backend(group)
-    dev = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+    from ..runtime.mesh import backend_device_type, local_device
+
+    dev = local_device(backend_device_type(backend))
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     out = []
     for op in ops:
@@ -154,8 +156,9 @@ def _device_name(device: Any) -> str:
 
     import torch
 
-    dev = torch.device(device) if device is not None else torch.device(
-        "cuda" if torch.cuda.is_available() else "cpu")
+    from ..runtime.mesh import local_device
+
+    dev = torch.device(device) if device is not None else local_device()
     if dev.type == "cuda":
         return f"cuda:{torch.cuda.get_device_name(dev)}"
     return f"cpu:{platform.processor() or platform.machine()}:{torch.get_num_threads()}t"
@@ -201,8 +204,9 @@ def calibrate(device: Any = None, dtype: Any = None, cache_path: str | os.PathLi
     """
     import torch
 
-    dev = torch.device(device) if device is not None else torch.device(
-        "cuda" if torch.cuda.is_available() else "cpu")
+    from ..runtime.mesh import local_device
+
+    dev = torch.device(device) if device is not None else local_device()
     dtype = dtype or (torch.bfloat16 if dev.type == "cuda" else torch.float32)
     key = f"{_device_name(dev)}|{dtype}"
     path = Path(cache_path) if cache_path else None

@@ -65,6 +65,7 @@ from ..distributed import group as _g
 from ..distributed.rng import get_rng_tracker
 from ..errors import SchedulingError, VerificationError
 from ..init import has_meta_tensors, materialize
+from ..runtime.mesh import backend_device_type, local_device
 from ..runtime.precision import DTYPES, check_autocast, module_device_type, precision_arg
 from ..runtime.shape_errors import shape_errors_named
 from ..schedule import Schedule
@@ -166,8 +167,7 @@ class Verify:
         named += [(f"parameter {n!r}", p) for n, p in self.sch.mod.named_parameters()]
         # one (sum, sum|x|) fingerprint per tensor, gathered in one collective on the group's
         # device (NCCL needs CUDA tensors; gloo takes CPU ones)
-        device = torch.device("cuda", torch.cuda.current_device()) \
-            if dist.get_backend(group) == "nccl" else torch.device("cpu")
+        device = local_device(backend_device_type(dist.get_backend(group)))
         sums = torch.stack([torch.stack([x.detach().double().sum(),
                                          x.detach().double().abs().sum()]).to(device)
                             for _, x in named])

@@ -202,9 +202,9 @@ class _Ctx:
 
 
 def _device(group) -> torch.device:
-    if dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    from ..runtime.mesh import backend_device_type, local_device
+
+    return local_device(backend_device_type(dist.get_backend(group)))
 
 
 def _blocks(model: nn.Module, path: str) -> int:
