@@ -68,6 +68,8 @@ def test_the_device_is_decided_by_one_function(monkeypatch):
     assert ParallelDims().local_device() == torch.device("cpu")  # "auto" without a GPU
     with pytest.raises(SchedulingError, match="unknown device 'tpu'"):
         ParallelDims(device="tpu")
+    with pytest.raises(SchedulingError, match="the placement's device is 'cuda'"):
+        mesh_mod.init_mesh(dims=ParallelDims(device="cuda"), device="cpu")  # nothing started
 
 
 def _sites(found, allowed: set[str]) -> list[str]:
@@ -225,3 +227,27 @@ def test_pp_stages_reach_apply_from_the_placement_once():
         schedule(build_model(cfg.model, cfg.size())[0], cfg, Env(world=3,
                                                                  dims=ParallelDims(pp=3)))
     assert _raised_in(e.value) == "_check_pipeline"
+
+
+def test_tp_alone_reaches_apply_through_the_mesh_not_a_knob(monkeypatch):
+    """`--tp 2` with no other knob still schedules the model (apply shards over the mesh's
+    "tp" group), and apply gets no copy of the degree."""
+    from slapo import model_schedule
+    from slapo.train.assemble import schedule
+    from slapo.train.models import build_model
+    from slapo.train.setup import Env
+
+    calls = []
+
+    def spy(model, **kwargs):
+        calls.append(kwargs)
+        return slapo.create_schedule(model)
+
+    monkeypatch.setattr(model_schedule, "apply", spy)
+    cfg = parse_train_args([*TINY, "--tp", "2"])
+    _, _, note = schedule(build_model(cfg.model, cfg.size())[0], cfg,
+                          Env(world=2, dims=ParallelDims(tp=2)))
+    assert calls == [{}] and note == "applied: tp=2"
+    cfg = parse_train_args(TINY)
+    _, _, note = schedule(build_model(cfg.model, cfg.size())[0], cfg, Env())
+    assert len(calls) == 1 and note.startswith("none")

@@ -268,6 +268,10 @@ def init_mesh(dp: int | None = 1, pp: int = 1, tp: int = 1, *,
     communication, so a wrong size fails on all of them at once instead of leaving some
     waiting.
     """
+    if dims is not None and device not in ("auto", dims.device):
+        raise SchedulingError("", f"init_mesh(dims=..., device={device!r}): the placement's "
+                              f"device is {dims.device!r}.", "give the device in the "
+                              "ParallelDims (device=...), not to init_mesh.")
     if dims is None:
         dims = ParallelDims.for_world(job_world_size(), tp=tp, pp=pp, device=device) \
             if dp is None else ParallelDims(dp_replicate=dp, pp=pp, tp=tp, device=device)
