@@ -19,7 +19,6 @@ Tensor parallelism is already in the schedule (its primitives ran on the mesh's 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -30,13 +29,14 @@ from ..distributed.group import guard_gloo_exit
 from ..errors import SchedulingError
 from ..init import has_meta_tensors, materialize
 from ..schedule import Schedule
+from . import pipeline_stages as _stages
 from .built_model import OwnForward, PipelineTrainModule, attach, check_trainable, detach
 from .data_parallel import apply_data_parallel, check_data_parallel
 from .mesh import MeshInfo
-from .partition import check_stage_coverage, partition
 from .pipeline_guards import make_stages
-from .pipeline_plan import PipelinePlan, check_cuts, make_schedule, plan_pipeline
+from .pipeline_plan import make_schedule
 from .pipeline_runner import PipelineRunner
+from .pipeline_stages import PipelineStages
 from .pipeline_tied import find_tied
 from .precision import (
     Precision,
@@ -47,7 +47,6 @@ from .precision import (
 )
 from .runner import LocalRunner, LossFn
 from .shape_errors import name_shape_errors
-from .split_backward import check_split_backward
 from .token_mean import ModelLoss
 from .train_step import StepConfig, norm_weight_table, norm_weights
 from .trainer import Trainer
@@ -177,67 +176,13 @@ def _unique_params(modules: list[nn.Module]) -> list[nn.Parameter]:
     return out
 
 
-# ------------------------------------------------------------------------------------------------
-# the pipeline's stages: planned once per build
-# ------------------------------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class PipelineStages:
-    """A pipeline's plan (schedule, stages per rank, micro-batches) and the schedule's stage
-    modules, checked: what `build(pipeline=...)` runs. Made once per build: a caller that needs
-    the stages before building (`slapo train` reads only this rank's stages' pretrained
-    tensors) makes it with `plan_stages` and passes it as `build(pipeline=stages)`, so the
-    plan and the partition are not made twice."""
-
-    sch: Schedule = field(repr=False)
-    info: MeshInfo = field(repr=False)
-    plan: PipelinePlan
-    stages: list[nn.Module] = field(repr=False)
-
-    def local_ids(self) -> list[int]:
-        """The stages this rank runs."""
-        return self.plan.stage_ids(self.info.pp_rank)
-
-
 def plan_stages(sch: Schedule, *, mesh=None, pipeline: str = "1F1B",
                 num_microbatches: int | None = None,
                 virtual_stages: int | None = None) -> PipelineStages:
     """Plan `pipeline` on `mesh` (default the schedule's) and split the schedule into its
     stages from the cuts (every check `build` makes of a pipeline, on every rank)."""
     _check_schedule(sch)
-    return _plan_stages(sch, mesh_info(sch, mesh), pipeline, num_microbatches, virtual_stages)
-
-
-def _plan_stages(sch: Schedule, info: MeshInfo, pipeline: str, num_microbatches,
-                 virtual_stages) -> PipelineStages:
-    plan = plan_pipeline(pipeline, info, num_microbatches, virtual_stages)
-    check_cuts(sch, plan)
-    all_stages = partition(sch, plan.num_stages)
-    check_stage_coverage(sch.mod, all_stages)  # every parameter trained, by exactly one stage
-    check_split_backward(all_stages, plan)
-    return PipelineStages(sch, info, plan, all_stages)
-
-
-def _check_planned(sch: Schedule, info: MeshInfo, staged: PipelineStages,
-                   num_microbatches, virtual_stages) -> None:
-    """A `PipelineStages` passed to `build` must be this schedule's, on this mesh, and the
-    plan's own micro-batches and stages per rank (not a second, different copy)."""
-    if staged.sch is not sch or staged.info.mesh is not info.mesh:
-        raise SchedulingError(sch.path, "build(pipeline=stages): the stages were planned for "
-                              "another schedule or mesh.", "plan them with plan_stages(sch, "
-                              "mesh=mesh) for the schedule and mesh you build.")
-    plan = staged.plan
-    for name, given, planned in (("num_microbatches", num_microbatches, plan.num_microbatches),
-                                 ("virtual_stages", virtual_stages, plan.virtual_stages)):
-        if given is not None and given != planned:
-            raise SchedulingError(sch.path, f"build(pipeline=stages, {name}={given}): the stages "
-                                  f"were planned with {name}={planned}.",
-                                  "pass it to plan_stages, not to build.")
-
-
-def pipeline_name(pipeline: str | PipelineStages | None) -> str | None:
-    """The schedule name of a `build(pipeline=...)` argument."""
-    return pipeline.plan.name if isinstance(pipeline, PipelineStages) else pipeline
+    return _stages.plan(sch, mesh_info(sch, mesh), pipeline, num_microbatches, virtual_stages)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -368,9 +313,9 @@ def _checked(sch: Schedule, args: dict[str, Any]) -> tuple[str, MeshInfo, str, S
     info = mesh_info(sch, args["mesh"])
     pipeline = args["pipeline"]
     if isinstance(pipeline, PipelineStages):
-        _check_planned(sch, info, pipeline, args["num_microbatches"], args["virtual_stages"])
+        _stages.check_planned(sch, info, pipeline, args["num_microbatches"], args["virtual_stages"])
     check_data_parallel(args["data_parallel"], info)
-    _check_pipeline_dp(pipeline_name(pipeline), args["data_parallel"], info)
+    _check_pipeline_dp(_stages.pipeline_name(pipeline), args["data_parallel"], info)
     device_type = _run_device_type(sch, args["device"], info)
     check_autocast(precision, device_type)
     config = StepConfig(info, args["grad_accum"], args["grad_clip"], 1, args["batch_is_global"],
@@ -385,7 +330,7 @@ def _build_deepspeed(sch: Schedule, args: dict[str, Any]):
     from .deepspeed import build_deepspeed
 
     _, info, _, config = _checked(sch, args)
-    return build_deepspeed(sch, info, config, pipeline=pipeline_name(args["pipeline"]),
+    return build_deepspeed(sch, info, config, pipeline=_stages.pipeline_name(args["pipeline"]),
                            **{k: args[k] for k in (
                                "optimizer", "optimizer_kwargs", "loss_fn", "deepspeed_config",
                                "device", "init_weights", "seed", "data_parallel")})
@@ -425,7 +370,7 @@ def _build_pipeline(sch: Schedule, info: MeshInfo, config: StepConfig, *,
                     precision: Precision) -> Trainer:
     """This rank's pipeline stages (each optionally data-parallel) driven by a torch schedule."""
     staged = pipeline if isinstance(pipeline, PipelineStages) else \
-        _plan_stages(sch, info, pipeline, num_microbatches, virtual_stages)
+        _stages.plan(sch, info, pipeline, num_microbatches, virtual_stages)
     plan, all_stages = staged.plan, staged.stages
     ids = plan.stage_ids(info.pp_rank)
     mine = [all_stages[i] for i in ids]
