@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from slapo.primitives.base import Primitive  # noqa: E402
+from slapo.primitives.base import method_adapter  # noqa: E402  (importing slapo installs the edge)
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "slapo" / "primitives" / "methods.py"
@@ -52,9 +52,10 @@ def _param(p: inspect.Parameter) -> str:
 def _params(cls: type) -> tuple[list[str], str]:
     """(the method's parameters after `self`, the call's keyword arguments)."""
     params = list(inspect.signature(cls.apply).parameters.values())[1:]
-    if cls.run.__func__ is not Primitive.run.__func__ and \
-            not any(p.kind is p.VAR_KEYWORD for p in params):
-        params.append(inspect.Parameter("kwargs", inspect.Parameter.VAR_KEYWORD))  # spellings
+    adapter = method_adapter(cls.name)  # the edge's other spellings (slapo.compat.spellings)
+    extra = set(adapter.keywords if adapter else ()) - {p.name for p in params}
+    if extra and not any(p.kind is p.VAR_KEYWORD for p in params):
+        params.append(inspect.Parameter("kwargs", inspect.Parameter.VAR_KEYWORD))
     decl = [_param(p) for p in params]
     call = [f"**{p.name}" if p.kind is p.VAR_KEYWORD else f"{p.name}={p.name}" for p in params
             if p.kind is not p.VAR_POSITIONAL]

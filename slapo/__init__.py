@@ -9,18 +9,24 @@ from .consolidate import consolidate
 from .distributed.rng import get_rng_tracker
 from .errors import SchedulingError, SlapoError, TraceError, VerificationError
 from .init import init_empty_weights
-from .primitives import Primitive, list_primitives, register_primitive
-from .runtime import ParallelDims, TrainModule, build, init_mesh
+from .primitives import Primitive, list_primitives
+from .runtime import ParallelDims, TrainModule, init_mesh
 from .schedule import Schedule, create_schedule
 from .verify import Verify
 
-# Slapo 2023 names (docs/migrating.md): aliases and adapters onto the modern API above.
+# The edge: Slapo 2023 names (docs/migrating.md), aliases and adapters onto the modern API
+# above. `build` and `register_primitive` are the public names of the core's functions with the
+# 2023 spellings translated first (slapo.compat.build, slapo.compat.primitives); `install()`
+# registers the 2023 primitives and keyword spellings through the core's seams. Nothing in the
+# core imports slapo.compat (tests/test_architecture.py).
 # `set_random_seed` is the 2023 signature, a superset of today's keyword form.
 from . import compat, pattern, random, utils  # noqa: E402,I001
-from .compat import (Database, Space, Symbol, cleanup, consolidate_model, execute, get_logger,
-                     init_target_engine, setup, trace)
+from .compat import (Database, Space, Symbol, build, cleanup, consolidate_model, execute,
+                     get_logger, init_target_engine, register_primitive, setup, trace)
 from .pattern import ModulePattern, Pattern
 from .random import checkpoint, get_cuda_rng_tracker, is_random_seed_set, set_random_seed
+
+compat.install()
 
 __version__ = "0.1.0"
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import functools
 import inspect
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -72,12 +72,32 @@ class _Root:
         self.pipeline_cuts: list[str] = []  # `cut_pipeline_stage` paths, in model order
 
 
+# The edge's seam for other names of a node's attributes: `node.<name>` (when the class has no
+# such attribute) is `_ATTRIBUTES[name](node)`. Filled by `slapo.compat.install` (Slapo 2023's
+# `world_size`/`rank`, docs/migrating.md); the tree itself knows only today's names.
+_ATTRIBUTES: dict[str, Callable[[Schedule], Any]] = {}
+
+
+def register_attribute(name: str, get: Callable[[Schedule], Any]) -> None:
+    """Serve `node.<name>` as `get(node)` on every schedule node (a name the class defines or a
+    primitive's name cannot be taken: those always win, so they are refused here)."""
+    from .primitives import get_primitive
+
+    if _ATTRIBUTES.get(name) is get:
+        return
+    if hasattr(Schedule, name) or get_primitive(name) is not None or name.startswith("_") or \
+            name in _ATTRIBUTES:
+        raise ValueError(f"{name!r} is already a Schedule attribute, primitive or registered "
+                         "name.")
+    _ATTRIBUTES[name] = get
+
+
 class Schedule(PrimitiveMethods):
     """A node of the schedule tree. Create the tree with `slapo.create_schedule(model)`.
 
     The built-in primitives are its methods (`PrimitiveMethods`, typed, one per primitive
-    class); primitives a user registers (`slapo.register_primitive`, the 2023 extension point)
-    are looked up by `__getattr__`."""
+    class); primitives a user registers (`slapo.register_primitive`) and attributes the edge
+    registers (`register_attribute`) are looked up by `__getattr__`."""
 
     def __init__(self, root: _Root, name: str, path: str, parent: Schedule | None):
         self._root = root
@@ -144,17 +164,6 @@ class Schedule(PrimitiveMethods):
         return self._root.rank
 
     @property
-    def world_size(self) -> int:
-        """The 2023 name of `tp_size` (kept for 2023 schedules: it always meant the schedule's
-        group, which is the tensor-parallel group)."""
-        return self._root.world_size
-
-    @property
-    def rank(self) -> int:
-        """The 2023 name of `tp_rank`."""
-        return self._root.rank
-
-    @property
     def root(self) -> Schedule:
         node = self
         while node.parent is not None:
@@ -193,9 +202,6 @@ class Schedule(PrimitiveMethods):
         for name, sub in list(self.child.items()):
             yield from sub.named_schedules(_join(prefix, name))
 
-    def get_top_schedule(self) -> Schedule:
-        return self.root
-
     def _node_of(self, module: nn.Module) -> Schedule | None:
         for _, node in self.root.named_schedules():
             if node.mod is module:
@@ -206,6 +212,8 @@ class Schedule(PrimitiveMethods):
     def __getattr__(self, name: str):
         if name.startswith("_"):
             raise AttributeError(name)
+        if name in _ATTRIBUTES:
+            return _ATTRIBUTES[name](self)
         from .primitives import get_primitive
 
         prim = get_primitive(name)

@@ -19,11 +19,12 @@ LAYERS: list[tuple[str, ...]] = [
     ("errors", "notices", "files", "faultpoints", "distributed", "module_patch", "sharding",
      "init"),
     ("graph", "op", "primitives", "schedule"),
-    ("runtime", "pipeline", "verify", "profile", "consolidate"),
+    ("runtime", "verify", "profile", "consolidate"),
     ("model_schedule",),
     ("data", "progressive", "train", "tune"),
-    ("compat", "pattern", "random", "utils", "cli"),
+    ("compat", "pattern", "pipeline", "random", "utils", "cli"),
 ]
+EDGE = 5  # the adapter layer: the public module paths and the Slapo 2023 API
 LAYER_OF = {name: i for i, names in enumerate(LAYERS) for name in names}
 
 
@@ -223,3 +224,103 @@ def test_the_long_file_check_sees_an_unnamed_file():
     """Not vacuous: with a lower bound, files the section does not name are found (a file
     named in prose without its `path.py` (...) form would not count)."""
     assert "runtime/build.py" in _unnamed_long_files(300)
+
+
+# ------------------------------------------------------------------------------------------------
+# Slapo 2023 compatibility stays at the edge (docs/architecture.md, "The edge")
+# ------------------------------------------------------------------------------------------------
+
+def test_only_the_edge_imports_compat():
+    """The core (layers 0-4) never imports `slapo.compat`: a 2023 spelling reaches it only
+    through the public names and the seams `slapo.compat.install` fills."""
+    bad = []
+    for name, path in MODULES.items():
+        package = _package(name)
+        if package == "" or LAYER_OF[package] == EDGE:
+            continue
+        bad += [f"{path.relative_to(ROOT.parent)}:{line} imports {target}"
+                for target, line in _imports(name, path)
+                if target == "slapo.compat" or target.startswith("slapo.compat.")]
+    assert not bad, "\n".join(bad)
+
+
+_IMPORT_TIME_DECORATORS = {"dataclass", "functools.wraps", "wraps", "property", "staticmethod",
+                           "classmethod"}
+
+
+def _dotted(node: ast.AST) -> str:
+    if isinstance(node, ast.Call):
+        return _dotted(node.func)
+    if isinstance(node, ast.Attribute):
+        return f"{_dotted(node.value)}.{node.attr}"
+    return node.id if isinstance(node, ast.Name) else "?"
+
+
+def _import_time_effects(tree: ast.Module) -> list[tuple[int, str]]:
+    """What a module does to other objects when it is imported: module-level calls (a call is
+    where a patch or a registration hides), attribute/item assignments, and decorators that
+    are not pure wrappers (e.g. `@register_primitive`). Plain name bindings, imports,
+    definitions and docstrings are what an edge module may do at import."""
+    found = []
+    for stmt in tree.body:
+        if isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Constant):
+            continue  # docstring
+        if isinstance(stmt, ast.Expr):
+            found.append((stmt.lineno, f"calls {_dotted(stmt.value)}() at import"))
+        targets = stmt.targets if isinstance(stmt, ast.Assign) else \
+            [stmt.target] if isinstance(stmt, (ast.AugAssign, ast.AnnAssign)) else []
+        found += [(stmt.lineno, f"assigns {_dotted(t)} at import") for t in targets
+                  if isinstance(t, (ast.Attribute, ast.Subscript))]
+        if isinstance(stmt, (ast.FunctionDef, ast.ClassDef)):
+            found += [(d.lineno, f"decorator @{_dotted(d)} runs at import")
+                      for d in stmt.decorator_list if _dotted(d) not in _IMPORT_TIME_DECORATORS]
+    return found
+
+
+def _patches_of_imported_objects(tree: ast.Module) -> list[tuple[int, str]]:
+    """Anywhere in the file: `x.attr = ...` or `setattr(x, ...)` where `x` was bound by an
+    import (another module, or a class or function defined elsewhere)."""
+    imported = {(a.asname or a.name).split(".")[0] for node in ast.walk(tree)
+                if isinstance(node, (ast.Import, ast.ImportFrom)) for a in node.names}
+    found = []
+    for node in ast.walk(tree):
+        targets = node.targets if isinstance(node, ast.Assign) else \
+            [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else []
+        for t in targets:
+            base = t.value if isinstance(t, (ast.Attribute, ast.Subscript)) else None
+            while isinstance(base, (ast.Attribute, ast.Subscript)):
+                base = base.value
+            if isinstance(base, ast.Name) and base.id in imported:
+                found.append((node.lineno, f"assigns {_dotted(t)} (an imported object)"))
+        if isinstance(node, ast.Call) and _dotted(node.func) in ("setattr", "delattr") and \
+                node.args and isinstance(node.args[0], ast.Name) and node.args[0].id in imported:
+            found.append((node.lineno, f"{_dotted(node.func)}({node.args[0].id}, ...)"))
+    return found
+
+
+def test_compat_patches_nothing_at_import():
+    """`slapo.compat` changes no core object when imported: what it adds to the core goes
+    through `slapo.compat.install()`, which `slapo/__init__` calls explicitly, and the core's
+    registration seams (`register_primitive`, `register_method_adapter`, `register_attribute`)."""
+    bad = []
+    for path in sorted((ROOT / "compat").rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        found = _import_time_effects(tree) + _patches_of_imported_objects(tree)
+        bad += [f"{path.relative_to(ROOT.parent)}:{line}: {what}" for line, what in found]
+    assert not bad, "\n".join(bad)
+
+
+def test_the_patch_detector_sees_the_old_shapes():
+    """The two checks above catch what compat used to do (an import-time install call, an
+    attribute put on another module, a registering decorator)."""
+    old = ast.parse(
+        "from .. import pipeline\n"
+        "from ..runtime.build import install_2023_adapter\n"
+        "def _install():\n"
+        "    pipeline.generate_pipeline_partition = object()\n"
+        "_install()\n"
+        "install_2023_adapter(print)\n"
+        "@register_primitive\n"
+        "class P: pass\n")
+    assert [line for line, _ in _import_time_effects(old)] == [5, 6, 7]
+    assert [line for line, _ in _patches_of_imported_objects(old)] == [4]

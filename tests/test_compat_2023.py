@@ -243,13 +243,19 @@ def test_find_call_module_and_patterns():
 
 
 def test_fuse_compiler_spellings_map_to_torch_compile():
-    from slapo.primitives._spellings import fuse_args
+    from slapo.compat.spellings import fuse_kwargs
 
     reset_notices()
     with pytest.warns(Slapo2023Notice, match="TorchScript"):
-        args, kw = fuse_args(("sub",), {"compiler": "TorchScript", "name": "f"})
+        kw = fuse_kwargs({"compiler": "TorchScript", "name": "f"})
     assert kw == {"compiler": "inductor", "name": "f"}
-    assert fuse_args(("sub", "TorchInductor"), {})[0] == ("sub", "inductor")
+    # through the public method, `compiler` given positionally too (torch.compile is lazy: the
+    # fused module is wrapped for inductor here and compiled only if called)
+    sch = slapo.create_schedule(MLP())
+    sch.trace(flatten=True)
+    fused = sch.fuse(sch.find(lambda a: call_module("act", a)), "TorchInductor", name="f")
+    assert sch.metadata["fused"]["f"] == "inductor" and fused.path == "f"
+    assert str(sch.history[-1]).endswith("compiler='inductor', name='f')")  # today's words
     # an eager fuse with the 2023 `name=` keyword is numerically the unfused module
     torch.manual_seed(0)
     model, x = MLP(), torch.randn(3, 8)

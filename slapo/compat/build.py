@@ -1,8 +1,8 @@
 """2023 build-side names: `consolidate_model`, `init_target_engine`, `trace`,
-`generate_pipeline_partition`, as calls into today's runtime; and `adapt_build_args`, the one
-adapter from 2023's `build(sch, target=, config=, topology=, init_weights=)` spellings to today's
-`slapo.build` arguments (installed into `slapo.runtime.build` when this module is imported,
-since the runtime layer may not import this one).
+`generate_pipeline_partition`, as calls into today's runtime; and `build`, the public
+`slapo.build`: `adapt_build_args` translates 2023's `build(sch, target=, config=, topology=,
+init_weights=)` spellings to today's arguments, then the core `slapo.runtime.build.build` runs
+(which knows only today's signature).
 
 Fixed 2023 bugs: `consolidate_model` re-initialised every weight, loaded ones included, and only
 on CUDA; here it materialises meta (delayed-init) tensors only, shards only, on any device, with
@@ -11,6 +11,7 @@ the same per-module seeding as `slapo.build` (so the result does not depend on t
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -24,7 +25,8 @@ from ..errors import SchedulingError
 from ..init import has_meta_tensors, materialize
 from ..notices import notice_once
 from ..runtime.build import build as _runtime_build
-from ..runtime.build import install_2023_adapter, mesh_info
+from ..runtime.build import mesh_info
+from ..runtime.precision import precision_arg
 from ..schedule import Schedule, create_schedule
 
 
@@ -77,10 +79,19 @@ def generate_pipeline_partition(sch: Schedule, num_stages: int | None = None) ->
 
 
 # ------------------------------------------------------------------------------------------------
-# slapo.build's 2023 spellings
+# slapo.build: today's arguments, plus the 2023 spellings
 # ------------------------------------------------------------------------------------------------
 
+# `help(slapo.build)` shows the core's signature and docstring (functools.wraps), which name
+# this adapter; the 2023 spellings are listed in `adapt_build_args`.
+@functools.wraps(_runtime_build)
+def build(sch: Schedule, **kwargs: Any) -> tuple[nn.Module, torch.optim.Optimizer | None]:
+    """`slapo.build`: the 2023 spellings translated (`adapt_build_args`, every error before
+    anything is built), then the core `slapo.runtime.build.build` with today's arguments."""
+    return _runtime_build(sch, **adapt_build_args(sch, kwargs))
+
 SPELLINGS_2023 = ("config", "topology")
+EARLIER_SPELLINGS = ("mixed_precision",)  # this project's earlier name of `precision=`
 TOPOLOGY_AXES = {"pipe": "pp", "data": "dp", "model": "tp"}  # DeepSpeed axis -> mesh dimension
 
 
@@ -96,14 +107,18 @@ def adapt_build_args(sch: Schedule, kwargs: dict[str, Any]) -> dict[str, Any]:
     - `init_weights=True` -> the default: delayed-init (meta) weights get the model's own init;
       materialised weights are kept (notice: 2023 re-initialised them). `init_weights=False` ->
       weights as they are; an error if some are still on meta (they cannot train).
+    - `mixed_precision=` (the earlier name of `precision=`, not a 2023 one) -> `precision=`;
+      both given and different is an error.
     Errors are raised before anything is built or changed.
     """
     out = dict(kwargs)
-    unknown = sorted(set(out) - set(_BUILD_ARGS) - set(SPELLINGS_2023))
+    unknown = sorted(set(out) - set(_BUILD_ARGS) - set(SPELLINGS_2023) - set(EARLIER_SPELLINGS))
     if unknown:
         raise SchedulingError(sch.path, f"build got unknown argument(s) {unknown}.",
                               f"today's arguments: {sorted(_BUILD_ARGS)}; 2023 spellings: "
                               f"{list(SPELLINGS_2023)} (docs/migrating.md).")
+    if "mixed_precision" in out:
+        out["precision"] = precision_arg(out.get("precision"), out.pop("mixed_precision"))
     out["target"] = _target(out.get("target"))
     config = out.pop("config", None)
     if config is not None:
@@ -217,5 +232,3 @@ def _init_weights(sch: Schedule, init: bool) -> None:
                     "are kept. Slapo 2023 re-initialised them.", stacklevel=5)
     return None
 
-
-install_2023_adapter(adapt_build_args)

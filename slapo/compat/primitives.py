@@ -1,5 +1,7 @@
 """2023 schedule methods that today's primitives do not spell: `replace_all`, `find_node`,
-`trace_until`, `get_module`, each a thin loop or query over the modern primitives.
+`trace_until`, `get_module`, `get_top_schedule`, each a thin loop or query over the modern
+primitives (registered by `slapo.compat.install`, listed in `PRIMITIVES_2023`); and
+`register_primitive`, the public registration that also takes 2023's primitive classes.
 
 `replace_all(target_type, make_mod_fn, **kw)` is a loop over `replace`:
 
@@ -17,7 +19,8 @@ from collections.abc import Callable
 import torch.nn as nn
 
 from ..errors import SchedulingError
-from ..primitives.base import Primitive, get_primitive, register_primitive
+from ..primitives.base import Primitive, get_primitive
+from ..primitives.base import register_primitive as _register_primitive
 
 
 def _targets(sch, target_type: type) -> list:
@@ -31,7 +34,6 @@ def _targets(sch, target_type: type) -> list:
     return found
 
 
-@register_primitive
 class ReplaceAllPrimitive(Primitive):
     """Replace every `target_type` module below this node by `make_mod_fn(path, mod, **kw)`."""
 
@@ -61,7 +63,6 @@ class ReplaceAllPrimitive(Primitive):
         return len(plan)
 
 
-@register_primitive
 class FindNodePrimitive(Primitive):
     """2023 `sch.find_node(fn)`: the nodes for which `fn(node)` is true, as one Subgraph (2023
     returned (parent_name, node) pairs). Like 2023's `find`, an untraced module is traced first
@@ -88,7 +89,6 @@ class FindNodePrimitive(Primitive):
         return False
 
 
-@register_primitive
 class TraceUntilPrimitive(Primitive):
     """2023 `sch.trace_until(paths, **trace_kw)` on the top schedule: trace from the top down
     to the module(s) at `paths`, which stay leaves (their insides untraced); each traced level
@@ -110,7 +110,6 @@ class TraceUntilPrimitive(Primitive):
         return sch.trace(leaves=leaves, flatten=False, **kwargs)
 
 
-@register_primitive
 class GetModulePrimitive(Primitive):
     """2023 `sch.get_module(name)`: the submodule at dotted path `name` (relative)."""
 
@@ -129,3 +128,35 @@ class GetModulePrimitive(Primitive):
     @classmethod
     def record(cls, sch, *args, **kwargs) -> bool:
         return False
+
+
+class GetTopSchedulePrimitive(Primitive):
+    """2023 `sch.get_top_schedule()`: the root of the tree (today's `sch.root`)."""
+
+    name = "get_top_schedule"
+
+    @classmethod
+    def apply(cls, sch):
+        return sch.root
+
+    @classmethod
+    def record(cls, sch, *args, **kwargs) -> bool:
+        return False
+
+
+PRIMITIVES_2023: tuple[type[Primitive], ...] = (
+    ReplaceAllPrimitive, FindNodePrimitive, TraceUntilPrimitive, GetModulePrimitive,
+    GetTopSchedulePrimitive)
+
+
+def register_primitive(cls: type[Primitive] | None = None):
+    """`slapo.register_primitive`: the core's registration (`slapo.primitives.register_primitive`),
+    also for a 2023 primitive class, whose `name` is a static method `name() -> str`: its
+    string is set on the class as today's `name` before the class is registered."""
+
+    def deco(c: type[Primitive]) -> type[Primitive]:
+        if isinstance(c, type) and callable(getattr(c, "name", None)):
+            c.name = c.name()
+        return _register_primitive(c)
+
+    return deco(cls) if cls is not None else deco

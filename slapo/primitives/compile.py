@@ -124,7 +124,7 @@ def _check_eager_backend(sch, backend) -> None:
     before it gets zero gradient from that branch, silently (found running the suite on torch
     2.11, the GPU image's, on CPU: compiled TP blocks trained with wrong gradients and the same
     loss; `aot_eager` and `inductor` are exact there, 2.13's `eager` too)."""
-    if backend == "eager" and sch.world_size > 1 and \
+    if backend == "eager" and sch.tp_size > 1 and \
             torch.torch_version.TorchVersion(torch.__version__) < (2, 13):
         raise SchedulingError(sch.path, f"torch {torch.__version__}'s 'eager' compile backend "
                               "drops the gradient through tensor-parallel all-reduces (it would "

@@ -42,13 +42,6 @@ class FusePrimitive(Primitive):
     name = "fuse"
 
     @classmethod
-    def run(cls, sch, *args, **kwargs):
-        from ._spellings import fuse_args  # "TorchScript"/"TorchInductor" (2023)
-
-        args, kwargs = fuse_args(args, kwargs)
-        return super().run(sch, *args, **kwargs)
-
-    @classmethod
     def validate(cls, sch, subgraph, compiler="inductor", name="FusedOp", **compile_kwargs):
         refuse_in_export_capture(sch, "fuse", "trace this module with tracer='fx' to fuse its ops.")
         sub = as_subgraph(sch, subgraph, "fuse")

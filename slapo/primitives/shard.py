@@ -88,7 +88,6 @@ class ShardPrimitive(Primitive):
             _copy_tags(t, new)
             if hasattr(t, "_slapo_init"):  # the constructor's init, in full-shape coordinates
                 new._slapo_init = t._slapo_init
-            _tag(new, "orig_shape", tuple(t.shape))  # Slapo 2023's annotation, for its users
             new._slapo_shard = spec
             tied = [(m, n, k) for (m, n, k) in holders(root, t)]
             for m, n, k in tied or [(sch.mod, name, kind)]:
@@ -125,8 +124,3 @@ def _copy_tags(old: torch.Tensor, new: torch.Tensor) -> None:
         for k, v in tags.items():
             setattr(new, k, v)
 
-
-def _tag(t: torch.Tensor, key: str, value) -> None:
-    """An annotation (as `annotate` sets it), so deepcopy/build/consolidate carry it over."""
-    t._slapo_tags = {**(getattr(t, "_slapo_tags", None) or {}), key: value}
-    setattr(t, key, value)

@@ -89,12 +89,6 @@ class TracePrimitive(Primitive):
     name = "trace"
 
     @classmethod
-    def run(cls, sch, *args, **kwargs):
-        from ._spellings import trace_kwargs  # Slapo 2023 spellings, docs/migrating.md
-
-        return super().run(sch, *args, **trace_kwargs(sch, kwargs))
-
-    @classmethod
     def validate(cls, sch, leaves=None, flatten=False, tracer="auto", concrete_args=None,
                  example_inputs=None):
         if not isinstance(tracer, str):

@@ -42,8 +42,8 @@ from .precision import (
     Precision,
     PrecisionName,
     check_autocast,
+    check_precision,
     module_device_type,
-    precision_arg,
 )
 from .runner import LocalRunner, LossFn
 from .shape_errors import name_shape_errors
@@ -68,6 +68,15 @@ def _check_optimizer(sch: Schedule, optimizer) -> None:
     if optimizer is not None and not callable(optimizer):
         raise SchedulingError(sch.path, f"optimizer must be a class or callable, got "
                               f"{optimizer!r}.", "pass e.g. torch.optim.AdamW.")
+
+
+def _check_init_weights(sch: Schedule, init_weights) -> None:
+    """`init_weights` is a function (or None for the model's own init); a bool is Slapo 2023's
+    spelling, which only the public `slapo.build` translates."""
+    if init_weights is not None and (isinstance(init_weights, bool) or not callable(init_weights)):
+        raise SchedulingError(sch.path, f"init_weights must be a function or None, got "
+                              f"{init_weights!r}.", "pass fn(module[, path]), or None for the "
+                              "model's own init (slapo.build also takes 2023's True/False).")
 
 
 def _check_step_args(grad_accum: int, grad_clip: float | None, target: str | None) -> None:
@@ -190,7 +199,7 @@ def plan_stages(sch: Schedule, *, mesh=None, pipeline: str = "1F1B",
 # ------------------------------------------------------------------------------------------------
 
 def build(sch: Schedule, *, optimizer: Callable | None = None,
-          init_weights: Callable | bool | None = None, seed: int = 0,
+          init_weights: Callable | None = None, seed: int = 0,
           device: torch.device | str | None = None, optimizer_kwargs: dict | None = None,
           mesh=None, pipeline: str | PipelineStages | None = None,
           num_microbatches: int | None = None,
@@ -198,8 +207,7 @@ def build(sch: Schedule, *, optimizer: Callable | None = None,
           reshard_after_forward: bool | int = True, loss_fn: LossFn | None = None,
           grad_clip: float | None = None, grad_accum: int = 1, batch_is_global: bool = True,
           target: str | None = None, deepspeed_config: dict | None = None,
-          precision: PrecisionName = "fp32", mixed_precision: str | None = None,
-          **spellings_2023: Any
+          precision: PrecisionName = "fp32"
           ) -> tuple[nn.Module, torch.optim.Optimizer | None]:
     """Return `(model, optimizer)` for a schedule; `model.train_step(batch) -> float` trains.
 
@@ -242,8 +250,9 @@ def build(sch: Schedule, *, optimizer: Callable | None = None,
     - The returned loss is the mean over the global batch (exactly, for losses that are means
       over samples of equal weight), as a float on every rank.
 
-    `precision`: "fp32" (default), "bf16" or "fp16" (`mixed_precision=` is its earlier name, and
-    None its earlier spelling of "fp32"; `slapo.runtime.precision.check_precision`). Weights and
+    `precision`: "fp32" (default), "bf16" or "fp16" (None is its earlier spelling of "fp32";
+    `slapo.runtime.precision.check_precision`; the earlier keyword `mixed_precision=` is
+    translated by the public `slapo.build`, not here). Weights and
     optimizer state stay fp32; forward and loss run under `torch.autocast(device_type, dtype)`;
     "fp16" adds a gradient scaler (unscaled before clipping; a step with inf/NaN gradients on
     any rank is skipped on every rank and counted in `model.precision.skipped_steps`). With
@@ -254,13 +263,12 @@ def build(sch: Schedule, *, optimizer: Callable | None = None,
     `target="deepspeed"`: hand the model to a DeepSpeed engine instead (ZeRO stages 1-3 through
     `deepspeed_config`); see `slapo.runtime.deepspeed`.
 
-    Slapo 2023 spellings (`config=`, `topology=`, `init_weights=True/False`, 2023 `target`
-    names) are translated by the one adapter `slapo.compat.build.adapt_build_args`, which
-    `slapo.compat` installs here (this layer may not import it); see docs/migrating.md.
+    This is today's signature only. `slapo.build` (the public name) is the edge adapter
+    `slapo.compat.build.build`, which translates Slapo 2023's spellings (`config=`,
+    `topology=`, `init_weights=True/False`, 2023 `target` names; docs/migrating.md) and the
+    earlier `mixed_precision=`, then calls this function; this layer never sees them.
     """
     given = dict(locals())
-    if _needs_2023_adapter(given):
-        return build(sch, **_adapt_2023(given))
     if target == "deepspeed":
         return _build_deepspeed(sch, given)
     trainer = _compose(sch, given)
@@ -281,7 +289,7 @@ def build_trainer(sch: Schedule, *, optimizer: Callable | None = None,
     DeepSpeed target and the earlier spellings): `trainer.train_step(batch)`, `trainer.model`
     (what `build` returns), `trainer.optimizer`. For code that drives the step itself
     (`slapo train`, tune trials, the progressive demo)."""
-    return _compose(sch, dict(locals(), target=None, mixed_precision=None))
+    return _compose(sch, dict(locals(), target=None))
 
 
 def _compose(sch: Schedule, args: dict[str, Any]) -> Trainer:
@@ -306,9 +314,10 @@ def _checked(sch: Schedule, args: dict[str, Any]) -> tuple[str, MeshInfo, str, S
     rank and before anything changes; returns the precision, the mesh, the device type and
     the step's config."""
     _check_schedule(sch)
+    _check_init_weights(sch, args["init_weights"])
     _check_optimizer(sch, args["optimizer"])
     _check_step_args(args["grad_accum"], args["grad_clip"], args["target"])
-    precision = precision_arg(args["precision"], args["mixed_precision"])  # the one check
+    precision = check_precision(args["precision"])  # the one check of the name
     _check_precision_target(precision, args["target"])
     info = mesh_info(sch, args["mesh"])
     pipeline = args["pipeline"]
@@ -415,36 +424,4 @@ def _stage_device(stages: list[nn.Module], info: MeshInfo) -> torch.device:
     return info.device
 
 
-# ------------------------------------------------------------------------------------------------
-# the Slapo 2023 spellings (translated in slapo/compat/build.py, the one adapter)
-# ------------------------------------------------------------------------------------------------
-
-_ADAPTERS: list[Callable[[Schedule, dict], dict]] = []
-
-
-def install_2023_adapter(adapt: Callable[[Schedule, dict], dict]) -> None:
-    """Called once by `slapo.compat.build`: `adapt(sch, kwargs) -> today's kwargs`."""
-    _ADAPTERS[:] = [adapt]
-
-
-def _needs_2023_adapter(given: dict) -> bool:
-    return bool(given["spellings_2023"]) or isinstance(given["init_weights"], bool) or (
-        given["target"] not in TARGETS)
-
-
-def _adapt_2023(given: dict) -> dict:
-    """Today's keyword arguments for a call that used a 2023 spelling."""
-    kwargs = {k: v for k, v in given.items() if k not in ("sch", "spellings_2023")}
-    kwargs.update(given["spellings_2023"])
-    if not _ADAPTERS:
-        names = sorted(given["spellings_2023"]) or ["init_weights/target"]
-        raise SchedulingError("", f"build got the Slapo 2023 argument(s) {names}, but the "
-                              "2023 adapter is not loaded.", "import slapo.compat.")
-    adapted = _ADAPTERS[0](given["sch"], kwargs)
-    if _needs_2023_adapter({"spellings_2023": {}, **adapted}):  # never loop back here
-        raise SchedulingError("", "the 2023 adapter left a 2023 spelling untranslated.")
-    return adapted
-
-
-__all__ = ["PipelineStages", "build", "build_trainer", "install_2023_adapter", "mesh_info",
-           "plan_stages"]
+__all__ = ["PipelineStages", "build", "build_trainer", "mesh_info", "plan_stages"]
