@@ -29,11 +29,12 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from slapo.tune.cli import TuneReport, tune, write_outputs
 from slapo.tune.database import Database
+from slapo.tune.driver import TuneReport, tune
 from slapo.tune.evaluators import TrialEvaluator, TrialSettings
 from slapo.tune.model_spaces import SpaceArgs, make_space
 from slapo.tune.predict_cpu import GPT2CostModel
+from slapo.tune.report import write_outputs
 from slapo.tune.space import Config, config_key
 
 

@@ -314,7 +314,9 @@ def test_keep_all_by_default(tmp_path):
 
 
 def test_dist_timeout_reaches_init_process_group(monkeypatch):
-    from slapo.train import loop
+    import torch.distributed as dist
+
+    from slapo.train import config, setup
 
     class Captured(Exception):
         pass
@@ -326,12 +328,12 @@ def test_dist_timeout_reaches_init_process_group(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")  # a complete torchrun environment:
     monkeypatch.setenv("MASTER_PORT", "29500")      # init_mesh joins it with the timeout
-    monkeypatch.setattr(loop.dist, "is_initialized", lambda: False)
-    monkeypatch.setattr(loop.dist, "init_process_group", fake_init)
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(dist, "init_process_group", fake_init)
     with pytest.raises(Captured) as e:
-        loop.setup(loop.TrainConfig(dist_timeout=7.5, device="cpu"))
+        setup.setup(config.TrainConfig(dist_timeout=7.5, device="cpu"))
     assert e.value.args == ("gloo", timedelta(seconds=7.5))
-    assert loop.TrainConfig().dist_timeout == loop.DIST_TIMEOUT_S == 60
+    assert config.TrainConfig().dist_timeout == config.DIST_TIMEOUT_S == 60
 
 
 # ---- exec audit -------------------------------------------------------------------------------

@@ -30,7 +30,9 @@ def job_train_then_logits(options: dict) -> dict:
     """Every rank: train (saving checkpoints), then rebuild the run from its checkpoint the way
     `--resume` does and return the scheduled model's logits on a fixed probe batch."""
     from slapo.train import TrainConfig, train
-    from slapo.train.loop import build, resume, setup, teardown
+    from slapo.train.assemble import build
+    from slapo.train.resume import resume
+    from slapo.train.setup import setup, teardown
 
     torch.set_num_threads(1)
     train(TrainConfig(**options))

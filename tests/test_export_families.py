@@ -98,7 +98,9 @@ def job_train_every_family(dirs: dict[str, str], root: str, layout: str) -> dict
     return the trained logits (a pipeline rank: the parameters it trained, by name)."""
     from slapo.errors import SlapoError
     from slapo.train import TrainConfig, train
-    from slapo.train.loop import build, resume, setup, teardown
+    from slapo.train.assemble import build
+    from slapo.train.resume import resume
+    from slapo.train.setup import setup, teardown
 
     torch.set_num_threads(1)
     quiet = lambda *a, **k: None  # noqa: E731

@@ -5,8 +5,8 @@ import json
 import pytest
 
 from slapo.cli import main
-from slapo.tune.cli import tune
 from slapo.tune.database import Database
+from slapo.tune.driver import tune
 from slapo.tune.space import Space
 
 TINY = ["--hidden-size", "32", "--num-heads", "2", "--num-layers", "2", "--seq-len", "16",
@@ -181,7 +181,6 @@ def test_outputs_without_matplotlib(tmp_path, monkeypatch):
 
     from rich.console import Console
 
-    from slapo.tune import cli as tune_cli
     from slapo.tune import report as tune_report
 
     space = Space()
@@ -193,7 +192,7 @@ def test_outputs_without_matplotlib(tmp_path, monkeypatch):
 
     monkeypatch.setattr(tune_report, "plot_search", no_matplotlib)
     out = io.StringIO()
-    paths = tune_cli.write_outputs(report, tmp_path, console=Console(file=out))
+    paths = tune_report.write_outputs(report, tmp_path, console=Console(file=out))
     assert "plot" not in paths and not (tmp_path / "search.png").exists()
     assert json.loads(paths["json"].read_text())["best"]["config"] == {"x": 2}
     assert "slapo[plot]" in out.getvalue()

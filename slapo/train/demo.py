@@ -14,7 +14,7 @@ largest batch (powers of two, up to 16x) whose *measured* saved bytes fit the ba
 demo batch, with tokens/s there. That shows the trade a memory step makes: slower at equal batch,
 but a larger batch fits the same activation memory.
 
-Parallel dimensions come from `train.loop.setup`'s mesh (`--tp`; the rest of the processes are
+Parallel dimensions come from `train.setup.setup`'s mesh (`--tp`; the rest of the processes are
 data-parallel replicas): the TP step shards over the mesh's "tp" dimension only, `--tp` ways,
 and each dp replica runs the same progression on the whole demo batch (rows are per model
 replica; see `slapo.progressive`). `--pp-stages` > 1 is refused: the demo runs whole models.

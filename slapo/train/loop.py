@@ -16,8 +16,7 @@ run resumed from step k computes bit-for-bit the losses the uninterrupted run co
 The concerns live in their own modules: `config` (TrainConfig and its checks; the schedule
 knobs come from `model_schedule.knobs`), `setup` (Env, mesh, devices), `assemble` (Run, build,
 schedule, make_trainer), `resume` (save, pick, identity, load), `report` (progress, val loss,
-metrics, plot) and `run_state` (the checkpoint format). Their names are re-exported here, so
-`from slapo.train.loop import TrainConfig, setup, ...` keeps working.
+metrics, plot) and `run_state` (the checkpoint format); import each name from its module.
 """
 
 from __future__ import annotations
@@ -28,44 +27,22 @@ import time
 from pathlib import Path
 from typing import Any
 
-import torch.distributed as dist  # noqa: F401  (tests patch `loop.dist`)
-
 from ..profile import meter
 from . import faults, stop_signals
-from .assemble import Run, build, make_trainer, schedule  # noqa: F401  (re-exported)
-from .config import (  # noqa: F401  (re-exported)
-    CKPT_POLICIES,
-    DEVICES,
-    DIST_TIMEOUT_S,
-    MULTI_STAGE,
-    PP_SCHEDULES,
-    PRECISIONS,
-    RUN_IDENTITY,
-    TrainConfig,
-    config_fields,
-)
+from .assemble import Run, build
+from .config import TrainConfig
 from .metrics_log import MetricsLog
-from .report import (  # noqa: F401  (re-exported)
+from .report import (
     evaluate,
     log_step,
     metrics,
     plot,
     progress_bar,
-    throughput,
-    tokens_per_step,
     trained_parameters,
-    val_loss,
     write_metrics,
 )
-from .resume import check_identity, pick_checkpoint, resume, save  # noqa: F401  (re-exported)
-from .setup import (  # noqa: F401  (re-exported)
-    Env,
-    check_inputs,
-    claim_out,
-    data_parallel,
-    setup,
-    teardown,
-)
+from .resume import resume, save
+from .setup import check_inputs, claim_out, setup, teardown
 
 
 # ---- step -------------------------------------------------------------------------------------

@@ -12,7 +12,7 @@ it stopped when started again with the same `--db`. The run writes to `--out`:
 and the measured throughput in trial order).
 
 This module is the command line only: the search driver is `slapo.tune.driver` (`tune`,
-`TuneReport`), the outputs `slapo.tune.report`; both are re-exported here. The knob options'
+`TuneReport`), the outputs `slapo.tune.report` (import them from there). The knob options'
 defaults and `--knob`'s names and values come from `model_schedule.knobs.ScheduleKnobs`.
 """
 
@@ -27,17 +27,9 @@ from typing import Any
 
 from ..model_schedule import knobs as _schema
 from .database import Database, Record
-from .driver import (  # noqa: F401  (re-exported: the old import path)
-    ALGORITHMS,
-    OBJECTIVE,
-    TrialBudgetExhausted,
-    TuneReport,
-    confirm_best,
-    space_records,
-    tune,
-)
+from .driver import ALGORITHMS, OBJECTIVE, space_records, tune
 from .model_spaces import parse_knob_option
-from .report import _fmt_bytes, plot_search, top_table, train_command, write_outputs  # noqa: F401
+from .report import _fmt_bytes, write_outputs
 from .space import Space
 
 
