@@ -194,7 +194,7 @@ def test_tables_reproduce_the_plans_that_were_code(name, sp):
     import models
 
     family = model_schedule.detect(getattr(models, name)(seed=0))
-    assert family.shard_layer is None and isinstance(family.tp_plan, TPPlan)
+    assert isinstance(family.tp_plan, TPPlan) and not hasattr(family, "shard_layer")
     new = _record(getattr(models, name)(seed=0),
                   lambda layer: family.shard(layer, 2, sequence_parallel=sp))
     old = _record(getattr(models, name)(seed=0), lambda layer: OLD[name](layer, 2, sp))
@@ -455,3 +455,21 @@ def test_apply_checks_every_layer_before_the_first_shard():
         model_schedule.apply(sch, tp=2, attention="sdpa")
     assert _snapshot(model) == before
     assert not [h for _, node in sch.named_schedules() for h in node.history]
+
+
+def test_a_family_without_a_plan_refuses_tp_before_any_change():
+    """`tp_plan=None` means "not tensor-parallel" (the code form `shard_layer` is gone): tp > 1
+    is refused with the fix, and the model and the schedule are as they were."""
+    _registry.register_family(_registry.Family(name="no_plan", model_types=("my_test_model",),
+                                               layer_lists=("layers",)))
+    try:
+        model = MyModel()
+        before = {n: p.clone() for n, p in model.state_dict().items()}
+        sch = slapo.create_schedule(model, group=VirtualGroup(2, 0))
+        with pytest.raises(slapo.SchedulingError, match="no tensor-parallel plan.*tp_plan="):
+            model_schedule.apply(sch, tp=2)
+        assert not sch.applied()
+        for n, p in model.state_dict().items():
+            assert torch.equal(p, before[n]), n
+    finally:
+        _registry._FAMILIES.pop("no_plan", None)

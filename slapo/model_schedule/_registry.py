@@ -15,7 +15,7 @@ from ..module_patch import module_meta
 from ..schedule import Schedule, create_schedule
 from . import _common
 from . import sequence_parallel as _sp
-from .knobs import ATTENTION, CKPT_POLICIES, ScheduleKnobs, knob_fields  # noqa: F401  (old names)
+from .knobs import ScheduleKnobs, knob_fields
 
 
 @dataclass
@@ -26,14 +26,15 @@ class Family:
     - `layer_lists`: suffixes of the ModuleLists holding the transformer layers, in execution
       order (T5: encoder then decoder);
     - `tp_plan`: the tensor-parallel (and sequence-parallel) plan of one layer as data: an
-      object with `apply(layer: Schedule, tp: int, sequence_parallel: bool) -> None` (see
-      `model_schedule.plan`); the cost model shards blocks with the same plan;
-    - `shard_layer(layer, ws)`: the older form of the plan, as code (used when `tp_plan` is
-      None);
+      object with `validate(layers, tp, sequence_parallel)` (every check, no change) and
+      `apply(layer: Schedule, tp: int, sequence_parallel: bool) -> None` (see
+      `model_schedule.plan`; a plan written as code is such an object too); the cost model
+      shards blocks with the same plan. None: the family is not tensor-parallel (`tp > 1` is
+      refused before anything changes);
     - `mlp_paths`: paths (relative to a layer) of the MLP blocks, for `fuse`;
     - `sequence_plan`: where hidden states are split/gathered along the sequence, which norms and
-      dropouts see sequence shards (None: `sequence_parallel=True` is rejected). A family with a
-      plan takes `shard_layer(layer, ws, sequence_parallel=True)`;
+      dropouts see sequence shards (None: `sequence_parallel=True` is rejected); the
+      `tp_plan` then takes `sequence_parallel=True`;
     - `tp_rng`: modules (relative to a layer) whose random ops all sit inside a head- or
       feature-sharded region (attention-probability dropout, T5's FF dropout): under tp > 1
       they run in the per-rank RNG stream (`fork_rng`), as Megatron does, so the ranks' heads
@@ -52,7 +53,6 @@ class Family:
     name: str
     model_types: tuple[str, ...]
     layer_lists: tuple[str, ...]
-    shard_layer: Callable[[Schedule, int], None] | None = None
     mlp_paths: tuple[str, ...] = ()
     sequence_plan: _sp.SequencePlan | None = None
     notes: str = ""
@@ -64,13 +64,8 @@ class Family:
     schedule: Callable[[Schedule, ScheduleKnobs], Schedule] | None = None
 
     def shard(self, layer: Schedule, tp: int, sequence_parallel: bool = False) -> None:
-        """Shard one layer `tp` ways with this family's plan (its table, else its code)."""
-        if self.tp_plan is not None:
-            self.tp_plan.apply(layer, tp, sequence_parallel=sequence_parallel)
-        elif sequence_parallel:
-            self.shard_layer(layer, tp, sequence_parallel=True)
-        else:
-            self.shard_layer(layer, tp)
+        """Shard one layer `tp` ways with this family's plan."""
+        self.tp_plan.apply(layer, tp, sequence_parallel=sequence_parallel)
 
 
 _FAMILIES: dict[str, Family] = {}
@@ -224,12 +219,12 @@ def _validate_plan(sch, family, tp, attention, fuse, kernels, pp_stages, sp) -> 
     """The checks that need the model (its layers, heads, plans), before any mutation."""
     layers = layers_of(sch, family)  # a missing layer list fails here, before anything changes
     if tp > 1:
-        if family.tp_plan is not None:  # the heads, and every row of every layer
-            family.tp_plan.validate(layers, tp, sequence_parallel=sp)
-        else:  # a plan written as code: the heads check a table's `validate` makes
-            from .plan import check_tp_heads
-
-            check_tp_heads(sch, tp)
+        if family.tp_plan is None:
+            raise SchedulingError(sch.path, f"family {family.name!r} has no tensor-parallel "
+                                  f"plan, so tp={tp} cannot shard it.",
+                                  "use tp=1, or give the Family a tp_plan=TPPlan(...) "
+                                  "(docs/model_schedule.md).")
+        family.tp_plan.validate(layers, tp, sequence_parallel=sp)  # the heads, every row
     if attention == "flash":
         from ..op import flash_attn_available
 

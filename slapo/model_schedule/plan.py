@@ -48,8 +48,8 @@ class Style:
     twice or a sync applied twice is refused before anything changes); `check` raises a
     `SchedulingError` for what would fail half-way (sizes that do not divide, missing tensors);
     `apply` makes the change with the primitives. All three take the schedule node of the
-    module, the tensor-parallel degree and whether sequence parallelism is on. A user's
-    `shard_layer` code may call `style.apply(node, tp, sp)` directly."""
+    module, the tensor-parallel degree and whether sequence parallelism is on. A plan
+    written as code may call `style.apply(node, tp, sp)` directly."""
 
     def effects(self, node: Schedule, tp: int, sp: bool) -> list[tuple]:
         return []
