@@ -8,7 +8,6 @@ from . import graph, model_schedule, op, pipeline, profile, progressive, tune  #
 from .consolidate import consolidate
 from .distributed.rng import get_rng_tracker
 from .errors import SchedulingError, SlapoError, TraceError, VerificationError
-from .init import init_empty_weights
 from .primitives import Primitive, list_primitives
 from .runtime import ParallelDims, TrainModule, init_mesh
 from .schedule import Schedule, create_schedule
@@ -22,7 +21,8 @@ from .verify import Verify
 # `set_random_seed` is the 2023 signature, a superset of today's keyword form.
 from . import compat, pattern, random, utils  # noqa: E402,I001
 from .compat import (Database, Space, Symbol, build, cleanup, consolidate_model, execute,
-                     get_logger, init_target_engine, register_primitive, setup, trace)
+                     get_logger, init_empty_weights, init_target_engine, register_primitive,
+                     setup, trace)
 from .pattern import ModulePattern, Pattern
 from .random import checkpoint, get_cuda_rng_tracker, is_random_seed_set, set_random_seed
 

@@ -33,6 +33,10 @@ def test_core_build_refuses_the_2023_spellings():
             core_build(sch, **kwargs)
     with pytest.raises(slapo.SchedulingError, match="init_weights must be a function"):
         core_build(sch, init_weights=True)
+    with pytest.raises(TypeError, match="mixed_precision"):  # the earlier name of precision=
+        core_build(sch, mixed_precision="bf16")
+    with pytest.raises(slapo.SchedulingError, match="both given"):
+        slapo.build(sch, mixed_precision="bf16", precision="fp16")
     with pytest.raises(slapo.SchedulingError, match="not supported"):
         core_build(sch, target="DeepSpeed")  # 2023's any-case target names: the edge's
     assert not isinstance(sch.mod, TrainModule)
@@ -89,3 +93,14 @@ def test_core_registration_refuses_a_2023_primitive_class_the_edge_takes():
         assert slapo.create_schedule(MLP())["fc1"].named_2023_edge_test() == "fc1"
     finally:
         _REGISTRY.pop("named_2023_edge_test", None)
+
+
+def test_init_empty_weights_2023_signature_is_the_edges():
+    from slapo.init import init_empty_weights as core_init_empty_weights
+
+    with pytest.raises(TypeError):
+        core_init_empty_weights(enable=False)
+    with slapo.init_empty_weights(enable=False, include_buffers=True):
+        assert MLP().fc1.weight.device.type == "cpu"  # 2023's delay_init=False: a no-op
+    with slapo.init_empty_weights():
+        assert MLP().fc1.weight.device.type == "meta"

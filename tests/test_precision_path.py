@@ -2,8 +2,8 @@
 
 The path (docs/architecture.md): `cli.py` (the flag, from the field) -> `train/config.py`
 (`TrainingOptions.precision`, checked by `check_precision`) -> `train/assemble.py`
-(`build_trainer(precision=cfg.precision)`) -> `runtime/build.py` (`check_precision` through
-`precision_arg`, then `Precision(name)`) -> `runtime/precision.py` (`Precision.autocast`).
+(`build_trainer(precision=cfg.precision)`) -> `runtime/build.py` (`check_precision`, then
+`Precision(name)`; `slapo.build`'s `mixed_precision=` is translated before, in compat) -> `runtime/precision.py` (`Precision.autocast`).
 """
 
 from __future__ import annotations

@@ -28,7 +28,14 @@ from __future__ import annotations
 from ..notices import Slapo2023Notice, notice_once
 from ..primitives.base import register_method_adapter
 from ..schedule import register_attribute
-from .build import build, consolidate_model, generate_pipeline_partition, init_target_engine, trace
+from .build import (
+    build,
+    consolidate_model,
+    generate_pipeline_partition,
+    init_empty_weights,
+    init_target_engine,
+    trace,
+)
 from .env import cleanup, execute, setup
 from .logger import get_logger
 from .primitives import PRIMITIVES_2023, register_primitive
@@ -49,4 +56,4 @@ def install() -> None:
 
 __all__ = ["Database", "Slapo2023Notice", "Space", "Symbol", "build", "cleanup",
            "consolidate_model", "execute", "generate_pipeline_partition", "get_logger",
-           "init_target_engine", "install", "notice_once", "register_primitive", "setup", "trace"]
+           "init_empty_weights", "init_target_engine", "install", "notice_once", "register_primitive", "setup", "trace"]

@@ -11,6 +11,7 @@ the same per-module seeding as `slapo.build` (so the result does not depend on t
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 from collections.abc import Callable, Mapping
@@ -23,6 +24,7 @@ import torch.nn as nn
 from ..distributed import group as _g
 from ..errors import SchedulingError
 from ..init import has_meta_tensors, materialize
+from ..init import init_empty_weights as _init_empty_weights
 from ..notices import notice_once
 from ..runtime.build import build as _runtime_build
 from ..runtime.build import mesh_info
@@ -43,6 +45,15 @@ def consolidate_model(sch: Schedule, target: str | None = None,
             device = "cuda" if torch.cuda.is_available() else "cpu"
         materialize(model, device, init_fn=param_init_fn, seed=seed)
     return sch
+
+
+def init_empty_weights(enable: bool = True,
+                       include_buffers: bool = False) -> contextlib.AbstractContextManager:
+    """`slapo.init_empty_weights` with 2023's signature: `enable=False` is a no-op context
+    (2023's `init_empty_weights(enable=delay_init)`); `include_buffers` is accepted and unused
+    (buffers always go to meta and `build` materialises them). Otherwise the core's
+    `slapo.init.init_empty_weights()`."""
+    return _init_empty_weights() if enable else contextlib.nullcontext()
 
 
 def init_target_engine(model: nn.Module, target: str | None = None,

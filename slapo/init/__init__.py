@@ -69,17 +69,12 @@ from .scope import Step, Target
 
 
 @contextlib.contextmanager
-def init_empty_weights(enable: bool = True, include_buffers: bool = False):
-    """Create modules on the meta device (shapes only, no memory).
-
-    `enable=False` is a no-op context (Slapo 2023's `init_empty_weights(enable=delay_init)`).
-    `include_buffers` is accepted for the 2023 signature: buffers always go to meta here and
+def init_empty_weights():
+    """Create modules on the meta device (shapes only, no memory); buffers go to meta too and
     `build` materialises them like parameters. The writes a constructor makes into its tensors
     meanwhile are recorded (`construct.py`), so `materialize` gives a plain module the init
-    its constructor wrote."""
-    if not enable:
-        yield
-        return
+    its constructor wrote. (`slapo.init_empty_weights` also takes Slapo 2023's `enable=` and
+    `include_buffers=`: `slapo.compat.build.init_empty_weights`.)"""
     with torch.device("meta"), construct.recording():
         yield
 

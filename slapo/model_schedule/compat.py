@@ -8,7 +8,7 @@ Each 2023 key maps onto a knob of `apply` (or a primitive call after it):
 | 2023 key | here |
 |---|---|
 | `model_config` | accepted; the family is detected from `model.config` and must equal `key` |
-| `fp16` / `bf16` | the model is cast before scheduling, as in 2023 (prefer `build(mixed_precision=)`) |
+| `fp16` / `bf16` | the model is cast before scheduling, as in 2023 (prefer `build(precision=)`) |
 | `group` | the tensor-parallel group (`tp` is its size) |
 | `prefix` | checked to exist; layer paths are found by the family's own suffixes |
 | `delay_init` | accepted; nothing is created here, a meta model stays meta until `build` |
