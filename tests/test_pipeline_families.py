@@ -481,7 +481,7 @@ def job_t5_zero_bubble_caught_at_the_first_step() -> str:
 
     import slapo.runtime
 
-    build_module = importlib.import_module("slapo.runtime.build")  # the name is the function's
+    build_module = importlib.import_module("slapo.runtime.pipeline_stages")  # where it is called
     mesh = slapo.runtime.init_mesh(dp=1, pp=2, tp=1)
     sch = slapo.create_schedule(models.t5(layers=2), mesh=mesh)
     model_schedule.apply(sch, pp_stages=4)
