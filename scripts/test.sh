@@ -13,4 +13,5 @@ export HF_HUB_OFFLINE=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 workers=${SLAPO_TEST_WORKERS:-2}
 xdist=()
 if [ "$workers" != "0" ]; then xdist=(-n "$workers" --dist worksteal); fi
-exec .venv/bin/python -m pytest -q -p no:cacheprovider --timeout=900 "${xdist[@]}" "$@"
+# --durations: CI prints its slowest tests, so a run over the budget says where the time went.
+exec .venv/bin/python -m pytest -q -p no:cacheprovider --timeout=900 --durations=40 "${xdist[@]}" "$@"
