@@ -536,13 +536,6 @@ class Launch:
             self.proc.wait()
 
 
-def run_to_end(out: Path, *flags: str, timeout: float = 300) -> dict:
-    launch = Launch(out, *flags)
-    launch.wait(timeout)
-    assert launch.proc.returncode == 0, launch.text[-3000:]
-    return json.loads((out / "metrics.json").read_text())
-
-
 def died_within_bound(launch: Launch, t_kill: float, rank: int = 1) -> str:
     """torchrun (every rank) exited within KILL_BOUND_S of the kill, non-zero, and both the
     survivor (slapo's PeerFailure) and torchrun's summary name the dead rank."""
@@ -571,12 +564,16 @@ def reference(dist2, out: Path, *flags: str) -> list[float]:
     return losses[0]
 
 
-def resume_matches(out: Path, straight: list[float], *flags: str, resumed_from: int) -> None:
+def resume_matches(dist2, out: Path, straight: list[float], *flags: str,
+                   resumed_from: int) -> None:
     """`--resume` continues from the newest intact checkpoint and every loss equals the
-    uninterrupted run's (the killed run's steps come from the checkpoint's history)."""
-    metrics = run_to_end(out, "--steps", str(len(straight)), "--resume", *flags)
-    assert metrics["resumed_from"] == resumed_from
-    assert metrics["losses"] == straight
+    uninterrupted run's (the killed run's steps come from the checkpoint's history). It runs
+    on the pool's 2 gloo ranks: the same ranks and losses as torchrun's workers (the
+    reference is computed there too), without a second torchrun launch."""
+    argv = [*FLAGS, "--out", str(out), "--steps", str(len(straight)), "--resume", *flags]
+    losses = dist2.run(job_cli_losses, argv, timeout=POOL_TIMEOUT_S * 4)
+    assert json.loads((out / "metrics.json").read_text())["resumed_from"] == resumed_from
+    assert losses[0] == losses[1] == straight
 
 
 @pytest.fixture(scope="module")
@@ -586,7 +583,7 @@ def ddp_reference(dist2, tmp_path_factory) -> list[float]:
 
 @pytest.mark.dist
 @pytest.mark.slow
-def test_sigkill_from_outside_mid_step(tmp_path, ddp_reference):
+def test_sigkill_from_outside_mid_step(tmp_path, dist2, ddp_reference):
     """kill -9 of rank 1 (a signal from this test) as soon as checkpoint 3 is published: rank
     1 is then in step 4 (or finishing the save's last barrier)."""
     out = tmp_path / "run"
@@ -607,7 +604,7 @@ def test_sigkill_from_outside_mid_step(tmp_path, ddp_reference):
         launch.stop()
     done = max(checkpoints.step_of(p) for p in checkpoints.candidates(out))
     assert done >= 3
-    resume_matches(out, ddp_reference, resumed_from=done)
+    resume_matches(dist2, out, ddp_reference, resumed_from=done)
 
 
 # A kill mid-checkpoint-save and mid-pipeline-step (rank 1 SIGKILLs itself at a named point,
