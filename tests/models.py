@@ -162,3 +162,33 @@ def mt5(seed: int = 0, layers: int = 2):
                   num_layers=layers, num_decoder_layers=layers, num_heads=4, vocab_size=128,
                   decoder_start_token_id=0, pad_token_id=0, dropout_rate=0.0,
                   feed_forward_proj="gated-gelu", tie_word_embeddings=True)
+
+
+# HF's eager expert loop, the definition its kernels (grouped_mm, HF's CPU default in 5.24,
+# which orders each expert's rows differently) agree with to roundoff: the MoE tests compare
+# Slapo's experts against it exactly.
+def mixtral(seed: int = 0, layers: int = 2, experts: int = 4):
+    """Mixtral, 4 experts, top-2, with the router's auxiliary loss in `out.loss`."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    return _build(MixtralConfig, MixtralForCausalLM, seed, hidden_size=64,
+                  num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                  intermediate_size=32, vocab_size=128, max_position_embeddings=64,
+                  num_local_experts=experts, num_experts_per_tok=2,
+                  output_router_logits=True, router_aux_loss_coef=0.02,
+                  experts_implementation="eager", bos_token_id=0, eos_token_id=0,
+                  pad_token_id=0)
+
+
+def qwen3_moe(seed: int = 0, layers: int = 2, experts: int = 4):
+    """Qwen3-MoE, 4 experts, top-2, `norm_topk_prob`, every layer sparse, aux loss on."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    return _build(Qwen3MoeConfig, Qwen3MoeForCausalLM, seed, hidden_size=64,
+                  num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                  head_dim=16, intermediate_size=64, moe_intermediate_size=32,
+                  vocab_size=128, max_position_embeddings=64, num_experts=experts,
+                  num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1,
+                  output_router_logits=True, router_aux_loss_coef=0.02,
+                  experts_implementation="eager", bos_token_id=0, eos_token_id=0,
+                  pad_token_id=0)

@@ -14,6 +14,7 @@ from ..errors import SchedulingError
 from ..module_patch import module_meta
 from ..schedule import Schedule, create_schedule
 from . import _common
+from . import moe as _moe
 from . import sequence_parallel as _sp
 from .knobs import ScheduleKnobs, knob_fields
 
@@ -47,7 +48,9 @@ class Family:
       torchvision ResNet is recognised by its module layout);
     - `schedule(sch, knobs) -> Schedule`: a family whose concerns are not the transformer
       ones (a CNN has no attention, vocabulary or sequence): `apply` validates the knob values
-      with the schema, then hands the schedule and the `ScheduleKnobs` to it.
+      with the schema, then hands the schedule and the `ScheduleKnobs` to it;
+    - `moe`: a mixture-of-experts family's `moe.MoEPlan` (where a layer's experts are): on a
+      mesh with ep > 1 `apply` spreads them over the "ep" ranks (None: ep > 1 is refused).
     """
 
     name: str
@@ -62,6 +65,7 @@ class Family:
     tp_plan: Any = None
     matches: Callable[[nn.Module], bool] | None = None
     schedule: Callable[[Schedule, ScheduleKnobs], Schedule] | None = None
+    moe: Any = None
 
     def shard(self, layer: Schedule, tp: int, sequence_parallel: bool = False) -> None:
         """Shard one layer `tp` ways with this family's plan."""
@@ -157,6 +161,7 @@ def _apply_knobs(sch: Schedule, family: Family, *, tp: int | None, ckpt_ratio: f
     _validate(sch, family, tp, ws, sequence_parallel, pp_stages, vocab_parallel, fused_loss)
     _validate_plan(sch, family, tp, attention, fuse, kernels, pp_stages,
                    sequence_parallel and tp > 1)
+    ep = _moe.check_expert_parallel(sch, family, layers_of(sch, family), tp, pp_stages)
     if attention is not None:
         _set_attention(sch, attention)
     sp = sequence_parallel and tp > 1  # one rank: nothing to split, SP is the identity
@@ -167,6 +172,8 @@ def _apply_knobs(sch: Schedule, family: Family, *, tp: int | None, ckpt_ratio: f
             _sp.split_and_gather(sch, family, vocab_parallel)
         elif vocab_parallel:
             _common.vocab_parallel(sch)
+    if ep is not None:
+        _moe.expert_parallel(family, layers_of(sch, family), ep)
     if fuse and not (kernels and _kernel_fuses_mlp(family)):
         _fuse_mlps(sch, family, fuse_compiler)
     if kernels:

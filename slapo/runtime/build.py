@@ -31,7 +31,7 @@ from ..init import has_meta_tensors, materialize
 from ..schedule import Schedule
 from . import pipeline_stages as _stages
 from .built_model import OwnForward, PipelineTrainModule, attach, check_trainable, detach
-from .data_parallel import apply_data_parallel, check_data_parallel
+from .data_parallel import apply_data_parallel, check_data_parallel, check_experts
 from .mesh import MeshInfo
 from .pipeline_guards import make_stages
 from .pipeline_plan import make_schedule
@@ -324,6 +324,7 @@ def _checked(sch: Schedule, args: dict[str, Any]) -> tuple[str, MeshInfo, str, S
     if isinstance(pipeline, PipelineStages):
         _stages.check_planned(sch, info, pipeline, args["num_microbatches"], args["virtual_stages"])
     check_data_parallel(args["data_parallel"], info)
+    check_experts(sch.mod, args["data_parallel"], args["grad_clip"], args["target"])
     _check_pipeline_dp(_stages.pipeline_name(pipeline), args["data_parallel"], info)
     device_type = _run_device_type(sch, args["device"], info)
     check_autocast(precision, device_type)

@@ -10,10 +10,22 @@ specs of the ones they replace, so checkpoints and consolidation still see the T
 FSDP2 changes the module's class in place; DDP returns a wrapper, which `build` keeps in the
 step's runner (`LocalRunner.ddp`), never as a child of the model it returns, so the model's
 parameter names and state-dict keys stay its own (see `slapo.runtime.built_model`).
+
+Expert-parallel parameters (`op.moe.ExpertParallelExperts`, ep borrowing the dp ranks) are not
+replicas: each ep rank holds other experts, so DDP skips them. Their gradient already sums the
+losses of the whole ep group (the all-to-all's backward brings every row's gradient to its
+expert), so a hook all-reduces it over "dp_rest" (the ranks holding the same experts) and
+divides it by dp: the data-parallel mean DDP gives every other parameter, and the gradient one
+process computes on the global batch. Only DDP does this (FSDP2, no data parallelism, DeepSpeed
+and gradient clipping with expert-parallel parameters are refused by `check_experts`).
 """
 
 from __future__ import annotations
 
+import weakref
+
+import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 from .. import sharding
@@ -101,12 +113,68 @@ def _parameters(model: nn.Module) -> dict[tuple[nn.Module, str], nn.Parameter]:
             if p is not None}
 
 
+def _expert_params(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    from ..op.moe import expert_shard
+
+    return [(n, p) for n, p in model.named_parameters()
+            if (s := expert_shard(p)) is not None and s.ep > 1]
+
+
+def check_experts(model: nn.Module, kind: str | None, grad_clip: float | None,
+                  target: str | None) -> None:
+    """Expert-parallel parameters train under DDP only (module docstring); checked before
+    `build` changes anything."""
+    experts = _expert_params(model)
+    if not experts:
+        return
+    name = experts[0][0]
+    if target is not None or kind != "ddp":
+        how = f"target={target!r}" if target is not None else f"data_parallel={kind!r}"
+        raise SchedulingError(name, f"expert-parallel parameters with {how}: expert "
+                              "parallelism borrows the data-parallel ranks and averages its "
+                              "experts' gradients beside DDP; the other combinations are not "
+                              "supported yet.", "build with data_parallel='ddp'.")
+    if grad_clip is not None:
+        raise SchedulingError(name, "grad_clip with expert-parallel parameters is not "
+                              "supported yet (the global norm would count each rank's experts "
+                              "as replicas).", "pass grad_clip=None.")
+
+
+# the gradient hook of each expert parameter (a second `build` replaces it, never adds one)
+_EXPERT_HOOKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _average_expert_grads(params: list[nn.Parameter], info: MeshInfo) -> None:
+    group, dp = info.group("dp_rest"), info.dp
+    reduce = info.dp // info.ep > 1
+
+    def mean(grad: torch.Tensor) -> torch.Tensor:
+        grad = grad / dp
+        if reduce:
+            dist.all_reduce(grad, group=group)
+        return grad
+
+    for p in params:
+        old = _EXPERT_HOOKS.pop(p, None)
+        if old is not None:
+            old.remove()
+        _EXPERT_HOOKS[p] = p.register_hook(mean)
+
+
 def apply_ddp(model: nn.Module, info: MeshInfo) -> nn.Module:
-    """Wrap in DistributedDataParallel over the dp group (gradients averaged in buckets)."""
+    """Wrap in DistributedDataParallel over the dp group (gradients averaged in buckets);
+    expert-parallel parameters are left out and averaged by their own hook (module
+    docstring)."""
     from torch.nn.parallel import DistributedDataParallel
 
     if not any(p.requires_grad for p in model.parameters()):
         return model  # nothing to synchronise; DDP refuses such modules
+    experts = _expert_params(model)
+    if experts:
+        ignored = list(getattr(model, "_ddp_params_and_buffers_to_ignore", ()))
+        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
+            model, ignored + [n for n, _ in experts])
+        _average_expert_grads([p for _, p in experts], info)
     device_ids = None
     if info.device_type == "cuda":
         device_ids = [next(model.parameters()).device.index]

@@ -20,9 +20,16 @@ the job; `ep` (experts) borrows ranks from the others and adds none.
   mesh's one "dp" dimension, and whether its ranks replicate or shard is the placement's
   `data_parallel` ("ddp" or "fsdp"). A mesh alone does not say which: `ParallelDims.of(mesh)`
   reports its "dp" ranks as `dp_replicate`.
-- `cp`: context (sequence) parallelism; `ep`: expert parallelism (MoE). Both are fields and are
-  validated here, but > 1 is refused until the context-parallelism and expert-parallelism
-  issues land: they then fill in their dimension, not a new path.
+- `cp`: context (sequence) parallelism: a field, validated here, > 1 refused until the
+  context-parallelism issue lands (it then fills in its dimension, not a new path).
+- `ep`: expert parallelism (MoE): each of `ep` ranks holds `E / ep` of every MoE layer's
+  experts and tokens travel to their experts by all-to-all. It **borrows the data-parallel
+  ranks** (torchtitan borrows dp_shard x cp): `ep` divides `dp`, so `dp_rest x ep x pp x tp`
+  is the world with `dp = dp_rest * ep`; ep ranks see different tokens, which is what lets
+  the all-to-all carry real work (ranks holding the same tokens, as tp ranks do, would
+  only duplicate it). An ep group is `ep` consecutive dp ranks (nearest links after tp's);
+  `dp_rest` groups the ranks that hold the same experts. Not yet with FSDP2 (dp_shard > 1) or
+  pipelines (pp > 1): refused here.
 - `tp`, `pp`: tensor and pipeline parallelism.
 
 **Mesh layout.** Dimensions `("dp", "pp", "tp")`, outermost first (Megatron's and torchtitan's
@@ -30,7 +37,10 @@ convention: "tp" innermost, so its consecutive ranks share a node and its fast l
 parallelism outermost, since it tolerates the slowest links). A rank's coordinate is
 `(rank // (pp*tp), rank // tp % pp, rank % tp)`. With cp > 1 a "cp" dimension will sit between
 "pp" and "tp" (`ParallelDims.mesh_dims`); `mesh["dp"]`, `mesh["pp"]` and `mesh["tp"]` always
-exist.
+exist. With ep > 1 the mesh keeps these dimensions and `init_mesh` also unflattens "dp" into
+("dp_rest", "ep") (torch's `DeviceMesh._unflatten`, the same ranks), kept with the mesh and read
+by `MeshInfo.of` (`ep`, `ep_rank`, `group("ep")`, `group("dp_rest")`): a mesh without ep is
+unchanged.
 
 **The device** is decided in one function, `local_device` ("auto": the backend of an existing
 process group, NCCL meaning CUDA, else CUDA when there is a GPU; "cuda" is this rank's current
@@ -59,8 +69,8 @@ _TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 DEVICES = ("auto", "cpu", "cuda")
 DEGREES = ("dp_replicate", "dp_shard", "cp", "tp", "pp", "ep")
 # Degrees that are fields but not yet implemented: > 1 is refused, naming what will bring them.
-_NOT_YET = {"cp": "context parallelism (cp > 1) arrives with the context-parallelism issue",
-            "ep": "expert parallelism (ep > 1) arrives with the expert-parallelism (MoE) issue"}
+_NOT_YET = {"cp": "context parallelism (cp > 1) arrives with the context-parallelism issue"}
+_EP_MESH = "_slapo_ep_mesh"  # the ("dp_rest", "ep", "pp", "tp") view `init_mesh` keeps on a mesh
 
 # torch.distributed.pipelining's schedules, by the names `slapo.build(pipeline=...)` and
 # `slapo train --pp-schedule` take. The multi-stage ones run 2 stages per rank by default
@@ -155,6 +165,7 @@ class ParallelDims:
             if getattr(self, name) > 1:
                 raise SchedulingError("", f"{name}={getattr(self, name)}: {why}; it is not "
                                       "supported yet.", f"use {name}=1.")
+        self._check_ep()
         if self.dp_replicate > 1 and self.dp_shard > 1:
             raise SchedulingError("", f"dp_replicate={self.dp_replicate} x dp_shard="
                                   f"{self.dp_shard}: hybrid sharded data parallelism (HSDP) is "
@@ -162,11 +173,29 @@ class ParallelDims:
                                   "all data-parallel ranks.")
         check_device(self.device)
 
+    def _check_ep(self) -> None:
+        """ep borrows data-parallel ranks (module docstring): it must divide dp, and the
+        combinations not built yet are refused by name."""
+        if self.ep == 1:
+            return
+        if self.dp % self.ep:
+            raise SchedulingError("", f"ep={self.ep} expert-parallel ranks are borrowed from the "
+                                  f"data-parallel ranks, and ep does not divide dp={self.dp}.",
+                                  f"launch dp x pp x tp ranks with dp a multiple of {self.ep} "
+                                  "(e.g. `torchrun --nproc-per-node "
+                                  f"{self.ep * self.pp * self.tp * self.cp}`), or change ep.")
+        for name, what in (("dp_shard", "FSDP2 (dp_shard > 1)"), ("pp", "pipelines (pp > 1)")):
+            if getattr(self, name) > 1:
+                raise SchedulingError("", f"ep={self.ep} with {what} is not supported yet.",
+                                      f"use {name}=1 with ep > 1 (expert parallelism runs "
+                                      "with DDP over the data-parallel ranks).")
+
     @classmethod
     def for_world(cls, world: int, *, tp: int = 1, pp: int = 1, dp_shard: bool = False,
-                  device: str = "auto") -> ParallelDims:
+                  ep: int = 1, device: str = "auto") -> ParallelDims:
         """The placement of a job of `world` ranks: `tp` x `pp` as asked, the rest data
-        parallel (sharded, FSDP2, with `dp_shard`; else replicated, DDP)."""
+        parallel (sharded, FSDP2, with `dp_shard`; else replicated, DDP), of which `ep`
+        consecutive ranks form each expert-parallel group."""
         cls(tp=tp, pp=pp)  # checks tp and pp
         if world % (tp * pp):
             raise SchedulingError(
@@ -175,7 +204,7 @@ class ParallelDims:
                 f"processes (`torchrun --nproc-per-node {tp * pp} ...`), or change tp / pp.")
         dp = world // (tp * pp)
         return cls(dp_replicate=1 if dp_shard else dp, dp_shard=dp if dp_shard else 1,
-                   tp=tp, pp=pp, device=device)
+                   tp=tp, pp=pp, ep=ep, device=device)
 
     @classmethod
     def of(cls, mesh: DeviceMesh | None) -> ParallelDims:
@@ -218,8 +247,14 @@ class ParallelDims:
         """This rank's torch device (`local_device(self.device)`)."""
         return local_device(self.device)
 
+    @property
+    def dp_rest(self) -> int:
+        """Data-parallel ranks holding the same experts (`dp / ep`; `dp` without ep)."""
+        return self.dp // self.ep
+
     def __str__(self) -> str:
-        return f"dp={self.dp} x pp={self.pp} x tp={self.tp}"
+        ep = f" (ep={self.ep} of dp)" if self.ep > 1 else ""
+        return f"dp={self.dp}{ep} x pp={self.pp} x tp={self.tp}"
 
 
 def _device_and_backend(device: str = "auto") -> tuple[str, str]:
@@ -287,7 +322,11 @@ def init_mesh(dp: int | None = 1, pp: int = 1, tp: int = 1, *,
     world = dist.get_world_size()
     if world != want:
         raise _size_error(world, dims)
-    return init_device_mesh(kind, dims.shape, mesh_dim_names=dims.mesh_dims)
+    mesh = init_device_mesh(kind, dims.shape, mesh_dim_names=dims.mesh_dims)
+    if dims.ep > 1:  # the same ranks, "dp" seen as ("dp_rest", "ep"): kept with the mesh
+        setattr(mesh, _EP_MESH, mesh._unflatten("dp", (dims.dp_rest, dims.ep),
+                                                ("dp_rest", "ep")))
+    return mesh
 
 
 def _size_error(world: int, dims: ParallelDims) -> SchedulingError:
@@ -314,6 +353,8 @@ class MeshInfo:
     pp_rank: int = 0
     tp_rank: int = 0
     tp_group: object = None
+    ep: int = 1  # expert-parallel ranks (a division of "dp"; see the module docstring)
+    ep_rank: int = 0
 
     @staticmethod
     def of(mesh: DeviceMesh | None, tp_group=None) -> MeshInfo:
@@ -329,20 +370,30 @@ class MeshInfo:
                                   "create it with slapo.init_mesh(dp=..., pp=..., tp=...).")
         size = {d: mesh.size(names.index(d)) for d in MESH_DIMS}
         coord = {d: mesh.get_local_rank(d) for d in MESH_DIMS}
+        ep_mesh = getattr(mesh, _EP_MESH, None)
+        ep = (ep_mesh["ep"].size(), ep_mesh.get_local_rank("ep")) if ep_mesh else (1, 0)
         return MeshInfo(mesh, size["dp"], size["pp"], size["tp"],
-                        coord["dp"], coord["pp"], coord["tp"], mesh.get_group("tp"))
+                        coord["dp"], coord["pp"], coord["tp"], mesh.get_group("tp"), *ep)
 
     def group(self, dim: str):
-        """The process group of `dim` (None for a dimension of one rank without a mesh)."""
+        """The process group of `dim` (None for a dimension of one rank without a mesh);
+        "ep" and "dp_rest" exist on a mesh `init_mesh` made with ep > 1."""
         if self.mesh is None:
             return self.tp_group if dim == "tp" else None
+        if dim in ("ep", "dp_rest"):
+            ep_mesh = getattr(self.mesh, _EP_MESH, None)
+            if ep_mesh is None:
+                raise SchedulingError("", f"the mesh has no {dim!r} dimension (ep=1).",
+                                      "create it with slapo.init_mesh(dims=ParallelDims("
+                                      "..., ep=N)).")
+            return ep_mesh.get_group(dim)
         return self.mesh.get_group(dim)
 
     @property
     def dims(self) -> ParallelDims:
         """The mesh's degrees; its "dp" ranks count as `dp_replicate` (a mesh does not say
         whether they replicate or shard: `build(data_parallel=)` does)."""
-        return ParallelDims(dp_replicate=self.dp, pp=self.pp, tp=self.tp,
+        return ParallelDims(dp_replicate=self.dp, pp=self.pp, tp=self.tp, ep=self.ep,
                             device=self.device_type)
 
     def submesh(self, dim: str) -> DeviceMesh | None:

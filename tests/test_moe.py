@@ -1,0 +1,297 @@
+"""Expert parallelism (issue 33): ep=2 on real gloo ranks equals one process for Mixtral and
+Qwen3-MoE (loss, auxiliary loss, every gradient, parameters after two AdamW steps), with
+uneven tokens per expert and an expert that receives none; a token sent to the wrong rank is
+caught; bad placements and models are refused before anything changes.
+
+The reference is HF's model in one process, each rank's half of the global batch run as one
+micro-batch and the gradients averaged (what DDP computes): the auxiliary load-balancing loss
+is HF's per-micro-batch statistic (docs/model_schedule.md), so each rank's aux loss equals the
+one-process aux loss of its half.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from slapo.errors import SchedulingError
+from slapo.runtime.mesh import ParallelDims
+
+LR = 1e-2
+REL = 1e-5
+FAMILIES = ("mixtral", "qwen3_moe")
+
+
+# ---- bad placements (one process) ------------------------------------------------------------
+@pytest.mark.parametrize("kw, match", [
+    ({"ep": 2}, "ep does not divide dp=1"),
+    ({"dp_replicate": 3, "ep": 2}, "ep does not divide dp=3"),
+    ({"dp_shard": 2, "ep": 2}, "FSDP2"),
+    ({"dp_replicate": 2, "pp": 2, "ep": 2}, "pipelines"),
+    ({"ep": 0}, "must be a positive int"),
+])
+def test_bad_ep_placements_are_refused(kw, match):
+    with pytest.raises(SchedulingError, match=match):
+        ParallelDims(**kw)
+
+
+def test_ep_borrows_data_parallel_ranks():
+    dims = ParallelDims.for_world(8, tp=2, ep=2)
+    assert (dims.dp, dims.ep, dims.dp_rest, dims.world) == (4, 2, 2, 8)
+    assert dims.mesh_dims == ("dp", "pp", "tp") and str(dims) == "dp=4 (ep=2 of dp) x pp=1 x tp=2"
+    with pytest.raises(SchedulingError, match="ep does not divide dp=3"):
+        ParallelDims.for_world(6, tp=2, ep=2)
+    with pytest.raises(SchedulingError, match="2 ranks"):  # the job has one process
+        from slapo.runtime.mesh import init_mesh
+
+        init_mesh(dims=ParallelDims(dp_replicate=2, ep=2, device="cpu"))
+
+
+# ---- ep=2 against one process ----------------------------------------------------------------
+def _model(family: str, experts: int = 4, dp: int = 2):
+    """The tiny model, its layer-0 router rigged so expert 3 receives no token of the first
+    batch: its row becomes -c * v, with v a direction every router input of that batch has a
+    positive component along (found by a perceptron) and c so large that expert 3's logit is
+    the lowest for each of those tokens (the test asserts it happened)."""
+    import models
+
+    model = getattr(models, family)(seed=0, experts=experts)
+    if experts != 4:
+        return model
+    gate = model.model.layers[0].mlp.gate
+    seen = []
+    hook = gate.register_forward_pre_hook(lambda m, a: seen.append(a[0].detach()))
+    with torch.no_grad():
+        model(input_ids=_batches(dp)[0]["input_ids"])
+    hook.remove()
+    x = seen[0].reshape(-1, seen[0].shape[-1])
+    v = x.mean(0)
+    for _ in range(1000):
+        wrong = x @ v <= 0
+        if not wrong.any():
+            break
+        v = v + x[wrong].sum(0)
+    v = v / v.norm()
+    with torch.no_grad():
+        largest = (x @ gate.weight.T).abs().max()
+        gate.weight[3] = -(2 * largest / (x @ v).min() + 1) * v
+    return model
+
+
+def _batches(dp: int = 2) -> list[dict]:
+    """Two global batches, one sequence of 16 tokens per data-parallel rank."""
+    import models
+
+    return [{"input_ids": x, "labels": x} for x in (models.ids(dp, 16, seed=1),
+                                                    models.ids(dp, 16, seed=2))]
+
+
+def _reference(ref, batches):
+    """One process: per step, each half as a micro-batch (grads averaged), AdamW. Returns the
+    step losses, each half's aux loss per step, the first step's gradients and the routing
+    counts per layer of the first forward pass over the whole batch."""
+    counts = []
+    hooks = [layer.mlp.gate.register_forward_hook(
+        lambda m, a, o: counts.append(torch.bincount(o[2].reshape(-1), minlength=4)))
+        for layer in ref.model.layers]
+    opt = torch.optim.AdamW(ref.parameters(), lr=LR)
+    losses, auxes, grads = [], [], None
+    for batch in batches:
+        opt.zero_grad()
+        total, aux = 0.0, []
+        dp = batch["input_ids"].shape[0]
+        for r in range(dp):
+            out = ref(**{k: v[r:r + 1] for k, v in batch.items()})
+            (out.loss / dp).backward()
+            total += out.loss.item() / dp
+            aux.append(out.aux_loss.item())
+        if grads is None:
+            grads = {n: p.grad.clone() for n, p in ref.named_parameters()}
+        opt.step()
+        losses.append(total)
+        auxes.append(aux)
+    for h in hooks:
+        h.remove()
+    n = len(ref.model.layers)  # the first step's micro-batches, summed per layer
+    per_layer = [sum(counts[i + n * r] for r in range(batches[0]["input_ids"].shape[0]))
+                 for i in range(n)]
+    return losses, auxes, grads, per_layer
+
+
+def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
+    scale = want.abs().max().item()
+    return (got - want).abs().max().item() / (scale if scale > 0 else 1.0)
+
+
+def _local(value: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """This rank's rows of a reference tensor (the experts it holds), else the tensor."""
+    from slapo.op.moe import expert_shard
+
+    s = expert_shard(p)
+    return value if s is None else value[s.first:s.first + s.count]
+
+
+def _ep_run(family: str, mesh, batches, dp: int = 2):
+    """The scheduled model: apply on the ep mesh, build with DDP, two train steps."""
+    import slapo
+
+    model = _model(family, dp=dp)
+    ref = copy.deepcopy(model)
+    sch = slapo.create_schedule(model, mesh=mesh)
+    slapo.model_schedule.apply(sch)
+    auxes = []
+    model.register_forward_hook(lambda m, a, o: auxes.append(o.aux_loss.item()))
+    tm, _ = slapo.build(sch, optimizer=torch.optim.AdamW, optimizer_kwargs={"lr": LR},
+                        data_parallel="ddp")
+    losses, grads = [], None
+    for batch in batches:
+        losses.append(tm.train_step(batch))
+        if grads is None:
+            grads = {n: p.grad.clone() for n, p in tm.named_parameters()}
+    return ref, tm, losses, auxes, grads
+
+
+def _off_by_one(honest):
+    """The mutation: one row destined for one rank's experts is sent to the other (the split
+    computation moved by one)."""
+    def splits(tokens_per_expert, ep):
+        out = honest(tokens_per_expert, ep).clone()
+        src = 0 if out[0] > 0 else 1
+        out[src] -= 1
+        out[1 - src] += 1
+        return out
+    return splits
+
+
+def job_ep2_equals_one_process(families=FAMILIES, misroute=False, dp=2):
+    """Each family: every compared quantity's relative difference, and the facts the
+    comparison relies on (an idle expert, uneven counts, this rank's experts). `misroute`:
+    with `_off_by_one` patched into the split computation; `dp`: data-parallel ranks (ep=2
+    of them, so dp=4 has two ranks holding each expert)."""
+    import torch.distributed as dist
+
+    import slapo.op.moe as moe
+    from slapo.runtime.mesh import init_mesh
+
+    rank = dist.get_rank()
+    mesh = init_mesh(dims=ParallelDims(dp_replicate=dp, ep=2, device="cpu"))
+    batches = _batches(dp)
+    honest, out = moe.send_splits, {}
+    if misroute:
+        moe.send_splits = _off_by_one(honest)
+    try:
+        for family in families:
+            ref, tm, losses, auxes, grads = _ep_run(family, mesh, batches, dp)
+            ref_losses, ref_auxes, ref_grads, counts = _reference(ref, batches)
+            experts = tm.model.layers[0].mlp.experts
+            assert isinstance(experts, moe.ExpertParallelExperts)
+            shard = moe.expert_shard(experts.gate_up_proj)
+            params, ref_params = dict(tm.named_parameters()), dict(ref.named_parameters())
+            assert params.keys() == ref_params.keys()
+            out[family] = {
+                "held": (shard.first, shard.count, tuple(experts.gate_up_proj.shape)),
+                "counts": [c.tolist() for c in counts],
+                "loss": max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)),
+                "aux": max(abs(auxes[s] - ref_auxes[s][rank]) / abs(ref_auxes[s][rank])
+                           for s in range(2)),
+                "grad": {n: _rel(g, _local(ref_grads[n], params[n])) for n, g in grads.items()},
+                "param": {n: _rel(p.detach(), _local(ref_params[n].detach(), p))
+                          for n, p in params.items()},
+            }
+    finally:
+        moe.send_splits = honest
+    return out
+
+
+def _mismatches(results: list[dict], family: str, param_rel: float = REL) -> dict:
+    """Every quantity of `family` (on any rank) further than REL from one process (the
+    parameters after the AdamW steps: `param_rel`)."""
+    bad = {}
+    for rank, r in enumerate(results):
+        res = r[family]
+        bad.update({(rank, kind): res[kind] for kind in ("loss", "aux") if res[kind] > REL})
+        bad.update({(rank, kind, n): v for kind in ("grad", "param")
+                    for n, v in res[kind].items() if v > (REL if kind == "grad" else param_rel)})
+    return bad
+
+
+def job_bad_models_are_refused():
+    """On an ep=2 mesh: experts ep does not divide, a model without an MoE plan, ep with
+    tp > 1 asked, and builds ep cannot run yet: each a SchedulingError, the model unchanged."""
+    import models
+
+    import slapo
+    from slapo.runtime.mesh import init_mesh
+
+    mesh = init_mesh(dims=ParallelDims(dp_replicate=2, ep=2, device="cpu"))
+    refused = {}
+    cases = {"experts": (lambda: _model("qwen3_moe", experts=3), {}),
+             "no_plan": (lambda: models.llama(seed=0), {}),
+             "pp": (lambda: _model("mixtral"), {"pp_stages": 2})}
+    for name, (make, kw) in cases.items():
+        model = make()
+        before = {n: (type(m), ) for n, m in model.named_modules()}
+        state = {k: v.clone() for k, v in model.state_dict().items()}
+        with pytest.raises(SchedulingError) as err:
+            slapo.model_schedule.apply(slapo.create_schedule(model, mesh=mesh), **kw)
+        assert {n: (type(m), ) for n, m in model.named_modules()} == before
+        assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
+        refused[name] = str(err.value)
+    for name, kw in {"fsdp": {"data_parallel": "fsdp"}, "none": {},
+                     "clip": {"data_parallel": "ddp", "grad_clip": 1.0}}.items():
+        sch = slapo.create_schedule(_model("mixtral"), mesh=mesh)
+        slapo.model_schedule.apply(sch)
+        with pytest.raises(SchedulingError) as err:
+            slapo.build(sch, optimizer=torch.optim.AdamW, **kw)
+        refused[name] = str(err.value)
+    return refused
+
+
+@pytest.mark.dist
+def test_ep2_equals_one_process(dist2):
+    results = dist2.run(job_ep2_equals_one_process)
+    for family in FAMILIES:
+        held = {r[family]["held"] for r in results}
+        assert held == {(0, 2, (2, 64, 64)), (2, 2, (2, 64, 64))}, held  # E/ep each
+        counts = results[0][family]["counts"]
+        assert counts[0][3] == 0, counts  # an expert received no token
+        assert any(len(set(c)) > 1 for c in counts), counts  # uneven loads
+        assert not _mismatches(results, family), (family, _mismatches(results, family))
+        assert all(len(r[family]["grad"]) == len(r[family]["param"]) > 10 for r in results)
+
+
+@pytest.mark.dist
+def test_ep2_of_dp4_equals_one_process(dist4):
+    """dp=4, ep=2: two ranks hold each expert, their gradients all-reduced over "dp_rest".
+
+    An expert's gradient is then `(a + b) / 4 + (c + d) / 4` (two ep groups) where one
+    process accumulates `((a/4 + b/4) + c/4) + d/4`: equal to roundoff (the gradients within
+    REL), which AdamW's first steps amplify where a gradient element is near zero (its update
+    is about lr * sign), so the parameters are compared at 1e-4, as test_data_parallel's DDP
+    (whose all-reduce reorders the same sums) is."""
+    results = dist4.run(job_ep2_equals_one_process, families=("mixtral",), dp=4)
+    assert [r["mixtral"]["held"][0] for r in results] == [0, 2, 0, 2]  # consecutive ep groups
+    assert results[0]["mixtral"]["counts"][0][3] == 0, results[0]["mixtral"]["counts"]
+    bad = _mismatches(results, "mixtral", param_rel=1e-4)
+    assert not bad, bad
+
+
+@pytest.mark.dist
+def test_a_token_routed_to_the_wrong_rank_fails(dist2):
+    """The comparison above catches one (token, expert) row sent to the wrong rank."""
+    results = dist2.run(job_ep2_equals_one_process, families=("mixtral",), misroute=True)
+    bad = _mismatches(results, "mixtral")
+    assert any(k[1] == "grad" and "experts" in k[2] for k in bad if len(k) == 3), bad
+
+
+@pytest.mark.dist
+def test_bad_models_and_builds_are_refused(dist2):
+    refused = dist2.run(job_bad_models_are_refused)[0]
+    assert "ep=2 does not divide the 3 experts" in refused["experts"]
+    assert "no mixture-of-experts plan" in refused["no_plan"]
+    assert "pp_stages" in refused["pp"]  # the stage check or the ep one, both before changes
+    assert "data_parallel='fsdp'" in refused["fsdp"]
+    assert "data_parallel=None" in refused["none"]
+    assert "grad_clip" in refused["clip"]
