@@ -49,6 +49,29 @@ def test_ep_borrows_data_parallel_ranks():
         init_mesh(dims=ParallelDims(dp_replicate=2, ep=2, device="cpu"))
 
 
+def test_families_find_their_experts_and_skip_dense_layers():
+    """Qwen3-MoE's `mlp_only_layers` keep a dense MLP: the plan finds only the sparse
+    layers' experts (what ep swaps)."""
+    import models
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    import slapo
+    from slapo.model_schedule import _registry
+
+    dense0 = models._build(Qwen3MoeConfig, Qwen3MoeForCausalLM, 0, hidden_size=64,
+                           num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                           head_dim=16, intermediate_size=64, moe_intermediate_size=32,
+                           vocab_size=128, num_experts=4, num_experts_per_tok=2,
+                           mlp_only_layers=[0])
+    for model, name, found in ((dense0, "qwen3_moe", ["model.layers.1.mlp.experts"]),
+                               (models.mixtral(), "mixtral", [f"model.layers.{i}.mlp.experts"
+                                                              for i in range(2)])):
+        family = _registry.detect(model)
+        layers = _registry.layers_of(slapo.create_schedule(model), family)
+        assert family.name == name
+        assert [n.path for n in family.moe.modules(layers)] == found
+
+
 # ---- ep=2 against one process ----------------------------------------------------------------
 def _model(family: str, experts: int = 4, dp: int = 2):
     """The tiny model, its layer-0 router rigged so expert 3 receives no token of the first
