@@ -7,11 +7,12 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 export HF_HUB_OFFLINE=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 .venv/bin/ruff check slapo tests benchmarks examples
-# Two workers (pytest-xdist, work stealing): many tests wait on process start-up, gloo and
-# torchrun, so two workers on the CI's two cores cut the wall time; SLAPO_TEST_WORKERS=0 runs
+# Two workers (pytest-xdist): many tests wait on process start-up and gloo, so two workers on
+# the CI's two cores cut the wall time; the tests that launch torchrun form one group, run by
+# one worker one at a time (`--dist loadgroup`, tests/conftest.py). SLAPO_TEST_WORKERS=0 runs
 # serially (e.g. to debug one test).
 workers=${SLAPO_TEST_WORKERS:-2}
 xdist=()
-if [ "$workers" != "0" ]; then xdist=(-n "$workers" --dist worksteal); fi
+if [ "$workers" != "0" ]; then xdist=(-n "$workers" --dist loadgroup); fi
 # --durations: CI prints its slowest tests, so a run over the budget says where the time went.
 exec .venv/bin/python -m pytest -q -p no:cacheprovider --timeout=900 --durations=40 "${xdist[@]}" "$@"

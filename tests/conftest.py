@@ -81,5 +81,14 @@ def pytest_sessionfinish(session, exitstatus):
 def pytest_collection_modifyitems(config, items):
     """The tests marked `slow` (each ~30-100 s on the CI's two cores) first, the rest in file
     order: with two xdist workers, a 100 s test collected near the end ran alone at the end of
-    the suite; started first, it overlaps the many short ones (the CI's 15-minute budget)."""
+    the suite; started first, it overlaps the many short ones.
+
+    The tests marked `torchrun` share one xdist group (`--dist loadgroup`, scripts/test.sh), so
+    one worker runs them one after another while the other takes the rest: two launches at
+    once (4-9 fresh processes each on 2 cores) slowed each other several-fold, stretched the
+    suite and pushed the fault tests' exit bounds and the c10d rendezvous towards their
+    limits."""
+    for item in items:
+        if item.get_closest_marker("torchrun") is not None:
+            item.add_marker(pytest.mark.xdist_group("torchrun"))
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)

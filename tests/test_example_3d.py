@@ -14,6 +14,7 @@ pytestmark = pytest.mark.dist
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.torchrun
 @pytest.mark.slow
 def test_train_3d_matches_one_process_pytorch():
     env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")

@@ -114,6 +114,7 @@ def _check(out: str, want: list[float], what: str) -> None:
     torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=0, atol=1.5e-4)
 
 
+@pytest.mark.torchrun
 @pytest.mark.skipif(not HAS_DS, reason="needs deepspeed (the 'deepspeed' extra)")
 @pytest.mark.slow
 def test_opt_zero3_and_t5_tp2_scripts_train_like_plain_pytorch(one_thread):

@@ -581,6 +581,7 @@ def ddp_reference(dist2, tmp_path_factory) -> list[float]:
     return reference(dist2, tmp_path_factory.mktemp("ref") / "ddp", "--steps", str(STEPS))
 
 
+@pytest.mark.torchrun
 @pytest.mark.dist
 @pytest.mark.slow
 def test_sigkill_from_outside_mid_step(tmp_path, dist2, ddp_reference):
@@ -626,6 +627,7 @@ def _announced(launch: Launch, timeout: float = 300, what: str = "killing rank")
     return t
 
 
+@pytest.mark.torchrun
 @pytest.mark.dist
 @pytest.mark.slow
 def test_backward_fault_under_torchrun_stops_every_rank_with_the_named_error(tmp_path):
@@ -659,6 +661,7 @@ LOCKSTEP = {"fsdp2": (["--dp-shard"], "stage 1 backward on rank 1. With FSDP2"),
             "tp": (["--tp", "2"], "stage 0 backward on rank 1. With tensor parallelism")}
 
 
+@pytest.mark.torchrun
 @pytest.mark.dist
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", sorted(LOCKSTEP))

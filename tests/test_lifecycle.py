@@ -97,6 +97,7 @@ def _intact_and_quiet(out: Path) -> list[int]:
     return steps
 
 
+@pytest.mark.torchrun
 @pytest.mark.dist
 @pytest.mark.slow  # > 30 s: collected first (tests/conftest.py)
 def test_killing_the_launcher_stops_every_worker(tmp_path, dist2, straight):
@@ -157,6 +158,7 @@ def _one_line(text: str, start: str) -> str:
     return lines[0]
 
 
+@pytest.mark.torchrun
 @pytest.mark.dist
 @pytest.mark.slow  # > 30 s: collected first (tests/conftest.py)
 def test_ctrl_c_in_a_save_prints_one_line_and_resumes(tmp_path, dist2, straight):
@@ -170,6 +172,7 @@ def test_ctrl_c_in_a_save_prints_one_line_and_resumes(tmp_path, dist2, straight)
     _resumes_bit_identically(dist2, out, straight, 2)
 
 
+@pytest.mark.torchrun
 @pytest.mark.dist
 @pytest.mark.slow
 def test_sigterm_in_a_step_is_a_stop_not_a_failure(tmp_path, dist2, straight):

@@ -60,6 +60,7 @@ def job_train_losses(flags: list[str]) -> list[float]:
     return train(parse_train_args(flags))["losses"]
 
 
+@pytest.mark.torchrun
 @pytest.mark.dist
 def test_two_nodes_of_one_rank_train_like_one_node_of_two(dist2, tmp_path):
     codes, logs = _two_nodes("slapo-test", tmp_path / "multi", tmp_path / "multi")

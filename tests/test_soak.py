@@ -61,6 +61,7 @@ def newest_intact(out) -> int:
     return 0 if path is None else checkpoints.step_of(path)
 
 
+@pytest.mark.torchrun
 @pytest.mark.dist
 @pytest.mark.slow
 def test_soak_random_kills_lose_and_repeat_no_step(dist2, tmp_path):
