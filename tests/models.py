@@ -192,3 +192,19 @@ def qwen3_moe(seed: int = 0, layers: int = 2, experts: int = 4):
                   output_router_logits=True, router_aux_loss_coef=0.02,
                   experts_implementation="eager", bos_token_id=0, eos_token_id=0,
                   pad_token_id=0)
+
+
+def deepseek_v3(seed: int = 0, layers: int = 2, experts: int = 4):
+    """DeepSeek-V3: MLA attention, a dense first layer, then sigmoid-scored, group-limited
+    routing (2 groups of 2 experts, 1 group per token, top-2) with the score-correction bias
+    and a shared expert. HF's model has no auxiliary loss (bias-balanced routing)."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    return _build(DeepseekV3Config, DeepseekV3ForCausalLM, seed, hidden_size=64,
+                  num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=4,
+                  q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
+                  v_head_dim=16, intermediate_size=64, moe_intermediate_size=32,
+                  n_routed_experts=experts, n_shared_experts=1, num_experts_per_tok=2,
+                  n_group=2, topk_group=1, first_k_dense_replace=1, vocab_size=128,
+                  max_position_embeddings=64, experts_implementation="eager",
+                  bos_token_id=0, eos_token_id=0, pad_token_id=0)

@@ -37,7 +37,7 @@ file; `supported()` lists them. To add one, write `slapo/model_schedule/<family>
 
 from __future__ import annotations
 
-from . import albert, bert, gpt2, gpt_neo, llama, mixtral, opt, roberta, t5, wideresnet
+from . import albert, bert, gpt2, gpt_neo, llama, moe_families, opt, roberta, t5, wideresnet
 from ._registry import Family, apply, detect, register_family, supported
 from .compat import apply_schedule  # noqa: F401  (Slapo 2023 spelling, compat.py)
 from .knobs import KnobError, ScheduleKnobs
@@ -47,8 +47,8 @@ from .rnn import apply_rnn, rnn_paths
 # The built-in families, registered here in one visible list (a family file only declares its
 # `FAMILY`); users add theirs with `register_family`.
 BUILTIN_FAMILIES = (gpt2.FAMILY, gpt_neo.FAMILY, llama.FAMILY, bert.FAMILY, roberta.FAMILY,
-                    opt.FAMILY, t5.FAMILY, albert.FAMILY, wideresnet.FAMILY, mixtral.MIXTRAL,
-                    mixtral.QWEN3_MOE)
+                    opt.FAMILY, t5.FAMILY, albert.FAMILY, wideresnet.FAMILY,
+                    moe_families.MIXTRAL, moe_families.QWEN3_MOE, moe_families.DEEPSEEK_V3)
 for _family in BUILTIN_FAMILIES:
     register_family(_family)
 
