@@ -2,8 +2,9 @@
 
     sch = slapo.model_schedule.apply(model, tp=2, ckpt_ratio=0.5, attention="sdpa")
 
-`apply` detects the architecture from the model (`config.model_type`) and applies, in this
-order, each concern its knobs ask for:
+`apply` detects the architecture from the model (`config.model_type`; a decoder no family
+covers gets a family derived from the tensor-parallel plan its config declares, `hf_plan.py`)
+and applies, in this order, each concern its knobs ask for:
 
 1. `attention`: not given (the model's own), "eager" (HF's eager attention, forced), "sdpa" or
    "flash": swap the attention core of every HF attention module for Slapo's SDPA core

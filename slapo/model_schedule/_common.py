@@ -11,7 +11,7 @@ import math
 import torch.nn as nn
 
 from ..errors import SchedulingError
-from ..module_patch import module_meta, wrappers
+from ..module_patch import module_meta, original_class, wrappers
 from ..op.attention_core import AttentionCore
 from ..schedule import Schedule
 
@@ -42,7 +42,12 @@ def vocab_parallel(sch: Schedule, head_input_grad: bool = True) -> bool:
 
     Embedding lookups of ids owned by other ranks give zeros and are summed (all-reduce); the
     head's vocabulary-sharded logits are all-gathered for the loss. Returns False (and changes
-    nothing) when the vocabulary is not divisible by the tensor-parallel degree.
+    nothing) when the vocabulary is not divisible by the tensor-parallel degree, or when the
+    embedding's class overrides `nn.Embedding.forward` (Gemma 3's scaled embedding multiplies
+    the lookup by `embed_scale`): the vocabulary-parallel kernel replaces that forward, so the
+    model would silently lose what the override adds; or when the model's forward reads the
+    head's `out_features` (Apertus 1.5 passes it to its loss as the vocabulary size), which the
+    shard makes this rank's share.
     `head_input_grad=False` leaves the head's input-gradient reduction to the caller (sequence
     parallelism gathers the head's input with a reduce-scatter backward instead).
     """
@@ -50,6 +55,8 @@ def vocab_parallel(sch: Schedule, head_input_grad: bool = True) -> bool:
     get_in = getattr(model, "get_input_embeddings", None)
     emb = get_in() if callable(get_in) else None
     if emb is None or not isinstance(emb, nn.Embedding) or emb.num_embeddings % ws:
+        return False
+    if original_class(emb).forward is not nn.Embedding.forward or _reads_head_width(model):
         return False
     get_out = getattr(model, "get_output_embeddings", None)
     head = get_out() if callable(get_out) else None
@@ -72,6 +79,15 @@ def vocab_parallel(sch: Schedule, head_input_grad: bool = True) -> bool:
             head_node.sync(mode="bwd_post", sync_op_or_fn="all_reduce")
         head_node.sync(mode="fwd_post", sync_op_or_fn="all_gather", axis=-1)
     return True
+
+
+def _reads_head_width(model: nn.Module) -> bool:
+    import inspect
+
+    try:
+        return ".out_features" in inspect.getsource(original_class(model).forward)
+    except (OSError, TypeError):
+        return False
 
 
 def checkpoint_layers(layers: list[Schedule], ratio: float, policy=None) -> int:

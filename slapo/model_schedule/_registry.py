@@ -86,6 +86,8 @@ def supported() -> dict[str, tuple[str, ...]]:
 
 
 def detect(model: nn.Module) -> Family:
+    """A registered family covering `config.model_type` (or matching the modules), else one
+    derived from the tensor-parallel plan the config declares (`hf_plan.declared_family`)."""
     cfg = getattr(model, "config", None)
     model_type = getattr(cfg, "model_type", None)
     for fam in _FAMILIES.values():
@@ -94,9 +96,14 @@ def detect(model: nn.Module) -> Family:
     for fam in _FAMILIES.values():
         if model_type is None and fam.matches is not None and fam.matches(model):
             return fam
+    from .hf_plan import declared_family  # after the hand-written families: they override
+    if model_type is not None and (derived := declared_family(model)) is not None:
+        return derived
     listing = "; ".join(f"{n}: {', '.join(t)}" for n, t in supported().items())
     raise SchedulingError("", f"no ready schedule for {type(model).__name__} "
-                          f"(model_type={model_type!r}). Supported: {listing}.",
+                          f"(model_type={model_type!r}): no hand-written family covers it and "
+                          "its config declares no base_model_tp_plan whose layers Slapo finds. "
+                          f"Supported: {listing}.",
                           "write one with the primitives (see docs/model_schedule.md) and "
                           "register it with slapo.model_schedule.register_family(Family(...)).")
 

@@ -1,0 +1,285 @@
+"""A family for any Hugging Face decoder, derived from the tensor-parallel plan its config
+declares (`config.base_model_tp_plan`, e.g. {"layers.*.self_attn.q_proj": "colwise", ...}).
+
+Transformers declares how each architecture splits, and applies it with DTensor without
+checking that the result computes what the model did. Here the declaration is only the
+*input*: every HF style becomes Slapo plan rows (`plan.py`, `plan_edges.py`) applied with
+Slapo's primitives, or a refusal naming the style, the module and the way out. What is not
+provably the model's computation is refused, never approximated:
+
+| HF style                        | Slapo rows (per module)                                      |
+|---------------------------------|--------------------------------------------------------------|
+| `colwise`                       | `Column()` + `EnterRegion()` (Megatron f on the projection)  |
+| `packed_colwise`                | `Column(blocks=2)` + `EnterRegion()` (gate|up per block)     |
+| `colwise` on a parameter        | `ShardParam(name, axis=0)` on its module (per-head sinks)    |
+| `colwise_gather_output`         | `Column()` + `EnterRegion()` + `GatherOutput()`              |
+| `rowwise`                       | `Row()` (all-reduce after)                                   |
+| `rowwise_split_input`           | `ScatterInput()` + `Row()`                                   |
+| `replicated_with_grad_allreduce`| `ReduceParamGrads()` (per-head norms)                        |
+| `local_params`, `replicate`     | nothing (Slapo's shards are local tensors; replicated stays) |
+| `embedding_rowwise` (model)     | the `vocab_parallel` knob (the input embedding and LM head)  |
+| MoE, MLA, others                | refused (`REFUSED`)                                          |
+
+Why `EnterRegion` on each projection and not on the attention/MLP module as the hand plans
+do: a module's input may also flow around its projections (a gate, a residual inside the
+module), and all-reducing that part's gradient would multiply it by tp. A projection's input
+is replicated and its weight is split, so its input gradient is partial and the sum is exact,
+whatever else reads the input; it costs one all-reduce per projection instead of one per
+module.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch.nn as nn
+
+from ..errors import SchedulingError
+from ..schedule import Schedule
+from ._common import find_path
+from .plan import Column, EnterRegion, ReduceParamGrads, Row, ShardParam, Style, TPPlan
+from .plan_edges import GatherOutput, ScatterInput
+
+_MOE = "MoE experts are not translated here (expert parallelism: issue 33)"
+# HF style -> why it is refused (the reason names what the translation cannot prove)
+REFUSED = {
+    "moe_tp_experts": _MOE,
+    "packed_rowwise": _MOE,
+    "moe_identity_expert": _MOE,
+    "grouped_gemm": _MOE,
+    "ep_dispatch_experts": _MOE,
+    "all_reduce": "a module-output all-reduce outside a row projection (shared MoE experts) "
+                  "has no Slapo row that proves it",
+    "mla_kv_a_proj": "multi-head latent attention's kv_a projection mixes a shared rotary key "
+                     "with the compressed KV, which a feature split does not follow",
+    "embedding_colwise": "an embedding split over its features inside a layer is not "
+                         "translated",
+}
+_NOTHING = {"local_params": "Slapo's shards are local tensors already",
+            "replicate": "stays replicated"}
+_MODULE_STYLES = {"colwise", "packed_colwise", "colwise_gather_output", "rowwise",
+                  "rowwise_split_input", "replicated_with_grad_allreduce"}
+KNOWN = set(REFUSED) | set(_NOTHING) | _MODULE_STYLES | {"embedding_rowwise"}
+_LAYER_ROW = re.compile(r"^(?P<list>[^*]+)\.\*\.(?P<rel>[^*]+)$")
+FIX = ("use tp=1 (every other knob still applies), or register a hand-written Family with "
+       "its own TPPlan (docs/model_schedule.md).")
+
+
+@dataclass(frozen=True)
+class DeclaredPlan(TPPlan):
+    """A `TPPlan` derived from a declared HF plan. A row is skipped only in a layer that lacks
+    its top-level module (hybrid decoders: a layer has `self_attn` or `linear_attn`); any
+    other missing module is an error, so a projection is never split without its partner."""
+
+    model_type: str = ""
+
+    @staticmethod
+    def _node(layer: Schedule, path: str, style: Style) -> Schedule | None:
+        if path.split(".")[0] not in layer.mod._modules:
+            return None
+        return TPPlan._node(layer, path, style)
+
+
+@dataclass(frozen=True)
+class RefusedPlan:
+    """The plan of a model whose declared plan cannot be translated: every knob but tp > 1
+    applies; `validate` (run by `apply` before any change) raises the named reason."""
+
+    problem: str
+    fix: str = FIX
+
+    def validate(self, layers: list[Schedule], tp: int, sequence_parallel: bool = False) -> None:
+        path = layers[0].parent.path if layers and layers[0].parent is not None else ""
+        raise SchedulingError(path, f"{self.problem}.", self.fix)
+
+    def apply(self, layer: Schedule, tp: int, sequence_parallel: bool = False) -> None:
+        raise SchedulingError(layer.path, f"{self.problem}.", self.fix)
+
+
+def split_rows(declared: dict) -> tuple[dict[str, list[tuple[str, str]]], list[tuple[str, str]]]:
+    """({layer list: [(path in a layer, HF style)]}, [(model-level path, HF style)])."""
+    layers: dict[str, list[tuple[str, str]]] = {}
+    model_rows = []
+    for key, style in declared.items():
+        m = _LAYER_ROW.match(key)
+        if m:
+            layers.setdefault(m["list"], []).append((m["rel"], style))
+        else:
+            model_rows.append((key, style))
+    return layers, model_rows
+
+
+def refusal(model: nn.Module, declared: dict) -> str | None:
+    """Why the declared plan cannot be translated, or None. Checked from the plan and the
+    model's modules alone, before any change."""
+    model_type = model.config.model_type
+    for key, style in declared.items():
+        if style not in KNOWN:
+            return (f"the declared tensor-parallel plan of {model_type!r} gives {key!r} the "
+                    f"style {style!r}, which Slapo does not know")
+        if style in REFUSED:
+            return f"{model_type!r} declares {key!r}: {style!r}, refused: {REFUSED[style]}"
+    layers, model_rows = split_rows(declared)
+    for key, style in model_rows:
+        if style != "embedding_rowwise" or not _is_input_embedding(model, key):
+            return (f"{model_type!r} declares {key!r}: {style!r} outside the layers, which "
+                    "is not translated (only the input embedding's embedding_rowwise is: "
+                    "the vocab_parallel knob)")
+    for key in declared:
+        if "*" in key and not _LAYER_ROW.match(key):
+            return f"{model_type!r} declares {key!r}, a path with more than one wildcard"
+    if not layers:
+        return (f"{model_type!r} declares no layer rows ({sorted(declared)}): its declared plan "
+                "splits nothing inside the layers")
+    if len({frozenset(rows) for rows in layers.values()}) > 1:
+        return (f"{model_type!r} declares different rows for its layer lists "
+                f"{sorted(layers)}")
+    for rel, style in next(iter(layers.values())):
+        if style == "embedding_rowwise":
+            return (f"{model_type!r} declares {rel!r}: 'embedding_rowwise' inside a layer, "
+                    "which is not translated")
+    return None
+
+
+def _is_input_embedding(model: nn.Module, key: str) -> bool:
+    get = getattr(model, "get_input_embeddings", None)
+    emb = get() if callable(get) else None
+    path = find_path(model, key)
+    return emb is not None and path is not None and model.get_submodule(path) is emb
+
+
+def _rows_for(rel: str, style: str, target: nn.Module | None, param: str | None,
+              model_type: str) -> list[tuple[str, Style]]:
+    """The Slapo rows of one declared (module or parameter, style) pair."""
+    if style in _NOTHING:
+        return []
+    if param is not None:  # a parameter of the module at `rel`'s parent (attention sinks)
+        if style != "colwise":
+            raise _Refused(f"{model_type!r} declares the parameter {rel!r} {style!r}; only "
+                           "'colwise' parameters (per-head tensors) are translated")
+        return [(rel.rpartition(".")[0], ShardParam(param, axis=0))]
+    if style == "replicated_with_grad_allreduce":  # a norm without a scale: nothing to sum
+        return [(rel, ReduceParamGrads())] if any(True for _ in target.parameters()) else []
+    if not isinstance(target, nn.Linear):
+        raise _Refused(f"{model_type!r} declares {rel!r}: {style!r} on a "
+                       f"{type(target).__name__}; only nn.Linear projections are split")
+    if style in ("colwise", "packed_colwise"):
+        return [(rel, Column(blocks=2 if style == "packed_colwise" else 1)), (rel, EnterRegion())]
+    if style == "colwise_gather_output":
+        return [(rel, Column()), (rel, EnterRegion()), (rel, GatherOutput())]
+    if style == "rowwise":
+        return [(rel, Row())]
+    return [(rel, ScatterInput()), (rel, Row())]  # rowwise_split_input
+
+
+class _Refused(Exception):
+    pass
+
+
+def _find(layers: list[nn.Module], rel: str) -> tuple[nn.Module | None, str | None]:
+    """(module at `rel`, None) or (None, parameter name) in the first layer that has it."""
+    parent, _, name = rel.rpartition(".")
+    for layer in layers:
+        try:
+            return layer.get_submodule(rel), None
+        except AttributeError:
+            pass
+        try:
+            owner = layer.get_submodule(parent) if parent else layer
+        except AttributeError:
+            continue
+        if isinstance(owner._parameters.get(name), nn.Parameter):
+            return None, name
+    return None, None
+
+
+def layer_lists(model: nn.Module, declared: dict) -> tuple[str, ...]:
+    """Full paths of the ModuleLists holding the layers: the declared tp plan's `<list>.*`
+    prefixes, else the ModuleLists its pp plan names, else `layers` (a plan that only shards
+    the embedding: its family still has layers for the other knobs)."""
+    names = list(split_rows(declared)[0])
+    if not names:
+        names = list(getattr(model.config, "base_model_pp_plan", None) or {}) + ["layers"]
+    paths = [find_path(model, n) for n in names]
+    found = tuple(p for p in paths if p is not None and isinstance(_get(model, p), nn.ModuleList))
+    return found if split_rows(declared)[0] else found[:1]
+
+
+def _get(model: nn.Module, path: str) -> nn.Module | None:
+    try:
+        return model.get_submodule(path)
+    except AttributeError:
+        return None
+
+
+def derive_plan(model: nn.Module, lists: tuple[str, ...]) -> DeclaredPlan | RefusedPlan:
+    """The model's declared plan as a `DeclaredPlan`, or a `RefusedPlan` with the reason."""
+    declared = dict(model.config.base_model_tp_plan)
+    model_type = model.config.model_type
+    why = refusal(model, declared)
+    if why is not None:
+        return RefusedPlan(why)
+    layers = [layer for path in lists for layer in model.get_submodule(path)]
+    rows: list[tuple[str, Style]] = []
+    try:
+        for rel, style in next(iter(split_rows(declared)[0].values())):
+            target, param = _find(layers, rel)
+            if target is None and param is None:
+                raise _Refused(f"{model_type!r} declares {rel!r}: {style!r}, but no layer of "
+                               "this model has that module or parameter")
+            rows += _rows_for(rel, style, target, param, model_type)
+        _check_regions(layers, rows, model_type)
+    except _Refused as e:
+        return RefusedPlan(str(e))
+    return DeclaredPlan(tuple(rows), model_type=model_type)
+
+
+def _check_regions(layers: list[nn.Module], rows: list[tuple[str, Style]], model_type: str):
+    """Refuse a parameter no row covers inside a module whose column projections keep their
+    outputs split (no `GatherOutput`): it may compute on this rank's features only (Apertus's
+    xIELU `mlp.act_fn.alpha_p`), so its gradient would be partial, and the declared plan does
+    not say (`replicated_with_grad_allreduce`) that it is. Where every column output is
+    gathered, the module computes on whole tensors and its parameters are exact."""
+    gathered = {p for p, s in rows if isinstance(s, GatherOutput)}
+    split = {p.rpartition(".")[0] for p, s in rows if isinstance(s, Column) and p not in gathered}
+    covered = {p for p, _ in rows}
+    for layer in layers:
+        for region in sorted(split):
+            mod = _get(layer, region)
+            if mod is None:
+                continue
+            for name, _ in mod.named_parameters():
+                owner = _join(region, name.rpartition(".")[0])
+                if owner not in covered:
+                    raise _Refused(f"{model_type!r}: the parameter {_join(region, name)!r} sits "
+                                   f"in {region!r}, whose projections keep their outputs split, "
+                                   "and the declared plan gives it no style, so its gradient "
+                                   "could be one rank's share")
+
+
+def _join(*parts: str) -> str:
+    return ".".join(p for p in parts if p)
+
+
+def declared_family(model: nn.Module):
+    """A `Family` scheduling `model` from its config's `base_model_tp_plan`, or None when the
+    config declares none or its layers cannot be found. The tensor-parallel plan is derived
+    (or refused, with the reason raised at `tp > 1`); the layer-wise knobs (ckpt_ratio,
+    compile_blocks, attention, fused_loss, vocab_parallel, pp_stages) need only the layers."""
+    from ._registry import Family
+
+    cfg = getattr(model, "config", None)
+    declared = getattr(cfg, "base_model_tp_plan", None)
+    if not isinstance(declared, dict) or not declared:
+        return None
+    lists = layer_lists(model, declared)
+    if not lists:
+        return None
+    return Family(name=f"declared:{cfg.model_type}", model_types=(cfg.model_type,),
+                  layer_lists=lists, tp_plan=derive_plan(model, lists),
+                  notes="derived from config.base_model_tp_plan (model_schedule/hf_plan.py)")
+
+
+__all__ = ["DeclaredPlan", "KNOWN", "REFUSED", "RefusedPlan", "declared_family", "derive_plan",
+           "layer_lists"]

@@ -1,0 +1,115 @@
+"""Tiny configs of every text decoder the installed transformers declares a tensor-parallel plan
+for: the architectures `tests/test_hf_plans.py` sweeps.
+
+One builder for all of them: the config class's defaults, with the sizes that make a model big
+shrunk by their (standard or family-specific) field names, so a new architecture in a new
+transformers is swept without an entry here. What cannot be built is reported with the reason.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+SIZES = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+             vocab_size=128, intermediate_size=128, head_dim=16, max_position_embeddings=64,
+             bos_token_id=0, eos_token_id=0, pad_token_id=0)
+# family-specific size fields (by name), shrunk when the config has them: MLA's latent ranks and
+# rotary/no-rotary head dims, partial rotary, per-layer-input vocabularies, sliding windows
+PATTERNS = ((r"^qk_rope_head_dim$", 8), (r"^qk_nope_head_dim$", 8), (r"^v_head_dim$", 16),
+            (r"^kv_lora_rank$", 16), (r"^q_lora_rank$", 32), (r"^rotary_dim$", 8),
+            (r"vocab_size", 128), (r"^sliding_window$", 4), (r"^num_kv_shared_layers$", 0),
+            (r"intermediate_size", 128), (r"head_dim$", 16))
+SEQ = 8
+
+
+class CannotBuild(Exception):
+    """The tiny config or model could not be made (the reason is the message)."""
+
+
+def decoders() -> list[tuple[str, str]]:
+    """(model_type, *ForCausalLM class name) of every architecture whose config declares a
+    `base_model_tp_plan`, sorted."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    out = []
+    for model_type, cls_name in sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items()):
+        try:
+            cfg_cls = CONFIG_MAPPING[model_type]
+        except KeyError:
+            continue
+        if getattr(cfg_cls, "base_model_tp_plan", None) and cls_name.endswith("ForCausalLM"):
+            out.append((model_type, cls_name))
+    return out
+
+
+def _layer_types(default) -> list[str] | None:
+    """One layer of each kind the default config mixes (full attention last: some configs
+    insist), so a 2-layer model still has sliding and full, or linear and full, layers."""
+    types = getattr(default, "layer_types", None)
+    if not isinstance(types, (list, tuple)) or len(set(types)) < 2:
+        return None
+    kinds = list(dict.fromkeys(types))
+    if "full_attention" in kinds:
+        kinds.remove("full_attention")
+        kinds.append("full_attention")
+    return kinds
+
+
+def tiny_config(model_type: str):
+    """The model type's config with its defaults, at test size, dropout off."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    cls = CONFIG_MAPPING[model_type]
+    try:
+        default = cls()
+    except Exception as e:  # noqa: BLE001 - a config without usable defaults
+        raise CannotBuild(f"default config: {type(e).__name__}: {e}") from e
+    subs = sorted(getattr(cls, "sub_configs", None) or {})
+    if subs:
+        raise CannotBuild(f"composite config (sub-configs {subs}): not a text decoder")
+    kw = dict(SIZES)
+    for name, value in vars(default).items():
+        if name in kw or isinstance(value, bool):
+            continue
+        if isinstance(value, float) and re.search(r"dropout|pdrop", name):
+            kw[name] = 0.0
+        elif isinstance(value, int):
+            for pattern, small in PATTERNS:
+                if re.search(pattern, name):
+                    kw[name] = min(value, small) if small else 0
+                    break
+    kinds = _layer_types(default)
+    if kinds:
+        kw["layer_types"], kw["num_hidden_layers"] = kinds, len(kinds)
+    try:
+        return cls(**kw)
+    except Exception as e:  # noqa: BLE001
+        raise CannotBuild(f"tiny config: {type(e).__name__}: {str(e).splitlines()[0]}") from e
+
+
+def build(model_type: str, cls_name: str, seed: int = 0, meta: bool = False):
+    """The tiny *ForCausalLM in float64 (on the meta device with `meta=True`)."""
+    import torch
+    import transformers
+
+    cfg = tiny_config(model_type)
+    torch.manual_seed(seed)
+    try:
+        if meta:
+            with torch.device("meta"):
+                return getattr(transformers, cls_name)(cfg)
+        return getattr(transformers, cls_name)(cfg).double()
+    except Exception as e:  # noqa: BLE001
+        raise CannotBuild(f"model: {type(e).__name__}: {str(e).splitlines()[0]}") from e
+
+
+def batch(seed: int = 1):
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, 128, (2, SEQ), generator=g)
+    return {"input_ids": ids, "labels": ids, "use_cache": False}

@@ -1,0 +1,100 @@
+"""Bad input to the families derived from a model's declared plan (`model_schedule/hf_plan.py`):
+a style Slapo does not know, a head count tp does not divide, what the translation refuses
+(MoE experts, multi-head latent attention, a plan that splits nothing in the layers), a knob
+the derived family has no plan for, and a model with neither a declared plan nor a family.
+Each is a `SchedulingError` naming the reason and the fix, raised before any change
+(`test_bad_input_api._rejected` compares a full snapshot of the model and schedule).
+
+One process: the world of 2 is torch's fake process group (validation runs no collective).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch.nn as nn
+from hf_tiny import build
+from test_bad_input_api import _rejected, fake_world_of_two  # noqa: F401 - the fixture
+
+import slapo
+from slapo import model_schedule
+from slapo.model_schedule.hf_plan import DeclaredPlan, RefusedPlan
+
+
+def _sch(model):
+    return slapo.create_schedule(model)
+
+
+def _granite(**overrides):
+    model = build("granite", "GraniteForCausalLM")
+    for k, v in overrides.items():
+        setattr(model.config, k, v)
+    return model
+
+
+def test_a_model_without_a_family_gets_its_declared_plan():
+    family = model_schedule.detect(_granite())
+    assert family.name == "declared:granite" and family.layer_lists == ("model.layers",)
+    assert isinstance(family.tp_plan, DeclaredPlan)
+    rows = {(p, type(s).__name__) for p, s in family.tp_plan.entries}
+    assert ("self_attn.q_proj", "EnterRegion") in rows and ("mlp.down_proj", "Row") in rows
+
+
+def test_hand_written_families_override_the_declared_plan():
+    assert model_schedule.detect(build("llama", "LlamaForCausalLM")).name == "llama"
+
+
+def test_unknown_style():
+    plan = {**_granite().config.base_model_tp_plan, "layers.*.mlp.down_proj": "rowwise_magic"}
+    sch = _sch(_granite(base_model_tp_plan=plan))
+    _rejected(sch, lambda s: model_schedule.apply(s, tp=2), "model.layers",
+              ("'rowwise_magic'", "layers.*.mlp.down_proj", "does not know", "tp=1"))
+
+
+def test_kv_heads_tp_does_not_divide():
+    model = build("granite", "GraniteForCausalLM")
+    model.config.num_key_value_heads = 1  # MQA: one KV head cannot split over 2 ranks
+    for layer in model.model.layers:
+        for name in ("k_proj", "v_proj"):
+            setattr(layer.self_attn, name, nn.Linear(64, 16, bias=False).double())
+    _rejected(_sch(model), lambda s: model_schedule.apply(s, tp=2), "",
+              ("num_key_value_heads=1 is not divisible by 2", "choose a tp"))
+
+
+@pytest.mark.parametrize("model_type,cls,needles", [
+    ("qwen2_moe", "Qwen2MoeForCausalLM", ("'moe_tp_experts'", "issue 33")),
+    ("minicpm3", "MiniCPM3ForCausalLM", ("'mla_kv_a_proj'", "latent attention")),
+    ("gpt_oss", "GptOssForCausalLM", ("no layer rows", "splits nothing")),
+])
+def test_refused_with_a_named_reason(model_type, cls, needles):
+    model = build(model_type, cls)
+    family = model_schedule.detect(model)
+    assert isinstance(family.tp_plan, RefusedPlan)
+    _rejected(_sch(model), lambda s: model_schedule.apply(s, tp=2), "model.layers",
+              (*needles, "use tp=1"))
+    model_schedule.apply(_sch(model), tp=1, ckpt_ratio=0.5)  # the other knobs still apply
+
+
+def test_sequence_parallel_has_no_derived_plan():
+    _rejected(_sch(_granite()), lambda s: model_schedule.apply(s, tp=2, sequence_parallel=True),
+              "", ("sequence_parallel is not implemented for the declared:granite family",))
+
+
+def test_no_declared_plan_and_no_family():
+    model = build("granite", "GraniteForCausalLM")
+    model.config.base_model_tp_plan = None
+    _rejected(_sch(model), lambda s: model_schedule.apply(s, tp=2), "",
+              ("no ready schedule", "declares no base_model_tp_plan", "register_family"))
+
+
+@pytest.mark.parametrize("model_type,cls", [("gemma3_text", "Gemma3ForCausalLM"),
+                                            ("apertus1p5_text", "Apertus1p5TextForCausalLM")])
+def test_vocab_parallel_leaves_what_its_kernel_would_change(model_type, cls):
+    """Gemma 3's embedding scales its lookup in its own forward, which the vocabulary-parallel
+    kernel replaces; Apertus 1.5's loss reads `lm_head.out_features`, which the shard halves.
+    Both keep an unsharded embedding and head (the sweep found the first silently wrong)."""
+    from slapo.model_schedule import _common
+
+    model = build(model_type, cls)
+    assert _common.vocab_parallel(_sch(model)) is False
+    assert getattr(model.get_input_embeddings().weight, "_slapo_shard", None) is None
+    assert getattr(model.get_output_embeddings().weight, "_slapo_shard", None) is None
