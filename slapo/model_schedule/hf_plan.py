@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch.nn as nn
 
@@ -40,6 +41,9 @@ from ..schedule import Schedule
 from ._common import find_path
 from .plan import Column, EnterRegion, ReduceParamGrads, Row, ShardParam, Style, TPPlan
 from .plan_edges import GatherOutput, ScatterInput
+
+if TYPE_CHECKING:
+    from ._registry import Family
 
 _MOE = "MoE experts are not translated here (expert parallelism: issue 33)"
 # HF style -> why it is refused (the reason names what the translation cannot prove)
@@ -235,7 +239,8 @@ def derive_plan(model: nn.Module, lists: tuple[str, ...]) -> DeclaredPlan | Refu
     return DeclaredPlan(tuple(rows), model_type=model_type)
 
 
-def _check_regions(layers: list[nn.Module], rows: list[tuple[str, Style]], model_type: str):
+def _check_regions(layers: list[nn.Module], rows: list[tuple[str, Style]],
+                   model_type: str) -> None:
     """Refuse a parameter no row covers inside a module whose column projections keep their
     outputs split (no `GatherOutput`): it may compute on this rank's features only (Apertus's
     xIELU `mlp.act_fn.alpha_p`), so its gradient would be partial, and the declared plan does
@@ -262,7 +267,7 @@ def _join(*parts: str) -> str:
     return ".".join(p for p in parts if p)
 
 
-def declared_family(model: nn.Module):
+def declared_family(model: nn.Module) -> Family | None:
     """A `Family` scheduling `model` from its config's `base_model_tp_plan`, or None when the
     config declares none or its layers cannot be found. The tensor-parallel plan is derived
     (or refused, with the reason raised at `tp > 1`); the layer-wise knobs (ckpt_ratio,
