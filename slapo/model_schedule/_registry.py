@@ -204,8 +204,10 @@ def _apply_knobs(sch: Schedule, family: Family, *, tp: int | None, ckpt_ratio: f
     if sp:  # after fuse/tempo, which may replace the norms and dropouts
         _sp.replicated_on_shards(sch, family, layers)
     if tp > 1:  # after fuse/tempo too: a core Tempo installed is the one to fork
-        _install_cores(sch, family)
         for layer in layers:
+            for rel in family.tp_rng_core:  # pass-through cores where only the core may fork
+                if rel in layer:
+                    _common.install_hf_core(layer[rel])
             _common.fork_sharded_rng(layer, family.tp_rng, family.tp_rng_core)
     if _common.checkpoint_layers(layers, ckpt_ratio,
                                  policy=None if ckpt_policy == "full" else ckpt_policy):
@@ -219,14 +221,6 @@ def _apply_knobs(sch: Schedule, family: Family, *, tp: int | None, ckpt_ratio: f
     if pp_stages > 1:
         _cut_pipeline(sch, layers, pp_stages)
     return sch
-
-
-def _install_cores(sch: Schedule, family: Family) -> None:
-    """Pass-through attention cores where only the core may be forked (see `Family`)."""
-    for layer in layers_of(sch, family):
-        for rel in family.tp_rng_core:
-            if rel in layer:
-                _common.install_hf_core(layer[rel])
 
 
 def _validate_plan(sch, family, tp, attention, fuse, kernels, pp_stages, sp) -> None:
