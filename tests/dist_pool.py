@@ -48,8 +48,10 @@ def _worker(rank: int, world: int, port: int, inq, outq) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world, timeout=timedelta(seconds=GLOO_TIMEOUT_S))
+    store = dist.TCPStore("127.0.0.1", port, is_master=False,
+                          timeout=timedelta(seconds=GLOO_TIMEOUT_S))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
+                            timeout=timedelta(seconds=GLOO_TIMEOUT_S))
     outq.put((rank, True, "ready", _threads()))
     while True:
         job = inq.get()
@@ -77,8 +79,15 @@ class DistPool:
         self._start()
 
     def _start(self) -> None:
+        import torch.distributed as dist
+
         ctx = mp.get_context("spawn")
-        port = _free_port()
+        # The parent serves the ranks' rendezvous store on a port the OS picks and it keeps
+        # bound: a port chosen free and released before the ranks (10-30 s of imports later)
+        # bind it was taken in CI by another process's connection (EADDRINUSE at a restart).
+        self._store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                                    timeout=timedelta(seconds=GLOO_TIMEOUT_S))
+        port = self._store.port
         self._inq = [ctx.Queue() for _ in range(self.world_size)]
         self._outq = ctx.Queue()
         self._threads = 0
@@ -139,6 +148,7 @@ class DistPool:
             if p.is_alive():
                 p.kill()
         self._procs = []
+        self._store = None
 
     def restart(self) -> None:
         for p in self._procs:
