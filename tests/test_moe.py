@@ -76,7 +76,7 @@ def test_families_find_their_experts_and_skip_dense_layers():
 
 
 # ---- ep=2 against one process ----------------------------------------------------------------
-def _model(family: str, experts: int = 4, dp: int = 2):
+def _model(family: str, experts: int = 4, dp: int = 2, rows: int = 1):
     """The tiny model, its layer-0 router rigged so expert 3 receives no token of the first
     batch: its row becomes -c * v, with v a direction every router input of that batch has a
     positive component along (found by a perceptron) and c so large that expert 3's logit is
@@ -90,7 +90,7 @@ def _model(family: str, experts: int = 4, dp: int = 2):
     seen = []
     hook = gate.register_forward_pre_hook(lambda m, a: seen.append(a[0].detach()))
     with torch.no_grad():
-        model(input_ids=_batches(dp)[0]["input_ids"])
+        model(input_ids=_batches(dp, rows)[0]["input_ids"])
     hook.remove()
     x = seen[0].reshape(-1, seen[0].shape[-1])
     v = x.mean(0)
@@ -106,17 +106,17 @@ def _model(family: str, experts: int = 4, dp: int = 2):
     return model
 
 
-def _batches(dp: int = 2) -> list[dict]:
-    """Two global batches, one sequence of 16 tokens per data-parallel rank."""
+def _batches(dp: int = 2, rows: int = 1) -> list[dict]:
+    """Two global batches, `rows` sequences of 16 tokens per data-parallel rank."""
     import models
 
-    return [{"input_ids": x, "labels": x} for x in (models.ids(dp, 16, seed=1),
-                                                    models.ids(dp, 16, seed=2))]
+    return [{"input_ids": x, "labels": x} for x in (models.ids(dp * rows, 16, seed=1),
+                                                    models.ids(dp * rows, 16, seed=2))]
 
 
 def _reference(ref, batches):
-    """One process: per step, each half as a micro-batch (grads averaged), AdamW. Returns the
-    step losses, each half's aux loss per step, the first step's gradients and the routing
+    """One process: per step, each sequence as a micro-batch (grads averaged), AdamW. Returns
+    the step losses, each sequence's aux loss per step, the first step's gradients and the routing
     counts per layer of the first forward pass over the whole batch."""
     counts = []
     sparse = [layer for layer in ref.model.layers if hasattr(layer.mlp, "experts")]
@@ -165,18 +165,18 @@ def _local(value: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     return value if s is None else value[s.first:s.first + s.count]
 
 
-def _ep_run(family: str, mesh, batches, dp: int = 2):
+def _ep_run(family: str, mesh, batches, dp: int = 2, grad_accum: int = 1):
     """The scheduled model: apply on the ep mesh, build with DDP, two train steps."""
     import slapo
 
-    model = _model(family, dp=dp)
+    model = _model(family, dp=dp, rows=grad_accum)
     ref = copy.deepcopy(model)
     sch = slapo.create_schedule(model, mesh=mesh)
     slapo.model_schedule.apply(sch)
     auxes = []
     model.register_forward_hook(lambda m, a, o: auxes.append(_aux(o)))
     tm, _ = slapo.build(sch, optimizer=torch.optim.AdamW, optimizer_kwargs={"lr": LR},
-                        data_parallel="ddp")
+                        data_parallel="ddp", grad_accum=grad_accum)
     losses, grads = [], None
     for batch in batches:
         losses.append(tm.train_step(batch))
@@ -197,25 +197,30 @@ def _off_by_one(honest):
     return splits
 
 
-def job_ep2_equals_one_process(families=FAMILIES, misroute=False, dp=2):
+def job_ep2_equals_one_process(families=FAMILIES, misroute=False, dp=2, grad_accum=1):
     """Each family: every compared quantity's relative difference, and the facts the
     comparison relies on (an idle expert, uneven counts, this rank's experts). `misroute`:
     with `_off_by_one` patched into the split computation; `dp`: data-parallel ranks (ep=2
-    of them, so dp=4 has two ranks holding each expert)."""
+    of them, so dp=4 has two ranks holding each expert); `grad_accum`: micro-batches per
+    rank and step (one sequence each). "reduces": the expert all-reduces run."""
     import torch.distributed as dist
 
     import slapo.op.moe as moe
+    from slapo.runtime.data_parallel import ExpertGradMean
     from slapo.runtime.mesh import init_mesh
 
-    rank = dist.get_rank()
+    rank, k = dist.get_rank(), grad_accum
     mesh = init_mesh(dims=ParallelDims(dp_replicate=dp, ep=2, device="cpu"))
-    batches = _batches(dp)
-    honest, out = moe.send_splits, {}
+    batches = _batches(dp, k)
+    honest, out, reduces = moe.send_splits, {}, []
+    real_reduce = ExpertGradMean.reduce
     if misroute:
         moe.send_splits = _off_by_one(honest)
+    ExpertGradMean.reduce = lambda self: (reduces.append(1), real_reduce(self))[1]
     try:
         for family in families:
-            ref, tm, losses, auxes, grads = _ep_run(family, mesh, batches, dp)
+            reduces.clear()
+            ref, tm, losses, auxes, grads = _ep_run(family, mesh, batches, dp, k)
             ref_losses, ref_auxes, ref_grads, counts = _reference(ref, batches)
             experts = next(m for m in tm.modules() if isinstance(m, moe.ExpertParallelExperts))
             shard = moe.expert_shard(experts.gate_up_proj)
@@ -226,15 +231,17 @@ def job_ep2_equals_one_process(families=FAMILIES, misroute=False, dp=2):
                 "counts": [c.tolist() for c in counts],
                 "loss": max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)),
                 "aux": 0.0 if auxes[0] is None else max(
-                    abs(auxes[s] - ref_auxes[s][rank]) / abs(ref_auxes[s][rank])
-                    for s in range(2)),
+                    abs(auxes[s * k + j] - ref_auxes[s][rank * k + j])
+                    / abs(ref_auxes[s][rank * k + j]) for s in range(2) for j in range(k)),
                 "has_aux": auxes[0] is not None and ref_auxes[0][rank] is not None,
+                "reduces": len(reduces),
                 "grad": {n: _rel(g, _local(ref_grads[n], params[n])) for n, g in grads.items()},
                 "param": {n: _rel(p.detach(), _local(ref_params[n].detach(), p))
                           for n, p in params.items()},
             }
     finally:
         moe.send_splits = honest
+        ExpertGradMean.reduce = real_reduce
     return out
 
 
@@ -295,19 +302,24 @@ def test_ep2_equals_one_process(dist2):
         assert all(r[family]["has_aux"] == (family in RIGGED) for r in results)
         assert not _mismatches(results, family), (family, _mismatches(results, family))
         assert all(len(r[family]["grad"]) == len(r[family]["param"]) > 10 for r in results)
+        assert all(r[family]["reduces"] == 0 for r in results)  # dp == ep: nothing to average
 
 
 @pytest.mark.dist
-def test_ep2_of_dp4_equals_one_process(dist4):
-    """dp=4, ep=2: two ranks hold each expert, their gradients all-reduced over "dp_rest".
+def test_ep2_of_dp4_with_accumulation_equals_one_process(dist4):
+    """dp=4, ep=2, two micro-batches per rank and step: two ranks hold each expert, their
+    accumulated gradients averaged over "dp_rest" in one bucketed all-reduce per step (not per
+    micro-batch or parameter: `ExpertGradMean`).
 
     An expert's gradient is then `(a + b) / 4 + (c + d) / 4` (two ep groups) where one
     process accumulates `((a/4 + b/4) + c/4) + d/4`: equal to roundoff (the gradients within
     REL), which AdamW's first steps amplify where a gradient element is near zero (its update
     is about lr * sign), so the parameters are compared at 1e-4, as test_data_parallel's DDP
     (whose all-reduce reorders the same sums) is."""
-    results = dist4.run(job_ep2_equals_one_process, families=("mixtral",), dp=4)
+    results = dist4.run(job_ep2_equals_one_process, families=("mixtral",), dp=4,
+                        grad_accum=2)
     assert [r["mixtral"]["held"][0] for r in results] == [0, 2, 0, 2]  # consecutive ep groups
+    assert [r["mixtral"]["reduces"] for r in results] == [2] * 4  # one per step
     assert results[0]["mixtral"]["counts"][0][3] == 0, results[0]["mixtral"]["counts"]
     bad = _mismatches(results, "mixtral", param_rel=1e-4)
     assert not bad, bad

@@ -12,12 +12,9 @@ step's runner (`LocalRunner.ddp`), never as a child of the model it returns, so 
 parameter names and state-dict keys stay its own (see `slapo.runtime.built_model`).
 
 Expert-parallel parameters (`op.moe.ExpertParallelExperts`, ep borrowing the dp ranks) are not
-replicas: each ep rank holds other experts, so DDP skips them. Their gradient already sums the
-losses of the whole ep group (the all-to-all's backward brings every row's gradient to its
-expert), so a hook all-reduces it over "dp_rest" (the ranks holding the same experts) and
-divides it by dp: the data-parallel mean DDP gives every other parameter, and the gradient one
-process computes on the global batch. Only DDP does this (FSDP2, no data parallelism, DeepSpeed
-and gradient clipping with expert-parallel parameters are refused by `check_experts`).
+replicas: each ep rank holds other experts, so DDP skips them and `ExpertGradMean` averages them
+(see there). Only DDP does this (FSDP2, no data parallelism, DeepSpeed and gradient clipping with
+expert-parallel parameters are refused by `check_experts`).
 """
 
 from __future__ import annotations
@@ -140,25 +137,60 @@ def check_experts(model: nn.Module, kind: str | None, grad_clip: float | None,
                               "as replicas).", "pass grad_clip=None.")
 
 
+class ExpertGradMean:
+    """Makes each expert-parallel gradient the one a single process computes on the global
+    batch, with one bucketed all-reduce per optimizer step.
+
+    An expert's gradient already sums the losses of its whole ep group (the all-to-all's
+    backward brings every token's gradient to its expert): S_i for ep group i, where one
+    process has G = sum_i S_i / dp. So each backward scales the incoming gradient by 1/ep
+    (local, no communication), and the backward DDP synchronises (not those under `no_sync`,
+    i.e. the last micro-batch of gradient accumulation) ends with one all-reduce *mean* of the
+    accumulated gradients over "dp_rest" (the dp/ep ranks holding the same experts):
+    mean_i(S_i / ep) = G. A mean, like DDP's, so re-averaging a part already averaged (a user
+    loop that synchronises several backwards before a step) leaves it unchanged.
+
+    Why not a per-parameter all-reduce in the gradient hook: that ran one unbucketed,
+    synchronous collective per expert tensor on every micro-batch."""
+
+    def __init__(self, params: list[nn.Parameter], info: MeshInfo):
+        self.params = params
+        self.ep, self.group = info.ep, info.group("dp_rest")
+        self.replicas = info.dp // info.ep  # ranks holding the same experts
+        self.ddp = None  # set by apply_ddp once the wrapper exists: its no_sync flag
+        self._queued_for = None  # the backward (graph task) whose end reduces
+        for p in params:
+            old = _EXPERT_HOOKS.pop(p, None)
+            if old is not None:
+                old.remove()
+            _EXPERT_HOOKS[p] = p.register_hook(self._scale)
+
+    def _scale(self, grad: torch.Tensor) -> torch.Tensor:
+        if self.replicas > 1 and (self.ddp is None or self.ddp.require_backward_grad_sync):
+            task = torch._C._current_graph_task_id()
+            if task != self._queued_for:  # first expert gradient of this backward
+                self._queued_for = task
+                torch.autograd.Variable._execution_engine.queue_callback(self.reduce)
+        return grad / self.ep
+
+    def reduce(self) -> None:
+        """All-reduce mean of the accumulated expert gradients, in one flat bucket."""
+        from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+        self._queued_for = None
+        for p in self.params:
+            if p.grad is None:  # a rank whose experts got no gradient still joins the sum
+                p.grad = torch.zeros_like(p)
+        grads = [p.grad for p in self.params]
+        flat = _flatten_dense_tensors(grads)
+        dist.all_reduce(flat, group=self.group)
+        flat /= self.replicas
+        for g, mean in zip(grads, _unflatten_dense_tensors(flat, grads)):
+            g.copy_(mean)
+
+
 # the gradient hook of each expert parameter (a second `build` replaces it, never adds one)
 _EXPERT_HOOKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def _average_expert_grads(params: list[nn.Parameter], info: MeshInfo) -> None:
-    group, dp = info.group("dp_rest"), info.dp
-    reduce = info.dp // info.ep > 1
-
-    def mean(grad: torch.Tensor) -> torch.Tensor:
-        grad = grad / dp
-        if reduce:
-            dist.all_reduce(grad, group=group)
-        return grad
-
-    for p in params:
-        old = _EXPERT_HOOKS.pop(p, None)
-        if old is not None:
-            old.remove()
-        _EXPERT_HOOKS[p] = p.register_hook(mean)
 
 
 def apply_ddp(model: nn.Module, info: MeshInfo) -> nn.Module:
@@ -174,11 +206,14 @@ def apply_ddp(model: nn.Module, info: MeshInfo) -> nn.Module:
         ignored = list(getattr(model, "_ddp_params_and_buffers_to_ignore", ()))
         DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
             model, ignored + [n for n, _ in experts])
-        _average_expert_grads([p for _, p in experts], info)
+        mean = ExpertGradMean([p for _, p in experts], info)
     device_ids = None
     if info.device_type == "cuda":
         device_ids = [next(model.parameters()).device.index]
-    return DistributedDataParallel(model, process_group=info.group("dp"), device_ids=device_ids)
+    ddp = DistributedDataParallel(model, process_group=info.group("dp"), device_ids=device_ids)
+    if experts:
+        mean.ddp = ddp
+    return ddp
 
 
 def apply_data_parallel(model: nn.Module, kind: str | None, info: MeshInfo, *,
