@@ -11,9 +11,8 @@ docs/model_schedule.md.
 
 from __future__ import annotations
 
-import os
-
 import pytest
+import sweep
 
 pytestmark = pytest.mark.dist
 
@@ -23,7 +22,7 @@ ATOL = 1e-8  # the denominator's floor: a gradient zero in exact arithmetic (flo
 # The default suite's architectures (CI budget): the ones the issue names, a hybrid
 # (linear + full attention), attention sinks, and three refusals (MoE experts, a plan that splits
 # nothing in the layers, a parameter in a split region the plan does not declare: Apertus).
-# SLAPO_HF_SWEEP=all sweeps every architecture.
+# SLAPO_SWEEP=all sweeps every architecture (tests/sweep.py).
 EQUIVALENT = ("gemma2", "gemma3_text", "phi3", "olmo2", "glm4", "granite", "qwen3",
               "granite_swa", "qwen3_5_text")
 REFUSED = ("qwen2_moe", "gpt_oss", "apertus")
@@ -123,7 +122,7 @@ def _archs() -> list[tuple[str, str]]:
     import hf_tiny
 
     every = hf_tiny.decoders()
-    if os.environ.get("SLAPO_HF_SWEEP") == "all":
+    if sweep.full():
         return every
     return [a for a in every if a[0] in EQUIVALENT + REFUSED]
 
@@ -143,7 +142,7 @@ def test_declared_plans_tp2_equal_one_process(dist2):
     assert not bad, bad
     assert per_rank[1] == results  # both ranks saw the same outcome
     n_eq = sum(v == "equivalent" for v in results.values())
-    if os.environ.get("SLAPO_HF_SWEEP") == "all":
+    if sweep.full():
         assert n_eq >= ALL_FLOOR, (n_eq, results)
     else:
         assert all(results[k] == "equivalent" for k in EQUIVALENT), results

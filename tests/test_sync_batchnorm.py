@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 
 import pytest
+import sweep
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -101,8 +102,11 @@ def job_wideresnet_data_parallel(kind: str, tp: int, compiled: bool = False):
     return got[1]
 
 
-@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled_blocks"])
-@pytest.mark.parametrize("kind", ["ddp", "fsdp"])
+# compiled blocks (one graph per distinct block: ~60 s on CI) under DDP by default, under FSDP2
+# too with SLAPO_SWEEP=all (tests/sweep.py)
+@pytest.mark.parametrize("kind, compiled", sweep.sample(
+    [(k, c) for k in ("ddp", "fsdp") for c in (False, True)],
+    [("ddp", False), ("fsdp", False), ("ddp", True)]))
 def test_wideresnet_with_synced_batchnorm_trains_like_one_process(dist2, kind, compiled):
     losses = dist2.run(job_wideresnet_data_parallel, kind, 1, compiled)
     assert losses[0] == losses[1]
