@@ -94,9 +94,14 @@ class DistPool:
         self._procs = [ctx.Process(target=_worker, args=(r, self.world_size, port, self._inq[r],
                                                          self._outq), daemon=True)
                        for r in range(self.world_size)]
+        t0 = time.monotonic()
         for p in self._procs:
             p.start()
         self._collect(self.start_timeout, "start")
+        if os.environ.get("SLAPO_POOL_LOG"):  # where a test session's time goes (tuning aid)
+            with open(os.environ["SLAPO_POOL_LOG"], "a") as f:
+                f.write(f"{os.getpid()} start world={self.world_size} threads={self._threads} "
+                        f"{time.monotonic() - t0:.1f}s\n")
 
     def _collect(self, timeout: float, what: str) -> list:
         results: dict[int, tuple[bool, object]] = {}

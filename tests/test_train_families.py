@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 
 import pytest
+import sweep
 import torch
 
 from slapo.train import MODELS
@@ -162,8 +163,10 @@ def test_every_sequence_parallel_model_inside_data_parallel(dist4, model, data_p
     assert ranks[0] == pytest.approx(one, rel=REL, abs=ABS), (ranks[0], one)
 
 
-@pytest.mark.parametrize("sequence_parallel", [False, True])
-@pytest.mark.parametrize("model", sorted(MODELS))
+# every model at tp=4; with the sequence split in 4 too: a sample by default (tests/sweep.py),
+# every sequence-parallel model with SLAPO_SWEEP=all (every one runs SP at tp=2 above)
+@pytest.mark.parametrize("model, sequence_parallel", [(m, False) for m in sorted(MODELS)] + [
+    (m, True) for m in sweep.sample(sorted(MODELS), ["gpt2", "llama", "opt"])])
 def test_every_model_at_tp4_trains_like_one_process(dist4, model, sequence_parallel):
     """--tp 4 (8 heads: 2 per rank, LLaMA's 4 key/value heads 1 per rank; the vocabulary,
     the shard layouts and, with --sequence-parallel, the sequence in 4 pieces): every other
