@@ -64,7 +64,7 @@ def test_toml_keys_round_trip(tmp_path):
     values = {"tp": 1, "ckpt_ratio": 0.25, "ckpt_policy": "selective", "attention": "sdpa",
               "fuse": False, "fuse_compiler": "aot_eager", "tempo": True, "pp_stages": 1,
               "sequence_parallel": True, "vocab_parallel": False, "compile_blocks": False,
-              "fused_loss": True, "kernels": True}
+              "fused_loss": True, "kernels": True, "cp_attention": "ring"}
     assert set(values) == set(knobs.names())
 
     def toml(v):

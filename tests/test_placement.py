@@ -47,13 +47,14 @@ def test_fields_and_the_derived_data_parallel_degree():
     assert ParallelDims(pp=2).stages("1F1B") == 2 and ParallelDims().stages(None) == 1
 
 
-def test_cp_is_a_field_refused_above_one_naming_its_issue():
-    """(ep > 1 is built: tests/test_moe.py checks its placements.)"""
-    assert ParallelDims().cp == 1
-    with pytest.raises(SchedulingError, match="context parallelism .*issue"):
-        ParallelDims(cp=2)
+def test_cp_is_a_degree_checked_once():
+    """(cp > 1 is built: tests/test_context_parallel.py checks its placements and runs; ep's
+    are in tests/test_moe.py.)"""
+    assert ParallelDims().cp == 1 and ParallelDims(cp=2).world == 2
     with pytest.raises(SchedulingError, match="must be a positive int"):
         ParallelDims(cp=0)
+    with pytest.raises(SchedulingError, match="cp=2 with tensor parallelism"):
+        ParallelDims(cp=2, tp=2)
 
 
 def test_hybrid_data_parallelism_is_refused():

@@ -11,12 +11,13 @@ from typing import Any
 import torch.nn as nn
 
 from ..errors import SchedulingError
-from ..module_patch import module_meta
 from ..schedule import Schedule, create_schedule
 from . import _common
+from . import context_parallel as _cp
 from . import moe as _moe
 from . import sequence_parallel as _sp
 from .knobs import ScheduleKnobs, knob_fields
+from .no_cache import training_without_cache
 
 
 @dataclass
@@ -50,7 +51,10 @@ class Family:
       ones (a CNN has no attention, vocabulary or sequence): `apply` validates the knob values
       with the schema, then hands the schedule and the `ScheduleKnobs` to it;
     - `moe`: a mixture-of-experts family's `moe.MoEPlan` (where a layer's experts are): on a
-      mesh with ep > 1 `apply` spreads them over the "ep" ranks (None: ep > 1 is refused).
+      mesh with ep > 1 `apply` spreads them over the "ep" ranks (None: ep > 1 is refused);
+    - `context_parallel`: the attention module of a layer (relative path) that takes the
+      context-parallel core on a mesh with cp > 1 (None: cp > 1 is refused, naming why:
+      `model_schedule/context_parallel.py`).
     """
 
     name: str
@@ -66,6 +70,7 @@ class Family:
     matches: Callable[[nn.Module], bool] | None = None
     schedule: Callable[[Schedule, ScheduleKnobs], Schedule] | None = None
     moe: Any = None
+    context_parallel: str | None = None
 
     def shard(self, layer: Schedule, tp: int, sequence_parallel: bool = False) -> None:
         """Shard one layer `tp` ways with this family's plan."""
@@ -130,7 +135,7 @@ def apply(model_or_sch: nn.Module | Schedule, *, group=None, mesh=None,
 
     What the knobs' help does not say: with `compile_blocks`, calls that pass no `use_cache`
     run without a KV cache (a cache makes each layer a separate graph), as with checkpointing,
-    and the model's config is not changed (`_training_without_cache`); with `kernels` and
+    and the model's config is not changed (`no_cache.training_without_cache`); with `kernels` and
     `fuse`, the LLaMA family's MLPs take the SwiGLU kernel instead of `fuse`'s compiled SwiGLU.
     """
     sch = model_or_sch if isinstance(model_or_sch, Schedule) else \
@@ -160,7 +165,8 @@ apply.__signature__ = _knob_signature()
 def _apply_knobs(sch: Schedule, family: Family, *, tp: int | None, ckpt_ratio: float,
                  ckpt_policy: str, attention: str | None, fuse: bool, fuse_compiler: str,
                  tempo: bool, pp_stages: int, sequence_parallel: bool, vocab_parallel: bool,
-                 compile_blocks: bool | str, fused_loss: bool, kernels: bool) -> Schedule:
+                 compile_blocks: bool | str, fused_loss: bool, kernels: bool,
+                 cp_attention: str) -> Schedule:
     """`apply` once the knobs passed the schema (every value given: the defaults are the
     schema's): the checks that need the model, then the concerns in a visible order."""
     ws = sch.tp_size
@@ -169,6 +175,9 @@ def _apply_knobs(sch: Schedule, family: Family, *, tp: int | None, ckpt_ratio: f
     _validate_plan(sch, family, tp, attention, fuse, kernels, pp_stages,
                    sequence_parallel and tp > 1)
     ep = _moe.check_expert_parallel(sch, family, layers_of(sch, family), tp, pp_stages)
+    cp = _cp.check_context_parallel(sch, family, layers_of(sch, family), attention=attention,
+                                    tempo=tempo, fused_loss=fused_loss,
+                                    compile_blocks=compile_blocks, pp_stages=pp_stages)
     if attention is not None:
         _set_attention(sch, attention)
     sp = sequence_parallel and tp > 1  # one rank: nothing to split, SP is the identity
@@ -181,6 +190,8 @@ def _apply_knobs(sch: Schedule, family: Family, *, tp: int | None, ckpt_ratio: f
             _common.vocab_parallel(sch)
     if ep is not None:
         _moe.expert_parallel(family, layers_of(sch, family), ep)
+    if cp is not None:
+        _cp.context_parallel(sch, family, layers_of(sch, family), cp, cp_attention)
     if fuse and not (kernels and _kernel_fuses_mlp(family)):
         _fuse_mlps(sch, family, fuse_compiler)
     if kernels:
@@ -211,7 +222,7 @@ def _apply_knobs(sch: Schedule, family: Family, *, tp: int | None, ckpt_ratio: f
             _common.fork_sharded_rng(layer, family.tp_rng, family.tp_rng_core)
     if _common.checkpoint_layers(layers, ckpt_ratio,
                                  policy=None if ckpt_policy == "full" else ckpt_policy):
-        _training_without_cache(sch)  # recomputation would append to a KV cache twice
+        training_without_cache(sch)  # recomputation would append to a KV cache twice
     if fused_loss:
         from .fused_loss import fuse_loss
 
@@ -287,69 +298,9 @@ def compile_layers(sch: Schedule, layers: list[Schedule], compile_blocks: bool |
     cache they are identical to dynamo, so training turns the cache off (as HF's gradient
     checkpointing does)."""
     backend = "inductor" if compile_blocks is True else compile_blocks
-    _training_without_cache(sch)
+    training_without_cache(sch)
     for layer in layers:
         layer.compile(backend=backend)
-
-
-def _training_without_cache(sch: Schedule) -> None:
-    """Calls that do not ask for a KV cache run without one: checkpointed layers must not
-    append to a cache twice (recomputation), and compiled layers would specialise on the
-    `layer_idx` a cache is indexed by. A forward pre-hook on the root passes `use_cache=False`
-    when the caller passed no `use_cache` and no cache (so every layer, T5's decoder stack with
-    its own config copy included, gets False from its parent); `generate` passes `use_cache`
-    itself, so generation keeps its cache (`generation_config.use_cache`).
-
-    The model's configs are left as the user made them: setting `config.use_cache = False`
-    here (as before) was written to disk by `save_pretrained`, so a saved model generated
-    without a cache once loaded (issue 29). Installed once; `deepcopy` copies the hook."""
-    root = sch.mod
-    if _use_cache_position(type(root)) is None:  # the root takes no `use_cache`: no cache
-        return
-    meta = module_meta(root, create=True)
-    if not meta.get("no_cache_unless_asked"):
-        root.register_forward_pre_hook(_no_cache_unless_asked, with_kwargs=True)
-        meta["no_cache_unless_asked"] = True
-
-
-_USE_CACHE_AT: dict[type, int | None] = {}
-_ABSENT = -1  # `use_cache` is a keyword-only parameter (or read from **kwargs)
-
-
-def _use_cache_position(cls: type) -> int | None:
-    """Where `use_cache` sits among the positional arguments of `cls.forward` (`_ABSENT`:
-    keyword only), None when the forward does not name it."""
-    if cls not in _USE_CACHE_AT:
-        try:
-            params = list(inspect.signature(cls.forward).parameters.values())[1:]  # no self
-        except (TypeError, ValueError):
-            params = []
-        names = [p.name for p in params]
-        if "use_cache" not in names:
-            _USE_CACHE_AT[cls] = None
-        else:
-            positional = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY,
-                                                               p.POSITIONAL_OR_KEYWORD)]
-            _USE_CACHE_AT[cls] = positional.index("use_cache") if "use_cache" in positional \
-                else _ABSENT
-    return _USE_CACHE_AT[cls]
-
-
-def _is_cache(value: Any) -> bool:
-    return hasattr(value, "get_seq_length") and hasattr(value, "update")
-
-
-def _no_cache_unless_asked(module: nn.Module, args: tuple, kwargs: dict):
-    """The root's pre-hook (see `_training_without_cache`): `use_cache=False` unless the call
-    passes `use_cache` (by keyword or position) or a cache to continue."""
-    if kwargs.get("use_cache") is not None:
-        return None
-    at = _use_cache_position(type(module))
-    if at is None or (at != _ABSENT and len(args) > at):
-        return None
-    if any(_is_cache(v) for v in (*args, *kwargs.values())):
-        return None
-    return args, {**kwargs, "use_cache": False}
 
 
 def _set_attention(sch: Schedule, attention: str) -> None:

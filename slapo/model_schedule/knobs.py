@@ -33,6 +33,7 @@ from typing import Any
 from ..errors import SchedulingError
 
 ATTENTION = ("eager", "sdpa", "flash")
+CP_ATTENTION = ("allgather", "ring")  # `op.context_parallel.CP_ATTENTION`
 CKPT_POLICIES = ("full", "selective")
 KINDS = ("int", "float", "str", "bool")
 # The knobs that are parallel degrees: their values are checked by `runtime.mesh.check_degree`,
@@ -103,6 +104,11 @@ class ScheduleKnobs:
     kernels: bool = _knob(
         False, "Slapo's fused GPU kernels (RMSNorm, LayerNorm, SwiGLU, GELU); exact PyTorch "
         "fallbacks on CPU", "bool", tune=(False, True))
+
+    cp_attention: str = _knob(
+        "allgather", "on a mesh with cp > 1, how attention crosses the cp ranks: allgather "
+        "(K/V all-gathered, Llama 3's choice for GQA) or ring (K/V blocks passed rank to rank, "
+        "merged by log-sum-exp; K/V memory 1/cp)", "str", choices=CP_ATTENTION)
 
     def validate(self, path: str = "") -> ScheduleKnobs:
         """Reject out-of-domain values and contradicting knobs, naming the knob and the fix.

@@ -194,7 +194,8 @@ _EXPERT_HOOKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def apply_ddp(model: nn.Module, info: MeshInfo) -> nn.Module:
-    """Wrap in DistributedDataParallel over the dp group (gradients averaged in buckets);
+    """Wrap in DistributedDataParallel over the dp group (dp x cp with context parallelism:
+    cp ranks hold the same parameters; gradients averaged in buckets);
     expert-parallel parameters are left out and averaged by their own hook (module
     docstring)."""
     from torch.nn.parallel import DistributedDataParallel
@@ -210,7 +211,8 @@ def apply_ddp(model: nn.Module, info: MeshInfo) -> nn.Module:
     device_ids = None
     if info.device_type == "cuda":
         device_ids = [next(model.parameters()).device.index]
-    ddp = DistributedDataParallel(model, process_group=info.group("dp"), device_ids=device_ids)
+    ddp = DistributedDataParallel(model, process_group=info.replica_group(),
+                                  device_ids=device_ids)
     if experts:
         mean.ddp = ddp
     return ddp

@@ -20,8 +20,13 @@ the job; `ep` (experts) borrows ranks from the others and adds none.
   mesh's one "dp" dimension, and whether its ranks replicate or shard is the placement's
   `data_parallel` ("ddp" or "fsdp"). A mesh alone does not say which: `ParallelDims.of(mesh)`
   reports its "dp" ranks as `dp_replicate`.
-- `cp`: context (sequence) parallelism: a field, validated here, > 1 refused until the
-  context-parallelism issue lands (it then fills in its dimension, not a new path).
+- `cp`: context (sequence) parallelism: each of `cp` ranks holds 1/cp of every sequence
+  (zig-zag chunks) from the embedding to the loss, and attention crosses them
+  (`op/context_parallel.py`). Its own mesh dimension, "cp", between "pp" and "tp"
+  (torchtitan's). Parameters are **replicated over cp** (cp ranks compute different tokens of
+  the same samples), so gradients are averaged over `dp x cp` ranks: `init_mesh` keeps that
+  flattened ("dp_cp") view with the mesh, DDP runs over it, and the step's token count and
+  loss are reduced over it. Not yet with tp, pp, FSDP2 or ep (refused here).
 - `ep`: expert parallelism (MoE): each of `ep` ranks holds `E / ep` of every MoE layer's
   experts and tokens travel to their experts by all-to-all. It **borrows the data-parallel
   ranks** (torchtitan borrows dp_shard x cp): `ep` divides `dp`, so `dp_rest x ep x pp x tp`
@@ -35,9 +40,9 @@ the job; `ep` (experts) borrows ranks from the others and adds none.
 **Mesh layout.** Dimensions `("dp", "pp", "tp")`, outermost first (Megatron's and torchtitan's
 convention: "tp" innermost, so its consecutive ranks share a node and its fast links; data
 parallelism outermost, since it tolerates the slowest links). A rank's coordinate is
-`(rank // (pp*tp), rank // tp % pp, rank % tp)`. With cp > 1 a "cp" dimension will sit between
-"pp" and "tp" (`ParallelDims.mesh_dims`); `mesh["dp"]`, `mesh["pp"]` and `mesh["tp"]` always
-exist. With ep > 1 the mesh keeps these dimensions and `init_mesh` also unflattens "dp" into
+`(rank // (pp*tp), rank // tp % pp, rank % tp)`. With cp > 1 a "cp" dimension sits between
+"pp" and "tp" (`ParallelDims.mesh_dims`; `MeshInfo.of` reads `cp`, `cp_rank`, `group("cp")`
+and `group("dp_cp")`); `mesh["dp"]`, `mesh["pp"]` and `mesh["tp"]` always exist. With ep > 1 the mesh keeps these dimensions and `init_mesh` also unflattens "dp" into
 ("dp_rest", "ep") (torch's `DeviceMesh._unflatten`, the same ranks), kept with the mesh and read
 by `MeshInfo.of` (`ep`, `ep_rank`, `group("ep")`, `group("dp_rest")`): a mesh without ep is
 unchanged.
@@ -69,8 +74,11 @@ _TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 DEVICES = ("auto", "cpu", "cuda")
 DEGREES = ("dp_replicate", "dp_shard", "cp", "tp", "pp", "ep")
 # Degrees that are fields but not yet implemented: > 1 is refused, naming what will bring them.
-_NOT_YET = {"cp": "context parallelism (cp > 1) arrives with the context-parallelism issue"}
+# What cp > 1 does not compose with yet (each refused by name before any change).
+_CP_NOT_YET = (("tp", "tensor parallelism (tp > 1)"), ("pp", "pipelines (pp > 1)"),
+               ("dp_shard", "FSDP2 (dp_shard > 1)"), ("ep", "expert parallelism (ep > 1)"))
 _EP_MESH = "_slapo_ep_mesh"  # the ("dp_rest", "ep", "pp", "tp") view `init_mesh` keeps on a mesh
+_DP_CP_MESH = "_slapo_dp_cp_mesh"  # the flattened ("dp_cp",) view `init_mesh` keeps with cp > 1
 
 # torch.distributed.pipelining's schedules, by the names `slapo.build(pipeline=...)` and
 # `slapo train --pp-schedule` take. The multi-stage ones run 2 stages per rank by default
@@ -161,10 +169,7 @@ class ParallelDims:
     def __post_init__(self) -> None:
         for name in DEGREES:
             check_degree(name, getattr(self, name))
-        for name, why in _NOT_YET.items():
-            if getattr(self, name) > 1:
-                raise SchedulingError("", f"{name}={getattr(self, name)}: {why}; it is not "
-                                      "supported yet.", f"use {name}=1.")
+        self._check_cp()
         self._check_ep()
         if self.dp_replicate > 1 and self.dp_shard > 1:
             raise SchedulingError("", f"dp_replicate={self.dp_replicate} x dp_shard="
@@ -172,6 +177,14 @@ class ParallelDims:
                                   "not supported yet.", "replicate (DDP) or shard (FSDP2) over "
                                   "all data-parallel ranks.")
         check_device(self.device)
+
+    def _check_cp(self) -> None:
+        """cp > 1 runs with DDP over dp x cp (module docstring); the rest is refused by name."""
+        for name, what in _CP_NOT_YET:
+            if self.cp > 1 and getattr(self, name) > 1:
+                raise SchedulingError("", f"cp={self.cp} with {what} is not supported yet.",
+                                      f"use {name}=1 with cp > 1 (context parallelism runs "
+                                      "with DDP over the data-parallel x cp ranks).")
 
     def _check_ep(self) -> None:
         """ep borrows data-parallel ranks (module docstring): it must divide dp, and the
@@ -192,19 +205,20 @@ class ParallelDims:
 
     @classmethod
     def for_world(cls, world: int, *, tp: int = 1, pp: int = 1, dp_shard: bool = False,
-                  ep: int = 1, device: str = "auto") -> ParallelDims:
-        """The placement of a job of `world` ranks: `tp` x `pp` as asked, the rest data
+                  ep: int = 1, cp: int = 1, device: str = "auto") -> ParallelDims:
+        """The placement of a job of `world` ranks: `cp` x `tp` x `pp` as asked, the rest data
         parallel (sharded, FSDP2, with `dp_shard`; else replicated, DDP), of which `ep`
         consecutive ranks form each expert-parallel group."""
-        cls(tp=tp, pp=pp)  # checks tp and pp
-        if world % (tp * pp):
+        cls(tp=tp, pp=pp, cp=cp)  # checks tp, pp and cp
+        per = cp * tp * pp
+        if world % per:
             raise SchedulingError(
-                "", f"tp={tp} x pp={pp} = {tp * pp} ranks per model replica does not divide "
-                f"the {world} processes of this job.", f"launch a multiple of {tp * pp} "
-                f"processes (`torchrun --nproc-per-node {tp * pp} ...`), or change tp / pp.")
-        dp = world // (tp * pp)
+                "", f"cp={cp} x tp={tp} x pp={pp} = {per} ranks per model replica does not "
+                f"divide the {world} processes of this job.", f"launch a multiple of {per} "
+                f"processes (`torchrun --nproc-per-node {per} ...`), or change cp / tp / pp.")
+        dp = world // per
         return cls(dp_replicate=1 if dp_shard else dp, dp_shard=dp if dp_shard else 1,
-                   tp=tp, pp=pp, ep=ep, device=device)
+                   cp=cp, tp=tp, pp=pp, ep=ep, device=device)
 
     @classmethod
     def of(cls, mesh: DeviceMesh | None) -> ParallelDims:
@@ -222,7 +236,7 @@ class ParallelDims:
         None (one data-parallel rank): `slapo.build(data_parallel=...)`."""
         if self.dp_shard > 1:
             return "fsdp"
-        return "ddp" if self.dp_replicate > 1 else None
+        return "ddp" if self.dp_replicate * self.cp > 1 else None  # cp ranks average too
 
     @property
     def world(self) -> int:
@@ -254,7 +268,8 @@ class ParallelDims:
 
     def __str__(self) -> str:
         ep = f" (ep={self.ep} of dp)" if self.ep > 1 else ""
-        return f"dp={self.dp}{ep} x pp={self.pp} x tp={self.tp}"
+        cp = f" x cp={self.cp}" if self.cp > 1 else ""
+        return f"dp={self.dp}{ep} x pp={self.pp}{cp} x tp={self.tp}"
 
 
 def _device_and_backend(device: str = "auto") -> tuple[str, str]:
@@ -326,6 +341,8 @@ def init_mesh(dp: int | None = 1, pp: int = 1, tp: int = 1, *,
     if dims.ep > 1:  # the same ranks, "dp" seen as ("dp_rest", "ep"): kept with the mesh
         setattr(mesh, _EP_MESH, mesh._unflatten("dp", (dims.dp_rest, dims.ep),
                                                 ("dp_rest", "ep")))
+    if dims.cp > 1:  # the ranks that average gradients (parameters are replicated over cp)
+        setattr(mesh, _DP_CP_MESH, mesh["dp", "cp"]._flatten("dp_cp"))
     return mesh
 
 
@@ -355,6 +372,8 @@ class MeshInfo:
     tp_group: object = None
     ep: int = 1  # expert-parallel ranks (a division of "dp"; see the module docstring)
     ep_rank: int = 0
+    cp: int = 1  # context-parallel ranks (their own "cp" dimension)
+    cp_rank: int = 0
 
     @staticmethod
     def of(mesh: DeviceMesh | None, tp_group=None) -> MeshInfo:
@@ -372,14 +391,33 @@ class MeshInfo:
         coord = {d: mesh.get_local_rank(d) for d in MESH_DIMS}
         ep_mesh = getattr(mesh, _EP_MESH, None)
         ep = (ep_mesh["ep"].size(), ep_mesh.get_local_rank("ep")) if ep_mesh else (1, 0)
+        cp = (mesh["cp"].size(), mesh.get_local_rank("cp")) if "cp" in names else (1, 0)
         return MeshInfo(mesh, size["dp"], size["pp"], size["tp"],
-                        coord["dp"], coord["pp"], coord["tp"], mesh.get_group("tp"), *ep)
+                        coord["dp"], coord["pp"], coord["tp"], mesh.get_group("tp"), *ep, *cp)
+
+    @property
+    def replicas(self) -> int:
+        """Ranks holding the same parameters and averaging their gradients (`dp x cp`): the
+        step's loss and token count are reduced over them (`group("dp_cp")`)."""
+        return self.dp * self.cp
+
+    def replica_group(self):
+        """The process group of the `replicas` ("dp", or "dp_cp" with cp > 1)."""
+        return self.group("dp_cp" if self.cp > 1 else "dp")
 
     def group(self, dim: str):
         """The process group of `dim` (None for a dimension of one rank without a mesh);
-        "ep" and "dp_rest" exist on a mesh `init_mesh` made with ep > 1."""
+        "ep" and "dp_rest" exist on a mesh `init_mesh` made with ep > 1, "cp" and "dp_cp"
+        with cp > 1."""
         if self.mesh is None:
             return self.tp_group if dim == "tp" else None
+        if dim == "dp_cp":
+            flat = getattr(self.mesh, _DP_CP_MESH, None)
+            if flat is None:
+                raise SchedulingError("", "the mesh has no 'dp_cp' view (cp=1).",
+                                      "create it with slapo.init_mesh(dims=ParallelDims("
+                                      "..., cp=N)).")
+            return flat.get_group()
         if dim in ("ep", "dp_rest"):
             ep_mesh = getattr(self.mesh, _EP_MESH, None)
             if ep_mesh is None:
@@ -393,8 +431,8 @@ class MeshInfo:
     def dims(self) -> ParallelDims:
         """The mesh's degrees; its "dp" ranks count as `dp_replicate` (a mesh does not say
         whether they replicate or shard: `build(data_parallel=)` does)."""
-        return ParallelDims(dp_replicate=self.dp, pp=self.pp, tp=self.tp, ep=self.ep,
-                            device=self.device_type)
+        return ParallelDims(dp_replicate=self.dp, cp=self.cp, pp=self.pp, tp=self.tp,
+                            ep=self.ep, device=self.device_type)
 
     def submesh(self, dim: str) -> DeviceMesh | None:
         return self.mesh[dim] if self.mesh is not None else None

@@ -117,6 +117,7 @@ class ModelLoss:
     shift: int | None = None  # `label_shift`; None: the denominator is not known
     num_items: bool | None = False  # `loss_divides_by_num_items` (None: unknown)
     user_loss_fn: bool = False  # a `loss_fn` was given: its reduction is the user's
+    global_sum: bool = False  # context parallelism: units are sums over the global count
 
     @classmethod
     def of(cls, model: nn.Module | None, loss_fn_given: bool) -> ModelLoss:
@@ -209,7 +210,28 @@ class UnitSum:
         return unit
 
 
-Weights = TokenMean | UnitSum
+@dataclass
+class GlobalSum:
+    """Context parallelism's units: each cp rank holds part of every sequence, so each unit's
+    loss is its tokens' *sum* over the global count `N` (the model's own loss given
+    `num_items_in_batch = N`), and units add up (weight: the `dp x cp` ranks DDP averages
+    over). Sum over N rather than the unit's mean re-weighted by `n_u * replicas / N`: the
+    same value, with the one rounding of `1 / N` one process makes, so the cp step and one
+    process differ only by summation order."""
+
+    total: torch.Tensor  # N, summed over the step's units and the dp x cp group
+    replicas: int
+
+    def weight(self, unit: Batch) -> torch.Tensor:
+        return torch.tensor(float(self.replicas))
+
+    def guard(self, unit: Batch) -> Batch:
+        """The unit with `num_items_in_batch = N` (a unit without supervised tokens then has
+        the loss 0, no NaN to guard against)."""
+        return {**_without_num_items(unit), NUM_ITEMS: self.total}
+
+
+Weights = TokenMean | UnitSum | GlobalSum
 
 
 def token_mean(loss: ModelLoss | int | None, parts: list[Batch], info: MeshInfo,
@@ -218,7 +240,8 @@ def token_mean(loss: ModelLoss | int | None, parts: list[Batch], info: MeshInfo,
     (unknown loss, no labels, or no supervised token anywhere: the unit mean is kept).
     `units`: how many units the step's loss averages over on all ranks (accumulation slices x
     micro-batches x dp), for the checks that only matter when there is more than one."""
-    return token_mean_over(loss, parts, info.dp, info.group("dp") if info.dp > 1 else None,
+    return token_mean_over(loss, parts, info.replicas,
+                           info.replica_group() if info.replicas > 1 else None,
                            info.device, units)
 
 
@@ -252,7 +275,7 @@ def token_mean_over(loss: ModelLoss | int | None, parts: list[Batch], dp: int, g
         total = totals[0]
     if total.item() == 0:
         return None
-    return TokenMean(total, dp, loss.shift)
+    return GlobalSum(total, dp) if loss.global_sum else TokenMean(total, dp, loss.shift)
 
 
 def _honours(loss: ModelLoss) -> bool:

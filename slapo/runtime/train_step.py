@@ -94,13 +94,13 @@ def clip_grad_norm(nw: NormWeights, max_norm: float, info: MeshInfo) -> torch.Te
 
 def reduce_loss(loss: torch.Tensor, info: MeshInfo) -> float:
     """The step's loss on every rank: summed over pp (only the rank with the last stage has a
-    non-zero value), averaged over dp."""
+    non-zero value), averaged over dp (x cp: each cp rank's value is its tokens' share)."""
     value = loss.detach().double().reshape(1).to(info.device)
     if info.pp > 1:
         dist.all_reduce(value, group=info.group("pp"))
-    if info.dp > 1:
-        dist.all_reduce(value, group=info.group("dp"))
-        value /= info.dp
+    if info.replicas > 1:
+        dist.all_reduce(value, group=info.replica_group())
+        value /= info.replicas
     return float(value.item())
 
 
@@ -118,6 +118,6 @@ class StepConfig:
     loss: ModelLoss = ModelLoss()
 
     def units(self) -> int:
-        """How many units (accumulation slices x micro-batches, on every dp rank) one step's
-        loss is made of."""
-        return self.grad_accum * self.num_microbatches * self.info.dp
+        """How many units (accumulation slices x micro-batches, on every dp x cp rank) one
+        step's loss is made of."""
+        return self.grad_accum * self.num_microbatches * self.info.replicas

@@ -28,6 +28,7 @@ import torch.nn as nn
 
 from ..errors import SchedulingError
 from .batch import Batch, as_batch, batch_size, check_divisible, slice_batch, split_batch
+from .context_parallel import cp_batch
 from .precision import Precision
 from .runner import Runner
 from .token_mean import token_mean
@@ -61,16 +62,19 @@ class Trainer:
                 f"{type(self.runner).__name__}, grad_accum={cfg.grad_accum})")
 
     def local_batch(self, batch: Batch) -> Batch:
-        """This dp rank's samples when the same global batch is given on every rank."""
+        """This dp rank's samples when the same global batch is given on every rank; with
+        cp > 1, this cp rank's part of each of them (`context_parallel.cp_batch`)."""
         cfg = self.step_config
         info = cfg.info
         factors = {"data-parallel ranks": info.dp if cfg.batch_is_global else 1,
                    "grad_accum": cfg.grad_accum, "num_microbatches": cfg.num_microbatches}
         check_divisible(batch, {k: v for k, v in factors.items() if v > 1})
-        if not cfg.batch_is_global or info.dp == 1:
-            return batch
-        size = batch_size(batch) // info.dp
-        return slice_batch(batch, info.dp_rank * size, (info.dp_rank + 1) * size)
+        if cfg.batch_is_global and info.dp > 1:
+            size = batch_size(batch) // info.dp
+            batch = slice_batch(batch, info.dp_rank * size, (info.dp_rank + 1) * size)
+        if info.cp > 1:  # this cp rank's chunks of every sequence (`runtime/context_parallel`)
+            batch = cp_batch(batch, info.cp, info.cp_rank)
+        return batch
 
     def train_step(self, batch: Batch) -> float:
         """Forward, backward, (unscale, clip), optimizer step; the batch's mean loss on every
@@ -106,5 +110,5 @@ class Trainer:
         one way `slapo train` computes its val loss. Collective: every rank calls it."""
         cfg = self.step_config
         batch = self.local_batch(as_batch(batch))
-        tokens = token_mean(cfg.loss, [batch], cfg.info, cfg.num_microbatches * cfg.info.dp)
+        tokens = token_mean(cfg.loss, [batch], cfg.info, cfg.num_microbatches * cfg.info.replicas)
         return reduce_loss(self.runner.evaluate(batch, tokens), cfg.info)

@@ -1,0 +1,106 @@
+"""Context parallelism in a ready schedule: on a mesh with cp > 1, `apply` gives every layer's
+attention module the context-parallel core (`op/context_parallel.py`), over the mesh's "cp"
+group, by the `cp_attention` knob ("allgather" or "ring").
+
+Only attention changes: under cp each rank holds its chunks of every sequence from the
+embedding to the loss (the step splits the batch: `runtime/context_parallel.py`), and
+everything else a decoder computes is per token. Which families Slapo splits exactly (a
+`Family.context_parallel` path; checked here before anything changes):
+
+- LLaMA, Qwen2, Qwen3 (the "llama" family): RoPE from the global `position_ids` the cp batch
+  passes, GQA, causal. Their Mistral member, and any config with sliding-window layers, is
+  refused: a window is not implemented in the cp core.
+- Refused, naming why (`WHY_NOT`): GPT-2, GPT-Neo, OPT (their attention modules are not given
+  the positions the cp core masks by; not wired yet), BERT, RoBERTa, ALBERT (bidirectional
+  encoders with masked-LM losses: no causal shift, not wired yet), T5 (a learned relative
+  position bias over the whole sequence), the MoE families (not yet with experts), and any
+  family without a plan.
+
+What cp does not compose with yet is refused too: `attention` (the cp core *is* the
+attention), `tempo` (its attention replaces the core), `fused_loss` (its loss does not take
+the pre-shifted labels), `compile_blocks` (collectives inside compiled layers not verified)
+and `pp_stages > 1`. Activation checkpointing (full or selective), `fuse` and `kernels` work
+(their recomputation repeats the core's collectives in the same order on every rank).
+"""
+
+from __future__ import annotations
+
+from ..errors import SchedulingError
+from ..module_patch import module_meta
+from ..runtime.context_parallel import CP_META
+from ..schedule import Schedule
+
+WHY_NOT = {
+    "gpt2": "its attention modules are not given position_ids, which the context-parallel "
+            "core masks by (learned absolute positions are not wired yet)",
+    "gpt_neo": "its attention computes scores itself, outside HF's attention registry, and "
+               "has local (windowed) layers",
+    "opt": "its attention modules are not given position_ids (learned positions with an "
+           "offset; not wired yet)",
+    "bert": "a bidirectional encoder with a masked-LM loss: no causal mask or label shift to "
+            "split by (not implemented yet)",
+    "roberta": "a bidirectional encoder with a masked-LM loss (not implemented yet)",
+    "albert": "a bidirectional encoder with a masked-LM loss (not implemented yet)",
+    "t5": "an encoder-decoder whose relative position bias spans the whole sequence",
+    "wideresnet": "a CNN has no sequence",
+}
+
+
+def _refuse(sch: Schedule, cp: int, why: str, fix: str) -> SchedulingError:
+    return SchedulingError(sch.path, f"the mesh has cp={cp}: {why}.", fix)
+
+
+def check_context_parallel(sch: Schedule, family, layers: list[Schedule], *, attention,
+                           tempo: bool, fused_loss: bool, compile_blocks, pp_stages: int):
+    """Every check of the mesh's cp against the model and the knobs, before anything changes.
+    Returns the mesh's view (`runtime.mesh.MeshInfo`) when cp > 1, else None."""
+    from ..op.hf_attention import is_hf_attention
+    from ..runtime.mesh import MeshInfo
+
+    info = MeshInfo.of(sch.mesh) if sch.mesh is not None else None
+    if info is None or info.cp == 1:
+        return None
+    cp, rel = info.cp, family.context_parallel
+    if rel is None:
+        why = WHY_NOT.get(family.name, "it has no context-parallel plan")
+        raise _refuse(sch, cp, f"family {family.name!r} cannot be split exactly over the "
+                      f"sequence: {why}", "use a mesh with cp=1 (context parallelism supports "
+                      "the llama family: LLaMA, Qwen2, Qwen3).")
+    _check_config(sch, cp, getattr(sch.mod, "config", None))
+    conflicts = {"attention": attention is not None, "tempo": tempo, "fused_loss": fused_loss,
+                 "compile_blocks": bool(compile_blocks), "pp_stages": pp_stages > 1}
+    for knob, on in conflicts.items():
+        if on:
+            raise _refuse(sch, cp, f"{knob} does not compose with context parallelism yet "
+                          "(module docstring of slapo/model_schedule/context_parallel.py)",
+                          f"leave {knob} at its default on a cp mesh.")
+    for layer in layers:
+        if rel not in layer or not is_hf_attention(layer[rel].mod):
+            raise _refuse(sch, cp, f"{layer.path}.{rel} is not an HF attention module the "
+                          "context-parallel core can replace", "check the model's layout.")
+    return info
+
+
+def _check_config(sch: Schedule, cp: int, cfg) -> None:
+    """Sliding windows and attention dropout are not computed by the cp core."""
+    kinds = getattr(cfg, "layer_types", None) or ()
+    window = getattr(cfg, "sliding_window", None)
+    if any("sliding" in str(k) for k in kinds) or (not kinds and window is not None):
+        raise _refuse(sch, cp, f"{getattr(cfg, 'model_type', 'the model')} has sliding-window "
+                      f"attention (sliding_window={window}), which context-parallel attention "
+                      "does not implement", "use cp=1, or a config without sliding windows.")
+    if getattr(cfg, "attention_dropout", 0.0):
+        raise _refuse(sch, cp, f"attention_dropout={cfg.attention_dropout} is not implemented "
+                      "by context-parallel attention", "set attention_dropout=0.0.")
+
+
+def context_parallel(sch: Schedule, family, layers: list[Schedule], info, mode: str) -> None:
+    """Install the cp core in every layer's attention (checked by `check_context_parallel`),
+    and mark the model for `build` (which refuses a cp mesh without it)."""
+    from ..op.context_parallel import install
+
+    group = info.group("cp")
+    for layer in layers:
+        node = layer[family.context_parallel]
+        node.replace(install(node.mod, group, mode, node.path))
+    module_meta(sch.mod, create=True)[CP_META] = info.cp

@@ -1,0 +1,118 @@
+"""The context-parallel attention core: this rank's queries (its chunks of every sequence)
+against the keys of the whole sequence, which the cp ranks hold between them.
+
+Under context parallelism each cp rank holds 1/cp of every sequence from the embedding to the
+loss (`runtime/context_parallel.py` splits the batch, zig-zag); everything but attention is
+per token, so only the attention core changes. `model_schedule.apply` installs this core in
+every attention module (`use_attention_core`) on a mesh with cp > 1, so the model's own
+projections, RoPE (applied per chunk from the global `position_ids` the cp batch carries) and
+parameters stay as they are. Two exact ways across ranks (the `cp_attention` knob):
+
+- "allgather": K/V all-gathered along the sequence (autograd-aware: the backward
+  reduce-scatters dK/dV, each rank keeping its own positions' sum over every rank's queries),
+  then SDPA of the local queries against all keys. Llama 3's choice for GQA models: the bytes
+  are the KV heads', fewer than the queries'.
+- "ring": `op/ring_attention.py` (K/V blocks passed rank to rank, log-sum-exp merge; K/V memory
+  stays 1/cp).
+
+Ulysses (all-to-all of sequence <-> heads) is not implemented.
+
+The mask is built here from global positions, never from the mask HF computed (HF builds it
+for the local chunk's length): causal by `position_ids` (the cp batch gives every token its
+index in the sequence, so position = index), and, when the batch had an attention mask, its
+real-key flags (`KEY_VALID`, the batch's key carrying them). A query that sees no key gets
+zeros (SDPA's definition of a fully masked row). Dropout on attention probabilities, sliding
+windows, soft-capping and attention sinks are refused at the first call.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..distributed.collectives import all_gather
+from .attention import SDPAttention
+from .attention_core import AttentionCore
+from .ring_attention import ring_attention, visible
+
+CP_ATTENTION = ("allgather", "ring")
+KEY_VALID = "cp_key_valid"  # the cp batch's (b, s_local) real-key flags, when it had a mask
+
+
+def _gathered(x: torch.Tensor, group) -> torch.Tensor:
+    """(cp, *x.shape): every cp rank's `x` (no gradient: positions and flags), by rank."""
+    return all_gather(x.unsqueeze(0).contiguous(), 0, group)
+
+
+class ContextParallelAttention(AttentionCore):
+    """HF's attention-interface call on this rank's sequence chunks, exact across the cp
+    ranks of `group` by `mode` ("allgather" or "ring"; module docstring)."""
+
+    def __init__(self, group, mode: str = "allgather"):
+        super().__init__()
+        if mode not in CP_ATTENTION:
+            raise ValueError(f"cp attention mode {mode!r}: use one of {CP_ATTENTION}")
+        self.group, self.mode = group, mode
+        self._sdpa = SDPAttention(use_flash=False)
+
+    def __deepcopy__(self, memo: dict) -> ContextParallelAttention:
+        """A copy shares the process group (a group cannot be copied)."""
+        twin = ContextParallelAttention(self.group, self.mode)
+        twin.train(self.training)
+        memo[id(self)] = twin
+        return twin
+
+    def extra_repr(self) -> str:
+        return f"mode={self.mode!r}"
+
+    def forward(self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+                value: torch.Tensor, attention_mask: Any, dropout: float = 0.0,
+                scaling: float | None = None, is_causal: bool | None = None,
+                **kwargs: Any) -> tuple[torch.Tensor, None]:
+        self._refuse(module, dropout, kwargs)
+        positions = kwargs.get("position_ids")
+        if positions is None:
+            raise ValueError("context-parallel attention needs the global `position_ids` of "
+                             "this rank's tokens: train through the built model's train_step "
+                             "(it splits the batch over the cp ranks), not model(...).")
+        b, s = query.shape[0], query.shape[2]
+        q_pos = positions.expand(b, s).contiguous()
+        valid = kwargs.get(KEY_VALID)
+        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        k_pos = _gathered(q_pos, self.group)  # (cp, b, s): key positions, by owning rank
+        k_valid = None if valid is None else _gathered(valid.to(torch.int32), self.group).bool()
+        if self.mode == "ring":
+            out = ring_attention(query, key, value, q_pos, k_pos, k_valid, scale, self.group)
+        else:
+            out = self._allgather(query, key, value, q_pos, k_pos, k_valid, scale)
+        return out.transpose(1, 2).contiguous(), None
+
+    def _allgather(self, q, k, v, q_pos, k_pos, k_valid, scale) -> torch.Tensor:
+        keys = all_gather(k, 2, self.group, partial_grad=True)  # backward: reduce-scatter
+        values = all_gather(v, 2, self.group, partial_grad=True)
+        flat = k_pos.permute(1, 0, 2).reshape(q.shape[0], -1)  # rank-major, as gathered
+        flags = None if k_valid is None else k_valid.permute(1, 0, 2).reshape(q.shape[0], -1)
+        return self._sdpa.attend(q, keys, values, visible(q_pos, flat, flags), False, 0.0, scale)
+
+    def _refuse(self, module: torch.nn.Module, dropout: float, kwargs: dict) -> None:
+        """What this core does not compute, refused instead of computed differently."""
+        name = type(module).__name__
+        if dropout and self.training:
+            raise ValueError(f"{name}: attention dropout {dropout} under context parallelism "
+                             "is not supported (set the config's attention_dropout to 0).")
+        for key in ("sliding_window", "softcap", "s_aux", "position_bias"):
+            if kwargs.get(key) is not None:
+                raise ValueError(f"{name}: HF passed `{key}`, which context-parallel "
+                                 "attention does not implement.")
+
+
+def install(module: torch.nn.Module, group, mode: str, path: str = "") -> torch.nn.Module:
+    """The twin of HF attention `module` that runs `ContextParallelAttention` (see
+    `use_attention_core`)."""
+    from .hf_attention import use_attention_core
+
+    return use_attention_core(module, ContextParallelAttention(group, mode), path)
+
+
+__all__ = ["CP_ATTENTION", "KEY_VALID", "ContextParallelAttention", "install"]

@@ -1,0 +1,148 @@
+"""Ring attention: exact attention of this rank's queries against every cp rank's keys, with
+the K/V blocks passed rank to rank and the partial results merged by their log-sum-exp.
+
+Why a ring: all-gathering K/V (`op/context_parallel.py`'s other choice) holds the whole
+sequence's K/V on every rank at once; the ring holds two blocks (the one in use, the one
+arriving), so K/V memory per rank stays 1/cp of the sequence. Each step attends the local
+queries to one block; the block's softmax is normalised within the block and remembered with
+its log-sum-exp `lse_b`, and `merge_partials` combines blocks exactly:
+`out = out_a * exp(lse_a - lse) + out_b * exp(lse_b - lse)`, `lse = logaddexp(lse_a, lse_b)`
+(the flash-attention / Ring Attention recurrence). The causal mask comes from the *global*
+positions of queries and keys (`positions`), so any layout of chunks (Slapo's zig-zag) is
+masked right; a query that sees no key at all (a padding query under left padding) gets
+zeros, as SDPA defines a fully masked row.
+
+The backward is written out (a custom autograd Function), as in flash attention: with the
+final output O and log-sum-exp L saved, each block's probabilities are recomputed,
+`P = exp(S - L)`, `dV_b = P^T dO`, `dS = P * (dO V_b^T - rowsum(dO * O))`,
+`dQ += dS K_b * scale`, `dK_b = dS^T Q * scale`. The K/V blocks travel the ring again, each
+with its dK/dV accumulator; after `cp` passes every accumulator is back with the rank that owns
+the block. GQA: blocks keep their KV heads on the wire; the gradient of a repeated head is
+folded back onto its KV head.
+
+Communication is point-to-point (`isend` to the next cp rank, `irecv` from the previous one),
+one step after another: overlapping a step's send with its compute on GPU is not done yet.
+`ring_steps` and `merge_partials` are module attributes so tests can break them (a skipped
+step, a merge without the log-sum-exp correction) and see the equality fail.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .attention_core import repeat_kv
+
+
+def ring_steps(cp: int) -> range:
+    """The ring's steps: at step `s` this rank attends to the block of cp rank `rank - s`."""
+    return range(cp)
+
+
+def visible(q_pos: torch.Tensor, k_pos: torch.Tensor, k_valid: torch.Tensor | None
+            ) -> torch.Tensor:
+    """Bool (b, 1, s_q, s_k), True = attend: causal by global position, keys that are real."""
+    mask = k_pos[:, None, None, :] <= q_pos[:, None, :, None]
+    return mask if k_valid is None else mask & k_valid[:, None, None, :]
+
+
+def _scores(q, k, mask, scale):
+    s = torch.matmul(q, k.transpose(-1, -2)) * scale
+    return s.masked_fill(~mask, float("-inf"))
+
+
+def _finite(lse: torch.Tensor, fill: float) -> torch.Tensor:
+    return torch.where(torch.isinf(lse), torch.full_like(lse, fill), lse)
+
+
+def block_attention(q, k, v, mask, scale) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of `q` against one block, normalised within the block, and its log-sum-exp
+    (b, h, s_q); a row that sees no key of the block: zeros and -inf."""
+    s = _scores(q, k, mask, scale)
+    lse = torch.logsumexp(s, dim=-1)
+    p = torch.exp(s - _finite(lse, 0.0)[..., None])
+    return torch.matmul(p, v), lse
+
+
+def merge_partials(out, lse, out_b, lse_b) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two partial attentions of the same queries over disjoint keys, merged exactly by their
+    log-sum-exp (rows that saw no key in either stay zeros, -inf)."""
+    if out is None:
+        return out_b, lse_b
+    new = torch.logaddexp(lse, lse_b)
+    ref = _finite(new, 0.0)[..., None]
+    return out * torch.exp(lse[..., None] - ref) + out_b * torch.exp(lse_b[..., None] - ref), new
+
+
+def _fold(grad: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """The gradient of `repeat_kv`'s output folded back onto the KV heads."""
+    b, h, s, d = grad.shape
+    return grad.view(b, kv_heads, h // kv_heads, s, d).sum(2)
+
+
+def pass_on(tensors: list[torch.Tensor], group) -> list[torch.Tensor]:
+    """Send `tensors` to the next cp rank and receive the previous rank's (the ring's step)."""
+    rank, size = dist.get_rank(group), dist.get_world_size(group)
+    to = dist.get_global_rank(group, (rank + 1) % size)
+    frm = dist.get_global_rank(group, (rank - 1) % size)
+    got = [torch.empty_like(t) for t in tensors]
+    reqs = []
+    for t, g in zip(tensors, got):
+        reqs.append(dist.isend(t.contiguous(), to, group=group))
+        reqs.append(dist.irecv(g, frm, group=group))
+    for r in reqs:
+        r.wait()
+    return got
+
+
+class RingAttention(torch.autograd.Function):
+    """Ring attention forward and backward (module docstring). `q_pos` (b, s_q): the local
+    queries' global positions; `k_pos` (cp, b, s_k), `k_valid` (cp, b, s_k) or None: every cp
+    rank's key positions and real-key flags (gathered once, small), indexed by owner."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, q_pos, k_pos, k_valid, scale, group):
+        cp, rank = dist.get_world_size(group), dist.get_rank(group)
+        rep = q.shape[1] // k.shape[1]
+        out = lse = None
+        blk = (k, v)
+        for step in ring_steps(cp):
+            if step:
+                blk = tuple(pass_on(list(blk), group))
+            owner = (rank - step) % cp
+            mask = visible(q_pos, k_pos[owner], None if k_valid is None else k_valid[owner])
+            o_b, l_b = block_attention(q, repeat_kv(blk[0], rep), repeat_kv(blk[1], rep),
+                                       mask, scale)
+            out, lse = merge_partials(out, lse, o_b, l_b)
+        ctx.save_for_backward(q, k, v, q_pos, k_pos, k_valid, out, lse)
+        ctx.scale, ctx.group = scale, group
+        return out
+
+    @staticmethod
+    def backward(ctx, d_out):
+        q, k, v, q_pos, k_pos, k_valid, out, lse = ctx.saved_tensors
+        group, scale = ctx.group, ctx.scale
+        cp, rank = dist.get_world_size(group), dist.get_rank(group)
+        kv_heads, rep = k.shape[1], q.shape[1] // k.shape[1]
+        lse = _finite(lse, float("inf"))[..., None]  # a row that saw no key: P = 0
+        delta = (d_out * out).sum(-1, keepdim=True)
+        dq = torch.zeros_like(q)
+        blk = [k, v, torch.zeros_like(k), torch.zeros_like(v)]
+        for step in ring_steps(cp):
+            if step:
+                blk = pass_on(blk, group)
+            owner = (rank - step) % cp
+            mask = visible(q_pos, k_pos[owner], None if k_valid is None else k_valid[owner])
+            k_r, v_r = repeat_kv(blk[0], rep), repeat_kv(blk[1], rep)
+            p = torch.exp(_scores(q, k_r, mask, scale) - lse)
+            ds = p * (torch.matmul(d_out, v_r.transpose(-1, -2)) - delta)
+            dq = dq + torch.matmul(ds, k_r) * scale
+            blk[2] = blk[2] + _fold(torch.matmul(ds.transpose(-1, -2), q) * scale, kv_heads)
+            blk[3] = blk[3] + _fold(torch.matmul(p.transpose(-1, -2), d_out), kv_heads)
+        dk, dv = pass_on(blk[2:], group)  # the last pass brings each block's gradient home
+        return dq, dk, dv, None, None, None, None, None
+
+
+def ring_attention(q, k, v, q_pos, k_pos, k_valid, scale: float, group) -> torch.Tensor:
+    """(b, h, s_q, d) attention of the local queries against every cp rank's K/V (exact)."""
+    return RingAttention.apply(q, k, v, q_pos, k_pos, k_valid, scale, group)

@@ -1,0 +1,144 @@
+"""Context parallelism in the step: this cp rank's part of every sequence (`cp_batch`), and
+what `build` checks before a cp step can be exact (`check_context_parallel`).
+
+**The split (zig-zag, load-balanced).** Each sequence is cut into `2 * cp` equal chunks and cp
+rank `i` holds chunks `i` and `2cp - 1 - i` (torch's `context_parallel` and Megatron's CP do
+the same): under a causal mask the late chunks see more keys than the early ones, and pairing
+an early chunk with a late one gives every rank the same attention work. A sequence whose
+length is not a multiple of `2 * cp` is padded at its end (token 0, label -100, not a real
+key): a padded key comes after every real token, so no real query sees it, and a padded
+query's label is ignored, so loss and gradients are exactly those of the unpadded sequence.
+
+**What the model gets** (a dict of keyword arguments, `Trainer.local_batch`):
+
+- `input_ids`: the rank's tokens, `position_ids`: their indices in the whole sequence (RoPE
+  per chunk from the global position; the cp attention core masks causally by them);
+- `labels` and `shift_labels`: HF's causal shift done **before** the split (label `t` is the
+  token at `t + 1` of the whole sequence; a chunk's last token predicts the first token of the
+  next chunk, which another rank holds). HF's causal-LM loss takes `shift_labels` as given,
+  and the step counts the supervised tokens of `labels` unshifted (`ModelLoss` shift 0);
+- `num_items_in_batch` (added by the step, `token_mean.GlobalSum`): the supervised tokens of
+  the whole global batch, over every dp and cp rank, so each rank's loss is its tokens' sum
+  over that count;
+- `cp_key_valid` (`op.context_parallel.KEY_VALID`), when the batch had an `attention_mask`:
+  the rank's real-key flags; the mask itself is not passed (HF would build it for the local
+  length).
+
+The loss is then the sum of every rank's token losses over the global token count, what one
+process computes (DDP's mean over `dp x cp` ranks is undone by the units' weight `dp x cp`). Batches with `position_ids`,
+`inputs_embeds` or other per-token inputs are refused (their split is not defined here).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..errors import SchedulingError
+from ..op.context_parallel import KEY_VALID
+from .batch import Batch
+from .token_mean import IGNORE_INDEX, ModelLoss
+
+SPLIT = ("input_ids", "labels", "attention_mask")  # the keys split along the sequence
+PAD_TOKEN = 0  # the id padded sequences get at their end (never a real key, never a target)
+
+
+def zigzag_index(seq: int, cp: int, rank: int) -> torch.Tensor:
+    """Positions (in a sequence of length `seq`, a multiple of `2 * cp`) that cp rank `rank`
+    holds: chunks `rank` and `2cp - 1 - rank`."""
+    c = seq // (2 * cp)
+    late = 2 * cp - 1 - rank
+    return torch.cat([torch.arange(rank * c, (rank + 1) * c),
+                      torch.arange(late * c, (late + 1) * c)])
+
+
+def padded_length(seq: int, cp: int) -> int:
+    """`seq` rounded up to a multiple of `2 * cp` (the split needs equal chunks)."""
+    return -(-seq // (2 * cp)) * (2 * cp)
+
+
+def check_cp_batch(batch: Batch) -> None:
+    """A batch the split is defined for: a dict with `input_ids` and `labels` of one shape
+    (batch, sequence); any other per-token input refused by name (nothing is changed)."""
+    if not isinstance(batch, dict):
+        raise SchedulingError("", "context parallelism (cp > 1) takes a dict batch "
+                              f"(input_ids, labels, ...), got {type(batch).__name__}.",
+                              "pass the batch as keyword arguments.")
+    ids, labels = batch.get("input_ids"), batch.get("labels")
+    if not isinstance(ids, torch.Tensor) or not isinstance(labels, torch.Tensor) or \
+            ids.dim() != 2 or labels.shape != ids.shape:
+        raise SchedulingError("", "context parallelism (cp > 1) needs `input_ids` and "
+                              "`labels` of one shape (batch, sequence) in the batch.",
+                              "pass input_ids and labels (-100 where nothing is predicted).")
+    for key, value in batch.items():
+        if key in SPLIT or not isinstance(value, torch.Tensor) or value.dim() == 0:
+            continue
+        raise SchedulingError("", f"the batch's {key!r} under context parallelism: only "
+                              f"{', '.join(SPLIT)} are split over the cp ranks (positions "
+                              "are the tokens' indices in the sequence).",
+                              f"drop {key!r} from the batch.")
+    mask = batch.get("attention_mask")
+    if mask is not None and (not isinstance(mask, torch.Tensor) or mask.shape != ids.shape):
+        raise SchedulingError("", "attention_mask under context parallelism must be a "
+                              "(batch, sequence) tensor like input_ids.",
+                              "pass a 2-D 0/1 attention_mask, or none.")
+
+
+def cp_batch(batch: Batch, cp: int, rank: int) -> dict:
+    """Cp rank `rank`'s part of every sequence of `batch` (module docstring)."""
+    check_cp_batch(batch)
+    ids = batch["input_ids"]
+    seq = ids.shape[-1]
+    pad = padded_length(seq, cp) - seq
+    shifted = F.pad(batch["labels"], (0, 1), value=IGNORE_INDEX)[..., 1:]  # HF's shift
+    index = zigzag_index(seq + pad, cp, rank).to(ids.device)
+    labels = F.pad(shifted, (0, pad), value=IGNORE_INDEX)[:, index]
+    out = {k: v for k, v in batch.items() if k not in SPLIT}
+    out.update(input_ids=F.pad(ids, (0, pad), value=PAD_TOKEN)[:, index],
+               position_ids=index.expand(ids.shape[0], -1), labels=labels,
+               shift_labels=labels)
+    mask = batch.get("attention_mask")
+    if mask is not None:
+        out[KEY_VALID] = F.pad(mask, (0, pad), value=0)[:, index].bool()
+    return out
+
+
+def check_context_parallel(sch_path: str, cp: int, loss: ModelLoss, data_parallel: str | None,
+                           pipeline, target: str | None) -> ModelLoss:
+    """`build`'s checks of a cp mesh (before anything changes); returns the step's
+    `ModelLoss`: labels arrive shifted (shift 0), each unit's loss is its sum over the global
+    token count (`token_mean.GlobalSum`)."""
+    if target is not None or pipeline is not None:
+        what = f"target={target!r}" if target is not None else "a pipeline"
+        raise SchedulingError(sch_path, f"cp={cp} with {what} is not supported yet.",
+                              "build without it (context parallelism runs with DDP).")
+    if data_parallel != "ddp":
+        raise SchedulingError(sch_path, f"cp={cp}: the cp ranks hold the same parameters and "
+                              "compute different tokens, so their gradients must be averaged "
+                              f"(over dp x cp), and data_parallel={data_parallel!r} does not.",
+                              "build with data_parallel='ddp'.")
+    if loss.user_loss_fn or loss.shift != 1 or not loss.num_items:
+        raise SchedulingError(sch_path, f"cp={cp} needs the model's own causal-LM loss (a "
+                              "*ForCausalLM head whose loss takes `shift_labels`): each cp "
+                              "rank holds part of every sequence, and Slapo normalises that "
+                              "loss over the whole sequence's tokens; a loss_fn or another "
+                              "head's loss is not.", "train a *ForCausalLM model without "
+                              "loss_fn.")
+    return ModelLoss(shift=0, num_items=loss.num_items, global_sum=True)
+
+
+CP_META = "context_parallel"  # `module_meta(model)[CP_META]`: the cp degree `apply` scheduled
+
+
+def check_scheduled_for_cp(sch_path: str, model, cp: int) -> None:
+    """A model built on a cp mesh must run the context-parallel attention (installed by
+    `model_schedule.apply` on that mesh): its own attention would attend within each rank's
+    chunks only, a wrong model that trains without an error."""
+    from ..module_patch import module_meta
+
+    meta = module_meta(model) or {}
+    if meta.get(CP_META) != cp:
+        raise SchedulingError(sch_path, f"the mesh has cp={cp}, but the model's attention was "
+                              "not made context-parallel for it (each rank would attend within "
+                              "its own chunks only).", "schedule it with slapo.model_schedule."
+                              "apply(sch) on the same mesh before build.")
