@@ -148,6 +148,8 @@ TRAIN_CASES: dict[str, CliCase] = {
     "ckpt_ratio_above_one": CliCase(["--ckpt-ratio", "2"], ("--ckpt-ratio",)),
     "ckpt_policy_unknown": CliCase(["--ckpt-policy", "some"], ("--ckpt-policy", "'some'")),
     "attention_unknown": CliCase(["--attention", "fast"], ("--attention", "'fast'")),
+    "cp_attention_unknown": CliCase(["--cp-attention", "ulysses"],
+                                    ("--cp-attention", "'ulysses'")),
     "fuse_with_value": CliCase(["--fuse", "yes"], ("unrecognized arguments: yes",)),
     "fuse_with_compile_blocks": CliCase(["--fuse", "--compile-blocks"], ("--fuse",)),
     "fuse_compiler_unknown": CliCase(["--fuse", "--fuse-compiler", "nope"],
