@@ -1,5 +1,5 @@
-"""Context parallelism (issue 34): cp=2 on real gloo ranks equals one process for LLaMA (GQA)
-and Qwen3 (RoPE, per-head norms), with both ways across ranks (all-gather of K/V, ring), on a
+"""Context parallelism (issue 34): cp=2 on real gloo ranks equals one process for LLaMA (GQA),
+Qwen3 (RoPE, per-head norms) and GPT-2 (learned absolute positions, tied head), with both ways across ranks (all-gather of K/V, ring), on a
 batch whose sequence length (14) is not a multiple of 2cp and whose second sequence is
 left-padded (attention_mask 0, labels -100): the loss of both steps, every gradient, every
 parameter after two AdamW steps at lr 1e-2. A ring that skips a step, or merges blocks without
@@ -25,7 +25,7 @@ from slapo.runtime.mesh import ParallelDims
 
 LR = 1e-2
 REL = 1e-5
-FAMILIES = ("llama", "qwen3")
+FAMILIES = ("llama", "qwen3", "gpt2")
 MODES = ("allgather", "ring")
 SEQ = 14  # not a multiple of 2 * cp = 4: padded to 16
 
@@ -216,7 +216,7 @@ def job_bad_input_is_refused():
 
     mesh = init_mesh(dims=ParallelDims(cp=2, device="cpu"))
     refused = {}
-    cases = {"mistral": (models.mistral, {}), "gpt2": (models.gpt2, {}),
+    cases = {"mistral": (models.mistral, {}), "opt": (models.opt, {}),
              "bert": (models.bert, {}), "t5": (models.t5, {}),
              "attention": (models.llama, {"attention": "sdpa"}),
              "fused_loss": (models.llama, {"fused_loss": True})}
@@ -254,7 +254,7 @@ def job_bad_input_is_refused():
 def test_bad_input_is_refused(dist2):
     refused = dist2.run(job_bad_input_is_refused)[0]
     assert "sliding-window" in refused["mistral"], refused["mistral"]
-    assert "family 'gpt2'" in refused["gpt2"] and "position_ids" in refused["gpt2"]
+    assert "family 'opt'" in refused["opt"] and "attention mask" in refused["opt"]
     assert "bidirectional" in refused["bert"]
     assert "relative position bias" in refused["t5"]
     assert "attention does not compose" in refused["attention"]

@@ -10,8 +10,11 @@ everything else a decoder computes is per token. Which families Slapo splits exa
 - LLaMA, Qwen2, Qwen3 (the "llama" family): RoPE from the global `position_ids` the cp batch
   passes, GQA, causal. Their Mistral member, and any config with sliding-window layers, is
   refused: a window is not implemented in the cp core.
-- Refused, naming why (`WHY_NOT`): GPT-2, GPT-Neo, OPT (their attention modules are not given
-  the positions the cp core masks by; not wired yet), BERT, RoBERTa, ALBERT (bidirectional
+- GPT-2: learned absolute positions, `wpe(position_ids)` of the same global ids (HF's default
+  ids are the token indices, as the cp batch's are).
+- Refused, naming why (`WHY_NOT`): OPT (its positions are a cumulative sum of the attention
+  mask, which the split does not reproduce yet), GPT-Neo (attention outside HF's registry,
+  local layers), BERT, RoBERTa, ALBERT (bidirectional
   encoders with masked-LM losses: no causal shift, not wired yet), T5 (a learned relative
   position bias over the whole sequence), the MoE families (not yet with experts), and any
   family without a plan.
@@ -31,12 +34,10 @@ from ..runtime.context_parallel import CP_META
 from ..schedule import Schedule
 
 WHY_NOT = {
-    "gpt2": "its attention modules are not given position_ids, which the context-parallel "
-            "core masks by (learned absolute positions are not wired yet)",
     "gpt_neo": "its attention computes scores itself, outside HF's attention registry, and "
                "has local (windowed) layers",
-    "opt": "its attention modules are not given position_ids (learned positions with an "
-           "offset; not wired yet)",
+    "opt": "its learned positions are a cumulative sum of the attention mask (padding-aware), "
+           "which the cp split does not reproduce yet",
     "bert": "a bidirectional encoder with a masked-LM loss: no causal mask or label shift to "
             "split by (not implemented yet)",
     "roberta": "a bidirectional encoder with a masked-LM loss (not implemented yet)",
@@ -65,7 +66,7 @@ def check_context_parallel(sch: Schedule, family, layers: list[Schedule], *, att
         why = WHY_NOT.get(family.name, "it has no context-parallel plan")
         raise _refuse(sch, cp, f"family {family.name!r} cannot be split exactly over the "
                       f"sequence: {why}", "use a mesh with cp=1 (context parallelism supports "
-                      "the llama family: LLaMA, Qwen2, Qwen3).")
+                      "the llama family: LLaMA, Qwen2, Qwen3; GPT-2).")
     _check_config(sch, cp, getattr(sch.mod, "config", None))
     conflicts = {"attention": attention is not None, "tempo": tempo, "fused_loss": fused_loss,
                  "compile_blocks": bool(compile_blocks), "pp_stages": pp_stages > 1}
@@ -89,9 +90,10 @@ def _check_config(sch: Schedule, cp: int, cfg) -> None:
         raise _refuse(sch, cp, f"{getattr(cfg, 'model_type', 'the model')} has sliding-window "
                       f"attention (sliding_window={window}), which context-parallel attention "
                       "does not implement", "use cp=1, or a config without sliding windows.")
-    if getattr(cfg, "attention_dropout", 0.0):
-        raise _refuse(sch, cp, f"attention_dropout={cfg.attention_dropout} is not implemented "
-                      "by context-parallel attention", "set attention_dropout=0.0.")
+    for name in ("attention_dropout", "attn_pdrop"):  # LLaMA's, GPT-2's
+        if getattr(cfg, name, 0.0):
+            raise _refuse(sch, cp, f"{name}={getattr(cfg, name)} is not implemented by "
+                          "context-parallel attention", f"set {name}=0.0.")
 
 
 def context_parallel(sch: Schedule, family, layers: list[Schedule], info, mode: str) -> None:

@@ -22,6 +22,7 @@ TP_PLAN = TPPlan((
 FAMILY = Family(
     name="gpt2", model_types=("gpt2",), layer_lists=("h",), tp_plan=TP_PLAN,
     mlp_paths=("mlp",),
+    context_parallel="attn",  # learned positions: `wpe(position_ids)` of the cp batch's ids
     # the attention core (heads sharded) draws per-rank masks; `attn.resid_dropout`, in the same
     # module but after the row-parallel all-reduce, must not: fork the core alone
     tp_rng_core=("attn",),
