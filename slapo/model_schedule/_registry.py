@@ -14,6 +14,7 @@ from ..errors import SchedulingError
 from ..schedule import Schedule, create_schedule
 from . import _common
 from . import context_parallel as _cp
+from . import lora as _lora
 from . import moe as _moe
 from . import sequence_parallel as _sp
 from .knobs import ScheduleKnobs, knob_fields
@@ -140,12 +141,15 @@ def apply(model_or_sch: nn.Module | Schedule, *, group=None, mesh=None,
     """
     sch = model_or_sch if isinstance(model_or_sch, Schedule) else \
         create_schedule(model_or_sch, group=group, mesh=mesh)
-    family = detect(sch.mod)
+    inner = _lora.model_inside(sch)  # a PEFT model schedules like the model it wraps
+    family = detect(inner.mod)
     # every check first: a rejected call leaves the model and the schedule's history untouched
     checked = ScheduleKnobs.from_given(knobs).validate(sch.path)
     if family.schedule is not None:  # a non-transformer family (WideResNet) owns its concerns
-        return family.schedule(sch, checked)
-    return _apply_knobs(sch, family, **checked.as_kwargs())
+        family.schedule(inner, checked)
+    else:
+        _apply_knobs(inner, family, **checked.as_kwargs())
+    return sch
 
 
 def _knob_signature() -> inspect.Signature:
@@ -172,6 +176,7 @@ def _apply_knobs(sch: Schedule, family: Family, *, tp: int | None, ckpt_ratio: f
     ws = sch.tp_size
     tp = ws if tp is None else tp
     _validate(sch, family, tp, ws, sequence_parallel, pp_stages, vocab_parallel, fused_loss)
+    _lora.check_knobs(sch, tp, pp_stages, fuse, kernels, vocab_parallel)
     _validate_plan(sch, family, tp, attention, fuse, kernels, pp_stages,
                    sequence_parallel and tp > 1)
     ep = _moe.check_expert_parallel(sch, family, layers_of(sch, family), tp, pp_stages)

@@ -475,8 +475,10 @@ class TPPlan:
             raise SchedulingError(layer.path, f"the plan is applied for tp={tp}, but the "
                                   f"schedule's tensor-parallel group has {layer.tp_size} ranks.",
                                   "create the schedule on a group of that size.")
+        from .lora import lora_style  # a PEFT LoRA layer at a row's path: base, A and B
+
         rows = [(self._node(layer, path, style), style) for path, style in self.entries]
-        rows = [(n, s) for n, s in rows if n is not None]
+        rows = [(n, lora_style(n, s)) for n, s in rows if n is not None]
         seen: dict[tuple, str] = {}
         for node, style in rows:
             style.check(node, tp, sequence_parallel)

@@ -177,13 +177,17 @@ def make_optimizer(optimizer, params: list[nn.Parameter], optimizer_kwargs: dict
 
 
 def _unique_params(modules: list[nn.Module]) -> list[nn.Parameter]:
+    """The parameters the optimizer steps: each once, and only trainable ones, so a frozen
+    base (LoRA fine-tuning) holds no optimizer state and is never touched by its step. A
+    model (or this rank's stages) with nothing trainable keeps all of them, as before: torch's
+    optimizers refuse an empty list, and such a step changes nothing anyway."""
     seen, out = set(), []
     for m in modules:
         for p in m.parameters():
             if id(p) not in seen:
                 seen.add(id(p))
                 out.append(p)
-    return out
+    return [p for p in out if p.requires_grad] or out
 
 
 def plan_stages(sch: Schedule, *, mesh=None, pipeline: str = "1F1B",
