@@ -1,4 +1,4 @@
-"""Context parallelism (issue 34): cp=2 on real gloo ranks equals one process for LLaMA (GQA),
+"""Context parallelism (issue 34): cp=2 (and cp=4) on real gloo ranks equals one process for LLaMA (GQA),
 Qwen3 (RoPE, per-head norms) and GPT-2 (learned absolute positions, tied head), with both ways across ranks (all-gather of K/V, ring), on a
 batch whose sequence length (14) is not a multiple of 2cp and whose second sequence is
 left-padded (attention_mask 0, labels -100): the loss of both steps, every gradient, every
@@ -163,13 +163,13 @@ def _without_lse(out, lse, out_b, lse_b):
     return (out_b, lse_b) if out is None else (out + out_b, torch.maximum(lse, lse_b))
 
 
-def job_cp2_equals_one_process(families=FAMILIES, modes=MODES, mutation=None):
+def job_cp_equals_one_process(families=FAMILIES, modes=MODES, mutation=None, cp=2):
     """{(family, mode): the worst relative difference of loss, gradients, parameters}.
     `mutation`: "skip_step" or "no_lse", patched into the ring (`op/ring_attention.py`)."""
     import slapo.op.ring_attention as ring
     from slapo.runtime.mesh import init_mesh
 
-    mesh = init_mesh(dims=ParallelDims(cp=2, device="cpu"))
+    mesh = init_mesh(dims=ParallelDims(cp=cp, device="cpu"))
     honest = ring.ring_steps, ring.merge_partials
     if mutation == "skip_step":
         ring.ring_steps = _skip_last_step(honest[0])
@@ -177,7 +177,7 @@ def job_cp2_equals_one_process(families=FAMILIES, modes=MODES, mutation=None):
         ring.merge_partials = _without_lse
     try:
         out = {(f, m): _worst(f, m, mesh, _batches()) for f in families for m in modes}
-        if mutation is None:  # float32: loss and gradients (AdamW amplifies fp32 noise: _model)
+        if mutation is None and cp == 2:  # float32: loss and gradients (AdamW amplifies fp32 noise: _model)
             out.update({(f, m, "fp32"): _worst(f, m, mesh, _batches(), torch.float32)
                         for f in families[:1] for m in modes})
         return out
@@ -187,8 +187,20 @@ def job_cp2_equals_one_process(families=FAMILIES, modes=MODES, mutation=None):
 
 @pytest.mark.dist
 def test_cp2_equals_one_process(dist2):
-    results = dist2.run(job_cp2_equals_one_process)
+    results = dist2.run(job_cp_equals_one_process)
     assert len(results[0]) == len(FAMILIES) * len(MODES) + len(MODES)
+    _check_equal(results)
+
+
+@pytest.mark.dist
+def test_cp4_equals_one_process(dist4):
+    """Four ranks: a ring of four steps (each dK/dV travels three hops home), chunks of 2."""
+    results = dist4.run(job_cp_equals_one_process, families=("llama", "gpt2"), cp=4)
+    assert len(results[0]) == 2 * len(MODES)
+    _check_equal(results)
+
+
+def _check_equal(results: list[dict]) -> None:
     for rank, res in enumerate(results):
         for key, worst in res.items():
             assert worst["cores"] == ["ContextParallelAttention"], (rank, key)
@@ -200,7 +212,7 @@ def test_cp2_equals_one_process(dist2):
 @pytest.mark.dist
 @pytest.mark.parametrize("mutation", ["skip_step", "no_lse"])
 def test_a_broken_ring_fails(dist2, mutation):
-    results = dist2.run(job_cp2_equals_one_process, families=("llama",), modes=("ring",),
+    results = dist2.run(job_cp_equals_one_process, families=("llama",), modes=("ring",),
                         mutation=mutation)
     worst = results[0][("llama", "ring")]
     assert worst["loss"] > 1e-3 and worst["grad"] > 1e-3, worst
