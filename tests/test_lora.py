@@ -1,4 +1,4 @@
-"""PEFT's LoRA through the ready schedules: a `PeftModel` under tp=2 (and DDP over dp=2) trains
+"""PEFT's LoRA through the ready schedules: a `PeftModel` under tp=2 (DDP, FSDP2 over dp=2) trains
 exactly as PEFT's LoRA does on one process, for GPT-2 (fused q|k|v Conv1D), LLaMA (GQA),
 Qwen3 (per-head norms) and BERT (post-LN encoder).
 
@@ -59,9 +59,12 @@ def _loss_fn(family: str):
 
 
 def _full(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of a TP shard (its spec on the parameter) or an FSDP2 DTensor."""
+    from torch.distributed.tensor import DTensor
+
     from slapo.sharding import gather_full, shard_spec
 
-    return gather_full(t, shard_spec(like))
+    return t.full_tensor() if isinstance(t, DTensor) else gather_full(t, shard_spec(like))
 
 
 def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -146,8 +149,9 @@ def job_tp2_equals_peft(families):
 
 
 def job_dp2_equals_peft(family):
-    """DDP over dp=2 (each rank half of the batch): the same comparison, and DDP reduces the
-    adapters' gradients only (counted by a comm hook)."""
+    """DDP and FSDP2 over dp=2 (each rank half of the batch): the same comparison (FSDP2: the
+    frozen base sharded, gathered bit-identical, no gradient), and DDP reduces the adapters'
+    gradients only (counted by a comm hook)."""
     import slapo.runtime
 
     mesh = slapo.runtime.init_mesh(dp=2)
@@ -169,6 +173,7 @@ def job_dp2_equals_peft(family):
     finally:
         torch.nn.parallel.DistributedDataParallel.__init__ = real
     out["reduced_per_step"] = sum(reduced) / 2
+    out["fsdp"] = compare(family, torch.float64, mesh=mesh, data_parallel="fsdp", steps=2)
     out["trainable"] = sum(p.numel() for p in peft_model(family).parameters() if p.requires_grad)
     return out
 
@@ -266,11 +271,12 @@ def test_tp2_lora_equals_peft_on_one_process(dist2):
                 assert errs[what] <= TOL, (family, dtype, what, errs)
 
 
-def test_dp2_lora_equals_peft_and_reduces_adapters_only(dist2):
+def test_ddp_and_fsdp2_lora_equal_peft_and_reduce_adapters_only(dist2):
     res = dist2.run(job_dp2_equals_peft, "llama")
     for errs in res:
         for what in ("loss", "grad", "adapter"):
             assert errs[what] <= TOL, (what, errs)
+            assert errs["fsdp"][what] <= TOL, (what, errs["fsdp"])
         assert errs["reduced_per_step"] == errs["trainable"], errs
 
 
