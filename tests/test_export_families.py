@@ -27,11 +27,15 @@ TINY = dict(seq_len=16, batch_size=4, steps=2, save_every=2, progress=False, plo
             eval_batches=0, dropout=0.0, lr=1e-2)
 PROBE = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(3))
 VOCAB = 260  # the byte tokenizer's (a directory without a tokenizer trains on bytes)
+# gemma2 and phi3 have no hand-written family: scheduled from the tp plan their configs declare
+# (`model_schedule/hf_plan.py`; Gemma 2: soft-capping, alternating sliding windows, scaled
+# embeddings; Phi-3: packed q|k|v and gate|up)
 FAMILIES = ("gpt2", "gpt_neo", "opt", "llama", "mistral", "qwen2", "qwen3", "bert", "roberta",
-            "albert", "t5")
+            "albert", "t5", "gemma2", "phi3")
 LAYOUTS = {"one": {}, "tp2": {"tp": 2}, "pp2": {"pp_stages": 2}, "fsdp2": {"dp_shard": True}}
 # A layout `slapo train` refuses for a family, with the reason (checked to be refused).
-REFUSED = {("albert", "pp2"): "one shared layer at every depth"}
+REFUSED = {("albert", "pp2"): "one shared layer at every depth",
+           ("gemma2", "pp2"): "pipeline stages re-implement the model's forward"}
 
 
 def _config(name: str):
@@ -60,6 +64,8 @@ def _config(name: str):
         # RoBERTa numbers positions from pad_token_id + 1
         "roberta": lambda: tf.RobertaConfig(**{**encoder, "max_position_embeddings": 64 + 257}),
         "albert": lambda: tf.AlbertConfig(**encoder, embedding_size=16),
+        "gemma2": lambda: tf.Gemma2Config(**decoder, head_dim=8, sliding_window=8),
+        "phi3": lambda: tf.Phi3Config(**decoder),
         "t5": lambda: tf.T5Config(d_model=32, d_kv=8, d_ff=64, num_layers=1, num_decoder_layers=1,
                                   num_heads=4, vocab_size=VOCAB, pad_token_id=256,
                                   eos_token_id=258, decoder_start_token_id=256),
@@ -70,7 +76,8 @@ TASK_CLASS = {"gpt2": "GPT2LMHeadModel", "gpt_neo": "GPTNeoForCausalLM", "opt": 
               "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
               "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
               "bert": "BertForMaskedLM", "roberta": "RobertaForMaskedLM",
-              "albert": "AlbertForMaskedLM", "t5": "T5ForConditionalGeneration"}
+              "albert": "AlbertForMaskedLM", "t5": "T5ForConditionalGeneration",
+              "gemma2": "Gemma2ForCausalLM", "phi3": "Phi3ForCausalLM"}
 
 
 def save_family_dirs(root: Path) -> dict[str, str]:
