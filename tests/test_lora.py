@@ -1,6 +1,7 @@
 """PEFT's LoRA through the ready schedules: a `PeftModel` under tp=2 (DDP, FSDP2 over dp=2) trains
 exactly as PEFT's LoRA does on one process, for GPT-2 (fused q|k|v Conv1D), LLaMA (GQA),
-Qwen3 (per-head norms) and BERT (post-LN encoder).
+Qwen3 (per-head norms), BERT (post-LN encoder) and OLMo-2 (no hand-written family: the plan its
+config declares).
 
 Compared per family: the first step's loss, every adapter gradient, every adapter after two
 AdamW steps at lr 1e-2 (relative error <= 1e-5), the frozen base bit-identical after training,
@@ -20,8 +21,10 @@ pytestmark = pytest.mark.dist
 
 FAMILIES = ("gpt2", "llama", "qwen3", "bert")
 DECODER = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+DECLARED = "olmo2"  # scheduled from its config's base_model_tp_plan (hf_plan.py)
 TARGETS = {"gpt2": ["c_attn", "c_proj", "c_fc"], "llama": DECODER, "qwen3": DECODER,
-           "bert": ["query", "key", "value", "dense"]}  # BERT's "dense": the pooler's too
+           "bert": ["query", "key", "value", "dense"],  # BERT's "dense": the pooler's too
+           DECLARED: DECODER}
 LR, TOL = 1e-2, 1e-5
 
 
@@ -33,7 +36,12 @@ def peft_model(family: str, dtype=torch.float32, **lora):
     import models
     import peft
 
-    model = getattr(models, family)(seed=0)
+    if family == DECLARED:  # no hand-written family: the plan its config declares
+        import hf_tiny
+
+        model = hf_tiny.build("olmo2", "Olmo2ForCausalLM", seed=0)
+    else:
+        model = getattr(models, family)(seed=0)
     cfg = dict(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=TARGETS[family])
     pm = peft.get_peft_model(model, peft.LoraConfig(**{**cfg, **lora}))
     g = torch.Generator().manual_seed(1)
@@ -141,6 +149,7 @@ def job_tp2_equals_peft(families):
     after two AdamW steps test the math; loss and gradients are compared in fp32 too."""
     out = {(f, str(dtype)): compare(f, dtype) for f in families
            for dtype in (torch.float32, torch.float64)}
+    out[(DECLARED, "torch.float64")] = compare(DECLARED, torch.float64)
     # sequence parallelism (the row kernel's reduce-scatter) with checkpointed layers
     for f in ("gpt2", "llama"):
         out[(f + "+sp+ckpt", "torch.float64")] = compare(
@@ -263,7 +272,7 @@ def job_refusals():
 def test_tp2_lora_equals_peft_on_one_process(dist2):
     res = dist2.run(job_tp2_equals_peft, FAMILIES)
     for rank_res in res:
-        assert len(rank_res) == 2 * len(FAMILIES) + 2
+        assert len(rank_res) == 2 * len(FAMILIES) + 3
         for (family, dtype), errs in rank_res.items():
             assert errs["n_adapters"] > 0, family
             checked = ("loss", "grad") if dtype == "torch.float32" else ("loss", "grad", "adapter")

@@ -39,6 +39,7 @@ import torch.nn as nn
 from ..errors import SchedulingError
 from ..schedule import Schedule
 from ._common import find_path
+from .lora import is_tuner_layer
 from .plan import Column, EnterRegion, ReduceParamGrads, Row, ShardParam, Style, TPPlan
 from .plan_edges import GatherOutput, ScatterInput
 
@@ -165,6 +166,8 @@ def _rows_for(rel: str, style: str, target: nn.Module | None, param: str | None,
         return [(rel.rpartition(".")[0], ShardParam(param, axis=0))]
     if style == "replicated_with_grad_allreduce":  # a norm without a scale: nothing to sum
         return [(rel, ReduceParamGrads())] if any(True for _ in target.parameters()) else []
+    if is_tuner_layer(target):  # a PEFT adapter layer: its plan row splits base, A and B
+        target = target.get_base_layer()
     if not isinstance(target, nn.Linear):
         raise _Refused(f"{model_type!r} declares {rel!r}: {style!r} on a "
                        f"{type(target).__name__}; only nn.Linear projections are split")
@@ -250,13 +253,15 @@ def _check_regions(layers: list[nn.Module], rows: list[tuple[str, Style]],
     split = {p.rpartition(".")[0] for p, s in rows if isinstance(s, Column) and p not in gathered}
     covered = {p for p, _ in rows}
     for layer in layers:
+        # a PEFT adapter layer at a row's path: its base, A and B are the row's (lora.py)
+        tuned = tuple(c + "." for c in covered if is_tuner_layer(_get(layer, c)))
         for region in sorted(split):
             mod = _get(layer, region)
             if mod is None:
                 continue
             for name, _ in mod.named_parameters():
                 owner = _join(region, name.rpartition(".")[0])
-                if owner not in covered:
+                if owner not in covered and not owner.startswith(tuned):
                     raise _Refused(f"{model_type!r}: the parameter {_join(region, name)!r} sits "
                                    f"in {region!r}, whose projections keep their outputs split, "
                                    "and the declared plan gives it no style, so its gradient "
