@@ -89,6 +89,8 @@ TRAIN_CASES: dict[str, CliCase] = {
     "num_heads_zero": CliCase(["--num-heads", "0"], ("--num-heads must be >= 1",)),
     "hidden_not_divisible_by_heads": CliCase(["--hidden-size", "30", "--num-heads", "4"],
                                              ("--hidden-size 30", "--num-heads 4")),
+    "cp_zero": CliCase(["--cp", "0"], ("--cp must be >= 1",)),
+    "cp_above_world": CliCase(["--cp", "2"], ("cp=2", "torchrun --nproc-per-node 2"), rc=1),
     "grad_accum_zero": CliCase(["--grad-accum", "0"], ("--grad-accum must be >= 1",)),
     "grad_accum_not_dividing_batch": CliCase(["--grad-accum", "3"], ("--grad-accum 3",)),
     "lr_zero": CliCase(["--lr", "0"], ("--lr must be > 0",)),

@@ -275,3 +275,52 @@ def test_bad_input_is_refused(dist2):
     assert "data_parallel='ddp'" in refused["no_ddp"]
     assert "causal-LM loss" in refused["loss_fn"]
     assert "'position_ids'" in refused["position_ids"]
+
+
+# ---- slapo train --cp ----------------------------------------------------------------------------
+TRAIN = dict(hidden_size=32, num_layers=2, num_heads=4, seq_len=30, batch_size=4, steps=4,
+             progress=False, plot=False, eval_batches=0, dropout=0.0, lr=1e-2)
+
+
+def job_train_cp(runs: list[dict], out: str) -> list:
+    """`slapo train`'s entry point per options (--cp 2): its losses, or the refusal's text."""
+    from slapo.errors import SlapoError
+    from slapo.train import TrainConfig, train
+
+    torch.set_num_threads(1)
+    results = []
+    for i, opts in enumerate(runs):
+        opts = {**TRAIN, **opts}
+        if opts.get("save_every") or opts.get("resume"):
+            opts.setdefault("out", f"{out}/run{i}")
+        try:
+            data = train(TrainConfig(**opts))
+            assert "cp=2" in data["schedule"], data["schedule"]  # not DDP over 2 ranks
+            results.append(data["losses"])
+        except (SlapoError, ValueError) as e:
+            results.append(str(e))
+    return results
+
+
+@pytest.mark.dist
+def test_slapo_train_cp2_trains_like_one_process_and_resumes(dist2, tmp_path):
+    """`slapo train --cp 2` (sequence 30: padded to 32 for the zig-zag split) logs one
+    process's losses for LLaMA and GPT-2 with both attention choices; a run saved at step 2
+    and resumed logs the uninterrupted run's losses bit for bit; a family without a cp plan
+    is refused by name."""
+    from slapo.train import TrainConfig, train
+
+    runs = [{"model": m, "cp": 2, "cp_attention": a}
+            for m in ("llama", "gpt2") for a in MODES]
+    runs += [{"model": "llama", "cp": 2, "save_every": 2},
+             {"model": "llama", "cp": 2, "resume": str(tmp_path / "run4" / "checkpoints" /
+                                                        "step_000002"), "out": str(tmp_path / "b")},
+             {"model": "bert", "cp": 2, "steps": 1}]
+    ranks = dist2.run(job_train_cp, runs, str(tmp_path), timeout=600)
+    assert ranks[0] == ranks[1], ranks
+    got = ranks[0]
+    for i, run in enumerate(runs[:4]):
+        one = train(TrainConfig(**{**TRAIN, "model": run["model"]}))["losses"]
+        assert got[i] == pytest.approx(one, rel=REL, abs=1e-6), (run, got[i], one)
+    assert got[5][2:] == got[4][2:], (got[4], got[5])
+    assert isinstance(got[6], str) and "cp" in got[6] and "bert" in got[6].lower(), got[6]

@@ -172,11 +172,13 @@ def schedule(model: nn.Module, cfg: Any, env: Env) -> tuple[nn.Module, Any, str]
     knobs = cfg.knobs()
     if env.dims.pp > 1:
         knobs["pp_stages"] = env.dims.stages(cfg.pipeline_schedule())  # stages, not ranks
-    if not knobs and env.dims.tp == 1:
+    if not knobs and env.dims.tp == 1 and env.dims.cp == 1:
         return model, create_schedule(model, mesh=env.mesh), \
             "none (no schedule knobs given: the HF model as built)"
     applied = {**knobs, **({"tp": env.dims.tp} if env.dims.tp > 1 else {})}
     shown = ", ".join(f"{k}={applied[k]}" for k in knob_names() if k in applied)
+    if env.dims.cp > 1:  # a degree of the mesh: apply installs the cp attention from it
+        shown = ", ".join(filter(None, (shown, f"cp={env.dims.cp}")))
     extra = {"mesh": env.mesh} if env.mesh is not None else {}
     try:
         sch = model_schedule.apply(model, **knobs, **extra)

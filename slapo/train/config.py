@@ -51,7 +51,7 @@ RUN_IDENTITY = ("model", "batch_size", "seq_len", "seed", "hidden_size", "num_la
 # How the run is laid out on the ranks (with the number of processes): a resume may change
 # them (the loader reads each tensor into this job's layout), but then the per-rank random
 # streams restart (`slapo.train.resume`), so only an equal layout resumes bit for bit.
-RUN_LAYOUT = ("tp", "pp_stages", "sequence_parallel", "vocab_parallel")
+RUN_LAYOUT = ("tp", "pp_stages", "cp", "sequence_parallel", "vocab_parallel")
 
 
 PROGRESSIVE_INPUTS = ("--progressive compares schedules on a registry model and the shipped "
@@ -145,6 +145,9 @@ class ParallelismOptions:
 
     dp_shard: bool = _opt(False, "data-parallel ranks shard weights, gradients and optimizer "
                           "state (FSDP2) instead of replicating them (DDP)")
+    cp: int = _opt(1, "context parallelism: each of N ranks holds 1/N of every sequence "
+                   "(zig-zag chunks, causal load balanced) from the embedding to the loss; "
+                   "LLaMA/Qwen2/Qwen3 and GPT-2, with DDP (--cp-attention: ring or allgather)")
     pp_schedule: str | None = _opt(None, "pipeline schedule with --pp-stages > 1 (default "
                                    "1F1B); Interleaved1F1B, LoopedBFS, InterleavedZeroBubble, "
                                    "ZBVZeroBubble, DualPipeV run 2 stages per rank",
@@ -299,7 +302,7 @@ class TrainConfig:
 
     def _check_numbers(self) -> None:
         for name in ("steps", "batch_size", "seq_len", "hidden_size", "num_layers", "num_heads",
-                     "grad_accum"):
+                     "grad_accum", "cp"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{flag(name)} must be >= 1, got {getattr(self, name)}")
         for name in ("save_every", "warmup", "eval_batches", "eval_every", "keep_last"):

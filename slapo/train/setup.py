@@ -149,12 +149,12 @@ def setup(cfg: Any) -> Env:
 
 
 def placement(cfg: Any, world: int) -> ParallelDims:
-    """The run's one placement: `--tp` and `--pp-stages` as given (None: 1), the other ranks
+    """The run's one placement: `--tp`, `--pp-stages` and `--cp` as given (None: 1), the other ranks
     data parallel (FSDP2 with `--dp-shard`, else DDP), on `--device`. `ParallelDims` checks the
     degrees; nothing before it does (a DDP pipeline is refused by `data_parallel`)."""
     return ParallelDims.for_world(world, tp=1 if cfg.tp is None else cfg.tp,
                                   pp=1 if cfg.pp_stages is None else cfg.pp_stages,
-                                  dp_shard=bool(cfg.dp_shard), device=cfg.device)
+                                  cp=cfg.cp, dp_shard=bool(cfg.dp_shard), device=cfg.device)
 
 
 def _trains_into_out(cfg: Any) -> bool:
