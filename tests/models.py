@@ -167,17 +167,18 @@ def mt5(seed: int = 0, layers: int = 2):
 # HF's eager expert loop, the definition its kernels (grouped_mm, HF's CPU default in 5.24,
 # which orders each expert's rows differently) agree with to roundoff: the MoE tests compare
 # Slapo's experts against it exactly.
-def mixtral(seed: int = 0, layers: int = 2, experts: int = 4):
-    """Mixtral, 4 experts, top-2, with the router's auxiliary loss in `out.loss`."""
+def mixtral(seed: int = 0, layers: int = 2, experts: int = 4, impl: str | None = "eager"):
+    """Mixtral, 4 experts, top-2, with the router's auxiliary loss in `out.loss` (`impl`:
+    HF's experts implementation; None: HF's default)."""
     from transformers import MixtralConfig, MixtralForCausalLM
 
+    chosen = {} if impl is None else {"experts_implementation": impl}
     return _build(MixtralConfig, MixtralForCausalLM, seed, hidden_size=64,
                   num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
                   intermediate_size=32, vocab_size=128, max_position_embeddings=64,
                   num_local_experts=experts, num_experts_per_tok=2,
                   output_router_logits=True, router_aux_loss_coef=0.02,
-                  experts_implementation="eager", bos_token_id=0, eos_token_id=0,
-                  pad_token_id=0)
+                  bos_token_id=0, eos_token_id=0, pad_token_id=0, **chosen)
 
 
 def qwen3_moe(seed: int = 0, layers: int = 2, experts: int = 4):
