@@ -22,7 +22,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("runtime", "verify", "profile", "consolidate"),
     ("model_schedule",),
     ("data", "progressive", "train", "tune"),
-    ("compat", "pattern", "pipeline", "random", "utils", "cli"),
+    ("compat", "pattern", "pipeline", "random", "utils", "cli", "logger", "framework_dialect"),
 ]
 EDGE = 5  # the adapter layer: the public module paths and the Slapo 2023 API
 LAYER_OF = {name: i for i, names in enumerate(LAYERS) for name in names}

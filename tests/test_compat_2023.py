@@ -37,6 +37,9 @@ MODULE_NAMES = {
     "slapo.utils.common": ["get_hooks", "transfer_hooks", "has_hook", "importlib_or_none"],
     "slapo.pipeline": ["generate_pipeline_partition"],
     "slapo.model_schedule": ["apply_schedule"],
+    "slapo.logger": ["get_logger"],
+    "slapo.op.cross_entropy": ["ParallelCrossEntropy"],
+    "slapo.framework_dialect": ["get_dialect_cls", "register_framework_dialect"],
     "slapo.op": ["Print", "FlashAttention", "FlashAttentionOp", "FusedQKV", "FusedMLP",
                  "LinearWithSeparateBias", "LinearWithSyncFunc", "LinearWithAct",
                  "LinearWithDropout", "ParallelCrossEntropy"],
@@ -59,6 +62,25 @@ def test_every_2023_name_imports():
         missing += [f"{mod}.{n}" for n in names if not hasattr(m, n)]
     assert not missing, missing
     assert {"replace_all", "trace", "find", "fuse"} <= set(slapo.list_primitives())
+
+
+def test_2023_module_paths_are_the_same_objects_and_dialects_register():
+    """The module paths 2023 programs import (issue 32, item 4): the same objects as the public
+    names; a registered dialect reads back, an unregistered one names its replacement."""
+    from slapo.framework_dialect import get_dialect_cls, register_framework_dialect
+    from slapo.logger import get_logger
+    from slapo.op.cross_entropy import ParallelCrossEntropy
+
+    assert get_logger is slapo.get_logger and ParallelCrossEntropy is slapo.op.ParallelCrossEntropy
+
+    @register_framework_dialect("mine", "log_parser")
+    class Parser:
+        pass
+
+    assert get_dialect_cls("log_parser", "mine") is Parser
+    assert get_dialect_cls("runtime_engine", "deepspeed", allow_none=True) is None
+    with pytest.raises(slapo.SchedulingError, match="target='deepspeed'"):
+        get_dialect_cls("runtime_engine", "deepspeed")
 
 
 # ------------------------------------------------------------------------------------ RNG, ckpt
