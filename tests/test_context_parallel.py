@@ -70,7 +70,9 @@ def test_zigzag_split_shifts_labels_before_splitting():
     assert parts[0]["labels"].tolist() == [[101, 102, 103, 104, 113, -100, -100, -100]]
     assert parts[1]["labels"].tolist() == [[105, 106, 107, 108, 109, 110, 111, 112]]
     assert parts[0]["shift_labels"] is parts[0]["labels"]
-    assert parts[0]["cp_key_valid"].tolist() == [[True] * 6 + [False] * 2]
+    # every cp rank's key flags, by rank (rank 0's chunks end in the 2 padded keys)
+    assert parts[0]["cp_key_valid"].tolist() == [[[True] * 6 + [False] * 2, [True] * 8]]
+    assert torch.equal(parts[1]["cp_key_valid"], parts[0]["cp_key_valid"])
     assert "attention_mask" not in parts[0]
 
 

@@ -20,7 +20,10 @@ Ulysses (all-to-all of sequence <-> heads) is not implemented.
 The mask is built here from global positions, never from the mask HF computed (HF builds it
 for the local chunk's length): causal by `position_ids` (the cp batch gives every token its
 index in the sequence, so position = index), and, when the batch had an attention mask, its
-real-key flags (`KEY_VALID`, the batch's key carrying them). A query that sees no key gets
+real-key flags (`KEY_VALID`, the batch's key carrying them). Every rank's key positions follow
+from the split rule (`zigzag_index`) and every rank's key flags come with the batch (the step
+splits the whole batch on every rank), so no layer communicates for its mask: only K/V cross
+the ranks. A query that sees no key gets
 zeros (SDPA's definition of a fully masked row). Dropout on attention probabilities, sliding
 windows, soft-capping and attention sinks are refused at the first call.
 """
@@ -30,6 +33,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from ..distributed.collectives import all_gather
 from .attention import SDPAttention
@@ -37,12 +41,31 @@ from .attention_core import AttentionCore
 from .ring_attention import ring_attention, visible
 
 CP_ATTENTION = ("allgather", "ring")
-KEY_VALID = "cp_key_valid"  # the cp batch's (b, s_local) real-key flags, when it had a mask
+# the cp batch's real-key flags of every cp rank's chunks, (b, cp, s_local) by rank, when it had
+# an attention mask (batch-first, so accumulation slices split it with the rest)
+KEY_VALID = "cp_key_valid"
 
 
-def _gathered(x: torch.Tensor, group) -> torch.Tensor:
-    """(cp, *x.shape): every cp rank's `x` (no gradient: positions and flags), by rank."""
-    return all_gather(x.unsqueeze(0).contiguous(), 0, group)
+def zigzag_index(seq: int, cp: int, rank: int) -> torch.Tensor:
+    """Positions (in a sequence of length `seq`, a multiple of `2 * cp`) that cp rank `rank`
+    holds: chunks `rank` and `2cp - 1 - rank` (`runtime/context_parallel.py`)."""
+    c = seq // (2 * cp)
+    late = 2 * cp - 1 - rank
+    return torch.cat([torch.arange(rank * c, (rank + 1) * c),
+                      torch.arange(late * c, (late + 1) * c)])
+
+
+def key_positions(q_pos: torch.Tensor, group) -> torch.Tensor:
+    """(cp, b, s): every cp rank's token positions, by rank, from the split rule; `q_pos`
+    (b, s) must be this rank's share of it (the cp batch's), else the mask would be wrong."""
+    cp, rank = dist.get_world_size(group), dist.get_rank(group)
+    b, s = q_pos.shape
+    every = torch.stack([zigzag_index(s * cp, cp, r) for r in range(cp)]).to(q_pos.device)
+    if not torch.equal(q_pos, every[rank].expand(b, s)):
+        raise ValueError("context-parallel attention got position_ids that are not this cp "
+                         "rank's zig-zag chunks: train through the built model's train_step "
+                         "(it splits the batch over the cp ranks).")
+    return every[:, None, :].expand(cp, b, s)
 
 
 class ContextParallelAttention(AttentionCore):
@@ -80,8 +103,8 @@ class ContextParallelAttention(AttentionCore):
         q_pos = positions.expand(b, s).contiguous()
         valid = kwargs.get(KEY_VALID)
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-        k_pos = _gathered(q_pos, self.group)  # (cp, b, s): key positions, by owning rank
-        k_valid = None if valid is None else _gathered(valid.to(torch.int32), self.group).bool()
+        k_pos = key_positions(q_pos, self.group)  # (cp, b, s): key positions, by owning rank
+        k_valid = None if valid is None else valid.transpose(0, 1)  # (cp, b, s)
         if self.mode == "ring":
             out = ring_attention(query, key, value, q_pos, k_pos, k_valid, scale, self.group)
         else:
@@ -115,4 +138,5 @@ def install(module: torch.nn.Module, group, mode: str, path: str = "") -> torch.
     return use_attention_core(module, ContextParallelAttention(group, mode), path)
 
 
-__all__ = ["CP_ATTENTION", "KEY_VALID", "ContextParallelAttention", "install"]
+__all__ = ["CP_ATTENTION", "KEY_VALID", "ContextParallelAttention", "install",
+           "key_positions", "zigzag_index"]

@@ -21,8 +21,8 @@ query's label is ignored, so loss and gradients are exactly those of the unpadde
   the whole global batch, over every dp and cp rank, so each rank's loss is its tokens' sum
   over that count;
 - `cp_key_valid` (`op.context_parallel.KEY_VALID`), when the batch had an `attention_mask`:
-  the rank's real-key flags; the mask itself is not passed (HF would build it for the local
-  length).
+  the real-key flags of every cp rank's chunks, (batch, cp, local length), so no attention
+  layer gathers them; the mask itself is not passed (HF would build it for the local length).
 
 The loss is then the sum of every rank's token losses over the global token count, what one
 process computes (DDP's mean over `dp x cp` ranks is undone by the units' weight `dp x cp`). Batches with `position_ids`,
@@ -35,21 +35,12 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import SchedulingError
-from ..op.context_parallel import KEY_VALID
+from ..op.context_parallel import KEY_VALID, zigzag_index
 from .batch import Batch
 from .token_mean import IGNORE_INDEX, ModelLoss
 
 SPLIT = ("input_ids", "labels", "attention_mask")  # the keys split along the sequence
 PAD_TOKEN = 0  # the id padded sequences get at their end (never a real key, never a target)
-
-
-def zigzag_index(seq: int, cp: int, rank: int) -> torch.Tensor:
-    """Positions (in a sequence of length `seq`, a multiple of `2 * cp`) that cp rank `rank`
-    holds: chunks `rank` and `2cp - 1 - rank`."""
-    c = seq // (2 * cp)
-    late = 2 * cp - 1 - rank
-    return torch.cat([torch.arange(rank * c, (rank + 1) * c),
-                      torch.arange(late * c, (late + 1) * c)])
 
 
 def padded_length(seq: int, cp: int) -> int:
@@ -98,8 +89,9 @@ def cp_batch(batch: Batch, cp: int, rank: int) -> dict:
                position_ids=index.expand(ids.shape[0], -1), labels=labels,
                shift_labels=labels)
     mask = batch.get("attention_mask")
-    if mask is not None:
-        out[KEY_VALID] = F.pad(mask, (0, pad), value=0)[:, index].bool()
+    if mask is not None:  # every cp rank's flags: the attention needs no collective for them
+        every = torch.stack([zigzag_index(seq + pad, cp, r) for r in range(cp)]).to(ids.device)
+        out[KEY_VALID] = F.pad(mask, (0, pad), value=0)[:, every].bool()  # (b, cp, s_local)
     return out
 
 
