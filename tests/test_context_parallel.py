@@ -1,4 +1,4 @@
-"""Context parallelism (issue 34): cp=2 (and cp=4) on real gloo ranks equals one process for LLaMA (GQA),
+"""Context parallelism (issue 34): cp=2 (and cp=4) on real gloo ranks equals one process for LLaMA (GQA), Qwen2 (q/k/v biases),
 Qwen3 (RoPE, per-head norms) and GPT-2 (learned absolute positions, tied head), with both ways across ranks (all-gather of K/V, ring), on a
 batch whose sequence length (14) is not a multiple of 2cp and whose second sequence is
 left-padded (attention_mask 0, labels -100): the loss of both steps, every gradient, every
@@ -25,7 +25,7 @@ from slapo.runtime.mesh import ParallelDims
 
 LR = 1e-2
 REL = 1e-5
-FAMILIES = ("llama", "qwen3", "gpt2")
+FAMILIES = ("llama", "qwen2", "qwen3", "gpt2")  # Qwen2: biased q/k/v projections
 MODES = ("allgather", "ring")
 SEQ = 14  # not a multiple of 2 * cp = 4: padded to 16
 
