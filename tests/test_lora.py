@@ -19,11 +19,17 @@ import torch
 pytest.importorskip("peft")
 pytestmark = pytest.mark.dist
 
-FAMILIES = ("gpt2", "llama", "qwen3", "bert")
+FAMILIES = ("gpt2", "gpt_neo", "opt", "llama", "mistral", "qwen2", "qwen3", "bert", "roberta",
+            "t5")
 DECODER = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 DECLARED = "olmo2"  # scheduled from its config's base_model_tp_plan (hf_plan.py)
 TARGETS = {"gpt2": ["c_attn", "c_proj", "c_fc"], "llama": DECODER, "qwen3": DECODER,
            "bert": ["query", "key", "value", "dense"],  # BERT's "dense": the pooler's too
+           "gpt_neo": ["q_proj", "k_proj", "v_proj", "out_proj", "c_fc", "c_proj"],
+           "opt": ["q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2"],
+           "mistral": DECODER, "qwen2": DECODER,
+           "roberta": ["query", "key", "value", "dense"],  # the MLM head's dense: unsharded
+           "t5": ["q", "k", "v", "o", "wi", "wo"],
            DECLARED: DECODER}
 LR, TOL = 1e-2, 1e-5
 
