@@ -16,7 +16,8 @@ from torch import nn
 import slapo
 from slapo.errors import SchedulingError
 from slapo.model_schedule.rnn import apply_rnn, rnn_paths
-from slapo.op.rnn import LAYOUTS, FusedGRU, FusedLSTM
+from slapo.op.rnn import FusedGRU, FusedLSTM
+from slapo.op.rnn_kernels import LAYOUTS
 from slapo.profile import saved_bytes
 
 RTOL, ATOL = 1e-5, 1e-6
@@ -196,8 +197,8 @@ def test_check_catches_the_seed_backward_bug(monkeypatch):
     def wrong_grads(i, f, g, o, c_prev, c, dh, dc):
         return right(i, f, g, o, c_prev, c_prev, dh, dc)   # tanh of the wrong cell state
 
-    right = slapo.op.rnn.lstm_cell_grads
-    monkeypatch.setattr(slapo.op.rnn, "lstm_cell_grads", wrong_grads)
+    right = slapo.op.rnn_kernels.lstm_cell_grads
+    monkeypatch.setattr(slapo.op.rnn_kernels, "lstm_cell_grads", wrong_grads)
     torch.manual_seed(0)
     ref = WordLM("LSTM", layers=1)
     sch = apply_rnn(copy.deepcopy(ref))
@@ -299,4 +300,4 @@ def test_compiled_cell_matches_torch():
     ref = WordLM("LSTM", layers=1)
     sch = apply_rnn(copy.deepcopy(ref), compile_cell=True, ckpt_chunk=4)
     _check_equal(ref, sch.mod, (torch.randint(0, 40, (3, 8)),))
-    assert not slapo.op.rnn._COMPILED["LSTM"].failed  # it really ran compiled
+    assert not slapo.op.rnn_kernels._COMPILED["LSTM"].failed  # it really ran compiled

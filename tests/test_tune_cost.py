@@ -16,7 +16,7 @@ from transformers.models.bert.modeling_bert import BertLayer  # noqa: E402
 from transformers.models.gpt2.modeling_gpt2 import GPT2Block  # noqa: E402
 
 from slapo.errors import SchedulingError  # noqa: E402
-from slapo.model_schedule.plan import shard_block  # noqa: E402
+from slapo.model_schedule.plan_block import shard_block  # noqa: E402
 from slapo.tune.capture import measure_saved_bytes  # noqa: E402
 from slapo.tune.cost import BATCH, CKPT, SEQ, TP, block_cost, saved_activation_bytes  # noqa: E402
 

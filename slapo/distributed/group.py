@@ -39,7 +39,7 @@ class VirtualGroup:
     """A tensor-parallel group of `size` ranks that exists only in this process, where this
     process plays rank `rank`.
 
-    Why: the cost model (`slapo.model_schedule.plan.shard_block`) applies a family's real plan to
+    Why: the cost model (`slapo.model_schedule.plan_block.shard_block`) applies a family's real plan to
     a copy of one block to capture what *one rank* computes and saves, without starting `size`
     processes. `world_size()`/`rank()` report it like a process group, so `shard` keeps this
     rank's slices; the collectives in `slapo.distributed.collectives` move no data on it (an

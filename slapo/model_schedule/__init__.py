@@ -42,7 +42,8 @@ from . import albert, bert, gpt2, gpt_neo, llama, moe_families, opt, roberta, t5
 from ._registry import Family, apply, detect, register_family, supported
 from .compat import apply_schedule  # noqa: F401  (Slapo 2023 spelling, compat.py)
 from .knobs import KnobError, ScheduleKnobs
-from .plan import TPPlan, shard_block
+from .plan import TPPlan
+from .plan_block import shard_block
 from .rnn import apply_rnn, rnn_paths
 
 # The built-in families, registered here in one visible list (a family file only declares its

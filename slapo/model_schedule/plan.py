@@ -33,7 +33,7 @@ import torch.nn as nn
 
 from ..errors import SchedulingError
 from ..module_patch import module_meta
-from ..schedule import Schedule, create_schedule
+from ..schedule import Schedule
 from ._common import SEQ_DIM
 
 OPTIONAL = "?"  # a trailing "?" on a plan path: skip the row when the layer has no such module
@@ -240,112 +240,6 @@ class ReduceParamGrads(Style):
         node.reduce_param_grads(None if self.names is None else list(self.names))
 
 
-# ---- channel styles: convolutional networks (ResNet blocks) ---------------------------------
-#
-# Convolutions split over channels the way Linear layers split over features: a `ConvOut`
-# (column) keeps 1/tp of the output channels, the per-channel BatchNorm after it keeps the same
-# channels (`NormChannels`: its batch statistics are per channel, so a shard computes exactly its
-# channels' share), and a `ConvIn` (row) consumes those channels and all-reduces its partial
-# sums. Grouped convolutions are refused: their channel groups do not follow a plain split.
-
-
-def _check_conv(node: Schedule, style: Style) -> None:
-    from ..module_patch import original_class
-
-    mod = node.mod
-    if not issubclass(original_class(mod), nn.Conv2d):
-        raise SchedulingError(node.path, f"{style} needs an nn.Conv2d, not "
-                              f"{type(mod).__name__}.", "point the row at a convolution.")
-    if mod.groups != 1:
-        raise SchedulingError(node.path, f"{style} cannot split a grouped convolution "
-                              f"(groups={mod.groups}): its channel groups do not follow a plain "
-                              "split over ranks.", "leave this convolution replicated (remove "
-                              "its rows from the plan).")
-
-
-@dataclass(frozen=True)
-class ConvOut(Style):
-    """Output-channel (column) parallel `nn.Conv2d`: weight (out, in, kh, kw) split on axis 0
-    (and the bias), so each rank computes 1/tp of the channels and needs no collective while a
-    `NormChannels`/`ConvIn` pair consumes them. `out_channels` follows the shard."""
-
-    def effects(self, node, tp, sp):
-        return [("shard", n) for n in ["weight"] + (["bias"] if _has(node.mod, "bias") else [])]
-
-    def check(self, node, tp, sp):
-        _check_conv(node, self)
-        _check_split(node, "weight", 0, tp, 1, self)
-
-    def apply(self, node, tp, sp):
-        node.shard("weight", axis=0)
-        if _has(node.mod, "bias"):
-            node.shard("bias", axis=0)
-        node.set_attr("out_channels", node.mod.weight.shape[0])
-
-
-@dataclass(frozen=True)
-class ConvIn(Style):
-    """Input-channel (row) parallel `nn.Conv2d`: weight split on axis 1, so each rank convolves
-    its channels into a partial sum of the full output; `reduce=True` all-reduces it after the
-    module (the output is whole on every rank; backward: identity). A bias would be added once
-    per rank before the reduction, so a convolution with a bias is refused."""
-
-    reduce: bool = True
-
-    def effects(self, node, tp, sp):
-        out = [("shard", "weight")]
-        return out + ([("sync", "fwd_post", "all_reduce")] if self.reduce else [])
-
-    def check(self, node, tp, sp):
-        _check_conv(node, self)
-        if _has(node.mod, "bias"):
-            raise SchedulingError(node.path, f"{self} on a convolution with a bias would add the "
-                                  "bias once per rank.", "use bias=False (ResNets do: a "
-                                  "BatchNorm follows) or leave this convolution replicated.")
-        _check_split(node, "weight", 1, tp, 1, self)
-
-    def apply(self, node, tp, sp):
-        node.shard("weight", axis=1)
-        node.set_attr("in_channels", node.mod.weight.shape[1])
-        if self.reduce:
-            node.sync(mode="fwd_post", sync_op_or_fn="all_reduce")
-
-
-_NORM_TENSORS = ("weight", "bias", "running_mean", "running_var")
-
-
-@dataclass(frozen=True)
-class NormChannels(Style):
-    """A per-channel norm (`nn.BatchNorm2d`) on channel-sharded activations: its affine weight
-    and bias and its running mean and variance keep this rank's channels (axis 0), so training
-    statistics, running-stat updates and eval-mode normalisation are exactly the full norm's on
-    those channels. `num_batches_tracked` (a scalar) stays replicated: every rank counts the
-    same batches. `num_features` follows the shard."""
-
-    def _names(self, node) -> list[str]:
-        return [n for n in _NORM_TENSORS if _has(node.mod, n)]
-
-    def effects(self, node, tp, sp):
-        return [("shard", n) for n in self._names(node)]
-
-    def check(self, node, tp, sp):
-        from ..module_patch import original_class
-
-        if not issubclass(original_class(node.mod), nn.modules.batchnorm._BatchNorm):
-            raise SchedulingError(node.path, f"{self} needs a BatchNorm, not "
-                                  f"{type(node.mod).__name__}.", "point the row at the norm "
-                                  "that follows the ConvOut convolution.")
-        for name in self._names(node):
-            _check_split(node, name, 0, tp, 1, self)
-
-    def apply(self, node, tp, sp):
-        names = self._names(node)
-        if names:
-            node.shard(names, axis=0)
-        node.set_attr("num_features", node.mod.running_mean.shape[0]
-                      if _has(node.mod, "running_mean") else node.mod.weight.shape[0])
-
-
 def _has(mod: nn.Module, name: str) -> bool:
     return isinstance(getattr(mod, name, None), torch.Tensor)
 
@@ -516,71 +410,5 @@ def _claim(seen: dict, node: Schedule, effect: tuple, style: Style) -> None:
     seen[key] = str(style)
 
 
-# ---- the cost model's view: one rank of a block, in one process -------------------------------
-
-
-def plan_for(block: nn.Module) -> TPPlan:
-    """The registered family plan for a block, found from the HF model type its class comes from
-    (`transformers.models.<type>.modeling_<type>`) or a submodule's `config.model_type`."""
-    from ..module_patch import original_class
-    from . import _registry
-
-    own = _model_types([block], original_class)  # the block's own class decides first
-    types = own | _model_types(list(block.modules()), original_class)
-    for candidates in (own, types):
-        for fam in _registry._FAMILIES.values():
-            if candidates & {_norm(t) for t in fam.model_types} and fam.tp_plan is not None:
-                return fam.tp_plan
-    with_plans = sorted(f.name for f in _registry._FAMILIES.values() if f.tp_plan is not None)
-    raise SchedulingError("", f"no tensor-parallel plan for {type(block).__name__} (model types "
-                          f"{sorted(types) or 'unknown'}; families with a plan: "
-                          f"{', '.join(with_plans)}).", "pass plan=TPPlan(...) for this block.")
-
-
-def _norm(model_type: str) -> str:
-    return model_type.replace("-", "_")
-
-
-def _model_types(mods: list[nn.Module], original_class) -> set[str]:
-    found = set()
-    for mod in mods:
-        parts = original_class(mod).__module__.split(".")
-        if len(parts) > 2 and parts[:2] == ["transformers", "models"]:
-            found.add(_norm(parts[2]))
-        model_type = getattr(getattr(mod, "config", None), "model_type", None)
-        if isinstance(model_type, str):
-            found.add(_norm(model_type))
-    return found
-
-
-def shard_block(block: nn.Module, tp: int, rank: int = 0, plan: TPPlan | None = None, *,
-                plan_at_tp1: bool = False) -> nn.Module:
-    """A copy of `block` as rank `rank` of a `tp`-way tensor-parallel group runs it, built in
-    this process by applying the family's plan (the one `model_schedule.apply` uses; `plan=`
-    overrides) on a `VirtualGroup(tp, rank)`.
-
-    For the cost model: it captures one rank's compute and saved activations. No data moves on
-    a virtual group: all-reduces are the identity and gathers/scatters only reshape (see
-    `slapo.distributed.collectives`), so the copy has one real rank's parameter shards, kernels
-    (bias after the reduction) and activation sizes, but its outputs are one rank's partial
-    values, not the model's. `tp=1` gives an unscheduled copy (the runtime does not shard), or
-    with `plan_at_tp1=True` the plan applied on a group of one (same kernels as at tp > 1: a
-    row-parallel bias is added after the identity reduction, as its own op)."""
-    from ..distributed.group import VirtualGroup
-    from ..runtime.mesh import check_degree
-    from ..sharding import deepcopy_model
-
-    check_degree("tp", tp)
-    plan = plan if plan is not None else plan_for(block)
-    out = deepcopy_model(block)
-    if tp == 1 and not plan_at_tp1:
-        return out
-    sch = create_schedule(out, group=VirtualGroup(tp, rank))
-    check_tp_heads(sch, tp)  # the model's heads (`apply` checks them in `TPPlan.validate`)
-    plan.apply(sch, tp)
-    return sch.mod
-
-
-__all__ = ["Column", "ConvIn", "ConvOut", "DivideAttr", "EnterRegion", "NormChannels",
-           "ReduceInputGrad", "ReduceParamGrads", "Row", "ShardParam", "Style", "TPPlan",
-           "plan_for", "shard_block"]
+__all__ = ["Column", "DivideAttr", "EnterRegion", "ReduceInputGrad", "ReduceParamGrads", "Row",
+           "ShardParam", "Style", "TPPlan"]

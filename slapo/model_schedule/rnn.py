@@ -45,7 +45,8 @@ from __future__ import annotations
 from torch import nn
 
 from ..errors import SchedulingError
-from ..op.rnn import FUSED, LAYOUTS, check_knobs
+from ..op.rnn import FUSED
+from ..op.rnn_kernels import LAYOUTS, check_knobs
 from ..schedule import Schedule, create_schedule
 from ..sharding import shard_spec
 

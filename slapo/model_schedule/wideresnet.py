@@ -71,7 +71,8 @@ from ..runtime.stages_resnet import (
 from ..schedule import Schedule
 from ._registry import Family, compile_layers
 from .knobs import KnobError, ScheduleKnobs, spec
-from .plan import ConvIn, ConvOut, NormChannels, ReduceInputGrad, TPPlan
+from .plan import ReduceInputGrad, TPPlan
+from .plan_channels import ConvIn, ConvOut, NormChannels
 
 TP_PLAN = TPPlan((
     ("conv1", ConvOut()),

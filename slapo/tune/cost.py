@@ -6,7 +6,7 @@ degree ≤ 2 in batch and in seq (activations are b·s·h and b·heads·s² term
 polynomial through a 3×3 grid (batch 2-4) is solved for and then *verified* at three more sizes — a cost that
 is not such a polynomial (padding, size-dependent kernels) raises instead of extrapolating.
 Tensor parallelism is captured the same way on one rank's shard of the block at tp=2
-(`slapo.model_schedule.plan.shard_block`: the family's own runtime plan, applied on a
+(`slapo.model_schedule.plan_block.shard_block`: the family's own runtime plan, applied on a
 virtual group), giving `R + S/tp` (replicated + sharded parts) with the unsharded tp=1 capture,
 verified at tp=4 when the block divides. The result lambdifies to numpy, so millions of configs evaluate in milliseconds.
 
@@ -26,7 +26,8 @@ import sympy
 import torch
 
 from ..errors import SchedulingError, TraceError
-from ..model_schedule.plan import TPPlan, shard_block
+from ..model_schedule.plan import TPPlan
+from ..model_schedule.plan_block import shard_block
 from ..runtime.batch import tensors_in
 from .capture import CaptureStats, Inputs, InputsFn, _batch_seq, capture, resize_inputs
 from .memory import (  # noqa: F401 - re-exported
@@ -223,7 +224,7 @@ def saved_activation_bytes(module: torch.nn.Module, example_inputs: Inputs | Inp
     `checkpoint=True` the module keeps only its inputs (so 0 unless `include_inputs`).
     `batch`/`seq` default to the example's sizes; `tp` > 1 means one rank's shard of the
     block as the runtime splits it (the family's plan, or `plan`; see
-    `slapo.model_schedule.plan.shard_block`). `example_inputs` may also be an
+    `slapo.model_schedule.plan_block.shard_block`). `example_inputs` may also be an
     `inputs_fn(batch, seq)`, in which case `seq` is required.
     """
     if tp < 1 or int(tp) != tp:
