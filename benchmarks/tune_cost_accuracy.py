@@ -13,7 +13,7 @@ from transformers import BertConfig, GPT2Config
 from transformers.models.bert.modeling_bert import BertLayer
 from transformers.models.gpt2.modeling_gpt2 import GPT2Block
 
-from slapo.model_schedule.plan import shard_block
+from slapo.model_schedule.plan_block import shard_block
 from slapo.tune.capture import measure_saved_bytes
 from slapo.tune.cost import block_cost, saved_activation_bytes
 

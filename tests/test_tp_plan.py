@@ -22,9 +22,8 @@ from slapo.model_schedule.plan import (
     ReduceParamGrads,
     Row,
     TPPlan,
-    plan_for,
-    shard_block,
 )
+from slapo.model_schedule.plan_block import plan_for, shard_block
 from slapo.sharding import shard_spec
 
 # ---- the old plans, as code (copied from the family files before they became tables) ---------
