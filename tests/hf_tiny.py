@@ -85,18 +85,26 @@ def tiny_config(model_type: str):
     kinds = _layer_types(default)
     if kinds:
         kw["layer_types"], kw["num_hidden_layers"] = kinds, len(kinds)
+    if "qk_rope_head_dim" in kw:  # MLA: one KV head per query head, the rotary part is head_dim
+        kw.update(head_dim=kw["qk_rope_head_dim"], num_key_value_heads=SIZES["num_attention_heads"])
+    if getattr(default, "num_experts_per_tok", 0) is None:  # DeepSeek-V2's default: no top-k
+        kw["num_experts_per_tok"] = 2
     try:
         return cls(**kw)
     except Exception as e:  # noqa: BLE001
         raise CannotBuild(f"tiny config: {type(e).__name__}: {str(e).splitlines()[0]}") from e
 
 
-def build(model_type: str, cls_name: str, seed: int = 0, meta: bool = False):
+def build(model_type: str, cls_name: str, seed: int = 0, meta: bool = False,
+          experts: str = "eager"):
     """The tiny *ForCausalLM in float64 (on the meta device with `meta=True`)."""
     import torch
     import transformers
 
     cfg = tiny_config(model_type)
+    # MoE experts: torch's grouped GEMM (HF's default) takes no float64; the eager loop is each
+    # class's own forward (test_moe_tp checks the grouped and batched kernels in float32)
+    cfg._experts_implementation = experts
     torch.manual_seed(seed)
     try:
         if meta:

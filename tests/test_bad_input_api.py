@@ -356,6 +356,8 @@ PRIMITIVE_CASES: dict[str, Case] = {
         "fwd_pre", "all_reduce", arg=1.5), OUT, ("arg must be an input's name",)),
     "sync_arg_on_output": Case("sync", _base, lambda s: s[OUT].sync(
         "fwd_post", "all_reduce", arg=0), OUT, ("arg= selects a forward input",)),
+    "sync_arg_unknown_name": Case("sync", _base, lambda s: s[OUT].sync(
+        "bwd_post", "all_reduce", arg="weights"), OUT, ("not an argument of Linear.forward",)),
     "sync_output_grad_not_bool": Case("sync", _base, lambda s: s[Q].sync(
         "fwd_post", "all_gather", tensor_parallel_output_grad="x"), Q, ("must be True or False",)),
     "sync_output_grad_not_gather": Case("sync", _base, lambda s: s[OUT].sync(

@@ -1,6 +1,7 @@
 """Bad input to the families derived from a model's declared plan (`model_schedule/hf_plan.py`):
 a style Slapo does not know, a head count tp does not divide, what the translation refuses
-(MoE experts, multi-head latent attention, a plan that splits nothing in the layers), a knob
+(identity experts, a module-output all-reduce, experts whose split would not be exact, a
+plan that splits nothing in the layers), a knob
 the derived family has no plan for, and a model with neither a declared plan nor a family.
 Each is a `SchedulingError` naming the reason and the fix, raised before any change
 (`test_bad_input_api._rejected` compares a full snapshot of the model and schedule).
@@ -61,8 +62,8 @@ def test_kv_heads_tp_does_not_divide():
 
 
 @pytest.mark.parametrize("model_type,cls,needles", [
-    ("qwen2_moe", "Qwen2MoeForCausalLM", ("'moe_tp_experts'", "issue 33")),
-    ("minicpm3", "MiniCPM3ForCausalLM", ("'mla_kv_a_proj'", "latent attention")),
+    ("longcat_flash", "LongcatFlashForCausalLM", ("'moe_identity_expert'", "identity expert")),
+    ("inkling_text", "InklingForCausalLM", ("'all_reduce'", "outside a row projection")),
     ("gpt_oss", "GptOssForCausalLM", ("no layer rows", "splits nothing")),
 ])
 def test_refused_with_a_named_reason(model_type, cls, needles):
@@ -72,6 +73,38 @@ def test_refused_with_a_named_reason(model_type, cls, needles):
     _rejected(_sch(model), lambda s: model_schedule.apply(s, tp=2), "model.layers",
               (*needles, "use tp=1"))
     model_schedule.apply(_sch(model), tp=1, ckpt_ratio=0.5)  # the other knobs still apply
+
+
+def _qwen2_moe(**flags):
+    model = build("qwen2_moe", "Qwen2MoeForCausalLM")
+    for layer in model.model.layers:
+        for k, v in flags.items():
+            setattr(layer.mlp.experts, k, v)
+    return model
+
+
+QWEN_EXPERTS = "model.layers.0.mlp.experts"
+
+
+@pytest.mark.parametrize("model,path,needles", [
+    (lambda: _qwen2_moe(has_bias=True), QWEN_EXPERTS, ("expert biases", "once per rank")),
+    (lambda: _qwen2_moe(has_post_expert_norm=True), QWEN_EXPERTS,
+     ("normalises each expert's output",)),
+    (lambda: _qwen2_moe(is_transposed="no"), QWEN_EXPERTS,
+     ("no `use_experts_implementation` flags",)),
+    (lambda: build("llama4_text", "Llama4ForCausalLM"), "model.layers.0.feed_forward.experts",
+     ("Llama4TextExperts has no",)),
+], ids=["bias", "post_expert_norm", "no_flags", "llama4"])
+def test_expert_tp_refuses_what_it_cannot_split_exactly(model, path, needles):
+    """Tensor-parallel experts (`plan_experts.Experts`) are refused, before any change, where
+    the split would not be the model's computation."""
+    _rejected(_sch(model()), lambda s: model_schedule.apply(s, tp=2), path, (*needles, "tp=1"))
+
+
+def test_expert_tp_has_no_sequence_parallel_form():
+    model = _qwen2_moe()
+    _rejected(_sch(model), lambda s: model_schedule.apply(s, tp=2, sequence_parallel=True), "",
+              ("sequence_parallel",))
 
 
 def test_sequence_parallel_has_no_derived_plan():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import warnings
 from collections.abc import Callable
@@ -98,7 +99,7 @@ def detect(model: nn.Module) -> Family:
     model_type = getattr(cfg, "model_type", None)
     for fam in _FAMILIES.values():
         if model_type in fam.model_types:
-            return fam
+            return _with_declared_tp_plan(fam, model)
     for fam in _FAMILIES.values():
         if model_type is None and fam.matches is not None and fam.matches(model):
             return fam
@@ -112,6 +113,22 @@ def detect(model: nn.Module) -> Family:
                           f"Supported: {listing}.",
                           "write one with the primitives (see docs/model_schedule.md) and "
                           "register it with slapo.model_schedule.register_family(Family(...)).")
+
+
+def _with_declared_tp_plan(family: Family, model: nn.Module) -> Family:
+    """A hand-written family without a tensor-parallel plan (DeepSeek-V3: its MLA attention)
+    takes the one derived from the model's declared plan, when that translates; the family's
+    other fields (its MoE plan for expert parallelism) stay."""
+    if family.tp_plan is not None or not isinstance(
+            getattr(getattr(model, "config", None), "base_model_tp_plan", None), dict):
+        return family
+    from .hf_plan import DeclaredPlan, derive_plan, layer_lists
+
+    lists = tuple(p for p in layer_lists(model, model.config.base_model_tp_plan)
+                  if p.split(".")[-1] in family.layer_lists or p in family.layer_lists)
+    plan = derive_plan(model, lists) if lists else None
+    return dataclasses.replace(family, tp_plan=plan) if isinstance(plan, DeclaredPlan) \
+        else family
 
 
 def layers_of(sch: Schedule, family: Family) -> list[Schedule]:

@@ -18,7 +18,9 @@ provably the model's computation is refused, never approximated:
 | `replicated_with_grad_allreduce`| `ReduceParamGrads()` (per-head norms)                        |
 | `local_params`, `replicate`     | nothing (Slapo's shards are local tensors; replicated stays) |
 | `embedding_rowwise` (model)     | the `vocab_parallel` knob (the input embedding and LM head)  |
-| MoE, MLA, others                | refused (`REFUSED`)                                          |
+| `moe_tp_experts` (+ its tensors' `packed_colwise`/`colwise`/`rowwise`/`packed_rowwise`) | `Experts()` (`plan_experts.py`: each expert's FFN split) |
+| `mla_kv_a_proj`                 | `ReduceTailGrad(qk_rope_head_dim)` + `Replicated()` on `q_a_proj`, `q_a_layernorm`, `kv_a_layernorm` |
+| others                          | refused (`REFUSED`)                                          |
 
 Why `EnterRegion` on each projection and not on the attention/MLP module as the hand plans
 do: a module's input may also flow around its projections (a gate, a residual inside the
@@ -40,8 +42,18 @@ from ..errors import SchedulingError
 from ..schedule import Schedule
 from ._common import find_path
 from .lora import is_tuner_layer
-from .plan import Column, EnterRegion, ReduceParamGrads, Row, ShardParam, Style, TPPlan
-from .plan_edges import GatherOutput, ScatterInput
+from .plan import (
+    OPTIONAL,
+    Column,
+    EnterRegion,
+    ReduceParamGrads,
+    Row,
+    ShardParam,
+    Style,
+    TPPlan,
+)
+from .plan_edges import GatherOutput, ReduceTailGrad, Replicated, ScatterInput
+from .plan_experts import Experts
 
 if TYPE_CHECKING:
     from ._registry import Family
@@ -49,15 +61,12 @@ if TYPE_CHECKING:
 _MOE = "MoE experts are not translated here (expert parallelism: issue 33)"
 # HF style -> why it is refused (the reason names what the translation cannot prove)
 REFUSED = {
-    "moe_tp_experts": _MOE,
-    "packed_rowwise": _MOE,
-    "moe_identity_expert": _MOE,
+    "moe_identity_expert": "an identity expert inside tensor-parallel experts returns its whole "
+                           "input on every rank, which the experts' all-reduce would multiply",
     "grouped_gemm": _MOE,
     "ep_dispatch_experts": _MOE,
     "all_reduce": "a module-output all-reduce outside a row projection (shared MoE experts) "
                   "has no Slapo row that proves it",
-    "mla_kv_a_proj": "multi-head latent attention's kv_a projection mixes a shared rotary key "
-                     "with the compressed KV, which a feature split does not follow",
     "embedding_colwise": "an embedding split over its features inside a layer is not "
                          "translated",
 }
@@ -65,7 +74,19 @@ _NOTHING = {"local_params": "Slapo's shards are local tensors already",
             "replicate": "stays replicated"}
 _MODULE_STYLES = {"colwise", "packed_colwise", "colwise_gather_output", "rowwise",
                   "rowwise_split_input", "replicated_with_grad_allreduce"}
-KNOWN = set(REFUSED) | set(_NOTHING) | _MODULE_STYLES | {"embedding_rowwise"}
+EXPERTS = "moe_tp_experts"
+# the styles HF gives the stacked tensors of a `moe_tp_experts` module (their split is the
+# module's: `plan_experts.Experts` reads it from the module's own flags)
+_EXPERT_TENSOR_STYLES = {"packed_colwise", "colwise", "rowwise", "packed_rowwise"}
+MLA = "mla_kv_a_proj"
+# the modules of multi-head latent attention that run before its column projections (whole on
+# every rank, their gradient whole after the projections' input reductions)
+# (DeepSeek-V3.2's sparse-attention `indexer` too: it scores tokens from those whole inputs)
+_MLA_REPLICATED = ("q_a_proj", "q_a_layernorm", "kv_a_layernorm", "indexer")
+# MLA's query: `q_proj` without a low-rank query (q_lora_rank None), else `q_b_proj`
+_MLA_QUERY = ("q_proj", "q_b_proj")
+KNOWN = set(REFUSED) | set(_NOTHING) | _MODULE_STYLES | {"embedding_rowwise", EXPERTS,
+                                                         "packed_rowwise", MLA}
 _LAYER_ROW = re.compile(r"^(?P<list>[^*]+)\.\*\.(?P<rel>[^*]+)$")
 FIX = ("use tp=1 (every other knob still applies), or register a hand-written Family with "
        "its own TPPlan (docs/model_schedule.md).")
@@ -229,17 +250,102 @@ def derive_plan(model: nn.Module, lists: tuple[str, ...]) -> DeclaredPlan | Refu
         return RefusedPlan(why)
     layers = [layer for path in lists for layer in model.get_submodule(path)]
     rows: list[tuple[str, Style]] = []
+    declared_rows = next(iter(split_rows(declared)[0].values()))
+    experts = {rel for rel, style in declared_rows if style == EXPERTS}
     try:
-        for rel, style in next(iter(split_rows(declared)[0].values())):
+        for rel, style in declared_rows:
+            if style == EXPERTS:
+                rows.append((rel, Experts()))
+                continue
+            if rel.rpartition(".")[0] in experts:  # a tensor of the experts: their split
+                if style not in _EXPERT_TENSOR_STYLES:
+                    raise _Refused(f"{model_type!r} declares the expert tensor {rel!r} "
+                                   f"{style!r}, which expert TP does not translate")
+                continue
+            if style == MLA:
+                rows += _mla_rows(model, layers, rel, declared_rows)
+                continue
+            if style == "packed_rowwise":
+                raise _Refused(f"{model_type!r} declares {rel!r}: 'packed_rowwise' outside "
+                               "tensor-parallel experts, which is not translated")
             target, param = _find(layers, rel)
             if target is None and param is None:
+                if _moe_alternative(rel, experts):  # the dense MLP of MoE-only layers
+                    continue
+                if _mla_query_alternative(rel, declared_rows, layers):
+                    continue
                 raise _Refused(f"{model_type!r} declares {rel!r}: {style!r}, but no layer of "
                                "this model has that module or parameter")
             rows += _rows_for(rel, style, target, param, model_type)
+        rows = [(p + OPTIONAL if _moe_alternative(p, experts) else p, st) for p, st in rows]
+        _check_moe_layers(layers, rows, experts, model_type)
         _check_regions(layers, rows, model_type)
     except _Refused as e:
         return RefusedPlan(str(e))
     return DeclaredPlan(tuple(rows), model_type=model_type)
+
+
+def _mla_rows(model: nn.Module, layers: list[nn.Module], rel: str,
+              declared_rows: list[tuple[str, str]]) -> list[tuple[str, Style]]:
+    """Multi-head latent attention's kv_a projection: replicated, the gradient of its shared
+    rotary key (its last `qk_rope_head_dim` outputs) summed over the ranks; the compressed kv
+    feeds `kv_b_proj`, which must be a declared column projection (its input reduction sums
+    the rest). The modules before the column projections are replicated rows."""
+    model_type = model.config.model_type
+    parent = rel.rpartition(".")[0]
+    # the width each layer's attention stores (a config may set it per layer); one for all
+    widths = {getattr(_get(layer, parent), "qk_rope_head_dim", None) for layer in layers
+              if _get(layer, rel) is not None}
+    if len(widths) != 1 or not isinstance(rope := widths.pop(), int) or rope <= 0:
+        raise _Refused(f"{model_type!r} declares {rel!r}: {MLA!r}, but its layers' attention "
+                       f"modules do not share one qk_rope_head_dim (found {sorted(map(str, widths))}"
+                       "): the shared rotary key's width")
+    kv_b = _join(parent, "kv_b_proj")
+    if (kv_b, "colwise") not in declared_rows:
+        raise _Refused(f"{model_type!r} declares {rel!r}: {MLA!r} without a colwise {kv_b!r} "
+                       "to sum the compressed kv's gradient")
+    rows: list[tuple[str, Style]] = [(rel, ReduceTailGrad(rope))]
+    for name in _MLA_REPLICATED:
+        path = _join(parent, name)
+        if _find(layers, path)[0] is not None:
+            rows.append((path + OPTIONAL, Replicated()))
+    return rows
+
+
+def _mla_query_alternative(rel: str, declared_rows: list[tuple[str, str]],
+                           layers: list[nn.Module]) -> bool:
+    """`rel` is the MLA query projection this configuration does not build, and the other one
+    is there (DeepSeek-V2's plan declares both `q_proj` and `q_b_proj`)."""
+    parent, _, name = rel.rpartition(".")
+    if name not in _MLA_QUERY or (_join(parent, "kv_a_proj_with_mqa"), MLA) not in declared_rows:
+        return False
+    other = _join(parent, _MLA_QUERY[1 - _MLA_QUERY.index(name)])
+    return _find(layers, other)[0] is not None
+
+
+def _moe_alternative(rel: str, experts: set[str]) -> bool:
+    """A row of an MoE block's own module (its experts, shared experts, or the dense MLP that
+    layers without experts have in the same place): present in some layers only."""
+    return any(rel == e or rel.startswith(e.rpartition(".")[0] + ".") for e in experts)
+
+
+def _check_moe_layers(layers: list[nn.Module], rows: list[tuple[str, Style]],
+                      experts: set[str], model_type: str) -> None:
+    """Each layer's MoE block is one form: experts (with their shared experts) or a dense MLP
+    whose every declared projection is there, never a mix (a row skipped beside an applied
+    partner would leave a projection split without the one that completes it)."""
+    for e in experts:
+        parent = e.rpartition(".")[0]
+        dense = sorted({p.rstrip(OPTIONAL) for p, _ in rows
+                        if p.rstrip(OPTIONAL).rpartition(".")[0] == parent
+                        and p.rstrip(OPTIONAL) != e})
+        for i, layer in enumerate(layers):
+            has = [d for d in dense if _get(layer, d) is not None]
+            moe = _get(layer, e) is not None
+            if (moe and has) or (not moe and dense and has != dense):
+                raise _Refused(f"{model_type!r}: layer {i} has {'experts and ' if moe else ''}"
+                               f"{has or 'none'} of its dense MLP rows {dense}, neither the "
+                               "experts alone nor the whole dense MLP")
 
 
 def _check_regions(layers: list[nn.Module], rows: list[tuple[str, Style]],
@@ -249,12 +355,19 @@ def _check_regions(layers: list[nn.Module], rows: list[tuple[str, Style]],
     xIELU `mlp.act_fn.alpha_p`), so its gradient would be partial, and the declared plan does
     not say (`replicated_with_grad_allreduce`) that it is. Where every column output is
     gathered, the module computes on whole tensors and its parameters are exact."""
+    rows = [(p.rstrip(OPTIONAL), s) for p, s in rows]
     gathered = {p for p, s in rows if isinstance(s, GatherOutput)}
-    split = {p.rpartition(".")[0] for p, s in rows if isinstance(s, Column) and p not in gathered}
     covered = {p for p, _ in rows}
     for layer in layers:
-        # a PEFT adapter layer at a row's path: its base, A and B are the row's (lora.py)
+        # only the rows this layer has split its regions (an MoE layer has no dense MLP rows);
+        # tensor-parallel experts are a region of their own (their intermediate features)
+        split = {p.rpartition(".")[0] for p, s in rows if isinstance(s, Column)
+                 and p not in gathered and _get(layer, p) is not None}
+        split |= {p for p, s in rows if isinstance(s, Experts) and _get(layer, p) is not None}
+        # a PEFT adapter layer at a row's path: its base, A and B are the row's (lora.py); a
+        # replicated module's submodules are its own
         tuned = tuple(c + "." for c in covered if is_tuner_layer(_get(layer, c)))
+        tuned += tuple(p + "." for p, s in rows if isinstance(s, Replicated))
         for region in sorted(split):
             mod = _get(layer, region)
             if mod is None:

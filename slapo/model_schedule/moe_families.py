@@ -4,19 +4,42 @@ renormalised), Qwen3-MoE (softmax top-k, `norm_topk_prob`; dense `mlp_only_layer
 experts and are left alone) and DeepSeek-V3 (sigmoid scores, group-limited top-k with the
 score-correction bias, a shared expert beside the routed ones, dense first layers).
 
-Expert parallelism (a mesh with ep > 1) spreads each layer's experts (`moe.MoEPlan`); their
-attention (DeepSeek-V3's MLA included) has no tensor-parallel plan here yet, so tp > 1 is
-refused before anything changes.
+Expert parallelism (a mesh with ep > 1) spreads each layer's experts (`moe.MoEPlan`).
+Tensor parallelism (Mixtral, Qwen3-MoE): LLaMA's attention rows and expert TP
+(`plan_experts.Experts`: each expert's FFN split over the ranks, the router replicated);
+Qwen3-MoE's dense layers split their MLP per projection (an MoE layer has no such modules,
+so those rows are optional). DeepSeek-V3's multi-head latent attention has no plan: tp > 1 is
+refused for it before anything changes, and so is tp with ep.
 """
 
 from __future__ import annotations
 
 from ._registry import Family
 from .moe import MoEPlan
+from .plan import Column, EnterRegion, ReduceParamGrads, Row, TPPlan
+from .plan_experts import Experts
+
+TP_PLAN = TPPlan((
+    ("self_attn.q_proj", Column()),
+    ("self_attn.k_proj", Column()),
+    ("self_attn.v_proj", Column()),
+    ("self_attn", EnterRegion()),
+    ("self_attn.o_proj", Row()),
+    ("self_attn.q_norm?", ReduceParamGrads()),  # Qwen3-MoE's per-head norms
+    ("self_attn.k_norm?", ReduceParamGrads()),
+    ("mlp.experts?", Experts()),
+    # a dense layer (Qwen3-MoE's mlp_only_layers): each projection reduces its own input
+    # gradient, since an MoE layer's `mlp` must not (its experts do)
+    ("mlp.gate_proj?", Column()),
+    ("mlp.gate_proj?", EnterRegion()),
+    ("mlp.up_proj?", Column()),
+    ("mlp.up_proj?", EnterRegion()),
+    ("mlp.down_proj?", Row()),
+))
 
 MIXTRAL = Family(name="mixtral", model_types=("mixtral",), layer_lists=("layers",),
-                 moe=MoEPlan("mlp.experts"))
+                 moe=MoEPlan("mlp.experts"), tp_plan=TP_PLAN)
 QWEN3_MOE = Family(name="qwen3_moe", model_types=("qwen3_moe",), layer_lists=("layers",),
-                   moe=MoEPlan("mlp.experts"))
+                   moe=MoEPlan("mlp.experts"), tp_plan=TP_PLAN)
 DEEPSEEK_V3 = Family(name="deepseek_v3", model_types=("deepseek_v3",), layer_lists=("layers",),
                      moe=MoEPlan("mlp.experts"))

@@ -44,11 +44,16 @@ def holders(root: nn.Module, tensor: torch.Tensor) -> list[tuple[nn.Module, str,
     return out
 
 
-def map_first_input(args: tuple, kwargs: dict, fn: Callable, arg=None) -> tuple[tuple, dict]:
-    """Apply `fn` to one input tensor, keeping every other argument (never drop args)."""
+def map_first_input(args: tuple, kwargs: dict, fn: Callable, arg=None,
+                    position: int | None = None) -> tuple[tuple, dict]:
+    """Apply `fn` to one input tensor, keeping every other argument (never drop args). A named
+    `arg` is taken from the keywords, else from `position` (its place in the signature)."""
     if isinstance(arg, str):
         if arg in kwargs:
             return args, {**kwargs, arg: fn(kwargs[arg])}
+        if position is not None and len(args) > position and \
+                isinstance(args[position], torch.Tensor):
+            return (*args[:position], fn(args[position]), *args[position + 1:]), kwargs
         raise RuntimeError(f"input {arg!r} was not passed as a keyword argument")
     idx = 0 if arg is None else int(arg)
     if len(args) > idx and isinstance(args[idx], torch.Tensor):

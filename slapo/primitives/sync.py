@@ -22,8 +22,11 @@ class SyncPrimitive(Primitive):
     mode:
     - "fwd_post": on the forward output (its first tensor, for tuple/ModelOutput outputs);
     - "fwd_pre": on the forward input (the first tensor argument, or `arg=` name/index);
-    - "bwd_post": on the gradient of the input, after backward ("all_reduce" or a callable full
-      backward hook `fn(module, grad_input, grad_output)`).
+    - "bwd_post": on the gradient of the input (the first tensor argument, or `arg=` name/index:
+      a module may take several inputs whose gradients are partial, e.g. MoE experts' hidden
+      states and routing weights), after backward ("all_reduce" or a callable full backward
+      hook `fn(module, grad_input, grad_output)`). A named `arg` is found as a keyword or at its
+      position in the module's forward signature.
 
     sync_op_or_fn: "all_reduce", "all_gather", "reduce_scatter", "scatter" (the last three need
     `axis=`; for a column-parallel output all_gather defaults to the last axis), or a callable
@@ -67,7 +70,7 @@ class SyncPrimitive(Primitive):
                                   "use 'all_reduce' or pass a backward-hook function.")
         meta = module_patch.module_meta(sch.mod)
         done = meta.get("syncs", [])
-        if (mode, op) in done:
+        if _record(mode, op, kwargs.get("arg")) in done:
             raise SchedulingError(sch.path, f"sync({mode!r}, {op!r}) was already applied to this "
                                   "module; applying it twice would reduce/gather twice.",
                                   "remove the second call.")
@@ -155,9 +158,25 @@ class SyncPrimitive(Primitive):
             elif op == "reduce_scatter":
                 meta["output_layout"] = (sharding.PARTITION, axis)
         else:
+            where = _position(mod, arg) if isinstance(arg, str) else None
             mod.register_forward_pre_hook(
-                lambda m, a, kw, f=fn: map_first_input(a, kw, f, arg), with_kwargs=True)
-        meta.setdefault("syncs", []).append((mode, op))
+                lambda m, a, kw, f=fn: map_first_input(a, kw, f, arg, where), with_kwargs=True)
+        meta.setdefault("syncs", []).append(_record(mode, op, arg))
+
+
+def _record(mode: str, op, arg) -> tuple:
+    """What `meta["syncs"]` keeps of one sync (plans compare their effects with it): the input a
+    sync on a chosen `arg` acts on is part of it, so two inputs' gradients can each be reduced."""
+    return (mode, op) if arg is None else (mode, op, arg)
+
+
+def _position(mod, name: str) -> int | None:
+    """The position of the forward argument `name` (for an input passed positionally)."""
+    try:
+        params = list(inspect.signature(mod.forward).parameters)
+    except (TypeError, ValueError):
+        return None
+    return params.index(name) if name in params else None
 
 
 def _check_options(sch, mode: str, op, kwargs: dict) -> None:
@@ -171,9 +190,15 @@ def _check_options(sch, mode: str, op, kwargs: dict) -> None:
         if not isinstance(arg, (str, int)) or isinstance(arg, bool):
             raise SchedulingError(sch.path, f"arg must be an input's name or position, got "
                                   f"{arg!r}.", "pass e.g. arg='hidden_states' or arg=0.")
-        if mode != "fwd_pre":
-            raise SchedulingError(sch.path, f"arg= selects a forward input, but mode is "
-                                  f"{mode!r}.", "drop arg=, or use mode='fwd_pre'.")
+        if mode == "fwd_post":
+            raise SchedulingError(sch.path, "arg= selects a forward input, but mode is "
+                                  "'fwd_post'.", "drop arg=, or use mode='fwd_pre' or "
+                                  "'bwd_post'.")
+        names = _forward_args(sch.mod)
+        if isinstance(arg, str) and names is not None and arg not in names:
+            raise SchedulingError(sch.path, f"arg={arg!r} is not an argument of "
+                                  f"{type(sch.mod).__name__}.forward ({names}).",
+                                  "pass one of its argument names, or a position.")
     tpog = kwargs.get("tensor_parallel_output_grad")
     if tpog is not None:
         if not isinstance(tpog, bool):
@@ -183,6 +208,18 @@ def _check_options(sch, mode: str, op, kwargs: dict) -> None:
         if op != "all_gather":
             raise SchedulingError(sch.path, "tensor_parallel_output_grad applies only to "
                                   f"'all_gather', not {op!r}.", "drop it.")
+
+
+def _forward_args(mod) -> list[str] | None:
+    """The module's forward argument names; None when any name may be passed (a `**kwargs`
+    forward, or a signature that cannot be read)."""
+    try:
+        params = inspect.signature(mod.forward).parameters.values()
+    except (TypeError, ValueError):
+        return None
+    if any(p.kind is p.VAR_KEYWORD for p in params):
+        return None
+    return [p.name for p in params]
 
 
 def _n_params(fn) -> int:
