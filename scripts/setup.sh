@@ -3,7 +3,8 @@
 # pyproject.toml or constraints.txt changed. torch is pinned through constraints.txt so pip takes
 # the local CPU wheel instead of pulling several GB of CUDA packages. The DeepSpeed extra is
 # installed too (ops left to JIT, DS_BUILD_OPS=0) so its target runs in the tests; `all` includes
-# the peft extra (pure Python; the torch pin keeps it on the CPU wheel) for tests/test_lora.py.
+# the peft extra (pure Python; the torch pin keeps it on the CPU wheel) for tests/test_lora.py,
+# and the fp8 extra (torchao, pinned in constraints.txt) for tests/test_fp8.py.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}

@@ -115,6 +115,21 @@ def gather_full(t: torch.Tensor, spec: ShardSpec | None = None) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------
 
 
+def local_gemm(mod: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The bias-free GEMM of a Linear (`x W^T`) or HF Conv1D (`x W`) on the weight this rank
+    holds: the one place the kernels below (and LoRA's row kernel) multiply by a weight.
+
+    A module may carry its own GEMM in `module_meta(mod)["gemm"]`, a callable `(mod, x)`: FP8
+    training puts torchao's float8 matmul there (`runtime/fp8.py`). Why a seam and not a module
+    swap: a kernel installed by `sync` (the row-parallel reduce before the bias) replaces the
+    module's forward, so a swapped-in FP8 module class would be bypassed on exactly the sharded
+    layers, and a new module object would lose the hooks, kernel and schedule node of the old."""
+    gemm = module_patch.module_meta(mod).get("gemm")
+    if gemm is not None:
+        return gemm(mod, x)
+    return torch.matmul(x, mod.weight) if _is_hf_conv1d(mod) else F.linear(x, mod.weight)
+
+
 class _BiasAfterReduceKernel(module_patch.Kernel):
     """Shared tail of the Linear/Conv1D kernels: optional collective on the bias-free partial
     output, then the bias, added once.
@@ -160,7 +175,7 @@ class LinearKernel(_BiasAfterReduceKernel):
     name = "linear"
 
     def __call__(self, mod, x):
-        return self._finish(mod, F.linear(x, mod.weight))
+        return self._finish(mod, local_gemm(mod, x))
 
 
 class Conv1DKernel(_BiasAfterReduceKernel):
@@ -169,7 +184,7 @@ class Conv1DKernel(_BiasAfterReduceKernel):
     name = "conv1d"
 
     def __call__(self, mod, x):
-        return self._finish(mod, torch.matmul(x, mod.weight))
+        return self._finish(mod, local_gemm(mod, x))
 
 
 class _ScaleGrad(torch.autograd.Function):

@@ -76,6 +76,16 @@ class CliCase(NamedTuple):
     argv: list
     needles: tuple
     rc: int = 2
+    patch: object = None  # fn(monkeypatch): what the machine lacks (torchao), for this case
+
+
+def _no_torchao(monkeypatch) -> None:
+    """Make `import torchao` fail, as where the fp8 extra is not installed."""
+    import sys
+
+    for name in [m for m in sys.modules if m == "torchao" or m.startswith("torchao.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "torchao", None)
 
 
 # ---- slapo train: every flag --------------------------------------------------------------------
@@ -113,7 +123,10 @@ TRAIN_CASES: dict[str, CliCase] = {
                                                ("--eval-every needs --eval-batches",)),
     "tensorboard_with_value": CliCase(["--tensorboard", "yes"], ("unrecognized arguments: yes",)),
     "wandb_without_project": CliCase(["--wandb"], ("--wandb", "expected one argument")),
-    "precision_unknown": CliCase(["--precision", "fp8"], ("--precision", "'fp8'")),
+    "precision_unknown": CliCase(["--precision", "fp4"], ("--precision", "'fp4'")),
+    "precision_fp8_without_torchao": CliCase(["--precision", "fp8"],
+                                             ("--precision fp8", "pip install slapo[fp8]"),
+                                             patch=lambda mp: _no_torchao(mp)),
     "device_unknown": CliCase(["--device", "tpu"], ("--device", "'tpu'")),
     "pp_schedule_unknown": CliCase(["--pp-schedule", "zigzag"], ("--pp-schedule",)),
     "pp_schedule_without_pipeline": CliCase(["--pp-schedule", "GPipe"],
@@ -178,6 +191,8 @@ def _argv(argv: list[str], tmp: Path) -> list[str]:
 @pytest.mark.parametrize("case", list(TRAIN_CASES))
 def test_train_bad_flag(case, tmp_path, capsys, monkeypatch):
     c = TRAIN_CASES[case]
+    if c.patch is not None:
+        c.patch(monkeypatch)
     (tmp_path / "afile").write_text("not a directory\n")
     (tmp_path / "a.txt").write_text("some text\n" * 20)
     (tmp_path / "empty.txt").write_text("")
@@ -216,7 +231,9 @@ TUNE_CASES: dict[str, CliCase] = {
     "gpu_model_unknown": CliCase(["--space", "gpu", "--model", "gpt5"], ("no GPU model 'gpt5'",)),
     "mem_cap_gib_negative": CliCase(["--space", "gpu", "--mem-cap-gib", "-1"],
                                     ("--mem-cap-gib must be > 0",)),
-    "precisions_unknown": CliCase(["--space", "gpu", "--precisions", "fp8"], ("--precisions",)),
+    "precisions_unknown": CliCase(["--space", "gpu", "--precisions", "fp4"], ("--precisions",)),
+    "precisions_fp8": CliCase(["--space", "gpu", "--precisions", "bf16,fp8"],
+                              ("--precisions fp8", "cost model")),
     "device_unknown": CliCase(["--space", "gpu", "--device", "tpu"], ("--device", "'tpu'")),
     "efficiency_zero": CliCase(["--efficiency", "0"], ("--efficiency must be > 0",)),
     "algorithm_unknown": CliCase(["--algorithm", "magic"], ("--algorithm",)),
@@ -422,7 +439,7 @@ TOML_CASES: dict[str, tuple[str, tuple]] = {
     "value_out_of_range": ("steps = 0", ("--steps must be >= 1",)),
     "knob_out_of_domain": ('[schedule]\nattention = "fast"', ("--attention",)),
     "knob_out_of_range": ("[schedule]\nckpt-ratio = 2.0", ("--ckpt-ratio",)),
-    "choice_unknown": ('precision = "fp8"', ("--precision",)),
+    "choice_unknown": ('precision = "fp4"', ("--precision",)),
     "conflicting_options": ("[schedule]\nfuse = true\ncompile_blocks = true", ("--fuse",)),
 }
 

@@ -415,7 +415,7 @@ def test_cli_precision_from_toml_and_bad_values(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         main(["train", "--config", str(cfg)])
     assert e.value.code == 2
-    assert "--precision must be one of fp32, bf16, fp16, got 'half'" in capsys.readouterr().err
+    assert "--precision must be one of fp32, bf16, fp16, fp8, got 'half'" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["train", "--device", "tpu"])
     assert "invalid choice: 'tpu'" in capsys.readouterr().err

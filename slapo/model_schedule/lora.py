@@ -36,7 +36,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from .. import module_patch, sharding
 from ..distributed import collectives
@@ -274,8 +273,7 @@ class LoraRowKernel(module_patch.Kernel):
                                   "adapters).", "call the model without adapter_names, or use "
                                   "tp=1.")
         base = mod.get_base_layer()
-        y = torch.matmul(x, base.weight) if sharding._is_hf_conv1d(base) \
-            else F.linear(x, base.weight)
+        y = sharding.local_gemm(base, x)
         dtype = y.dtype
         if not mod.disable_adapters:
             for name in mod.active_adapters:

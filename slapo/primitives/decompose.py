@@ -5,7 +5,6 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 import torch.nn as nn
-import torch.nn.functional as F
 
 from .. import module_patch, sharding
 from ..errors import SchedulingError
@@ -22,7 +21,7 @@ class BiasFreeKernel(module_patch.Kernel):
         self.conv1d = conv1d
 
     def __call__(self, mod, x):
-        return torch.matmul(x, mod.weight) if self.conv1d else F.linear(x, mod.weight)
+        return sharding.local_gemm(mod, x)
 
 
 def _graph_owner(sch) -> tuple[fx.GraphModule, str] | None:

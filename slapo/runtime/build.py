@@ -5,7 +5,8 @@ The composition order is torchtitan's, each concern one function applied in visi
     check arguments (every rank, before any communication)
     -> [pipeline] split into stages from the cuts, keep this rank's
     -> materialise delayed-init weights (only what this rank keeps) / move to the device
-    -> [mixed precision] autocast per stage forward (pipelines); Precision for the step
+    -> [mixed precision] fp8: FP8 GEMMs in the selected linears (after TP sharding);
+       autocast per stage forward (pipelines); Precision for the step
     -> data parallel (DDP or FSDP2, with FSDP2's MixedPrecisionPolicy) per model or stage
     -> optimizer over what this rank holds
     -> [pipeline] PipelineStage + schedule
@@ -33,6 +34,7 @@ from . import pipeline_stages as _stages
 from .built_model import OwnForward, PipelineTrainModule, attach, check_trainable, detach
 from .context_parallel import check_context_parallel, check_scheduled_for_cp
 from .data_parallel import apply_data_parallel, check_data_parallel, check_experts
+from .fp8 import Float8Config
 from .mesh import MeshInfo
 from .pipeline_guards import make_stages
 from .pipeline_plan import make_schedule
@@ -43,6 +45,7 @@ from .precision import (
     Precision,
     PrecisionName,
     check_autocast,
+    check_fp8_config,
     check_precision,
     module_device_type,
 )
@@ -133,9 +136,10 @@ def _job_group(info: MeshInfo):
     return dist.new_group(ranks=info.mesh.mesh.flatten().tolist())
 
 
-def make_precision(precision: PrecisionName, device_type: str, info: MeshInfo) -> Precision:
+def make_precision(precision: PrecisionName, device_type: str, info: MeshInfo,
+                   fp8=None) -> Precision:
     group = _job_group(info) if precision == "fp16" else None
-    return Precision(precision, device_type, group)
+    return Precision(precision, device_type, group, fp8=fp8)
 
 
 def _check_pipeline_dp(pipeline: str | None, data_parallel: str | None, info: MeshInfo) -> None:
@@ -212,7 +216,7 @@ def build(sch: Schedule, *, optimizer: Callable | None = None,
           reshard_after_forward: bool | int = True, loss_fn: LossFn | None = None,
           grad_clip: float | None = None, grad_accum: int = 1, batch_is_global: bool = True,
           target: str | None = None, deepspeed_config: dict | None = None,
-          precision: PrecisionName = "fp32"
+          precision: PrecisionName = "fp32", fp8: Float8Config | None = None
           ) -> tuple[nn.Module, torch.optim.Optimizer | None]:
     """Return `(model, optimizer)` for a schedule; `model.train_step(batch) -> float` trains.
 
@@ -264,6 +268,11 @@ def build(sch: Schedule, *, optimizer: Callable | None = None,
     `data_parallel="fsdp"` FSDP2 also gets `MixedPrecisionPolicy(param_dtype=dtype,
     reduce_dtype=float32)`; pipeline stages run their forward under autocast. See
     `slapo.runtime.precision` and docs/runtime.md ("Mixed precision").
+    "fp8" is "bf16" plus torchao's FP8 GEMMs in the Linear / Conv1D layers `fp8`
+    (a `slapo.runtime.fp8.Float8Config`, default: tensorwise scales, both weight dimensions
+    multiples of 16 and >= 64, not the LM head or tied weights) selects; converted after TP
+    sharding (scales per shard), emulated on CPU, refused on a GPU without FP8 or without
+    torchao (`pip install slapo[fp8]`). `model.precision.fp8_modules` lists what was converted.
 
     `target="deepspeed"`: hand the model to a DeepSpeed engine instead (ZeRO stages 1-3 through
     `deepspeed_config`); see `slapo.runtime.deepspeed`.
@@ -289,7 +298,8 @@ def build_trainer(sch: Schedule, *, optimizer: Callable | None = None,
                   data_parallel: str | None = None, reshard_after_forward: bool | int = True,
                   loss_fn: LossFn | None = None, grad_clip: float | None = None,
                   grad_accum: int = 1, batch_is_global: bool = True,
-                  precision: PrecisionName = "fp32") -> Trainer:
+                  precision: PrecisionName = "fp32",
+                  fp8: Float8Config | None = None) -> Trainer:
     """The `Trainer` that `build` makes (same arguments, same composition, without the
     DeepSpeed target and the earlier spellings): `trainer.train_step(batch)`, `trainer.model`
     (what `build` returns), `trainer.optimizer`. For code that drives the step itself
@@ -306,7 +316,7 @@ def _compose(sch: Schedule, args: dict[str, Any]) -> Trainer:
     common = {k: args[k] for k in ("optimizer", "optimizer_kwargs", "loss_fn", "device",
                                    "init_weights", "seed", "data_parallel",
                                    "reshard_after_forward")}
-    common["precision"] = make_precision(precision, device_type, info)  # after every check
+    common["precision"] = make_precision(precision, device_type, info, args["fp8"])  # checked
     if args["pipeline"] is None:
         return _build_local(sch, info, config, **common)
     return _build_pipeline(sch, info, config, pipeline=args["pipeline"],
@@ -333,6 +343,7 @@ def _checked(sch: Schedule, args: dict[str, Any]) -> tuple[str, MeshInfo, str, S
     _check_pipeline_dp(_stages.pipeline_name(pipeline), args["data_parallel"], info)
     device_type = _run_device_type(sch, args["device"], info)
     check_autocast(precision, device_type)
+    args["fp8"] = check_fp8_config(precision, args.get("fp8"), device_type)  # the checked config
     config = StepConfig(info, args["grad_accum"], args["grad_clip"], 1, args["batch_is_global"],
                         loss=ModelLoss.of(sch.mod, args["loss_fn"] is not None))
     if info.cp > 1:
@@ -368,6 +379,7 @@ def _build_local(sch: Schedule, info: MeshInfo, config: StepConfig, *, optimizer
     model = sch.mod
     detach(model)  # built before: its own forward back before DDP wraps it again
     place_weights(model, device, info, init_weights, seed)
+    precision.convert([model], model)  # fp8 only: after TP sharding, before DDP/FSDP2
     table = norm_weight_table([model], info)
     wrapped = apply_data_parallel(OwnForward(model) if data_parallel == "ddp" else model,
                                   data_parallel, info,
@@ -395,6 +407,7 @@ def _build_pipeline(sch: Schedule, info: MeshInfo, config: StepConfig, *,
     mine = [all_stages[i] for i in ids]
     tied = find_tied(all_stages, plan, info.pp_rank)  # before weights are replaced
     _place_stage_weights(sch, mine, device, info, init_weights, seed)
+    precision.convert(mine, sch.mod)  # fp8 only
     table = norm_weight_table(mine, info, tied)
     wrapped = [precision.wrap_forward(apply_data_parallel(
         m, data_parallel, info, reshard_after_forward=reshard_after_forward,

@@ -37,6 +37,11 @@ dtypes. (`build(mixed_precision=...)`, `Verify(mixed_precision=...)` and
   torch's metadata inference calls the same (wrapped) forward, so the inferred activation
   dtypes are the ones the real micro-batches have.
 
+**fp8** is bf16 as above plus FP8 GEMMs in the Linear / Conv1D layers that gain: `build` checks
+it (`check_fp8`: torchao imports, the device has FP8 or is the CPU, emulated) with the rest of its
+arguments and converts after weights are placed and before data parallelism wraps them
+(`Precision.convert`, after TP sharding, so scales are per shard); see `runtime/fp8.py`.
+
 fp16 on CPU: torch's CPU autocast supports float16 (2.13; checked at build time by entering
 autocast once: a device/dtype pair autocast does not support is refused with a clear error
 rather than silently running fp32). It is slow on CPUs without native fp16, but correct, so it
@@ -57,9 +62,10 @@ import torch.nn as nn
 from ..errors import SchedulingError
 from .mesh import local_device
 
-PrecisionName = Literal["fp32", "bf16", "fp16"]  # the type of a checked precision name
+PrecisionName = Literal["fp32", "bf16", "fp16", "fp8"]  # the type of a checked precision name
 PRECISIONS: tuple[str, ...] = get_args(PrecisionName)  # the one list: --precision, build, tune
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}  # autocast's dtype (fp32: no autocast)
+# autocast's dtype (fp32: no autocast); fp8 is bf16 autocast plus FP8 GEMMs (runtime/fp8.py)
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}
 
 
 class PrecisionError(SchedulingError):
@@ -68,11 +74,11 @@ class PrecisionError(SchedulingError):
     def __init__(self, value: object, arg: str):
         self.value = value
         super().__init__("", f"{arg}={value!r} is not supported.",
-                         "use 'fp32' (the default), 'bf16' or 'fp16'.")
+                         "use 'fp32' (the default), 'bf16', 'fp16' or 'fp8'.")
 
 
 def check_precision(value: object, arg: str = "precision") -> PrecisionName:
-    """The one check of a precision name: return it ("fp32", "bf16" or "fp16"), None read as
+    """The one check of a precision name: return it ("fp32", "bf16", "fp16", "fp8"), None read as
     "fp32" (its earlier spelling); anything else raises `PrecisionError` naming `arg`.
 
     `build` calls it first thing, on every rank, so a bad value fails before anything is
@@ -118,6 +124,20 @@ def check_autocast(precision: str, device_type: str) -> None:
                               "use 'bf16' (supported on CPU and recent GPUs).")
 
 
+def check_fp8_config(precision: str, fp8: object, device_type: str):
+    """`build`'s `fp8=` against its precision: the checked `Float8Config` for "fp8" (torchao
+    imported, the device able: `runtime.fp8.check_fp8`), None otherwise (an `fp8=` given
+    with another precision is refused: it would silently do nothing)."""
+    if precision == "fp8":
+        from .fp8 import check_fp8
+
+        return check_fp8(fp8, device_type)
+    if fp8 is not None:
+        raise SchedulingError("", f"fp8={fp8!r} given with precision={precision!r}.",
+                              "pass precision='fp8' with it, or drop fp8=.")
+    return None
+
+
 def module_device_type(*modules: nn.Module, default: str = "cpu") -> str:
     """The device type of the first parameter (or buffer) found: where autocast must act."""
     for m in modules:
@@ -135,9 +155,12 @@ class Precision:
     (the scaler's inf/NaN check is reduced over it); None for one process.
     """
 
-    def __init__(self, name: PrecisionName = "fp32", device_type: str = "cpu", group=None):
+    def __init__(self, name: PrecisionName = "fp32", device_type: str = "cpu", group=None,
+                 fp8=None):
         self.name = name
         self.device_type = device_type
+        self.fp8 = fp8  # fp8: the checked `Float8Config` (`check_fp8`); None otherwise
+        self.fp8_modules: list[str] = []  # fp8: the paths `convert` gave FP8 GEMMs
         self.dtype = None if name == "fp32" else DTYPES[name]  # fp32: no autocast
         self.scaler = self._make_scaler(group) if name == "fp16" else None
         self.skipped_steps = 0
@@ -152,6 +175,17 @@ class Precision:
 
     def __repr__(self) -> str:
         return f"Precision({self.name!r}, device_type={self.device_type!r})"
+
+    # ---- the model ------------------------------------------------------------------------
+    def convert(self, modules: list[nn.Module], root: nn.Module) -> list[str]:
+        """fp8: give the selected GEMMs of `modules` (the model, or this rank's pipeline
+        stages; `root` the whole model) torchao's FP8 matmul; a no-op for other precisions.
+        `build` calls it after the weights are placed (and TP sharded), before DDP/FSDP2."""
+        if self.fp8 is not None:
+            from .fp8 import convert
+
+            self.fp8_modules = convert(modules, root, self.fp8, self.device_type)
+        return self.fp8_modules
 
     # ---- forward --------------------------------------------------------------------------
     def autocast(self) -> contextlib.AbstractContextManager:
@@ -235,4 +269,4 @@ class Precision:
 
 
 __all__ = ["DTYPES", "PRECISIONS", "Precision", "PrecisionError", "PrecisionName", "check_autocast",
-           "check_precision", "module_device_type", "precision_arg"]
+           "check_fp8_config", "check_precision", "module_device_type", "precision_arg"]

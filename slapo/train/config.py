@@ -115,7 +115,9 @@ class TrainingOptions:
     seed: int = _opt(0, "seed of the model init, data order and dropout")
     precision: str = _opt("fp32", "fp32, or bf16 / fp16 mixed precision: autocast forward and "
                           "loss on fp32 master weights and optimizer state (fp16 adds a "
-                          "gradient scaler)", choices=PRECISIONS, check=check_precision)
+                          "gradient scaler; fp8 is bf16 plus torchao's FP8 GEMMs in the large "
+                          "linears, emulated on CPU: pip install slapo[fp8])",
+                          choices=PRECISIONS, check=check_precision)
     device: str = _opt("auto", "auto (CUDA when available), cpu or cuda", choices=DEVICES)
     dist_timeout: float = _opt(DIST_TIMEOUT_S, "seconds a collective waits for a peer before "
                                "the job fails (raise it for long checkpoint saves or "

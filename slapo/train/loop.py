@@ -87,7 +87,8 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         log(f"slapo train: {cfg.model} ({trained_parameters(run):,} parameters on rank 0), "
             f"{env.world} process(es) ({env.dims}), device {env.device}, precision "
             f"{cfg.precision}"
-            f"{' (autocast, fp32 master weights)' if cfg.precision != 'fp32' else ''}, "
+            f"{' (autocast, fp32 master weights)' if cfg.precision != 'fp32' else ''}"
+            f"{_fp8_note(run.precision)}, "
             f"schedule {run.schedule_note}")
         if cfg.resume_target() is not None:
             resume(run, log)
@@ -111,6 +112,14 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
             return finish(run, log, mlog)
     finally:
         teardown(env)
+
+
+def _fp8_note(precision: Any) -> str:
+    """fp8: how many GEMMs run in FP8 on this rank (the rest in bf16), and whether emulated."""
+    if precision.fp8 is None:
+        return ""
+    where = "emulated on CPU" if precision.device_type == "cpu" else "FP8 tensor cores"
+    return f", {len(precision.fp8_modules)} FP8 GEMMs ({where})"
 
 
 def save_noted(run: Run) -> None:

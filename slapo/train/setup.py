@@ -29,7 +29,8 @@ from ..data.prepared import check_prepared, prepared_dir
 from ..data.sources import InputError, is_saved_dataset
 from ..data.sources import _expand as expand_source
 from ..distributed.group import leave_process_group
-from ..runtime.mesh import ParallelDims, init_mesh, job_world_size, local_device
+from ..errors import SchedulingError
+from ..runtime.mesh import ParallelDims, device_type, init_mesh, job_world_size, local_device
 from . import checkpoints, fault_injection, faults, pretrained, run_owner
 from . import run_state as ckpt
 from .config import PROGRESSIVE_INPUTS
@@ -78,7 +79,8 @@ def check_inputs(cfg: Any) -> None:
     --tokenizer exist and hold what they should (cheap: the data is read in `build`, which
     reports a bad line or field the same way; a path raises InputError, exit status 2), --out is
     a directory, --resume finds a checkpoint (a typo in --out must not silently start over),
-    --device cuda has a GPU, and the asked-for loggers import. Run by `slapo train` and
+    --device cuda has a GPU, `--precision fp8` has torchao and a device with FP8, and the
+    asked-for loggers import. Run by `slapo train` and
     `train(cfg)` after `cfg.check()`, before anything is built."""
     _check_model_and_data(cfg)
     if cfg.out is not None and Path(cfg.out).exists() and not Path(cfg.out).is_dir():
@@ -87,7 +89,21 @@ def check_inputs(cfg: Any) -> None:
     if cfg.device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda: no CUDA device is available here (use --device cpu "
                          "or auto)")
+    _check_fp8(cfg)
     check_sinks(cfg.tensorboard, cfg.wandb)
+
+
+def _check_fp8(cfg: Any) -> None:
+    """`--precision fp8`: torchao imports and the device has FP8 (or is the CPU, emulated),
+    before anything is built; the same check `build` makes (`runtime.fp8.check_fp8`)."""
+    if cfg.precision != "fp8":
+        return
+    from ..runtime.fp8 import check_fp8
+
+    try:
+        check_fp8(None, device_type(cfg.device))
+    except SchedulingError as e:
+        raise ValueError(f"--precision fp8: {e.problem} {e.fix}") from None
 
 
 def _check_model_and_data(cfg: Any) -> None:

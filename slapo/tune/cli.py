@@ -260,6 +260,9 @@ def _check_precisions(precisions: tuple) -> None:
     if not ok:
         raise ValueError(f"--precisions must name some of {', '.join(PRECISIONS)}, got "
                          f"{','.join(precisions) or 'nothing'}.")
+    if "fp8" in precisions:  # the GPU cost model has no FP8 GEMM time yet (issue 36, item 4)
+        raise ValueError("--precisions fp8 is not searched yet: the cost model does not know "
+                         "FP8 GEMMs; use fp32,bf16 (slapo train --precision fp8 trains in it).")
 
 
 def _gpu_setup(args: argparse.Namespace) -> tuple[Space, Any, Any, dict]:
