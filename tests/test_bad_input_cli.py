@@ -180,6 +180,25 @@ TRAIN_CASES: dict[str, CliCase] = {
     "compile_blocks_with_value": CliCase(["--compile-blocks", "nope"],
                                          ("unrecognized arguments: nope",)),
     "kernels_with_value": CliCase(["--kernels", "on"], ("unrecognized arguments: on",)),
+    # LoRA (--lora-r N wraps the model with PEFT's LoRA before scheduling)
+    "lora_r_negative": CliCase(["--lora-r", "-1"], ("--lora-r must be >= 0",)),
+    "lora_alpha_without_r": CliCase(["--lora-alpha", "16"], ("--lora-alpha needs --lora-r",)),
+    "lora_alpha_zero": CliCase(["--lora-r", "4", "--lora-alpha", "0"],
+                               ("--lora-alpha must be > 0",)),
+    "lora_dropout_one": CliCase(["--lora-r", "4", "--lora-dropout", "1"],
+                                ("--lora-dropout must be in [0, 1)",)),
+    "lora_dropout_with_tp": CliCase(["--lora-r", "4", "--lora-dropout", "0.1", "--tp", "2"],
+                                    ("--lora-dropout must be 0 with --tp > 1",)),
+    "lora_targets_empty": CliCase(["--lora-r", "4", "--lora-targets", ","],
+                                  ("--lora-targets names no module",)),
+    # found when the model is built, before anything is written (gpt2: the default --model)
+    "lora_targets_match_nothing": CliCase(["--lora-r", "4", "--lora-targets", "c_attn,q_proj"],
+                                          ("--lora-targets", "['q_proj'] match no module",
+                                           "c_attn, c_fc, c_proj")),
+    "lora_with_pipeline": CliCase(["--lora-r", "4", "--pp-stages", "2"],
+                                  ("--lora-r does not compose with --pp-stages",)),
+    "lora_with_fuse": CliCase(["--lora-r", "4", "--fuse"], ("--fuse does not compose with "
+                                                            "--lora-r",)),
     "command_unknown": CliCase(["@trian"], ("invalid choice: 'trian'",)),
 }
 
@@ -595,6 +614,7 @@ RESUME_CASES: dict[str, tuple[list, tuple]] = {
     "other_dropout": (["--dropout", "0.1"], ("--dropout 0.1 (checkpoint: 0.0)",)),
     "other_data": (["--data", "{tmp}/a.txt"], ("--data",)),
     "other_val_fraction": (["--val-fraction", "0.2"], ("--val-fraction 0.2",)),
+    "other_lora_r": (["--lora-r", "4"], ("--lora-r 4 (checkpoint: 0)",)),
     "not_a_run_dir": (["--resume", "{tmp}/empty"], ("cannot resume",)),
     "run_dir_not_checkpoint_dir": (["--resume", "{run}"], ("cannot resume",)),
     "file_not_dir": (["--resume", "{tmp}/a.txt"], ("no such checkpoint directory",)),

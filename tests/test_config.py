@@ -60,7 +60,7 @@ def test_every_flag_help_is_its_fields_help():
         action = by_flag["--" + f.name.replace("_", "-")]
         assert f.metadata["help"] in action.help, f.name
         assert (section == "schedule") == action.help.startswith("schedule knob: "), f.name
-    assert set(SECTIONS) == {"arch", "corpus", "training", "optimizer", "parallelism",
+    assert set(SECTIONS) == {"arch", "corpus", "training", "optimizer", "lora", "parallelism",
                              "schedule", "checkpoint", "logging"}
 
 

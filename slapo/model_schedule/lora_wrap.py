@@ -62,7 +62,9 @@ def add_lora(model: nn.Module, r: int, alpha: float | None = None, dropout: floa
     """`peft.get_peft_model(model, LoraConfig(...))` on `targets` (default:
     `default_targets(model)`), checked first: a refused call leaves the model unchanged.
     `alpha=None` keeps PEFT's default. Returns the `PeftModel` (base frozen, adapters
-    trainable), which `model_schedule.apply` schedules like its base."""
+    trainable), which `model_schedule.apply` schedules like its base. A base on the meta device
+    (a pretrained model whose weights are read after scheduling) gets real adapters,
+    initialised as PEFT initialises them (`materialize_adapters`)."""
     if not isinstance(r, int) or isinstance(r, bool) or r < 1:
         raise SchedulingError("", f"LoRA rank r must be a positive int, got {r!r}.",
                               "pass e.g. r=8.")
@@ -78,8 +80,49 @@ def add_lora(model: nn.Module, r: int, alpha: float | None = None, dropout: floa
     check_targets(model, chosen)
     chosen = list(chosen)
     kw = {} if alpha is None else {"lora_alpha": alpha}
+    if _all_conv1d(model, chosen):  # GPT-2's Conv1D stores (in, out): PEFT's flag for it
+        kw["fan_in_fan_out"] = True
     config = peft.LoraConfig(r=r, lora_dropout=dropout, target_modules=chosen, **kw)
-    return peft.get_peft_model(model, config)
+    wrapped = peft.get_peft_model(model, config)
+    materialize_adapters(wrapped)
+    return wrapped
 
 
-__all__ = ["add_lora", "check_targets", "default_targets"]
+def _all_conv1d(model: nn.Module, targets: Sequence[str]) -> bool:
+    """Every module the targets match is an HF `Conv1D` (PEFT warns and flips its
+    `fan_in_fan_out` per layer otherwise)."""
+    hit = [m for n, m in model.named_modules()
+           if n and any(n == t or n.endswith("." + t) for t in targets)]
+    return bool(hit) and all(type(m).__name__ == "Conv1D" for m in hit)
+
+
+def materialize_adapters(model: nn.Module) -> int:
+    """Allocate (on CPU) and initialise every LoRA adapter that PEFT left on the meta device,
+    as PEFT does (`reset_lora_parameters`: A as an `nn.Linear`, B zero) from the global RNG;
+    returns how many layers it filled.
+
+    Why: PEFT puts adapters on their base layer's device, so a meta base (`slapo train
+    --model DIR` builds on meta and reads each rank's shards after scheduling) yields meta
+    adapters, which no checkpoint fills and which `init.materialize` would give nn.Linear's
+    init (B random, not zero). Done before scheduling, so every tp rank draws the same whole
+    adapter and keeps its slice, as with a model built on CPU."""
+    from .lora import is_tuner_layer
+
+    filled = 0
+    for mod in model.modules():
+        if not is_tuner_layer(mod) or not hasattr(mod, "lora_A"):
+            continue
+        for name in list(mod.lora_A.keys()):
+            parts = (mod.lora_A[name], mod.lora_B[name])
+            if not any(p.is_meta for part in parts for p in part.parameters()):
+                continue
+            for part in parts:
+                part.to_empty(device="cpu")
+            init = model.peft_config[name].init_lora_weights if hasattr(model, "peft_config") \
+                else True
+            mod.reset_lora_parameters(name, init)
+            filled += 1
+    return filled
+
+
+__all__ = ["add_lora", "check_targets", "default_targets", "materialize_adapters"]

@@ -17,7 +17,7 @@ from . import pretrained
 from .models import build_model, get_model_spec
 from .setup import Env, data_parallel, seed_training_rng
 
-__all__ = ["Run", "build", "make_trainer", "schedule"]
+__all__ = ["Run", "build", "hf_model", "make_trainer", "schedule", "with_lora"]
 
 
 @dataclass
@@ -74,12 +74,14 @@ def build(cfg: Any, env: Env, log=print) -> Run:
     data = make_data(task, cfg.seq_len, cfg.seed, data=cfg.data, text_field=cfg.text_field,
                      tokenizer=tokenizer, val_fraction=cfg.val_fraction)
     torch.manual_seed(cfg.seed)
-    model = _new_model(cfg, source, data)
+    model = with_lora(_new_model(cfg, source, data), cfg)
+    if cfg.lora_r:
+        log(lora_note(model, cfg))
     model, sch, note = schedule(model, cfg, env)
     stages = None  # the pipeline, planned once: read by the loader, then built
     if source is not None:
         stages = pipeline_stages(sch, cfg, env)
-        _load_pretrained(sch.mod, source, cfg, env, log, stages)
+        _load_pretrained(hf_model(sch.mod), source, cfg, env, log, stages)
     if not has_meta_tensors(model):  # a pipeline rank's other stages stay on meta: build
         model.to(env.device)         # materialises and moves only this rank's stages
     model.train()
@@ -95,6 +97,44 @@ def _new_model(cfg: Any, source, data: Data) -> nn.Module:
         return build_model(cfg.model, cfg.size(data.tokenizer))[0]
     _check_fits(cfg, source, data)
     return source.build_empty(dropout=cfg.dropout)
+
+
+def with_lora(model: nn.Module, cfg: Any) -> nn.Module:
+    """`--lora-r N`: the model wrapped by PEFT's LoRA (`model_schedule.lora_wrap.add_lora`:
+    the family's projections, or `--lora-targets`), before it is scheduled, so the schedule
+    shards base and adapters together; the model itself without it. A target that matches no
+    module is bad input (exit status 2), found before anything is written."""
+    if not cfg.lora_r:
+        return model
+    from ..errors import SchedulingError
+    from ..model_schedule.lora_wrap import add_lora
+
+    try:
+        return add_lora(model, cfg.lora_r, alpha=cfg.lora_alpha, dropout=cfg.lora_dropout,
+                        targets=cfg.lora.targets())
+    except SchedulingError as e:
+        raise InputError("--lora-targets" if "target" in e.problem else "--lora-r", e.problem,
+                         e.fix) from None
+
+
+def lora_note(model: nn.Module, cfg: Any) -> str:
+    """One line: the adapters and what stays frozen (counted before any sharding)."""
+    from ..model_schedule.lora import is_tuner_layer
+
+    layers = sum(1 for m in model.modules() if is_tuner_layer(m))
+    trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
+    return (f"LoRA r={cfg.lora_r}: adapters on {layers} modules, {trained:,} trained "
+            f"parameters; the base's {frozen:,} are frozen")
+
+
+def hf_model(model: nn.Module) -> nn.Module:
+    """The Hugging Face model inside a PEFT wrapper (its parameter names are the pretrained
+    checkpoint's, up to PEFT's `base_layer`); `model` itself otherwise."""
+    from ..model_schedule.lora import peft_inner_path
+
+    path = peft_inner_path(model)
+    return model if path is None else model.get_submodule(path)
 
 
 def _check_fits(cfg: Any, source, data: Data) -> None:

@@ -38,7 +38,7 @@ from .models import MODELS, ModelSize
 
 __all__ = ["CKPT_POLICIES", "DEVICES", "DIST_TIMEOUT_S", "MULTI_STAGE", "PP_SCHEDULES",
            "PRECISIONS", "RUN_IDENTITY", "RUN_LAYOUT", "SECTIONS", "ArchOptions",
-           "CheckpointOptions", "CorpusOptions", "LoggingOptions", "OptimizerOptions",
+           "CheckpointOptions", "CorpusOptions", "LoggingOptions", "LoraOptions", "OptimizerOptions",
            "ParallelismOptions", "TrainConfig", "TrainingOptions", "config_fields", "flag",
            "knob_names", "option_fields"]
 
@@ -47,7 +47,8 @@ DIST_TIMEOUT_S = 60.0   # --dist-timeout default: long saves or first compiles m
 
 # Options that must match a checkpoint for resuming to continue the same run.
 RUN_IDENTITY = ("model", "batch_size", "seq_len", "seed", "hidden_size", "num_layers",
-                "num_heads", "dropout", "data", "text_field", "tokenizer", "val_fraction")
+                "num_heads", "dropout", "data", "text_field", "tokenizer", "val_fraction",
+                "lora_r", "lora_alpha", "lora_dropout", "lora_targets")
 # How the run is laid out on the ranks (with the number of processes): a resume may change
 # them (the loader reads each tensor into this job's layout), but then the per-rank random
 # streams restart (`slapo.train.resume`), so only an equal layout resumes bit for bit.
@@ -141,6 +142,29 @@ class OptimizerOptions:
 
 
 @dataclass
+class LoraOptions:
+    """LoRA fine-tuning: PEFT's low-rank adapters on the projections, the base model frozen."""
+
+    lora_r: int = _opt(0, "LoRA rank: wrap the model with PEFT's LoRA adapters of this rank "
+                       "before it is scheduled; only the adapters train (0: off, every weight "
+                       "trains); needs the peft package")
+    lora_alpha: float | None = _opt(None, "LoRA scaling: each adapter adds B(A(x)) * alpha / r "
+                                    "(default: PEFT's, 8)")
+    lora_dropout: float = _opt(0.0, "dropout on each adapter's input (0 with --tp > 1: not yet "
+                               "exact across tensor-parallel ranks)")
+    lora_targets: str | None = _opt(None, "the modules that get adapters, comma-separated "
+                                    "names or path suffixes (q_proj,v_proj); default: the "
+                                    "projections the family's tensor-parallel plan splits "
+                                    "(attention q/k/v/o and the MLP linears)")
+
+    def targets(self) -> list[str] | None:
+        """`--lora-targets` as a list (None: the family's default)."""
+        if self.lora_targets is None:
+            return None
+        return [t.strip() for t in self.lora_targets.split(",") if t.strip()]
+
+
+@dataclass
 class ParallelismOptions:
     """How the data-parallel ranks hold the model and how a pipeline is scheduled (the degrees
     `--tp` and `--pp-stages` are schedule knobs: the schedule section)."""
@@ -195,7 +219,7 @@ class LoggingOptions:
 # {section attribute: its dataclass}, in the order `--help` and `options()` list them.
 SECTIONS: dict[str, type] = {
     "arch": ArchOptions, "corpus": CorpusOptions, "training": TrainingOptions,
-    "optimizer": OptimizerOptions, "parallelism": ParallelismOptions,
+    "optimizer": OptimizerOptions, "lora": LoraOptions, "parallelism": ParallelismOptions,
     "schedule": ScheduleKnobs, "checkpoint": CheckpointOptions, "logging": LoggingOptions}
 
 
@@ -230,6 +254,7 @@ class TrainConfig:
     corpus: CorpusOptions
     training: TrainingOptions
     optimizer: OptimizerOptions
+    lora: LoraOptions
     parallelism: ParallelismOptions
     schedule: ScheduleKnobs
     checkpoint: CheckpointOptions
@@ -301,6 +326,7 @@ class TrainConfig:
         self.schedule_knobs()  # the knob values, by the schema
         self._check_engine()
         self._check_shape()
+        self._check_lora()
 
     def _check_numbers(self) -> None:
         for name in ("steps", "batch_size", "seq_len", "hidden_size", "num_layers", "num_heads",
@@ -373,6 +399,34 @@ class TrainConfig:
         if self.batch_size % self.grad_accum:
             raise ValueError(f"--batch-size {self.batch_size} is not divisible by --grad-accum "
                              f"{self.grad_accum}")
+
+    def _check_lora(self) -> None:
+        """The LoRA options' values, and what they do not compose with yet (each refused by
+        `model_schedule.lora` too, later; here it is a usage error before anything is built)."""
+        if self.lora_r < 0:
+            raise ValueError(f"--lora-r must be >= 0 (0: no LoRA), got {self.lora_r}")
+        if not 0 <= self.lora_dropout < 1:
+            raise ValueError(f"--lora-dropout must be in [0, 1), got {self.lora_dropout}")
+        if self.lora_alpha is not None and not self.lora_alpha > 0:
+            raise ValueError(f"--lora-alpha must be > 0, got {self.lora_alpha}")
+        if self.lora_targets is not None and not self.lora.targets():
+            raise ValueError("--lora-targets names no module (give e.g. q_proj,v_proj)")
+        given = [n for n in ("lora_alpha", "lora_targets") if getattr(self, n) is not None]
+        given += ["lora_dropout"] if self.lora_dropout else []
+        if not self.lora_r:
+            if given:
+                raise ValueError(f"--{flag(given[0])} needs --lora-r N (LoRA is off)")
+            return
+        if (self.pp_stages or 1) > 1:
+            raise ValueError("--lora-r does not compose with --pp-stages > 1 yet (the pipeline "
+                             "stages do not know PEFT's wrapper); drop one of them")
+        if self.lora_dropout and (self.tp or 1) > 1:
+            raise ValueError("--lora-dropout must be 0 with --tp > 1 (LoRA dropout is not yet "
+                             "exact across tensor-parallel ranks)")
+        for knob in ("fuse", "kernels"):
+            if getattr(self, knob):
+                raise ValueError(f"--{knob} does not compose with --lora-r yet (it would "
+                                 "replace the MLPs holding the adapters); drop one of them")
 
     def resume_target(self) -> str | None:
         """What to resume from: "latest" (in `out`), a checkpoint directory, or None."""

@@ -308,6 +308,7 @@ def _plan(model: nn.Module, keys: dict[str, Path], prefix: str, source: ModelSou
     the checkpoint's full shape: all checked before anything is read."""
 
     entries, names_of, key_of = [], {}, {}
+    adapted = adapter_layers(model)
     for path, mod in model.named_modules(remove_duplicate=False):
         tables = (("p", mod._parameters), ("b", mod._buffers))
         for kind, table in tables:
@@ -317,7 +318,7 @@ def _plan(model: nn.Module, keys: dict[str, Path], prefix: str, source: ModelSou
                 if kind == "p" and t.device.type != "meta":
                     continue  # already materialised: not ours to overwrite
                 full = f"{path}.{name}" if path else name
-                key = checkpoint_key(full, keys, prefix)
+                key = checkpoint_key(base_name(full, adapted), keys, prefix)
                 if kind == "b" and key is None:
                     continue
                 if only is None or full in only:
@@ -335,6 +336,22 @@ def _plan(model: nn.Module, keys: dict[str, Path], prefix: str, source: ModelSou
                          "config.json file).")
     _check_shapes(entries, key_of, keys)
     return entries, key_of
+
+
+def adapter_layers(model: nn.Module) -> set[str]:
+    """The paths of the PEFT adapter layers inside `model` (none without peft)."""
+    from ..model_schedule.lora import is_tuner_layer
+
+    return {p for p, m in model.named_modules() if is_tuner_layer(m)}
+
+
+def base_name(name: str, adapted: set[str]) -> str:
+    """The name a tensor of a LoRA layer's base had before PEFT wrapped it (PEFT moves the
+    projection to `<path>.base_layer`): what the pretrained checkpoint calls it."""
+    path, _, leaf = name.rpartition(".")
+    if path.endswith(".base_layer") and path[:-len(".base_layer")] in adapted:
+        return f"{path[:-len('.base_layer')]}.{leaf}"
+    return name
 
 
 def _check_shapes(entries: list, key_of: dict[int, str], keys: dict[str, Path]) -> None:
