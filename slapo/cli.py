@@ -5,6 +5,7 @@
     slapo train --model llama --precision bf16 --device cuda
     torchrun --nproc-per-node 2 -m slapo.cli train --tp 2 --out runs/tp2
     slapo export runs/tp2 --out exported/tp2           # a Hugging Face directory
+    slapo export runs/lora --out adapters/lora --adapter   # a LoRA run: PEFT's adapter directory
     slapo prepare-data --data 'books/*.txt' --tokenizer tok/ --out data/books
     slapo train --data data/books --tokenizer tok/     # the token files, memory-mapped
 
@@ -135,6 +136,13 @@ def _add_export_parser(sub: Any) -> None:
     p.add_argument("--no-check", dest="check", action="store_false",
                    help="skip reloading the written directory to compare logits")
     p.add_argument("--force", action="store_true", help="replace a non-empty --out")
+    how = p.add_mutually_exclusive_group()
+    how.add_argument("--adapter", action="store_true", help="a LoRA run (--lora-r): write "
+                     "PEFT's adapter directory (adapter_config.json, adapter_model.safetensors) "
+                     "for peft.PeftModel.from_pretrained(base, HF_DIR), the base being the "
+                     "run's --model directory")
+    how.add_argument("--merge", action="store_true", help="a LoRA run: merge the adapters into "
+                     "the base and write the whole model (AutoModel*.from_pretrained(HF_DIR))")
     p.set_defaults(func=_export)
 
 
@@ -144,7 +152,8 @@ def _export(args: argparse.Namespace) -> int:
     from .train.export import export_run
 
     try:
-        export_run(args.run_dir, args.out, step=args.step, check=args.check, force=args.force)
+        export_run(args.run_dir, args.out, step=args.step, check=args.check, force=args.force,
+                   adapter=args.adapter, merge=args.merge)
     except (InputError, CheckpointError) as e:  # a bad argument; a damaged run file
         print(f"slapo export: error: {e}", file=sys.stderr)
         return 2

@@ -39,7 +39,7 @@ import torch
 import torch.nn as nn
 
 from ..data.sources import InputError
-from . import checkpoint_read, checkpoints, run_owner
+from . import checkpoint_read, checkpoints, export_lora, run_owner
 from . import run_state as ckpt
 from .pretrained import TASK_CLASSES
 
@@ -168,14 +168,15 @@ def _auto_class(task: str):
 
 
 @torch.no_grad()
-def load_checkpoint_model(path: Path, model: nn.Module) -> int:
+def load_checkpoint_model(path: Path, model: nn.Module, names: set[str] | None = None) -> int:
     """Fill `model` (unsharded, one process) from the DCP checkpoint at `path`; return how many
-    tensors were read. Every parameter must be in the checkpoint."""
+    tensors were read. Every parameter (of `names`, when given: a LoRA run's adapters) must be
+    in the checkpoint."""
     import torch.distributed.checkpoint as dcp
 
     meta = checkpoint_read.SafeReader(str(path)).read_metadata().state_dict_metadata
     saved = {k[len("model."):]: m for k, m in meta.items() if k.startswith("model.")}
-    own = model.state_dict()
+    own = {k: v for k, v in model.state_dict().items() if names is None or k in names}
     missing = [k for k in own if k not in saved and not _tied_elsewhere(model, k, saved)]
     if missing:
         raise InputError(str(path), f"the checkpoint lacks {len(missing)} of the model's "
@@ -224,16 +225,24 @@ def _check_out(out: Path, force: bool) -> None:
 
 
 def export_run(run_dir: str | Path, out: str | Path, *, step: int | None = None,
-               check: bool = True, force: bool = False, log=print) -> ExportResult:
+               check: bool = True, force: bool = False, adapter: bool = False,
+               merge: bool = False, log=print) -> ExportResult:
     """Consolidate a `slapo train` checkpoint into a `save_pretrained` directory (see module
-    docstring). Raises InputError (naming the path and the fix) before writing anything."""
+    docstring); a LoRA run (`--lora-r`) as PEFT's adapter directory (`adapter`) or merged
+    into its base (`merge`): `export_lora`. Raises InputError (naming the path and the fix)
+    before writing anything."""
     out = Path(out)
     _check_out(out, force)
     path = pick(Path(run_dir), step)
     trainer = ckpt.read_trainer(path)
     cfg = run_config(trainer, path)
-    model, task, tok_dir = unsharded_model(cfg)
-    count = load_checkpoint_model(path, model)
+    export_lora.check_mode(cfg, adapter, merge, Path(run_dir))
+    if cfg.lora_r:
+        model, task, tok_dir = export_lora.lora_model(cfg)
+        count = load_checkpoint_model(path, model, names=export_lora.trained_names(model))
+    else:
+        model, task, tok_dir = unsharded_model(cfg)
+        count = load_checkpoint_model(path, model)
     model.eval()
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -243,7 +252,11 @@ def export_run(run_dir: str | Path, out: str | Path, *, step: int | None = None,
                 "task": task,
                 "tokenizer": tok_dir or "bytes (slapo.data.ByteTokenizer: ids 0-255 are "
                 "bytes; 256 pad, 257 bos, 258 eos, 259 mask)"}
-        diff = _write(tmp, model, task, tok_dir, info, check)
+        if cfg.lora_r:
+            info["lora"] = export_lora.lora_info(cfg, adapter)
+        if merge:
+            model, info["lora"]["merge_max_logit_diff"] = export_lora.merged(model, task)
+        diff = _write(tmp, model, task, tok_dir, info, check, adapter_of=cfg if adapter else None)
         if out.exists():
             shutil.rmtree(out)
         tmp.rename(out)
@@ -256,14 +269,20 @@ def export_run(run_dir: str | Path, out: str | Path, *, step: int | None = None,
 
 
 def _write(tmp: Path, model: nn.Module, task: str, tok_dir: str | None, info: dict,
-           check: bool) -> float | None:
-    """The export into `tmp`: weights, tokenizer, provenance; then (`check`) the reload check."""
-    model.save_pretrained(tmp, safe_serialization=True)
+           check: bool, adapter_of: Any = None) -> float | None:
+    """The export into `tmp`: weights (`adapter_of`, a LoRA run's config: PEFT's adapter
+    directory), tokenizer, provenance; then (`check`) the reload check."""
+    if adapter_of is not None:
+        diff = export_lora.write_adapter(tmp, model, adapter_of, task, check)
+    else:
+        model.save_pretrained(tmp, safe_serialization=True)
     if tok_dir is not None:
         from transformers import AutoTokenizer
 
         AutoTokenizer.from_pretrained(tok_dir, local_files_only=True).save_pretrained(tmp)
     (tmp / EXPORT_FILE).write_text(json.dumps(info, indent=1))
+    if adapter_of is not None:
+        return diff
     return _check_reload(tmp, model, task) if check else None
 
 
