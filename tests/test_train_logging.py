@@ -37,6 +37,9 @@ def test_eval_every_streams_val_loss_and_leaves_training_unchanged(tmp_path, cap
     assert len(m["lrs"]) == 4 and m["lrs"][0] > 0
     recs = _records(tmp_path / "a")
     assert [r["step"] for r in recs if "loss" in r] == [1, 2, 3, 4]
+    # tokens trained on so far (batch 4 x seq 32) and the gradient norm before clipping
+    assert [r["tokens"] for r in recs if "loss" in r] == [128, 256, 384, 512]
+    assert all(r["grad_norm"] > 0 for r in recs if "loss" in r) and m["tokens_seen"] == 512
     assert [(r["step"], r["val_loss"]) for r in recs if "val_loss" in r] == \
         [(e["step"], e["val_loss"]) for e in m["evals"]]
     assert (tmp_path / "a" / "metrics.csv").read_text().startswith("step,loss,lr,")

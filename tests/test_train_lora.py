@@ -30,13 +30,15 @@ def job_lora_train(options: dict) -> dict:
         run = build(cfg, env, log=lambda *a, **k: None)
         params = dict(run.model.named_parameters())
         before = {n: p.detach().clone() for n, p in params.items()}
+        norms = []
         while run.step < cfg.steps:
             train_one_step(run)
+            norms.append(float(run.trainer.last_grad_norm))
         frozen = [n for n, p in params.items() if not p.requires_grad]
         trained = [n for n, p in params.items() if p.requires_grad]
         held = {id(p) for g in run.optimizer.param_groups for p in g["params"]}
         return {
-            "losses": run.losses, "schedule": run.schedule_note, "type": type(run.model).__name__,
+            "losses": run.losses, "grad_norms": norms, "schedule": run.schedule_note, "type": type(run.model).__name__,
             "frozen": len(frozen), "trained": len(trained),
             "base_changed": [n for n in frozen if not torch.equal(params[n].detach(), before[n])],
             "adapters_changed": sum(not torch.equal(params[n].detach(), before[n])
@@ -68,6 +70,9 @@ def test_lora_r_trains_adapters_only_and_tp2_equals_one_process(dist2):
         assert r["q_lora_B"] == (32, 4)  # column-parallel q_proj: B split with the base
         assert r["losses"] == tp[0]["losses"]
     assert tp[0]["losses"] == pytest.approx(one["losses"], rel=1e-5)
+    # the logged gradient norm is the whole model's, summed over the tp shards (A and B of a
+    # replicated factor counted once)
+    assert tp[0]["grad_norms"] == pytest.approx(one["grad_norms"], rel=1e-5)
     full = job_lora_train({**LORA, "lora_r": 0, "lora_alpha": None})
     assert full["type"] == "LlamaForCausalLM" and full["frozen"] == 0
 

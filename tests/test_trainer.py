@@ -62,6 +62,26 @@ def test_build_trainer_and_build_keep_the_users_class(one_thread):
     assert tm.optimizer is opt
 
 
+def test_train_step_records_the_gradient_norm_before_clipping(one_thread):
+    """`Trainer.last_grad_norm`: the whole gradient's 2-norm before clipping (what the step
+    clipped by), equal to a reference backward's; None without `grad_clip` (not computed)."""
+    model = models.gpt2(seed=0)
+    ref = copy.deepcopy(model)
+    batch = _batches()[0]
+    ref(**batch).loss.backward()
+    want = torch.stack([p.grad.norm() for p in ref.parameters()]).norm()
+    trainer = build_trainer(slapo.create_schedule(model), optimizer=torch.optim.AdamW,
+                            grad_clip=1e-3)
+    assert trainer.last_grad_norm is None
+    trainer.train_step(batch)
+    torch.testing.assert_close(trainer.last_grad_norm, want, rtol=1e-5, atol=0)
+    assert trainer.last_grad_norm > 1e-3  # it was clipped: the norm is the one before
+    plain = build_trainer(slapo.create_schedule(models.gpt2(seed=0)),
+                          optimizer=torch.optim.AdamW)
+    plain.train_step(batch)
+    assert plain.last_grad_norm is None
+
+
 def test_deepcopy_is_the_plain_model(one_thread):
     model = models.gpt2(seed=0)
     cls = type(model)

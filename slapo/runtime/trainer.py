@@ -55,6 +55,9 @@ class Trainer:
         self.step_config = step_config
         self.norm_weights = norm_weights
         self.precision = precision
+        # the last step's global gradient 2-norm before clipping (with `grad_clip`; a 0-dim
+        # tensor, read after the step so the step itself waits for no host sync), else None
+        self.last_grad_norm: torch.Tensor | None = None
 
     def __repr__(self) -> str:
         cfg = self.step_config
@@ -97,7 +100,7 @@ class Trainer:
             loss = part_loss if loss is None else loss + part_loss
         self.runner.finish_grads()
         self.precision.unscale_(self.optimizer)
-        if cfg.grad_clip is not None:
+        self.last_grad_norm = None if cfg.grad_clip is None else \
             clip_grad_norm(self.norm_weights, cfg.grad_clip, cfg.info)
         self.precision.step(self.optimizer)
         return reduce_loss(loss, cfg.info)

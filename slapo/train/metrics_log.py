@@ -23,8 +23,8 @@ from typing import Any
 
 __all__ = ["FIELDS", "MetricsLog", "check_sinks"]
 
-FIELDS = ("step", "loss", "lr", "tokens_per_s", "peak_memory_mib", "skipped_steps",
-          "val_loss", "val_ppl")
+FIELDS = ("step", "loss", "lr", "grad_norm", "tokens", "tokens_per_s", "peak_memory_mib",
+          "skipped_steps", "val_loss", "val_ppl")
 JSONL, CSV, TB_DIR = "metrics.jsonl", "metrics.csv", "tensorboard"
 
 

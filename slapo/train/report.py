@@ -7,6 +7,7 @@ progressive demo share), so the numbers of the three are the same measurement.
 from __future__ import annotations
 
 import json
+import math
 import sys
 from pathlib import Path
 from typing import Any
@@ -16,7 +17,7 @@ import torch
 from ..profile import meter
 from .metrics_log import perplexity
 
-__all__ = ["evaluate", "metrics", "plot", "progress_bar", "log_step", "throughput", "tokens_per_step",
+__all__ = ["evaluate", "grad_norm", "metrics", "plot", "progress_bar", "log_step", "throughput", "tokens_per_step",
            "trained_parameters", "val_loss", "warn", "write_metrics"]
 
 
@@ -65,7 +66,17 @@ def log_step(run: Any, bar, log: Any = None) -> None:
     bar.update(1)
     if log is not None:
         log.log(run.step, loss=run.losses[-1], lr=run.optimizer.param_groups[0]["lr"],
+                grad_norm=grad_norm(run), tokens=run.step * tokens_per_step(run.cfg),
                 tokens_per_s=tok_s, peak_memory_mib=mem, skipped_steps=skipped)
+
+
+def grad_norm(run: Any) -> float | None:
+    """The last step's gradient norm before clipping (the whole model's, every rank alike:
+    `runtime.train_step.clip_grad_norm`); None without clipping (`--grad-clip 0`: not computed)
+    or when it is not finite (an fp16 step skipped for inf/NaN gradients)."""
+    norm = run.trainer.last_grad_norm
+    value = None if norm is None else float(norm)
+    return value if value is not None and math.isfinite(value) else None
 
 
 def evaluate(run: Any, log: Any = None) -> float | None:
@@ -109,6 +120,7 @@ def metrics(run: Any, val: float | None, peak: int) -> dict[str, Any]:
         "lrs": run.lrs,
         "tokens_per_s": throughput(run),
         "tokens_per_step": tokens_per_step(run.cfg),
+        "tokens_seen": run.step * tokens_per_step(run.cfg),
         "step_times_s": run.step_times,
         "peak_memory_bytes": peak,
         "peak_memory_kind": meter.peak_kind(run.env.device),
