@@ -6,6 +6,7 @@
     torchrun --nproc-per-node 2 -m slapo.cli train --tp 2 --out runs/tp2
     slapo export runs/tp2 --out exported/tp2           # a Hugging Face directory
     slapo export runs/lora --out adapters/lora --adapter   # a LoRA run: PEFT's adapter directory
+    slapo eval runs/gpt2 --data notes.jsonl            # val loss and perplexity, no training
     slapo prepare-data --data 'books/*.txt' --tokenizer tok/ --out data/books
     slapo train --data data/books --tokenizer tok/     # the token files, memory-mapped
 
@@ -67,6 +68,7 @@ def _parser() -> argparse.ArgumentParser:
 
     add_tune_parser(sub)
     _add_export_parser(sub)
+    _add_eval_parser(sub)
     _add_prepare_parser(sub)
     return parser
 
@@ -156,6 +158,42 @@ def _export(args: argparse.Namespace) -> int:
                    adapter=args.adapter, merge=args.merge)
     except (InputError, CheckpointError) as e:  # a bad argument; a damaged run file
         print(f"slapo export: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _add_eval_parser(sub: Any) -> None:
+    p = sub.add_parser("eval", help="a trained model's loss and perplexity, no training",
+                       description="Rebuild a `slapo train` run from its checkpoint (or a "
+                       "Hugging Face model directory) and print its val loss and perplexity "
+                       "on the val split of its data or of --data, computed as the run "
+                       "computes its own val loss (slapo/train/evaluate.py). Nothing is "
+                       "written; bad input exits with status 2.")
+    p.add_argument("target", metavar="RUN_DIR|HF_DIR", help="a slapo train --out directory, "
+                   "or a save_pretrained directory")
+    p.add_argument("--step", type=int, default=None, help="the checkpoint of this step "
+                   "(default: the newest intact one)")
+    p.add_argument("--batches", dest="eval_batches", type=int, default=None,
+                   help="val batches to average (default: the run's --eval-batches, else 4)")
+    for name in ("data", "text_field", "tokenizer", "val_fraction", "seq_len", "batch_size",
+                 "device"):
+        kind = {"val_fraction": float, "seq_len": int, "batch_size": int}.get(name, str)
+        p.add_argument("--" + name.replace("_", "-"), type=kind, default=None,
+                       help=_option_help(name) + " (default: the run's)")
+    p.set_defaults(func=_eval)
+
+
+def _eval(args: argparse.Namespace) -> int:
+    from .data import InputError
+    from .train.checkpoints import CheckpointError
+    from .train.evaluate import eval_target
+
+    given = {k: v for k, v in vars(args).items() if k not in ("command", "func", "target",
+                                                               "step")}
+    try:
+        eval_target(args.target, step=args.step, **given)
+    except (InputError, CheckpointError, ValueError) as e:
+        print(f"slapo eval: error: {e}", file=sys.stderr)
         return 2
     return 0
 
@@ -283,7 +321,7 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of the `slapo` console script; returns the exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = _parser()
-    if argv and argv[0] in ("tune", "export", "prepare-data"):
+    if argv and argv[0] in ("tune", "export", "eval", "prepare-data"):
         args = parser.parse_args(argv)
         return args.func(args)
     if not argv or argv[0] in ("-h", "--help") or argv[0] != "train":

@@ -121,6 +121,13 @@ def test_lora_tp2_run_resumes_exactly_and_exports_adapter_and_merged(dist2, tmp_
     info = json.loads((tmp_path / "merged" / "slapo_export.json").read_text())
     assert info["lora"]["export"] == "merged" and info["step"] == 4
 
+    # `slapo eval` of the tp=2 run in one process: the merged export's val loss
+    from slapo.train.evaluate import eval_target
+
+    run = eval_target(tmp_path / "a", eval_batches=2, log=_quiet)
+    hf = eval_target(tmp_path / "merged", seq_len=16, batch_size=4, eval_batches=2, log=_quiet)
+    assert run["step"] == 4 and run["val_loss"] == pytest.approx(hf["val_loss"], rel=1e-5)
+
 
 def test_lora_export_refuses_bad_input_and_merges_a_registry_base(tmp_path, one_thread):
     """A LoRA run without --adapter/--merge, --adapter on a registry model's LoRA run (no base

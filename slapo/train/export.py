@@ -59,7 +59,7 @@ class ExportResult:
 
 
 # ---- which checkpoint --------------------------------------------------------------------------
-def pick(run_dir: Path, step: int | None) -> Path:
+def pick(run_dir: Path, step: int | None, what: str = "export") -> Path:
     """The newest intact checkpoint of `run_dir`'s run (or the one of `step`), verified. A
     checkpoint of another run in the directory (see `run_owner.owner_problem`) is never taken:
     the export must be the model this run trained."""
@@ -76,14 +76,14 @@ def pick(run_dir: Path, step: int | None) -> Path:
         if reason is not None:
             steps = sorted(checkpoints.step_of(p) for p in run_owner.own_candidates(run_dir))
             have = ", ".join(map(str, steps)) or "none"
-            raise InputError(str(path), f"cannot export step {step}: {reason}.",
+            raise InputError(str(path), f"cannot {what} step {step}: {reason}.",
                              f"pick one of the saved steps ({have}) or leave --step out.")
         return path
     path, skipped = ckpt.find_resumable(run_dir)
     if path is None:
         why = "; ".join(f"{p.name}: {r}" for p, r in skipped) or "none saved"
         raise InputError(str(run_dir / checkpoints.CHECKPOINTS), f"no intact checkpoint ({why}).",
-                         "export another run, or resume this one to write a checkpoint.")
+                         f"{what} another run, or resume this one to write a checkpoint.")
     return path
 
 
