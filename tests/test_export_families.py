@@ -27,15 +27,17 @@ TINY = dict(seq_len=16, batch_size=4, steps=2, save_every=2, progress=False, plo
             eval_batches=0, dropout=0.0, lr=1e-2)
 PROBE = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(3))
 VOCAB = 260  # the byte tokenizer's (a directory without a tokenizer trains on bytes)
-# gemma2 and phi3 have no hand-written family: scheduled from the tp plan their configs declare
-# (`model_schedule/hf_plan.py`; Gemma 2: soft-capping, alternating sliding windows, scaled
-# embeddings; Phi-3: packed q|k|v and gate|up)
+# gemma2, phi3 and qwen2_moe have no hand-written family: scheduled from the tp plan their
+# configs declare (`model_schedule/hf_plan.py`; Gemma 2: soft-capping, alternating sliding
+# windows, scaled embeddings; Phi-3: packed q|k|v and gate|up; Qwen2-MoE: experts split per
+# expert FFN, read from save_pretrained's per-expert keys, and shared experts)
 FAMILIES = ("gpt2", "gpt_neo", "opt", "llama", "mistral", "qwen2", "qwen3", "bert", "roberta",
-            "albert", "t5", "gemma2", "phi3")
+            "albert", "t5", "gemma2", "phi3", "qwen2_moe")
 LAYOUTS = {"one": {}, "tp2": {"tp": 2}, "pp2": {"pp_stages": 2}, "fsdp2": {"dp_shard": True}}
 # A layout `slapo train` refuses for a family, with the reason (checked to be refused).
 REFUSED = {("albert", "pp2"): "one shared layer at every depth",
-           ("gemma2", "pp2"): "pipeline stages re-implement the model's forward"}
+           ("gemma2", "pp2"): "pipeline stages re-implement the model's forward",
+           ("qwen2_moe", "pp2"): "pipeline stages re-implement the model's forward"}
 
 
 def _config(name: str):
@@ -66,6 +68,9 @@ def _config(name: str):
         "albert": lambda: tf.AlbertConfig(**encoder, embedding_size=16),
         "gemma2": lambda: tf.Gemma2Config(**decoder, head_dim=8, sliding_window=8),
         "phi3": lambda: tf.Phi3Config(**decoder),
+        "qwen2_moe": lambda: tf.Qwen2MoeConfig(**decoder, num_experts=4, num_experts_per_tok=2,
+                                               moe_intermediate_size=32,
+                                               shared_expert_intermediate_size=64),
         "t5": lambda: tf.T5Config(d_model=32, d_kv=8, d_ff=64, num_layers=1, num_decoder_layers=1,
                                   num_heads=4, vocab_size=VOCAB, pad_token_id=256,
                                   eos_token_id=258, decoder_start_token_id=256),
@@ -77,7 +82,8 @@ TASK_CLASS = {"gpt2": "GPT2LMHeadModel", "gpt_neo": "GPTNeoForCausalLM", "opt": 
               "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
               "bert": "BertForMaskedLM", "roberta": "RobertaForMaskedLM",
               "albert": "AlbertForMaskedLM", "t5": "T5ForConditionalGeneration",
-              "gemma2": "Gemma2ForCausalLM", "phi3": "Phi3ForCausalLM"}
+              "gemma2": "Gemma2ForCausalLM", "phi3": "Phi3ForCausalLM",
+              "qwen2_moe": "Qwen2MoeForCausalLM"}
 
 
 def save_family_dirs(root: Path) -> dict[str, str]:

@@ -39,6 +39,7 @@ import torch.nn as nn
 from .. import sharding
 from ..data.sources import InputError
 from .models import MODELS
+from .pretrained_experts import MergedKey, merged_key, renamed_key
 
 CONFIG = "config.json"
 SAFETENSORS = "model.safetensors"
@@ -264,11 +265,15 @@ def load_weights(model: nn.Module, source: ModelSource,
         for mod, kind, name, t in entries:
             if id(t) not in done:
                 key = key_of[id(t)]
-                fh = handles.get(keys[key]) or handles.setdefault(
-                    keys[key], safe_open(str(keys[key]), "pt", device="cpu"))
-                value = local_piece(fh.get_slice(key), sharding.shard_spec(t))
+
+                def open_key(k: str):
+                    fh = handles.get(keys[k]) or handles.setdefault(
+                        keys[k], safe_open(str(keys[k]), "pt", device="cpu"))
+                    return fh.get_slice(k)
+                sl = key.reader(open_key) if isinstance(key, MergedKey) else open_key(key)
+                value = local_piece(sl, sharding.shard_spec(t))
                 if tuple(value.shape) != tuple(t.shape):
-                    raise InputError(f"{keys[key]}:{key}", f"this rank's piece has shape "
+                    raise InputError(f"{_where(key, keys)}", f"this rank's piece has shape "
                                      f"{tuple(value.shape)}, the parameter {tuple(t.shape)}.",
                                      "check that the checkpoint matches config.json.")
                 done[id(t)] = _replace(mod, kind, name, t, value.to(t.dtype).contiguous())
@@ -285,7 +290,18 @@ def load_weights(model: nn.Module, source: ModelSource,
         for mod, kind, name in holders.get(tid, ()):
             (mod._parameters if kind == "p" else mod._buffers)[name] = value
     used = {key_of[id(t)] for _, _, _, t in entries if id(t) in key_of}
-    return {"loaded": len(used), "unused_keys": len(set(keys) - set(key_of.values()))}
+    read = {k for key in key_of.values() for k in _keys_of(key)}
+    return {"loaded": len(used), "unused_keys": len(set(keys) - read)}
+
+
+def _keys_of(key: str | MergedKey) -> list[str]:
+    return key.keys() if isinstance(key, MergedKey) else [key]
+
+
+def _where(key: str | MergedKey, keys: dict[str, Path]) -> str:
+    first = _keys_of(key)[0]
+    return f"{keys[first]}:{first}" + (f" (+{len(_keys_of(key)) - 1} per-expert keys)"
+                                       if isinstance(key, MergedKey) else "")
 
 
 def _holders(model: nn.Module) -> dict[int, list[tuple[nn.Module, str, str]]]:
@@ -319,6 +335,13 @@ def _plan(model: nn.Module, keys: dict[str, Path], prefix: str, source: ModelSou
                     continue  # already materialised: not ours to overwrite
                 full = f"{path}.{name}" if path else name
                 key = checkpoint_key(base_name(full, adapted), keys, prefix)
+                if key is None and kind == "p":  # HF's renamings; fused experts
+                    own = base_name(full, adapted)
+
+                    def look(k: str) -> str | None:
+                        return checkpoint_key(k, keys, prefix)
+                    key = renamed_key(model, own, look) or \
+                        merged_key(model, own, _full_shape(t), keys, look)
                 if kind == "b" and key is None:
                     continue
                 if only is None or full in only:
@@ -336,6 +359,16 @@ def _plan(model: nn.Module, keys: dict[str, Path], prefix: str, source: ModelSou
                          "config.json file).")
     _check_shapes(entries, key_of, keys)
     return entries, key_of
+
+
+@dataclass(frozen=True)
+class _Shape:
+    """A slice's shape only (the shape check reads no data)."""
+
+    shape: tuple[int, ...]
+
+    def get_shape(self) -> list[int]:
+        return list(self.shape)
 
 
 def adapter_layers(model: nn.Module) -> set[str]:
@@ -358,8 +391,20 @@ def _check_shapes(entries: list, key_of: dict[int, str], keys: dict[str, Path]) 
     from safetensors import safe_open
 
     want = {key_of[id(t)]: _full_shape(t) for _, _, _, t in entries}
+    for key, shape in want.items():
+        if isinstance(key, MergedKey):
+            def open_key(k: str):
+                with safe_open(str(keys[k]), "pt") as fh:
+                    return _Shape(tuple(fh.get_slice(k).get_shape()))
+            have = tuple(key.reader(open_key).get_shape())
+            if have != shape:
+                raise InputError(_where(key, keys), f"the per-expert tensors make a fused tensor "
+                                 f"of shape {have}, the model expects {shape}.",
+                                 "check that config.json belongs to these weights.")
     by_file: dict[Path, list[str]] = {}
     for key in want:
+        if isinstance(key, MergedKey):
+            continue
         by_file.setdefault(keys[key], []).append(key)
     for file, names in by_file.items():
         with safe_open(str(file), "pt") as fh:
