@@ -60,7 +60,19 @@ class _QuietGpuLibraries(logging.Filter):
         return not (message.startswith("Failed to load") and "/torchao/_C" in message)
 
 
+class _QuietTorchaoEnums(logging.Filter):
+    """Drop torch 2.13's deprecation warning for torchao's own `register_constant` calls on its
+    enums (`KernelPreference`, `ScaleCalculationMode`), printed on import: a torchao matter, not
+    the user's, and it broke every run's clean output (torchrun prefixes it with `[rankN]:`)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args if isinstance(record.args, tuple) else ()
+        return not ("is an Enum subclass" in str(record.msg) and args
+                    and getattr(args[0], "__module__", "").startswith("torchao"))
+
+
 logging.getLogger("torchao").addFilter(_QuietGpuLibraries())
+logging.getLogger("torch.utils._pytree").addFilter(_QuietTorchaoEnums())
 
 
 @dataclass(frozen=True)
