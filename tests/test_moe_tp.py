@@ -17,7 +17,7 @@ pytestmark = pytest.mark.dist
 QWEN3 = ("qwen3_moe", "Qwen3MoeForCausalLM", "grouped_mm")
 CASES = [QWEN3, ("olmoe", "OlmoeForCausalLM", "grouped_mm"),
          ("olmoe", "OlmoeForCausalLM", "batched_mm")]
-RTOL = 2e-5  # float32: the sharded sums reorder the intermediate features (measured 2e-7)
+RTOL = 2e-5  # float32: the sharded sums reorder the intermediate features (measured 7e-7)
 
 
 def _rel(a, b) -> float:

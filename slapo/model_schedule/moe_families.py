@@ -14,19 +14,14 @@ refused for it before anything changes, and so is tp with ep.
 
 from __future__ import annotations
 
+from . import llama
 from ._registry import Family
 from .moe import MoEPlan
-from .plan import Column, EnterRegion, ReduceParamGrads, Row, TPPlan
+from .plan import Column, EnterRegion, Row, TPPlan
 from .plan_experts import Experts
 
-TP_PLAN = TPPlan((
-    ("self_attn.q_proj", Column()),
-    ("self_attn.k_proj", Column()),
-    ("self_attn.v_proj", Column()),
-    ("self_attn", EnterRegion()),
-    ("self_attn.o_proj", Row()),
-    ("self_attn.q_norm?", ReduceParamGrads()),  # Qwen3-MoE's per-head norms
-    ("self_attn.k_norm?", ReduceParamGrads()),
+# LLaMA's attention rows (the same modules and Qwen3-MoE's per-head norms), then the experts
+TP_PLAN = TPPlan(tuple(row for row in llama.TP_PLAN.entries if row[0].startswith("self_attn")) + (
     ("mlp.experts?", Experts()),
     # a dense layer (Qwen3-MoE's mlp_only_layers): each projection reduces its own input
     # gradient, since an MoE layer's `mlp` must not (its experts do)

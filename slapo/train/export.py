@@ -289,12 +289,19 @@ def _write(tmp: Path, model: nn.Module, task: str, tok_dir: str | None, info: di
 def _check_reload(directory: Path, model: nn.Module, task: str) -> float:
     """Load the written directory with transformers and compare logits on a probe batch."""
     reloaded = _auto_class(task).from_pretrained(str(directory), local_files_only=True)
+    return compare_logits(model, reloaded, task, directory, TASK_CLASSES[task])
+
+
+def compare_logits(model: nn.Module, reloaded: nn.Module, task: str, where: Path,
+                   how: str) -> float:
+    """The export check: `reloaded` (the written directory loaded `how`) gives `model`'s logits
+    on a probe batch, to 1e-5; the largest difference, or a RuntimeError."""
     vocab = model.get_input_embeddings().num_embeddings
     with torch.no_grad():
         want, got = _probe(model, task, vocab), _probe(reloaded, task, vocab)
     diff = float((want - got).abs().max())
     if not torch.allclose(want, got, rtol=0, atol=1e-5):
-        raise RuntimeError(f"export check failed: {directory} reloaded with "
-                           f"{TASK_CLASSES[task]} gives logits {diff:.3e} off the checkpoint's "
-                           "model (please report this: the export would not be what trained).")
+        raise RuntimeError(f"export check failed: {where} reloaded with {how} gives logits "
+                           f"{diff:.3e} off the checkpoint's model (please report this: the "
+                           "export would not be what trained).")
     return diff

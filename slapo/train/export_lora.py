@@ -122,7 +122,9 @@ def write_adapter(tmp: Path, model: nn.Module, cfg: Any, task: str,
         return None
     base = _auto_class(task).from_pretrained(base_dir, local_files_only=True)
     reloaded = peft.PeftModel.from_pretrained(base, str(tmp))
-    return _compare(model, reloaded, task, tmp, "PeftModel.from_pretrained")
+    from .export import compare_logits
+
+    return compare_logits(model, reloaded, task, tmp, "PeftModel.from_pretrained")
 
 
 def merged(model: nn.Module, task: str) -> tuple[nn.Module, float]:
@@ -140,16 +142,3 @@ def merged(model: nn.Module, task: str) -> tuple[nn.Module, float]:
         raise RuntimeError(f"merging the adapters changed the logits by {diff:.3e} (please "
                            "report this: the merged model would not be what trained).")
     return plain, diff
-
-
-def _compare(model: nn.Module, reloaded: nn.Module, task: str, where: Path, how: str) -> float:
-    from .export import _probe
-
-    vocab = model.get_input_embeddings().num_embeddings
-    with torch.no_grad():
-        want, got = _probe(model, task, vocab), _probe(reloaded, task, vocab)
-    diff = float((want - got).abs().max())
-    if not torch.allclose(want, got, rtol=0, atol=1e-5):
-        raise RuntimeError(f"export check failed: {where} loaded with {how} gives logits "
-                           f"{diff:.3e} off the checkpoint's model (please report this).")
-    return diff
