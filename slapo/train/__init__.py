@@ -10,8 +10,8 @@ RNG files), `faults` (who failed; `stop_signals`: Ctrl-C and SIGTERM; `fault_inj
 
 from .config import TrainConfig
 from .loop import train
-from .models import MODELS, ModelSize, build_model
+from .models import MODELS, MOE_MODELS, ModelSize, build_model
 from .pretrained import ModelSource, load_weights, model_source
 
-__all__ = ["MODELS", "ModelSize", "ModelSource", "TrainConfig", "build_model", "load_weights",
-           "model_source", "train"]
+__all__ = ["MODELS", "MOE_MODELS", "ModelSize", "ModelSource", "TrainConfig", "build_model",
+           "load_weights", "model_source", "train"]

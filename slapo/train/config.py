@@ -34,7 +34,7 @@ from ..model_schedule.knobs import (
 from ..runtime.mesh import DEVICES, MULTI_STAGE, PP_SCHEDULES
 from ..runtime.mesh import stages_per_rank as _stages_per_rank
 from ..runtime.precision import PRECISIONS, check_precision
-from .models import MODELS, ModelSize
+from .models import REGISTRY, ModelSize
 
 __all__ = ["CKPT_POLICIES", "DEVICES", "DIST_TIMEOUT_S", "MULTI_STAGE", "PP_SCHEDULES",
            "PRECISIONS", "RUN_IDENTITY", "RUN_LAYOUT", "SECTIONS", "ArchOptions",
@@ -47,7 +47,7 @@ DIST_TIMEOUT_S = 60.0   # --dist-timeout default: long saves or first compiles m
 
 # Options that must match a checkpoint for resuming to continue the same run.
 RUN_IDENTITY = ("model", "batch_size", "seq_len", "seed", "hidden_size", "num_layers",
-                "num_heads", "dropout", "data", "text_field", "tokenizer", "val_fraction",
+                "num_heads", "dropout", "num_experts", "experts_per_token", "data", "text_field", "tokenizer", "val_fraction",
                 "lora_r", "lora_alpha", "lora_dropout", "lora_targets")
 # How the run is laid out on the ranks (with the number of processes): a resume may change
 # them (the loader reads each tensor into this job's layout), but then the per-rank random
@@ -81,12 +81,17 @@ class ArchOptions:
     """What is trained: a registry architecture at a small size, or a local HF model."""
 
     model: str = _opt("gpt2", "architecture (small config): gpt2, llama, opt, gpt_neo, bert, "
-                      "roberta, albert, t5; or a local HF model directory (config.json + "
-                      "optional model.safetensors: fine-tune it) or a config.json file")
+                      "roberta, albert, t5, and the mixtures of experts mixtral, qwen3_moe; "
+                      "or a local HF model directory (config.json + optional "
+                      "model.safetensors: fine-tune it) or a config.json file")
     hidden_size: int = _opt(128, "model width")
     num_layers: int = _opt(4, "number of layers (T5: split between encoder and decoder)")
     num_heads: int = _opt(4, "attention heads")
     dropout: float = _opt(0.0, "dropout probability of the model")
+    num_experts: int = _opt(4, "experts per MoE layer of a registry mixture of experts "
+                            "(mixtral, qwen3_moe)")
+    experts_per_token: int = _opt(2, "experts each token is routed to (top-k) in a registry "
+                                  "mixture of experts (mixtral, qwen3_moe)")
 
 
 @dataclass
@@ -330,7 +335,7 @@ class TrainConfig:
 
     def _check_numbers(self) -> None:
         for name in ("steps", "batch_size", "seq_len", "hidden_size", "num_layers", "num_heads",
-                     "grad_accum", "cp"):
+                     "grad_accum", "cp", "num_experts", "experts_per_token"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{flag(name)} must be >= 1, got {getattr(self, name)}")
         for name in ("save_every", "warmup", "eval_batches", "eval_every", "keep_last"):
@@ -369,11 +374,30 @@ class TrainConfig:
         built (a raw HF error). The parallel degrees against the model (heads over --tp ranks,
         layers over the stages) are checked once, by the family's plan in `apply`, before any
         change (docs/architecture.md: one validation per degree)."""
-        if self.model.lower().replace("-", "_") not in MODELS:
+        spec = REGISTRY.get(self.model.lower().replace("-", "_"))
+        self._check_experts(spec)
+        if spec is None:
             return  # a path, or an unknown name: `setup.check_inputs` says which
         if self.hidden_size % self.num_heads:
             raise ValueError(f"--hidden-size {self.hidden_size} is not divisible by "
                              f"--num-heads {self.num_heads}")
+
+    def _check_experts(self, spec) -> None:
+        """--num-experts / --experts-per-token size a registry mixture of experts only (a
+        model directory's config.json says its own; a dense model has none): given anywhere
+        else they are refused, never ignored."""
+        given = [n for n in ("num_experts", "experts_per_token")
+                 if getattr(self, n) != default_of(n)]
+        if given and not (spec is not None and spec.moe):
+            moe = ", ".join(n for n, s in REGISTRY.items() if s.moe)
+            raise ValueError(f"--{flag(given[0])} sizes a registry mixture of experts ({moe}); "
+                             f"--model {self.model} is not one: drop it")
+        if self.progressive and spec is not None and spec.moe:
+            raise ValueError(f"--progressive compares the dense registry's schedules; "
+                             f"--model {self.model} is a mixture of experts: drop one")
+        if self.experts_per_token > self.num_experts:
+            raise ValueError(f"--experts-per-token {self.experts_per_token} is more than "
+                             f"--num-experts {self.num_experts}")
 
     def _check_logging(self) -> None:
         for name in ("tensorboard", "wandb"):
@@ -491,6 +515,7 @@ class TrainConfig:
             bos_id=tokenizer.bos_id, eos_id=tokenizer.eos_id)
         return ModelSize(self.hidden_size, self.num_layers, self.num_heads,
                          max_positions=max(1024, 2 * self.seq_len), dropout=self.dropout,
+                         experts=self.num_experts, experts_per_token=self.experts_per_token,
                          **vocab)
 
 

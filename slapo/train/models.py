@@ -3,6 +3,14 @@
 Each entry says which HF class to build and which task (data format) it trains on. Sizes are
 tiny by default (hidden 128, 4 layers, 4 heads: ~0.8 M parameters) so CPU runs take seconds;
 `--hidden-size/--num-layers/--num-heads` scale them. The vocabulary is the byte tokenizer's.
+
+The mixtures of experts (`mixtral`, `qwen3_moe`; `ModelSpec.moe`) have `--num-experts` experts
+per layer (default 4), each token routed to `--experts-per-token` of them (default 2), and train
+with HF's own loss *including* the auxiliary load-balancing loss (`output_router_logits=True`,
+HF's `router_aux_loss_coef` 0.001): what `model(..., labels=)` returns is the loss
+`slapo train` steps on. Their experts run HF's `"eager"` loop (`experts_implementation`), the
+order of sums expert parallelism (`--ep`, `op.moe.ExpertParallelExperts`) reproduces, so a run
+equals itself to roundoff on any ep; HF's default (`grouped_mm`) sums in another order.
 """
 
 from __future__ import annotations
@@ -30,6 +38,8 @@ class ModelSize:
     pad_id: int | None = ByteTokenizer.pad_id
     bos_id: int | None = ByteTokenizer.bos_id
     eos_id: int | None = ByteTokenizer.eos_id
+    experts: int = 4            # per MoE layer (the MoE models only)
+    experts_per_token: int = 2  # top-k routing (the MoE models only)
 
     def special(self) -> dict[str, int | None]:
         return dict(pad_token_id=self.pad_id, bos_token_id=self.bos_id, eos_token_id=self.eos_id)
@@ -37,6 +47,9 @@ class ModelSize:
     def check(self) -> None:
         if self.hidden % self.heads:
             raise ValueError(f"hidden size {self.hidden} is not divisible by {self.heads} heads")
+        if not 1 <= self.experts_per_token <= self.experts:
+            raise ValueError(f"{self.experts_per_token} experts per token is not in 1..{self.experts}"
+                             " (the experts per layer)")
 
 
 @dataclass(frozen=True)
@@ -45,6 +58,7 @@ class ModelSpec:
     task: str  # "causal" | "masked" | "seq2seq" (see slapo.data.CorpusLoader)
     build: Callable[[ModelSize], nn.Module]
     description: str
+    moe: bool = False  # a mixture of experts: --num-experts, --experts-per-token and --ep apply
 
 
 def _gpt2(s: ModelSize) -> nn.Module:
@@ -138,6 +152,35 @@ def _t5(s: ModelSize) -> nn.Module:
     return T5ForConditionalGeneration(cfg)
 
 
+def _moe_common(s: ModelSize) -> dict:
+    """What the MoE models share: sizes, top-k, HF's auxiliary loss in the returned loss, and
+    HF's eager expert loop (module docstring)."""
+    return dict(vocab_size=s.vocab_size, hidden_size=s.hidden, num_hidden_layers=s.layers,
+                num_attention_heads=s.heads,
+                num_key_value_heads=s.heads // 2 if s.heads % 2 == 0 else s.heads,
+                max_position_embeddings=s.max_positions, attention_dropout=s.dropout,
+                num_experts_per_tok=s.experts_per_token, output_router_logits=True,
+                experts_implementation="eager", tie_word_embeddings=False, **s.special())
+
+
+def _mixtral(s: ModelSize) -> nn.Module:
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    cfg = MixtralConfig(num_local_experts=s.experts, intermediate_size=s.hidden,
+                        **_moe_common(s))
+    return MixtralForCausalLM(cfg)
+
+
+def _qwen3_moe(s: ModelSize) -> nn.Module:
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    cfg = Qwen3MoeConfig(num_experts=s.experts, moe_intermediate_size=_multiple(s.hidden // 2, 8),
+                         intermediate_size=_multiple(8 * s.hidden // 3, 16),
+                         head_dim=s.hidden // s.heads, norm_topk_prob=True,
+                         decoder_sparse_step=1, **_moe_common(s))
+    return Qwen3MoeForCausalLM(cfg)
+
+
 def _multiple(n: int, k: int) -> int:
     return (n + k - 1) // k * k
 
@@ -152,12 +195,23 @@ MODELS: dict[str, ModelSpec] = {spec.name: spec for spec in [
     ModelSpec("albert", "masked", _albert, "ALBERT masked LM (shared layers, factorised embedding)"),
     ModelSpec("t5", "seq2seq", _t5, "T5 encoder-decoder (continue the text)"),
 ]}
+# The mixtures of experts, apart from `MODELS` (the dense registry that the every-layout sweeps
+# iterate: tp, FSDP2, pipelines, Tempo, the fused loss): their layouts are the ones expert
+# parallelism composes with (one process, DDP, `--ep`), tested in tests/test_train_moe.py.
+MOE_MODELS: dict[str, ModelSpec] = {spec.name: spec for spec in [
+    ModelSpec("mixtral", "causal", _mixtral, "Mixtral mixture of experts (softmax top-k, "
+              "LLaMA attention; HF's aux load-balancing loss in the loss)", moe=True),
+    ModelSpec("qwen3_moe", "causal", _qwen3_moe, "Qwen3-MoE mixture of experts (top-k "
+              "renormalised, per-head q/k norms; HF's aux load-balancing loss)", moe=True),
+]}
+REGISTRY: dict[str, ModelSpec] = {**MODELS, **MOE_MODELS}  # every name `--model` takes
+
 
 
 def get_model_spec(name: str) -> ModelSpec:
-    spec = MODELS.get(name.lower().replace("-", "_"))
+    spec = REGISTRY.get(name.lower().replace("-", "_"))
     if spec is None:
-        raise ValueError(f"unknown model {name!r}; choose one of: {', '.join(MODELS)}, or pass "
+        raise ValueError(f"unknown model {name!r}; choose one of: {', '.join(REGISTRY)}, or pass "
                          "a local HF model directory (config.json) or a config.json file")
     return spec
 
@@ -167,7 +221,7 @@ def shadowed_model(name: str) -> Path | None:
     (what `--model DIR` fine-tunes). None for a name outside the registry (it is a path
     already), or a directory without a config.json (e.g. a run's --out named after its model:
     not a model, so the name is not ambiguous)."""
-    if name.lower().replace("-", "_") not in MODELS:
+    if name.lower().replace("-", "_") not in REGISTRY:
         return None
     path = Path(name)
     return path if (path / "config.json").is_file() else None

@@ -38,7 +38,7 @@ import torch.nn as nn
 
 from .. import sharding
 from ..data.sources import InputError
-from .models import MODELS
+from .models import REGISTRY
 from .pretrained_experts import MergedKey, merged_key, renamed_key
 
 CONFIG = "config.json"
@@ -104,7 +104,7 @@ class ModelSource:
 
 def is_model_path(name: str) -> bool:
     """Not a registry name: a path (existing, or spelled like one)."""
-    return name.lower().replace("-", "_") not in MODELS and (
+    return name.lower().replace("-", "_") not in REGISTRY and (
         Path(name).exists() or "/" in name or name.endswith(".json"))
 
 
@@ -113,7 +113,7 @@ def model_source(name: str) -> ModelSource:
     path = Path(name)
     if not path.exists():
         raise InputError(name, "no such model directory or config file.",
-                         f"pass a registry name ({', '.join(MODELS)}), a local directory "
+                         f"pass a registry name ({', '.join(REGISTRY)}), a local directory "
                          "written by save_pretrained(), or a config.json file.")
     if path.is_dir():
         if not (path / CONFIG).is_file():
