@@ -46,7 +46,10 @@ def shard_spec(t: torch.Tensor) -> ShardSpec | None:
     return getattr(t, "_slapo_shard", None)
 
 
-_TENSOR_ATTRS = ("_slapo_shard", "_slapo_tags", "_slapo_init")
+# an expert-parallel parameter's `op.moe.ExpertShard` (which experts it holds), kept here with
+# the other per-tensor records so every copy of a parameter keeps it
+EXPERT_SHARD_ATTR = "_slapo_expert_shard"
+_TENSOR_ATTRS = ("_slapo_shard", "_slapo_tags", "_slapo_init", EXPERT_SHARD_ATTR)
 
 
 def deepcopy_model(model: nn.Module) -> nn.Module:

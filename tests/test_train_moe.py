@@ -35,11 +35,14 @@ def _hf_loss(model, ids: torch.Tensor, whole_batch_aux: bool = False) -> torch.T
     cfg = model.config
     experts = getattr(cfg, "num_local_experts", None) or cfg.num_experts
     aux = load_balancing_loss_func(out.router_logits, experts, cfg.num_experts_per_tok)
-    return lm + AUX_COEF * aux, lm
+    counts = [torch.bincount(logits.topk(cfg.num_experts_per_tok).indices.reshape(-1),
+                             minlength=experts) for logits in out.router_logits]
+    return lm + AUX_COEF * aux, lm, aux, torch.stack(counts)
 
 
 def _first_step(model_name: str, grad_accum: int):
-    """(the run's first-step loss, its model before the step, the global batch)."""
+    """(the run's first-step loss, its model before the step, the global batch, the step's
+    router numbers: `moe_metrics`)."""
     from slapo.train import TrainConfig
     from slapo.train.assemble import build
     from slapo.train.loop import train_one_step
@@ -52,12 +55,12 @@ def _first_step(model_name: str, grad_accum: int):
     state = run.data.state_dict()
     batch = run.data.next_batch(cfg.batch_size)
     run.data.load_state_dict(state)
-    return train_one_step(run), before, batch["input_ids"]
+    return train_one_step(run), before, batch["input_ids"], run.expert_stats
 
 
 @pytest.mark.parametrize("model_name", ["mixtral", "qwen3_moe"])
 def test_moe_registry_trains_on_hfs_loss_with_the_aux_loss_per_micro_batch(model_name):
-    loss, model, ids = _first_step(model_name, grad_accum=2)
+    loss, model, ids, stats = _first_step(model_name, grad_accum=2)
     experts = next(m for n, m in model.named_modules() if n.endswith("mlp.experts"))
     assert experts.gate_up_proj.shape[0] == 4 and model.config.num_experts_per_tok == 2
     with torch.no_grad():
@@ -68,3 +71,116 @@ def test_moe_registry_trains_on_hfs_loss_with_the_aux_loss_per_micro_batch(model
     assert abs(loss - want) / want < 1e-6, (loss, want)
     # the aux loss is in it (not only the LM loss), per half: not the whole batch's statistics
     assert abs(loss - lm_only) > 1e-4 and abs(whole - want) > 1e-6, (loss, lm_only, whole)
+    # the log's router numbers: the aux loss averaged over the halves, the top-k assignments
+    # per layer and expert summed over them (the training forwards only: none of the eval),
+    # and the most loaded expert over the mean in the worst layer
+    aux = sum(h[2] for h in halves).item() / 2
+    counts = sum(h[3] for h in halves)
+    assert abs(stats["aux_loss"] - aux) / aux < 1e-6, (stats, aux)
+    assert stats["tokens_per_expert"] == counts.tolist()
+    assert counts.sum(dim=1).tolist() == [ids.numel() * 2] * 2  # tokens x top-2, each layer
+    imbalance = (counts.max(dim=1).values / counts.double().mean(dim=1)).max().item()
+    assert stats["load_imbalance"] == pytest.approx(imbalance, rel=1e-12) and imbalance > 1
+
+
+# ---- --ep 2 on 2 gloo ranks against one process -----------------------------------------------
+# lr 1e-2, 2 AdamW steps, the default --grad-clip 1.0 (the norm sums every expert once: clipped
+# here, so a wrong expert norm moves every parameter), a checkpoint after each step
+EP_RUN = dict(TINY, model="mixtral", steps=2, lr=1e-2, save_every=1)
+REL = 1e-5
+
+
+def job_ep_runs(root: str) -> dict:
+    """Every rank: `--ep 2` (dp=2, ep=2: each rank 2 of the 4 experts), then two resumes from
+    its step-1 checkpoint: on `--ep 2` (bit for bit) and on `--ep 1` (plain DDP, every expert
+    on both ranks: the checkpoint holds the experts under their global names); and `--ep 2`
+    from the same model saved by `save_pretrained` (the Hub's per-expert tensors)."""
+    from slapo.train import TrainConfig, train
+
+    torch.set_num_threads(1)
+    step1 = f"{root}/ep2/checkpoints/step_000001"
+    runs = {"ep2": {"ep": 2}, "ep2_resumed": {"ep": 2, "resume": step1},
+            "ep1_resumed": {"ep": 1, "resume": step1},
+            "dir_ep2": {"ep": 2, "model": f"{root}/saved"}}  # each rank reads its experts
+    return {name: train(TrainConfig(**{**EP_RUN, **kw}, out=f"{root}/{name}"))["losses"]
+            for name, kw in runs.items()}
+
+
+def _params(run_dir) -> dict[str, torch.Tensor]:
+    """The final checkpoint's parameters, read in this process into the unsharded model."""
+    from slapo.train import checkpoints
+    from slapo.train.export import load_checkpoint_model, run_config, unsharded_model
+    from slapo.train.run_state import read_trainer
+
+    path = checkpoints.candidates(run_dir)[0]
+    model = unsharded_model(run_config(read_trainer(path), path))[0]
+    load_checkpoint_model(path, model)
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-12)).item()
+
+
+def _steps(run_dir) -> list[dict]:
+    """The step records of the run's metrics.jsonl."""
+    import json
+
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if "loss" in r]
+
+
+@pytest.mark.dist
+def test_ep2_trains_resumes_and_exports_like_one_process(dist2, tmp_path):
+    """`slapo train --model mixtral --ep 2` on 2 ranks: the losses, the clipped gradient norms
+    and the parameters after 2 AdamW steps equal one process's with `--grad-accum 2` (each
+    rank's half is one process's micro-batch, the aux loss per half in both); resumed from
+    its step-1 checkpoint on ep=2 it continues bit for bit, on ep=1 (DDP) and in one process
+    to rel 1e-5; `slapo export` writes every expert in HF's layout and the reloaded model
+    gives the trained logits."""
+    from transformers import AutoModelForCausalLM
+
+    from slapo.train import TrainConfig, train
+    from slapo.train.export import export_run
+    from slapo.train.models import build_model
+
+    torch.manual_seed(0)  # the registry model `slapo train` builds (seed 0), saved as HF does
+    build_model("mixtral", TrainConfig(**EP_RUN).size())[0].save_pretrained(tmp_path / "saved")
+    ranks = dist2.run(job_ep_runs, str(tmp_path))
+    assert ranks[0] == ranks[1], ranks
+    ep = ranks[0]
+    one = train(TrainConfig(**EP_RUN, grad_accum=2, out=str(tmp_path / "one")))["losses"]
+    one_resumed = train(TrainConfig(**EP_RUN, grad_accum=2, out=str(tmp_path / "one_resumed"),
+                                    resume=str(tmp_path / "ep2/checkpoints/step_000001")))
+    assert max(abs(a - b) / b for a, b in zip(ep["ep2"], one)) < REL, (ep["ep2"], one)
+    assert ep["ep2_resumed"] == ep["ep2"]  # bit for bit
+    for other in (ep["ep1_resumed"], one_resumed["losses"], ep["dir_ep2"]):
+        assert max(abs(a - b) / b for a, b in zip(other, ep["ep2"])) < REL, (other, ep)
+    logged, one_logged = _steps(tmp_path / "ep2"), _steps(tmp_path / "one")
+    assert min(r["grad_norm"] for r in logged) > 1.0  # the default --grad-clip 1.0 clipped
+    for key in ("grad_norm", "aux_loss", "load_imbalance"):  # the one-process numbers
+        assert max(abs(a[key] - b[key]) / b[key] for a, b in zip(logged, one_logged)) < REL
+    # tokens per expert over both ranks = one process's; uneven, an expert of a layer has
+    # at least twice another's load (the test's "uneven tokens per expert")
+    assert [r["tokens_per_expert"] for r in logged] == \
+        [r["tokens_per_expert"] for r in one_logged]
+    assert any(max(row) >= 2 * min(row) for r in logged for row in r["tokens_per_expert"])
+
+    params, want = _params(tmp_path / "ep2"), _params(tmp_path / "one")
+    assert params["model.layers.0.mlp.experts.gate_up_proj"].shape[0] == 4  # every expert
+    bad = {n: _rel(p, want[n]) for n, p in params.items() if _rel(p, want[n]) > REL}
+    assert not bad, bad
+    resumed = _params(tmp_path / "ep2_resumed")
+    assert all(torch.equal(resumed[n], p) for n, p in params.items())
+    for other in ("ep1_resumed", "one_resumed"):
+        got = _params(tmp_path / other)
+        bad = {n: _rel(got[n], p) for n, p in params.items() if _rel(got[n], p) > REL}
+        assert not bad, (other, bad)
+
+    result = export_run(tmp_path / "ep2", tmp_path / "hf", log=lambda *a: None)
+    assert result.step == 2 and result.max_logit_diff is not None  # reloaded logits checked
+    reloaded = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"),
+                                                    local_files_only=True)
+    experts = reloaded.model.layers[0].mlp.experts
+    torch.testing.assert_close(experts.gate_up_proj.detach(),
+                               params["model.layers.0.mlp.experts.gate_up_proj"], rtol=0, atol=0)

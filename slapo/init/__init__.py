@@ -270,10 +270,14 @@ def _full_then_slice(order: list[Step], failed: list[Target], reasons: dict[str,
 
 
 def carry_records(old: torch.Tensor, new: torch.Tensor) -> None:
-    """Shard spec and Slapo's tags travel from the meta tensor to its materialised value."""
+    """Shard spec, expert shard (`--ep`) and Slapo's tags travel from the meta tensor to its
+    materialised value."""
     spec = sharding.shard_spec(old)
     if spec is not None:
         new._slapo_shard = spec
+    experts = getattr(old, sharding.EXPERT_SHARD_ATTR, None)
+    if experts is not None:
+        setattr(new, sharding.EXPERT_SHARD_ATTR, experts)
     tags = getattr(old, "_slapo_tags", None)
     if tags:
         new._slapo_tags = dict(tags)

@@ -31,25 +31,26 @@ holding the same experts and divided by dp).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from ..distributed.all_to_all import all_to_all, exchange_counts
-
-_SHARD_ATTR = "_slapo_expert_shard"
+from ..sharding import EXPERT_SHARD_ATTR as _SHARD_ATTR
+from ..sharding import ShardSpec
 
 
 @dataclass(frozen=True)
 class ExpertShard:
     """Which experts a parameter holds: rows `[first, first + count)` of `num_experts`, one of
-    `ep` ranks' shares."""
+    `ep` ranks' shares (`group`: the ep group holding the other shares)."""
 
     num_experts: int
     ep: int
     rank: int
+    group: object = field(default=None, compare=False, repr=False)
 
     @property
     def count(self) -> int:
@@ -65,6 +66,18 @@ def expert_shard(p: torch.Tensor) -> ExpertShard | None:
     return getattr(p, _SHARD_ATTR, None)
 
 
+def expert_shard_spec(p: torch.Tensor) -> ShardSpec | None:
+    """An expert-parallel parameter (ep > 1) as the `sharding.ShardSpec` of its rows of the
+    whole `[E, ...]` tensor over the ep group (dim 0, one block), else None: what the run
+    checkpoint (`train.shard_layout`) and the pretrained loader read a shard's place from. Not
+    stored on the tensor: a TP spec there means "reduce over the tp group" to the gradient
+    norm and consolidation, which the experts are not."""
+    s = expert_shard(p)
+    if s is None or s.ep == 1:
+        return None
+    return ShardSpec((s.num_experts, *p.shape[1:]), 0, s.ep, s.rank, 1, s.group)
+
+
 def send_splits(tokens_per_expert: torch.Tensor, ep: int) -> torch.Tensor:
     """Rows this rank sends to each ep rank: the assignments to that rank's contiguous range of
     experts (`tokens_per_expert`: this rank's count per global expert)."""
@@ -78,7 +91,7 @@ class ExpertParallelExperts(nn.Module):
     def __init__(self, experts: nn.Module, group, ep: int, rank: int):
         super().__init__()
         num = experts.gate_up_proj.shape[0]
-        self.shard = ExpertShard(num, ep, rank)
+        self.shard = ExpertShard(num, ep, rank, group)
         self.num_experts, self.group, self.ep = num, group, ep
         rows = slice(self.shard.first, self.shard.first + self.shard.count)
         for name in ("gate_up_proj", "down_proj"):

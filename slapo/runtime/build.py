@@ -339,7 +339,7 @@ def _checked(sch: Schedule, args: dict[str, Any]) -> tuple[str, MeshInfo, str, S
     if isinstance(pipeline, PipelineStages):
         _stages.check_planned(sch, info, pipeline, args["num_microbatches"], args["virtual_stages"])
     check_data_parallel(args["data_parallel"], info)
-    check_experts(sch.mod, args["data_parallel"], args["grad_clip"], args["target"])
+    check_experts(sch.mod, args["data_parallel"], args["target"])
     _check_pipeline_dp(_stages.pipeline_name(pipeline), args["data_parallel"], info)
     device_type = _run_device_type(sch, args["device"], info)
     check_autocast(precision, device_type)

@@ -13,8 +13,9 @@ parameter names and state-dict keys stay its own (see `slapo.runtime.built_model
 
 Expert-parallel parameters (`op.moe.ExpertParallelExperts`, ep borrowing the dp ranks) are not
 replicas: each ep rank holds other experts, so DDP skips them and `ExpertGradMean` averages them
-(see there). Only DDP does this (FSDP2, no data parallelism, DeepSpeed and gradient clipping with
-expert-parallel parameters are refused by `check_experts`).
+(see there). Only DDP does this (FSDP2, no data parallelism and DeepSpeed with expert-parallel
+parameters are refused by `check_experts`; gradient clipping counts each expert once:
+`train_step.clip_grad_norm`).
 """
 
 from __future__ import annotations
@@ -117,10 +118,10 @@ def _expert_params(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
             if (s := expert_shard(p)) is not None and s.ep > 1]
 
 
-def check_experts(model: nn.Module, kind: str | None, grad_clip: float | None,
-                  target: str | None) -> None:
+def check_experts(model: nn.Module, kind: str | None, target: str | None) -> None:
     """Expert-parallel parameters train under DDP only (module docstring); checked before
-    `build` changes anything."""
+    `build` changes anything. (Gradient clipping sums their squared norms over the ep group:
+    `train_step.clip_grad_norm`.)"""
     experts = _expert_params(model)
     if not experts:
         return
@@ -131,10 +132,6 @@ def check_experts(model: nn.Module, kind: str | None, grad_clip: float | None,
                               "parallelism borrows the data-parallel ranks and averages its "
                               "experts' gradients beside DDP; the other combinations are not "
                               "supported yet.", "build with data_parallel='ddp'.")
-    if grad_clip is not None:
-        raise SchedulingError(name, "grad_clip with expert-parallel parameters is not "
-                              "supported yet (the global norm would count each rank's experts "
-                              "as replicas).", "pass grad_clip=None.")
 
 
 class ExpertGradMean:

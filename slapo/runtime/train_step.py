@@ -34,6 +34,10 @@ class NormWeights:
     params: list[nn.Parameter]
     weights: list[float]
     dp_sharded: bool = False
+    # expert-parallel parameters (ids; `op.moe`): each ep rank holds other experts, so their
+    # squared norms are summed over the ep group (`expert_group`) before the rest of the mesh
+    experts: frozenset = frozenset()
+    expert_group: object = None
 
 
 def norm_weight_table(units: list[nn.Module], info: MeshInfo,
@@ -57,7 +61,9 @@ def norm_weight_table(units: list[nn.Module], info: MeshInfo,
 
 def norm_weights(root: nn.Module, table: dict, dp_sharded: bool) -> NormWeights:
     """The weights in the order of `root`'s unique parameters (after wrapping)."""
-    params, weights, seen = [], [], set()
+    from ..op.moe import expert_shard
+
+    params, weights, seen, experts, group = [], [], set(), set(), None
     for mod in root.modules():
         for name, p in mod._parameters.items():
             if p is None or id(p) in seen:
@@ -65,23 +71,38 @@ def norm_weights(root: nn.Module, table: dict, dp_sharded: bool) -> NormWeights:
             seen.add(id(p))
             params.append(p)
             weights.append(table.get((id(mod), name), 1.0))
-    return NormWeights(params, weights, dp_sharded)
+            shard = expert_shard(p)
+            if shard is not None and shard.ep > 1:
+                experts.add(id(p))
+                group = shard.group
+    return NormWeights(params, weights, dp_sharded, frozenset(experts), group)
 
 
 def clip_grad_norm(nw: NormWeights, max_norm: float, info: MeshInfo) -> torch.Tensor:
     """Scale gradients so that their global 2-norm is at most `max_norm`; return that norm.
 
     Weighted local squared norms are summed over tp, pp and (FSDP2) dp, so every rank computes
-    the norm of the full single-process gradient and applies the same factor.
+    the norm of the full single-process gradient and applies the same factor. Expert-parallel
+    parameters (`nw.experts`) are first summed over their ep group (each rank holds other
+    experts, their gradients already the data-parallel mean: `data_parallel.ExpertGradMean`):
+    one more small all-reduce per step.
     """
     total = torch.zeros((), dtype=torch.float64, device=info.device)
+    experts = torch.zeros((), dtype=torch.float64, device=info.device)
     grads = []
     for p, w in zip(nw.params, nw.weights, strict=True):
         if p.grad is None:
             continue
         g = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
         grads.append(g)
-        total += w * g.detach().double().pow(2).sum().to(total.device)
+        sq = w * g.detach().double().pow(2).sum().to(total.device)
+        if id(p) in nw.experts:
+            experts += sq
+        else:
+            total += sq
+    if nw.experts:  # every rank holds experts (the same model), so every rank joins
+        dist.all_reduce(experts, group=nw.expert_group)
+    total += experts
     for dim in ("tp", "pp") + (("dp",) if nw.dp_sharded else ()):
         if getattr(info, dim) > 1:
             dist.all_reduce(total, group=info.group(dim))

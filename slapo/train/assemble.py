@@ -15,6 +15,7 @@ from ..init import has_meta_tensors
 from ..runtime.trainer import Trainer
 from . import pretrained
 from .models import build_model, get_model_spec
+from .moe_metrics import ExpertLoad, watch_experts
 from .setup import Env, data_parallel, seed_training_rng
 
 __all__ = ["Run", "build", "hf_model", "make_trainer", "schedule", "with_lora"]
@@ -41,6 +42,10 @@ class Run:
     # dynamo's graph-break counts when the run was built (the counters are per process: the
     # run reports only the breaks it added, `report.graph_breaks`)
     graph_breaks_before: dict[str, int] = field(default_factory=dict)
+    # a mixture of experts' routing counters (`moe_metrics.ExpertLoad`; None: dense model) and
+    # the last step's numbers from them (tokens per expert, load imbalance, aux loss)
+    experts: ExpertLoad | None = None
+    expert_stats: dict[str, Any] = field(default_factory=dict)
 
     @property
     def lrs(self) -> list[float]:
@@ -88,7 +93,7 @@ def build(cfg: Any, env: Env, log=print) -> Run:
     trainer = make_trainer(sch, cfg, env, stages)
     seed_training_rng(cfg.seed, env)
     return Run(cfg, env, model, trainer, data.train, task, note, dataset=data,
-               graph_breaks_before=breaks_before)
+               graph_breaks_before=breaks_before, experts=watch_experts(model, env.device))
 
 
 def _new_model(cfg: Any, source, data: Data) -> nn.Module:
@@ -212,13 +217,14 @@ def schedule(model: nn.Module, cfg: Any, env: Env) -> tuple[nn.Module, Any, str]
     knobs = cfg.knobs()
     if env.dims.pp > 1:
         knobs["pp_stages"] = env.dims.stages(cfg.pipeline_schedule())  # stages, not ranks
-    if not knobs and env.dims.tp == 1 and env.dims.cp == 1:
+    if not knobs and env.dims.tp == 1 and env.dims.cp == 1 and env.dims.ep == 1:
         return model, create_schedule(model, mesh=env.mesh), \
             "none (no schedule knobs given: the HF model as built)"
     applied = {**knobs, **({"tp": env.dims.tp} if env.dims.tp > 1 else {})}
     shown = ", ".join(f"{k}={applied[k]}" for k in knob_names() if k in applied)
-    if env.dims.cp > 1:  # a degree of the mesh: apply installs the cp attention from it
-        shown = ", ".join(filter(None, (shown, f"cp={env.dims.cp}")))
+    for dim in ("cp", "ep"):  # degrees of the mesh: apply installs cp attention / ep experts
+        if getattr(env.dims, dim) > 1:
+            shown = ", ".join(filter(None, (shown, f"{dim}={getattr(env.dims, dim)}")))
     extra = {"mesh": env.mesh} if env.mesh is not None else {}
     try:
         sch = model_schedule.apply(model, **knobs, **extra)

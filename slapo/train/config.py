@@ -31,7 +31,7 @@ from ..model_schedule.knobs import (
     ScheduleKnobs,
     knob_fields,
 )
-from ..runtime.mesh import DEVICES, MULTI_STAGE, PP_SCHEDULES
+from ..runtime.mesh import DEVICES, MULTI_STAGE, PP_SCHEDULES, ParallelDims
 from ..runtime.mesh import stages_per_rank as _stages_per_rank
 from ..runtime.precision import PRECISIONS, check_precision
 from .models import REGISTRY, ModelSize
@@ -52,7 +52,7 @@ RUN_IDENTITY = ("model", "batch_size", "seq_len", "seed", "hidden_size", "num_la
 # How the run is laid out on the ranks (with the number of processes): a resume may change
 # them (the loader reads each tensor into this job's layout), but then the per-rank random
 # streams restart (`slapo.train.resume`), so only an equal layout resumes bit for bit.
-RUN_LAYOUT = ("tp", "pp_stages", "cp", "sequence_parallel", "vocab_parallel")
+RUN_LAYOUT = ("tp", "pp_stages", "cp", "ep", "sequence_parallel", "vocab_parallel")
 
 
 PROGRESSIVE_INPUTS = ("--progressive compares schedules on a registry model and the shipped "
@@ -179,6 +179,11 @@ class ParallelismOptions:
     cp: int = _opt(1, "context parallelism: each of N ranks holds 1/N of every sequence "
                    "(zig-zag chunks, causal load balanced) from the embedding to the loss; "
                    "LLaMA/Qwen2/Qwen3 and GPT-2, with DDP (--cp-attention: ring or allgather)")
+    ep: int = _opt(1, "expert parallelism: each MoE layer's experts split over N of the "
+                   "data-parallel ranks (E/N each), every token sent to its top-k experts by "
+                   "all-to-all, exact and dropless; N divides the data-parallel ranks and the "
+                   "experts; mixtures of experts only, with DDP (--dp-shard, --pp-stages > 1, "
+                   "--cp > 1, --tp > 1 and --lora-r are refused)")
     pp_schedule: str | None = _opt(None, "pipeline schedule with --pp-stages > 1 (default "
                                    "1F1B); Interleaved1F1B, LoopedBFS, InterleavedZeroBubble, "
                                    "ZBVZeroBubble, DualPipeV run 2 stages per rank",
@@ -335,7 +340,7 @@ class TrainConfig:
 
     def _check_numbers(self) -> None:
         for name in ("steps", "batch_size", "seq_len", "hidden_size", "num_layers", "num_heads",
-                     "grad_accum", "cp", "num_experts", "experts_per_token"):
+                     "grad_accum", "cp", "ep", "num_experts", "experts_per_token"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{flag(name)} must be >= 1, got {getattr(self, name)}")
         for name in ("save_every", "warmup", "eval_batches", "eval_every", "keep_last"):
@@ -398,6 +403,29 @@ class TrainConfig:
         if self.experts_per_token > self.num_experts:
             raise ValueError(f"--experts-per-token {self.experts_per_token} is more than "
                              f"--num-experts {self.num_experts}")
+        if self.ep > 1:
+            self._check_ep(spec)
+
+    def _check_ep(self, spec) -> None:
+        """`--ep N` against the model and the other options, before any process group: a
+        registry model must be a mixture of experts whose experts N divides (a model
+        directory's experts are checked by `apply`, before any change); the degrees it does
+        not compose with are the placement's one check (`ParallelDims`, here on the ep ranks
+        alone; the job's size is checked when the job runs), tp > 1 the expert plan's
+        (`model_schedule.moe.check_expert_parallel`, before any change)."""
+        if spec is not None and not spec.moe:
+            raise ValueError(f"--ep {self.ep} splits the experts of a mixture of experts; "
+                             f"--model {self.model} has none (use mixtral or qwen3_moe)")
+        if spec is not None and self.num_experts % self.ep:
+            raise ValueError(f"--ep {self.ep} does not divide --num-experts {self.num_experts} "
+                             f"(each ep rank holds num_experts / ep experts)")
+        if self.lora_r:  # the experts' gradient hooks need trained experts
+            raise ValueError(f"--ep {self.ep} with --lora-r is not supported yet; drop one")
+        try:
+            ParallelDims(**{"dp_shard" if self.dp_shard else "dp_replicate": self.ep},
+                         pp=self.pp_stages or 1, cp=self.cp, ep=self.ep)
+        except SchedulingError as e:
+            raise ValueError(f"--ep {self.ep}: {e.problem} Fix: {e.fix}") from None
 
     def _check_logging(self) -> None:
         for name in ("tensorboard", "wandb"):

@@ -1,5 +1,9 @@
 """Streaming metrics of a `slapo train` run: a record per step and per evaluation, as they happen.
 
+A mixture of experts' step record also holds its router's numbers (`moe_metrics`): `aux_loss`
+and `load_imbalance` (every sink), `tokens_per_expert` ([layer][expert]: metrics.jsonl only,
+the CSV and the scalar loggers take numbers).
+
 Sinks (rank 0 only; the loss is already the same on every rank):
 - `OUT/metrics.jsonl` and `OUT/metrics.csv`, always when `--out` is given: appended and flushed
   each record, so `tail -f` and a crashed run's partial log both work;
@@ -24,7 +28,7 @@ from typing import Any
 __all__ = ["FIELDS", "MetricsLog", "check_sinks"]
 
 FIELDS = ("step", "loss", "lr", "grad_norm", "tokens", "tokens_per_s", "peak_memory_mib",
-          "skipped_steps", "val_loss", "val_ppl")
+          "skipped_steps", "val_loss", "val_ppl", "aux_loss", "load_imbalance")
 JSONL, CSV, TB_DIR = "metrics.jsonl", "metrics.csv", "tensorboard"
 
 

@@ -228,8 +228,16 @@ def local_piece(sl, spec: sharding.ShardSpec | None) -> torch.Tensor:
     return torch.cat(pieces, dim=spec.axis) if len(pieces) > 1 else pieces[0]
 
 
+def _spec(t: torch.Tensor) -> sharding.ShardSpec | None:
+    """Where `t` sits in the checkpoint's whole tensor: its TP `ShardSpec`, or, for an
+    expert-parallel parameter (`--ep`), its rows of the experts (`op.moe.expert_shard_spec`)."""
+    from ..op.moe import expert_shard_spec
+
+    return sharding.shard_spec(t) or expert_shard_spec(t)
+
+
 def _full_shape(t: torch.Tensor) -> tuple[int, ...]:
-    spec = sharding.shard_spec(t)
+    spec = _spec(t)
     return tuple(spec.orig_shape) if spec is not None else tuple(t.shape)
 
 
@@ -271,7 +279,7 @@ def load_weights(model: nn.Module, source: ModelSource,
                         keys[k], safe_open(str(keys[k]), "pt", device="cpu"))
                     return fh.get_slice(k)
                 sl = key.reader(open_key) if isinstance(key, MergedKey) else open_key(key)
-                value = local_piece(sl, sharding.shard_spec(t))
+                value = local_piece(sl, _spec(t))
                 if tuple(value.shape) != tuple(t.shape):
                     raise InputError(f"{_where(key, keys)}", f"this rank's piece has shape "
                                      f"{tuple(value.shape)}, the parameter {tuple(t.shape)}.",

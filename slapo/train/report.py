@@ -60,14 +60,25 @@ def log_step(run: Any, bar, log: Any = None) -> None:
     skipped = run.precision.skipped_steps
     val = (f"  val {run.evals[-1]['val_loss']:.4f} (ppl {run.evals[-1]['val_ppl']:,.1f})"
            if run.evals else "")
-    bar.set_postfix_str(f"loss {run.losses[-1]:.4f}{val}  {tok_s:,.0f} tok/s  peak "
-                        f"{mem:,.0f} MiB" + (f"  skipped {skipped}" if skipped else ""),
-                        refresh=False)
+    bar.set_postfix_str(f"loss {run.losses[-1]:.4f}{val}{_experts_note(run)}  {tok_s:,.0f} "
+                        f"tok/s  peak {mem:,.0f} MiB" + (f"  skipped {skipped}" if skipped
+                                                         else ""), refresh=False)
     bar.update(1)
     if log is not None:
         log.log(run.step, loss=run.losses[-1], lr=run.optimizer.param_groups[0]["lr"],
                 grad_norm=grad_norm(run), tokens=run.step * tokens_per_step(run.cfg),
-                tokens_per_s=tok_s, peak_memory_mib=mem, skipped_steps=skipped)
+                tokens_per_s=tok_s, peak_memory_mib=mem, skipped_steps=skipped,
+                **run.expert_stats)
+
+
+def _experts_note(run: Any) -> str:
+    """A mixture of experts' step: `  aux 2.013  imbalance 1.42` (the aux loss and the most
+    imbalanced layer's max/mean tokens per expert: `moe_metrics`); "" otherwise."""
+    stats = run.expert_stats
+    if not stats:
+        return ""
+    aux = f"  aux {stats['aux_loss']:.3f}" if stats.get("aux_loss") is not None else ""
+    return f"{aux}  imbalance {stats['load_imbalance']:.2f}"
 
 
 def grad_norm(run: Any) -> float | None:
@@ -140,6 +151,7 @@ def metrics(run: Any, val: float | None, peak: int) -> dict[str, Any]:
         "device": str(run.env.device),
         "torch": torch.__version__,
         "graph_breaks": graph_breaks(run.graph_breaks_before),
+        "experts_last_step": run.expert_stats or None,  # a mixture of experts' router numbers
         "config": run.cfg.options(),
     }
 

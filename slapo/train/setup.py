@@ -108,9 +108,14 @@ def _check_fp8(cfg: Any) -> None:
 
 def _check_model_and_data(cfg: Any) -> None:
     if pretrained.is_model_path(cfg.model):
-        pretrained.model_source(cfg.model)
+        source = pretrained.model_source(cfg.model)
         if cfg.progressive:
             raise ValueError(PROGRESSIVE_INPUTS)
+        if cfg.ep > 1 and not source.weight_files():
+            raise InputError(cfg.model, f"--ep {cfg.ep} needs the model's weights "
+                             "(model.safetensors): a fresh init from a config alone is not "
+                             "replayed per expert shard yet.", "pass a directory with weights "
+                             "(save_pretrained), or a registry model (mixtral, qwen3_moe).")
     else:
         get_model_spec(cfg.model)
         check_unambiguous(cfg.model)  # `slapo train` and `train(cfg)` alike
@@ -166,11 +171,13 @@ def setup(cfg: Any) -> Env:
 
 def placement(cfg: Any, world: int) -> ParallelDims:
     """The run's one placement: `--tp`, `--pp-stages` and `--cp` as given (None: 1), the other ranks
-    data parallel (FSDP2 with `--dp-shard`, else DDP), on `--device`. `ParallelDims` checks the
+    data parallel (FSDP2 with `--dp-shard`, else DDP), `--ep` of them per expert-parallel
+    group, on `--device`. `ParallelDims` checks the
     degrees; nothing before it does (a DDP pipeline is refused by `data_parallel`)."""
     return ParallelDims.for_world(world, tp=1 if cfg.tp is None else cfg.tp,
                                   pp=1 if cfg.pp_stages is None else cfg.pp_stages,
-                                  cp=cfg.cp, dp_shard=bool(cfg.dp_shard), device=cfg.device)
+                                  cp=cfg.cp, ep=cfg.ep, dp_shard=bool(cfg.dp_shard),
+                                  device=cfg.device)
 
 
 def _trains_into_out(cfg: Any) -> bool:

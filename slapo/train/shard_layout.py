@@ -44,11 +44,17 @@ __all__ = ["Layout", "shard_specs"]
 
 def shard_specs(model: nn.Module) -> dict[str, sharding.ShardSpec]:
     """{state-dict name: ShardSpec} of every tensor sharded over more than one TP rank (tied
-    tensors under every name)."""
+    tensors under every name), and of every expert-parallel parameter (`--ep`: this rank's
+    experts, rows of the whole `[E, ...]` tensor over the ep group, `op.moe.expert_shard_spec`).
+    Saved as DTensors of the whole tensor like a TP shard, so a checkpoint holds every expert
+    once under its global name and offset, whatever the ep: it resumes on any ep (or none) and
+    `slapo export` reads it in one process."""
+    from ..op.moe import expert_shard_spec
+
     specs = {}
     for name, t in [*model.named_parameters(remove_duplicate=False),
                     *model.named_buffers(remove_duplicate=False)]:
-        spec = sharding.shard_spec(t)
+        spec = sharding.shard_spec(t) or expert_shard_spec(t)
         if spec is not None and spec.world_size > 1:
             specs[name] = spec
     return specs
