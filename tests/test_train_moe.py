@@ -177,6 +177,11 @@ def test_ep2_trains_resumes_and_exports_like_one_process(dist2, tmp_path):
         bad = {n: _rel(got[n], p) for n, p in params.items() if _rel(got[n], p) > REL}
         assert not bad, (other, bad)
 
+    from slapo.train.evaluate import eval_target  # one process reads the ep=2 checkpoint
+
+    val = [eval_target(tmp_path / run, log=lambda *a: None)["val_loss"] for run in ("ep2", "one")]
+    assert abs(val[0] - val[1]) / val[1] < REL, val
+
     result = export_run(tmp_path / "ep2", tmp_path / "hf", log=lambda *a: None)
     assert result.step == 2 and result.max_logit_diff is not None  # reloaded logits checked
     reloaded = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"),

@@ -31,7 +31,7 @@ _NO_RUN = {"out": None, "resume": None, "resume_or_start": False, "overwrite": F
            "progress": False, "plot": False, "eval_every": 0,
            # this job's layout: one process (or data parallel over torchrun's), whatever the
            # run's was (its checkpoint loads into any layout, as a resume on another does)
-           "tp": None, "pp_stages": None, "pp_schedule": None, "cp": 1,
+           "tp": None, "pp_stages": None, "pp_schedule": None, "cp": 1, "ep": 1,
            "sequence_parallel": None, "vocab_parallel": None, "dp_shard": False}
 
 
