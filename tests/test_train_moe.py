@@ -101,7 +101,8 @@ def job_ep_runs(root: str) -> dict:
     step1 = f"{root}/ep2/checkpoints/step_000001"
     runs = {"ep2": {"ep": 2}, "ep2_resumed": {"ep": 2, "resume": step1},
             "ep1_resumed": {"ep": 1, "resume": step1},
-            "dir_ep2": {"ep": 2, "model": f"{root}/saved"}}  # each rank reads its experts
+            "dir_ep2": {"ep": 2, "model": f"{root}/saved"},  # each rank reads its experts
+            "qwen_ep2": {"ep": 2, "model": "qwen3_moe", "save_every": 0}}
     return {name: train(TrainConfig(**{**EP_RUN, **kw}, out=f"{root}/{name}"))["losses"]
             for name, kw in runs.items()}
 
@@ -132,12 +133,13 @@ def _steps(run_dir) -> list[dict]:
 
 @pytest.mark.dist
 def test_ep2_trains_resumes_and_exports_like_one_process(dist2, tmp_path):
-    """`slapo train --model mixtral --ep 2` on 2 ranks: the losses, the clipped gradient norms
-    and the parameters after 2 AdamW steps equal one process's with `--grad-accum 2` (each
-    rank's half is one process's micro-batch, the aux loss per half in both); resumed from
-    its step-1 checkpoint on ep=2 it continues bit for bit, on ep=1 (DDP) and in one process
-    to rel 1e-5; `slapo export` writes every expert in HF's layout and the reloaded model
-    gives the trained logits."""
+    """`slapo train --model mixtral --ep 2` on 2 ranks: the losses, the clipped gradient norms,
+    the router numbers and the parameters after 2 AdamW steps equal one process's with
+    `--grad-accum 2` (each rank's half is one process's micro-batch, the aux loss per half in
+    both; qwen3_moe's losses too); resumed from its step-1 checkpoint on ep=2 it continues bit
+    for bit, on ep=1 (DDP) and in one process to rel 1e-5; `slapo eval` reads it in one
+    process; `slapo export` writes every expert in HF's layout and the reloaded model gives
+    the trained logits."""
     from transformers import AutoModelForCausalLM
 
     from slapo.train import TrainConfig, train
@@ -156,6 +158,9 @@ def test_ep2_trains_resumes_and_exports_like_one_process(dist2, tmp_path):
     assert ep["ep2_resumed"] == ep["ep2"]  # bit for bit
     for other in (ep["ep1_resumed"], one_resumed["losses"], ep["dir_ep2"]):
         assert max(abs(a - b) / b for a, b in zip(other, ep["ep2"])) < REL, (other, ep)
+    qwen = train(TrainConfig(**{**EP_RUN, "model": "qwen3_moe", "save_every": 0},
+                             grad_accum=2, out=str(tmp_path / "qwen_one")))["losses"]
+    assert max(abs(a - b) / b for a, b in zip(ep["qwen_ep2"], qwen)) < REL, (ep, qwen)
     logged, one_logged = _steps(tmp_path / "ep2"), _steps(tmp_path / "one")
     assert min(r["grad_norm"] for r in logged) > 1.0  # the default --grad-clip 1.0 clipped
     for key in ("grad_norm", "aux_loss", "load_imbalance"):  # the one-process numbers
