@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 import pytest
+import sweep
 import torch
 import torch.distributed as dist
 
@@ -82,8 +83,10 @@ def test_export_of_tp_inside_fsdp2_reproduces_the_trained_models_logits(dist4, t
         torch.testing.assert_close(got, torch.tensor(r["logits"]), rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.dist
-@pytest.mark.parametrize("model,task,knobs", [
+# CI's default sample (tests/sweep.py): one family per layout, and LLaMA's GQA, T5's head-
+# sharded bias and ALBERT's shared layer; test_export_families exports every family from a
+# directory in each layout on every run, and SLAPO_SWEEP=all runs every row here
+EXPORT_ROWS = [
     ("gpt2", "causal", {"tp": 2}),            # fused c_attn shards (blocks=3), vocab-parallel head
     ("llama", "causal", {"pp_stages": 2}),    # each rank saved its own stage
     ("t5", "seq2seq", {"pp_stages": 2}),      # encoder / decoder ranks; embedding tied to head
@@ -113,7 +116,13 @@ def test_export_of_tp_inside_fsdp2_reproduces_the_trained_models_logits(dist4, t
     ("roberta", "masked", {"dp_shard": True}),
     ("albert", "masked", {"dp_shard": True}),
     ("t5", "seq2seq", {"dp_shard": True}),
-])
+]
+EXPORT_SAMPLE = [0, 1, 2, 3, 4, 5, 10, 21]  # indices into EXPORT_ROWS
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("model,task,knobs", sweep.sample(
+    EXPORT_ROWS, [EXPORT_ROWS[i] for i in EXPORT_SAMPLE]))
 def test_export_reproduces_the_trained_models_logits(dist2, tmp_path, model, task, knobs):
     opts = {**TINY, "model": model, **knobs, "out": str(tmp_path / "run"), "save_every": 3}
     res = dist2.run(job_train_then_logits, opts)

@@ -19,6 +19,7 @@ import json
 from pathlib import Path
 
 import pytest
+import sweep
 import torch
 
 from slapo.train.export import export_run
@@ -86,12 +87,25 @@ TASK_CLASS = {"gpt2": "GPT2LMHeadModel", "gpt_neo": "GPTNeoForCausalLM", "opt": 
               "qwen2_moe": "Qwen2MoeForCausalLM"}
 
 
-def save_family_dirs(root: Path) -> dict[str, str]:
-    """Every family saved with `save_pretrained` (config.json + model.safetensors)."""
+def families_in(layout: str) -> list[str]:
+    """The families a layout's test trains: all of them in one process and with
+    SLAPO_SWEEP=all; by default (tests/sweep.py) each parallel layout takes 6 in turn, so every
+    family is exported from one parallel layout besides the one process, and the refusals."""
+    if layout == "one":
+        return list(FAMILIES)
+    parallel = [k for k in LAYOUTS if k != "one"]
+    picked = sweep.spread(FAMILIES, parallel, 6, skip=REFUSED)
+    return [f for f in FAMILIES if (f, layout) in picked or (f, layout) in REFUSED]
+
+
+def save_family_dirs(root: Path, names: list[str] = FAMILIES) -> dict[str, str]:
+    """The families `names` saved with `save_pretrained` (config.json + model.safetensors)."""
     import transformers as tf
 
     dirs = {}
     for i, name in enumerate(FAMILIES):
+        if name not in names:
+            continue
         torch.manual_seed(i)
         model = getattr(tf, TASK_CLASS[name])(_config(name))
         model.save_pretrained(root / name)
@@ -147,7 +161,7 @@ def job_train_every_family(dirs: dict[str, str], root: str, layout: str) -> dict
 def _check_exports(root: Path, layout: str, ranks: list[dict]) -> None:
     import transformers as tf
 
-    for name in FAMILIES:
+    for name in families_in(layout):
         if (name, layout) in REFUSED:
             continue
         run, hf = root / f"{layout}-{name}", root / f"{layout}-{name}-hf"
@@ -184,7 +198,7 @@ def test_export_of_every_family_from_a_directory_one_process(tmp_path, one_threa
 @pytest.mark.parametrize("layout", ["tp2", "pp2",
                                     pytest.param("fsdp2", marks=pytest.mark.slow)])
 def test_export_of_every_family_from_a_directory(dist2, tmp_path, layout):
-    dirs = save_family_dirs(tmp_path / "src")
+    dirs = save_family_dirs(tmp_path / "src", families_in(layout))
     ranks = dist2.run(job_train_every_family, dirs, str(tmp_path), layout, timeout=600)
     _check_exports(tmp_path, layout, ranks)
 

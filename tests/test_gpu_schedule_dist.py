@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 
 import pytest
+import sweep
 import torch
 from reference import hidden_loss, make_batches, reference_losses
 
@@ -98,8 +99,8 @@ def test_data_parallel_with_gpu_schedule_matches_single_process(dist2, data_para
     assert losses[0] == losses[1]
 
 
-@pytest.mark.parametrize("family", ["gpt2", "llama", "bert"])
-@pytest.mark.parametrize("sp", [False, True])
+# a sample by default (tests/sweep.py): each family once, with and without SP on 2 of them
+@pytest.mark.parametrize(("family", "sp"), sweep.spread(["gpt2", "llama", "bert"], [False, True], 2))
 def test_tp_with_gpu_schedule_matches_single_process(dist2, family, sp):
     losses = dist2.run(job_tp_gpu_schedule, family, sp)
     assert losses[0] == losses[1]

@@ -102,8 +102,9 @@ def test_fp16_with_its_grad_scaler_trains_like_one_process(dist2, model, layout)
         f"process's {want.tolist()}, more than {factor} x the fp16-vs-fp32 distance {d:.2e}")
 
 
-@pytest.mark.parametrize("layout", sorted(LAYOUTS))
-@pytest.mark.parametrize("model", GPU_MODELS)
+# each layout on 2 of the sampled models, each of them under 2 layouts (tests/sweep.py)
+@pytest.mark.parametrize(("model", "layout"), sweep.spread(GPU_MODELS, sorted(LAYOUTS), 2,
+                                                          skip=REFUSED))
 def test_gpu_schedule_in_bf16_trains_like_one_process(dist2, model, layout):
     if (model, layout) in REFUSED:
         pytest.skip("ALBERT pipelines are refused (one shared layer); see test_train_families")
