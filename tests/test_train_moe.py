@@ -87,6 +87,7 @@ def test_moe_registry_trains_on_hfs_loss_with_the_aux_loss_per_micro_batch(model
 # lr 1e-2, 2 AdamW steps, the default --grad-clip 1.0 (the norm sums every expert once: clipped
 # here, so a wrong expert norm moves every parameter), a checkpoint after each step
 EP_RUN = dict(TINY, model="mixtral", steps=2, lr=1e-2, save_every=1)
+QWEN = {"model": "qwen3_moe", "save_every": 0, "eval_batches": 2}  # and the val loss
 REL = 1e-5
 
 
@@ -102,9 +103,14 @@ def job_ep_runs(root: str) -> dict:
     runs = {"ep2": {"ep": 2}, "ep2_resumed": {"ep": 2, "resume": step1},
             "ep1_resumed": {"ep": 1, "resume": step1},
             "dir_ep2": {"ep": 2, "model": f"{root}/saved"},  # each rank reads its experts
-            "qwen_ep2": {"ep": 2, "model": "qwen3_moe", "save_every": 0}}
-    return {name: train(TrainConfig(**{**EP_RUN, **kw}, out=f"{root}/{name}"))["losses"]
-            for name, kw in runs.items()}
+            "qwen_ep2": {"ep": 2, **QWEN}}
+    out = {}
+    for name, kw in runs.items():
+        metrics = train(TrainConfig(**{**EP_RUN, **kw}, out=f"{root}/{name}"))
+        out[name] = metrics["losses"]
+        if metrics["val_loss"] is not None:  # eval_step: the all-to-all in eval mode
+            out["val"] = metrics["val_loss"]
+    return out
 
 
 def _params(run_dir) -> dict[str, torch.Tensor]:
@@ -152,15 +158,16 @@ def test_ep2_trains_resumes_and_exports_like_one_process(dist2, tmp_path):
     assert ranks[0] == ranks[1], ranks
     ep = ranks[0]
     one = train(TrainConfig(**EP_RUN, grad_accum=2, out=str(tmp_path / "one")))["losses"]
+
     one_resumed = train(TrainConfig(**EP_RUN, grad_accum=2, out=str(tmp_path / "one_resumed"),
                                     resume=str(tmp_path / "ep2/checkpoints/step_000001")))
     assert max(abs(a - b) / b for a, b in zip(ep["ep2"], one)) < REL, (ep["ep2"], one)
     assert ep["ep2_resumed"] == ep["ep2"]  # bit for bit
     for other in (ep["ep1_resumed"], one_resumed["losses"], ep["dir_ep2"]):
         assert max(abs(a - b) / b for a, b in zip(other, ep["ep2"])) < REL, (other, ep)
-    qwen = train(TrainConfig(**{**EP_RUN, "model": "qwen3_moe", "save_every": 0},
-                             grad_accum=2, out=str(tmp_path / "qwen_one")))["losses"]
-    assert max(abs(a - b) / b for a, b in zip(ep["qwen_ep2"], qwen)) < REL, (ep, qwen)
+    qwen = train(TrainConfig(**{**EP_RUN, **QWEN}, grad_accum=2, out=str(tmp_path / "qwen_one")))
+    assert max(abs(a - b) / b for a, b in zip(ep["qwen_ep2"], qwen["losses"])) < REL, (ep, qwen)
+    assert abs(ep["val"] - qwen["val_loss"]) / qwen["val_loss"] < REL, (ep, qwen)
     logged, one_logged = _steps(tmp_path / "ep2"), _steps(tmp_path / "one")
     assert min(r["grad_norm"] for r in logged) > 1.0  # the default --grad-clip 1.0 clipped
     for key in ("grad_norm", "aux_loss", "load_imbalance"):  # the one-process numbers
