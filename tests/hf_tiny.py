@@ -29,9 +29,9 @@ class CannotBuild(Exception):
     """The tiny config or model could not be made (the reason is the message)."""
 
 
-def decoders() -> list[tuple[str, str]]:
+def decoders(plan: str = "base_model_tp_plan") -> list[tuple[str, str]]:
     """(model_type, *ForCausalLM class name) of every architecture whose config declares a
-    `base_model_tp_plan`, sorted."""
+    `plan` (the tensor-parallel plan; `base_model_pp_plan`: the pipeline plan), sorted."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
@@ -41,7 +41,7 @@ def decoders() -> list[tuple[str, str]]:
             cfg_cls = CONFIG_MAPPING[model_type]
         except KeyError:
             continue
-        if getattr(cfg_cls, "base_model_tp_plan", None) and cls_name.endswith("ForCausalLM"):
+        if getattr(cfg_cls, plan, None) and cls_name.endswith("ForCausalLM"):
             out.append((model_type, cls_name))
     return out
 
@@ -96,12 +96,13 @@ def tiny_config(model_type: str):
 
 
 def build(model_type: str, cls_name: str, seed: int = 0, meta: bool = False,
-          experts: str = "eager"):
-    """The tiny *ForCausalLM in float64 (on the meta device with `meta=True`)."""
+          experts: str = "eager", config=None):
+    """The tiny *ForCausalLM in float64 (on the meta device with `meta=True`), of `config` when
+    given (a tiny config changed by the caller)."""
     import torch
     import transformers
 
-    cfg = tiny_config(model_type)
+    cfg = tiny_config(model_type) if config is None else config
     # MoE experts: torch's grouped GEMM (HF's default) takes no float64; the eager loop is each
     # class's own forward (test_moe_tp checks the grouped and batched kernels in float32)
     cfg._experts_implementation = experts

@@ -5,7 +5,8 @@ module that *shares* the original submodules (no copies) for its layers, and for
 what the ends need: the first stage the embeddings, later stages take hidden states, the last
 the final norm and head. Sharing means every primitive applied to a layer (shard/sync hooks,
 checkpoint, traced/fused graphs) comes along and parameter names stay those of the full model.
-Decoder LMs (GPT-2, LLaMA, ...) get `stages_decoder.HFDecoderStage`; encoders (BERT, RoBERTa:
+Decoder LMs (GPT-2, OPT; a decoder with a declared `base_model_pp_plan`, `stages_declared`)
+get `stages_decoder.HFDecoderStage`; encoders (BERT, RoBERTa:
 the base model, or `*ForMaskedLM` with its head on the last stage) `stages_encoder.BertStage`;
 torchvision-layout ResNets `stages_resnet.ResNetStage`; T5/mT5 conditional generation
 `stages_seq2seq.T5Stage`.

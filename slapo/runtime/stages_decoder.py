@@ -1,5 +1,7 @@
-"""Pipeline stage modules for Hugging Face decoder LMs (GPT-2, GPT-Neo, OPT, LLaMA, Mistral,
-Qwen2/3), built from the cuts.
+"""Pipeline stage modules for Hugging Face decoder LMs (GPT-2, GPT-Neo, OPT by hand-written
+layouts; every decoder whose config declares `base_model_pp_plan` and whose forward between the
+layers is proven, `stages_declared`: LLaMA, Mistral, Qwen2/3, Gemma 2/3, OLMo 2, ...), built from
+the cuts.
 
 This is the minimum the pipeline runtime needs (the torchtitan approach, not tracing: the tracer
 fails on LLaMA's RoPE): each stage keeps references to its own decoder layers, the first stage
@@ -24,6 +26,8 @@ import torch
 import torch.nn as nn
 
 from ..errors import SchedulingError
+from . import stages_declared as declared
+from .stages_declared import BETWEEN, Between, declared_parts
 
 
 @dataclass(frozen=True)
@@ -33,41 +37,32 @@ class DecoderLayout:
 
     A stage re-implements what the model's `forward` does between its layers (embedding,
     positions, masks, final norm). That code is only right for the model types listed in
-    `model_types`, each checked against the model's own forward by a test
-    (`tests/test_pipeline_families.py`); another model with the same module names (Cohere
-    scales its logits, Granite its embeddings and logits, in the model's forward) would train
-    silently wrong, so it is refused by `layout_of`. (Gemma's sqrt(hidden) embedding scale
-    and (1 + w) norms live in its modules in transformers 5.17 and 5.23, so its forward
-    between layers is LLaMA's.)"""
+    `model_types`, each checked against the model's own forward by a test; another model with
+    the same module names would train silently wrong, so it is refused by `layout_of`. A model
+    whose config declares a pipeline plan (`base_model_pp_plan`) gets the "declared" layout:
+    its parts from that plan, what its forward does between them from the table `between`
+    (`stages_declared.BETWEEN`, proven by `tests/test_pipeline_declared.py`)."""
 
-    family: str  # how stages embed and call layers: "gpt2", "llama" or "opt"
+    family: str  # how stages embed and call layers: "gpt2", "opt" or "declared"
     model_types: tuple[str, ...]
     layers: str
     embed: tuple[str, ...]
     final: tuple[str, ...]
     shared: tuple[str, ...] = ()  # parameter-free modules every stage needs (rotary embedding)
     optional: tuple[str, ...] = ()  # parts some configs leave out (None in the model)
+    between: Between | None = None  # the declared family's forward between its parts
 
 
 GPT2 = DecoderLayout("gpt2", ("gpt2", "gpt_neo"), "transformer.h",
                      ("transformer.wte", "transformer.wpe", "transformer.drop"),
                      ("transformer.ln_f", "lm_head"))
-LLAMA = DecoderLayout("llama", ("llama", "mistral", "qwen2", "qwen3", "gemma", "phi3"),
-                      "model.layers",
-                      ("model.embed_tokens",), ("model.norm", "lm_head"), ("model.rotary_emb",))
 OPT = DecoderLayout("opt", ("opt",), "model.decoder.layers",
                     ("model.decoder.embed_tokens", "model.decoder.embed_positions",
                      "model.decoder.project_in"),
                     ("model.decoder.final_layer_norm", "model.decoder.project_out", "lm_head"),
                     optional=("model.decoder.project_in", "model.decoder.final_layer_norm",
                               "model.decoder.project_out"))
-LAYOUTS = (GPT2, LLAMA, OPT)
-
-# How each model type's forward picks a layer's attention mask: "causal" (one causal mask),
-# "window" (Mistral, Phi-3: a sliding-window mask for every layer when `config.sliding_window`
-# is set) or "layer_types" (Qwen2/3: `config.layer_types[i]` names full or sliding attention).
-MASK_RULE = {"mistral": "window", "phi3": "window", "qwen2": "layer_types",
-             "qwen3": "layer_types"}
+LAYOUTS = (GPT2, OPT)  # the decoders that declare no pipeline plan
 
 # Model types whose stages are not built, and why (named in the refusal).
 UNSUPPORTED = {
@@ -85,15 +80,19 @@ def _has(model: nn.Module, path: str) -> bool:
 
 
 def layout_of(model: nn.Module) -> DecoderLayout:
-    """The layout of `model`, refused unless its model type is one whose forward the stages are
-    known to reproduce (see `DecoderLayout`)."""
+    """The layout of `model`: from its declared pipeline plan (`stages_declared`), else one of
+    `LAYOUTS`; refused unless its model type is one whose forward the stages are known to
+    reproduce (see `DecoderLayout`)."""
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     name = type(model).__name__
     if model_type in UNSUPPORTED:
         raise SchedulingError("", f"pipeline stages of {name}: {UNSUPPORTED[model_type]}.",
                               "train it without pp_stages (tensor or data parallelism), or "
-                              "pipeline a supported model (" + ", ".join(supported_types()) +
-                              ", bert, roberta, t5, mt5).")
+                              "pipeline a supported model (" + supported() + ").")
+    parts = declared_parts(model)
+    if parts is not None:
+        return DecoderLayout("declared", (model_type,), parts.layers, parts.embed, parts.final,
+                             parts.shared, between=parts.between)
     for layout in LAYOUTS:
         parts = layout.embed + layout.final + layout.shared
         if not _has(model, layout.layers) or not all(
@@ -103,19 +102,22 @@ def layout_of(model: nn.Module) -> DecoderLayout:
             raise SchedulingError("", f"{name} (model_type={model_type!r}) is laid out like "
                                   f"{layout.family} ({layout.layers}), but pipeline stages "
                                   "re-implement the model's forward between layers and are "
-                                  f"checked for {', '.join(supported_types())} only; another "
+                                  f"checked for {', '.join(layout.model_types)} only; another "
                                   "model type may scale or mask differently and train wrong.",
                                   "use one of those model types, or train without pp_stages.")
         _check_config(model, layout)
         return layout
-    raise SchedulingError("", f"pipeline stages are built for HF decoder LMs "
-                          f"({', '.join(supported_types())}) and BERT-like encoders; "
-                          f"{name} is neither.", "use one of those models, or train without "
-                          "pp_stages.")
+    raise SchedulingError("", f"pipeline stages are built for HF decoder LMs ({supported()}) "
+                          f"and BERT-like encoders; {name} is neither.", "use one of those "
+                          "models, or train without pp_stages.")
 
 
-def supported_types() -> list[str]:
-    return [t for lay in LAYOUTS for t in lay.model_types]
+def supported() -> str:
+    """The decoder model types the stages cover, in words."""
+    hand = [t for lay in LAYOUTS for t in lay.model_types]
+    return (", ".join(hand) + f", the {len(BETWEEN)} declared-plan model types of "
+            "slapo.runtime.stages_declared.BETWEEN (llama, mistral, qwen3, gemma3_text, "
+            "olmo2, phi3, granite, ...), bert, roberta, t5, mt5")
 
 
 def _check_config(model: nn.Module, layout: DecoderLayout) -> None:
@@ -242,6 +244,11 @@ class HFDecoderStage(FusedLossStage, nn.Module):
         self.config = root.config
         self.input_names = self.first_inputs if first else ()
         self.init_fused_loss(root, last)
+        if self.fused is not None and layout.between is not None and \
+                declared.has_tail(layout.between):
+            raise SchedulingError("", f"fused_loss on {type(root).__name__}: its forward scales "
+                                  "or caps around the LM head, which the fused loss skips.",
+                                  "pass fused_loss=False.")
         for path in self.paths():
             graft(self, root, path)
 
@@ -268,26 +275,36 @@ class HFDecoderStage(FusedLossStage, nn.Module):
         lay = self.layout
         h = self._embed(x, attention_mask) if self.first else x
         pos = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
-        masks = self._masks(h, pos, attention_mask)
-        extra = {}
-        if lay.family == "llama":
-            extra["position_embeddings"] = self._get("model.rotary_emb")(h, position_ids=pos)
+        kinds = {self._attention_type(i) for i in range(self.lo, self.hi)}
+        masks = self._masks(h, pos, attention_mask, kinds)
+        rope = {} if lay.between is None else \
+            declared.rotary(self, lay.between, self._get(lay.shared[0]), h, pos, kinds)
         for i in range(self.lo, self.hi):
             layer = self._get(f"{lay.layers}.{i}")
-            mask = masks[self._attention_type(i)]
+            kind = self._attention_type(i)
             if lay.family == "gpt2":
-                out = layer(h, attention_mask=mask, use_cache=False)
+                out = layer(h, attention_mask=masks[kind], use_cache=False)
             else:
-                out = layer(h, attention_mask=mask, position_ids=pos, use_cache=False, **extra)
+                extra = {"position_embeddings": rope[kind]} if rope else {}
+                out = layer(h, attention_mask=masks[kind], position_ids=pos, use_cache=False,
+                            **extra)
             h = out[0] if isinstance(out, tuple) else out  # GPT-Neo's blocks return tuples
-        if self.last:
-            fused = self.fused is not None and labels is not None
-            for path in lay.final:
-                if fused and path == self.fused.head:
-                    return self.fused_loss(h, labels)
-                module = self._get(path)
-                h = h if module is None else module(h)
-        return not_a_view(h)
+        return not_a_view(self._final(h, labels) if self.last else h)
+
+    def _final(self, h: torch.Tensor, labels: torch.Tensor | None) -> torch.Tensor:
+        """The modules after the layers (final norm, LM head), with what the forward does
+        around the head (`stages_declared`: a divided hidden state, scaled or capped logits)."""
+        lay = self.layout
+        fused = self.fused is not None and labels is not None
+        head = lay.final[-1]
+        for path in lay.final:
+            if path == head and lay.between is not None:
+                h = declared.hidden_extra(self, lay.between, h)
+            if fused and path == self.fused.head:
+                return self.fused_loss(h, labels)
+            module = self._get(path)
+            h = h if module is None else module(h)
+        return h if lay.between is None else declared.logits_extra(self, lay.between, h)
 
     def _embed(self, ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
         pos = torch.arange(ids.shape[1], device=ids.device).unsqueeze(0)
@@ -305,32 +322,31 @@ class HFDecoderStage(FusedLossStage, nn.Module):
             project_in = self._get("model.decoder.project_in")
             h = h if project_in is None else project_in(h)
             return h + p.to(h.device)
-        return self._get("model.embed_tokens")(ids)
+        # declared: the embedding, what the forward does to its output, the plan's next modules
+        embed, *after = self.layout.embed
+        h = declared.embed_extra(self, self.layout.between, self._get(embed)(ids))
+        for path in after:
+            h = self._get(path)(h)
+        return h
 
     def _attention_type(self, i: int) -> str:
-        rule = MASK_RULE.get(self.config.model_type, "causal")
-        if rule == "window" and getattr(self.config, "sliding_window", None) is not None:
-            return "sliding_attention"
-        if rule == "layer_types" and getattr(self.config, "layer_types", None):
-            return self.config.layer_types[i]
-        return "full_attention"
+        if self.layout.between is None:
+            return "full_attention"
+        return declared.attention_type(self.config, self.layout.between, i)
 
-    def _masks(self, h: torch.Tensor, pos: torch.Tensor,
-               attention_mask: torch.Tensor | None) -> dict:
+    def _masks(self, h: torch.Tensor, pos: torch.Tensor, attention_mask: torch.Tensor | None,
+               kinds: set[str]) -> dict:
         """The masks this stage's layers use, made as the model's forward makes them."""
         from transformers import masking_utils
 
         kw = {"config": self.config, "inputs_embeds": h, "attention_mask": attention_mask,
               "past_key_values": None, "position_ids": pos}
-        kinds = {self._attention_type(i) for i in range(self.lo, self.hi)}
-        make = {"full_attention": masking_utils.create_causal_mask,
-                "sliding_attention": masking_utils.create_sliding_window_causal_mask}
-        unknown = kinds - set(make)
+        unknown = kinds - set(declared.LAYER_MASKS)
         if unknown:
             raise SchedulingError(self.layout.layers, f"attention types {sorted(unknown)} of "
                                   f"{type(self._root[0]).__name__} have no pipeline mask.",
                                   "use full or sliding attention layers, or no pp_stages.")
-        return {k: make[k](**kw) for k in kinds}
+        return {k: getattr(masking_utils, declared.LAYER_MASKS[k])(**kw) for k in kinds}
 
     # ---- what the pipeline runtime asks the last stage ----------------------------------------
     def pipeline_outputs(self, logits: torch.Tensor):

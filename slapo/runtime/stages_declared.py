@@ -1,0 +1,295 @@
+"""Pipeline stages of a decoder LM from the pipeline plan its config declares
+(`config.base_model_pp_plan`, e.g. {"embed_tokens": (["input_ids"], ["inputs_embeds"]),
+"layers": (["hidden_states", "attention_mask"], ["hidden_states"]), "norm": (...)}).
+
+The plan says which modules form the pipeline (the embedding and what follows it, the layer
+list, the final norm) and what flows between them. It does not say what the model's `forward`
+does *between* those modules, and models differ there: Granite multiplies the embeddings by a
+config value and divides the logits, Cohere multiplies the logits, Gemma 2/3 soft-cap them,
+Gemma 3 and OLMo 3 give each layer type its own rotary embedding, Mistral windows every layer,
+Qwen2/3 and Gemma pick full or sliding attention per layer from `config.layer_types`. A stage
+re-implements that code, so a wrong guess trains silently wrong. Hence two tables, both data:
+
+- `BETWEEN`: the model types whose forward between the declared modules was read (transformers
+  5.24) and written down as a `Between`, each proven equal to one process (loss, every gradient,
+  parameters after two AdamW steps) by `tests/test_pipeline_declared.py`'s sweep;
+- `REFUSED`: model types whose forward does something a `Between` cannot say, and why.
+
+Every other declared-plan model type is refused, naming itself, until the sweep proves it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+import torch.nn as nn
+
+from ..errors import SchedulingError
+
+MASKS = ("causal", "window", "layer_types")
+ROPES = ("shared", "per_type")
+# the attention types a `layer_types` model may list, and the masking function of each
+LAYER_MASKS = {"full_attention": "create_causal_mask",
+               "sliding_attention": "create_sliding_window_causal_mask"}
+
+
+@dataclass(frozen=True)
+class Between:
+    """What a model's `forward` does between the modules of its declared pipeline plan.
+
+    A value is read where the forward reads it: `"config.x"` (the model's config), `"lm.x"` (an
+    attribute of the *ForCausalLM module), `"base.x"` (of its base model)."""
+
+    # which mask each layer gets: one causal mask ("causal"); Mistral's rule, a sliding-window
+    # mask for every layer when `config.sliding_window` is set ("window"); `config.layer_types[i]`
+    # naming full or sliding attention ("layer_types")
+    masks: str = "causal"
+    # one rotary embedding for every layer, `rotary_emb(h, position_ids)` ("shared"), or one per
+    # layer type, `rotary_emb(h, position_ids, layer_type)` ("per_type": Gemma 3, OLMo 3)
+    rope: str = "shared"
+    embed_scale: str | None = None  # multiplies the embeddings (Granite)
+    embed_dropout: str | None = None  # a functional dropout's p after the embedding (StarCoder2)
+    hidden_divisor: str | None = None  # divides the last hidden state before the head (MiniCPM3)
+    logit_scale: tuple[str, str] | None = None  # ("mul" or "div", value) on the logits
+    softcap: str | None = None  # the logits' tanh soft-cap, off when None (Gemma 2/3)
+    # (config flag, what the forward does then): refused when the flag is set
+    refuse_if: tuple[tuple[str, str], ...] = ()
+
+    def __post_init__(self) -> None:
+        assert self.masks in MASKS and self.rope in ROPES, self
+
+
+LLAMA = Between()
+WINDOW = Between(masks="window")
+TYPED = Between(masks="layer_types")
+TYPED_ROPE = Between(masks="layer_types", rope="per_type")
+GEMMA2 = Between(masks="layer_types", softcap="config.final_logit_softcapping")
+_BIDIRECTIONAL = ("use_bidirectional_attention",
+                  "it attends both ways with its own mask overlays")
+_ROUTER = ("output_router_logits", "its loss adds the router's load-balancing loss, which "
+                                   "no pipeline stage computes")
+
+# The model types whose stages are proven equal to the model (tests/test_pipeline_declared.py).
+# A mixture of experts whose causal LM adds the router's load-balancing loss to its loss when
+# `output_router_logits` is set is refused then (`_ROUTER`); the others never add it.
+BETWEEN: dict[str, Between] = {
+    **dict.fromkeys(("llama", "olmo", "olmo2", "glm", "glm4", "helium", "internlm3",
+                     "iquestcoder", "apertus", "arcee", "exaone", "seed_oss", "youtu",
+                     "ernie4_5", "jais2", "gemma", "gpt_neox", "phi", "gptj", "codegen",
+                     "deepseek_v2", "deepseek_v3", "glm4_moe", "glm4_moe_lite", "solar_open",
+                     "aria_text", "axk1", "sarvam_mla", "sarvam_moe", "hy_v3"), LLAMA),
+    **dict.fromkeys(("ernie4_5_moe", "flex_olmo", "minimax_m2", "minimax_m3_vl_text"),
+                    Between(refuse_if=(_ROUTER,))),
+    **dict.fromkeys(("mistral", "ministral3", "phi3"), WINDOW),
+    **dict.fromkeys(("mixtral", "qwen3_moe"), Between(masks="window", refuse_if=(_ROUTER,))),
+    "starcoder2": Between(masks="window", embed_dropout="base.embedding_dropout"),
+    **dict.fromkeys(("qwen2", "qwen3", "smollm3", "ministral", "exaone4", "cwm", "kolibri1",
+                     "exaone_moe"), TYPED),
+    **dict.fromkeys(("qwen2_moe", "gpt_oss", "flint"),
+                    Between(masks="layer_types", refuse_if=(_ROUTER,))),
+    "olmo3": TYPED_ROPE,
+    "mimo_v2_flash": TYPED_ROPE,
+    **dict.fromkeys(("laguna", "mellum"),
+                    Between(masks="layer_types", rope="per_type", refuse_if=(_ROUTER,))),
+    "gemma2": GEMMA2,
+    "vaultgemma": GEMMA2,
+    "gemma3_text": Between(masks="layer_types", rope="per_type",
+                           softcap="config.final_logit_softcapping", refuse_if=(_BIDIRECTIONAL,)),
+    "cohere": Between(logit_scale=("mul", "lm.logit_scale")),
+    **dict.fromkeys(("cohere2", "cohere2_moe"),
+                    Between(masks="layer_types", logit_scale=("mul", "lm.logit_scale"))),
+    "granite": Between(embed_scale="base.embedding_multiplier",
+                       logit_scale=("div", "config.logits_scaling")),
+    "hyperclovax": Between(embed_scale="base.embedding_multiplier",
+                           logit_scale=("mul", "config.logits_scaling")),
+    "minicpm3": Between(hidden_divisor="config.logits_scaling"),
+}
+
+_LINEAR = ("its linear-attention layers take a recurrent mask (create_recurrent_attention_mask) "
+           "the stages do not build")
+# Model types refused by name: what their forward does between the layers that `Between`
+# cannot say.
+REFUSED: dict[str, str] = {
+    "granite_swa": "each layer takes the rotary embedding of its own theta "
+                   "(config.layer_rope_theta), from a list of rotary modules",
+    "beam": "layers without a rotary embedding get an attention scaling computed in the forward",
+    "afmoe": "its forward scales the embeddings when config.mup_enabled",
+    "qwen3_5_text": "its positions are 4 rows (text + multimodal rotary) and " + _LINEAR,
+    "qwen3_5_moe_text": "its positions are 4 rows (text + multimodal rotary) and " + _LINEAR,
+    **dict.fromkeys(("olmo_hybrid", "bailing_hybrid", "qwen3_next", "kimi_linear", "minimax",
+                     "lara_mini"), _LINEAR),
+    "gemma4_unified_text": "later layers share key/value states with earlier ones, sliced in "
+                           "the forward",
+    "inkling_text": "its forward divides the hidden state and cuts the logits to the unpadded "
+                    "vocabulary",
+    **dict.fromkeys(("axk2", "deepseek_v32", "glm_moe_dsa", "dots3_note_text"),
+                    "its indexed (sparse) attention layers take a mask the stages do not build"),
+    "longcat_flash": "its forward runs config.num_layers layers, each a pair of attention "
+                     "sublayers",
+}
+
+FIX = ("train it without pp_stages (tensor or data parallelism work), or add its model type to "
+       "slapo/runtime/stages_declared.py's BETWEEN once tests/test_pipeline_declared.py's "
+       "sweep (SLAPO_SWEEP=all) proves its stages equal to the model.")
+
+
+@dataclass(frozen=True)
+class DeclaredParts:
+    """The paths (from the root) of a declared-plan decoder's pipeline parts."""
+
+    embed: tuple[str, ...]  # the embedding, then the plan's modules before the layers (dropout)
+    layers: str
+    final: tuple[str, ...]  # the plan's modules after the layers (the norm), then the LM head
+    shared: tuple[str, ...]  # parameter-free modules every stage needs (the rotary embedding)
+    between: Between
+
+
+def declared_plan(model: nn.Module) -> dict | None:
+    """The model's declared pipeline plan, or None."""
+    plan = getattr(getattr(model, "config", None), "base_model_pp_plan", None)
+    return dict(plan) if plan else None
+
+
+def declared_parts(model: nn.Module) -> DeclaredParts | None:
+    """The pipeline parts of `model` from its config's `base_model_pp_plan`; None for a model
+    that declares none; a SchedulingError for a declared-plan model whose stages are not proven
+    (see the module docstring) or whose plan is not embedding, layers, final norm."""
+    plan = declared_plan(model)
+    if plan is None:
+        return None
+    cfg, name = model.config, type(model).__name__
+    model_type = getattr(cfg, "model_type", None)
+    where = f"{name} (model_type={model_type!r})"
+    if model_type in REFUSED:
+        raise SchedulingError("", f"pipeline stages of {where}: {REFUSED[model_type]}.", FIX)
+    parts = _parts(model, plan, where)  # the plan's shape first: its reason is the more precise
+    between = BETWEEN.get(model_type)
+    if between is None:
+        raise SchedulingError("", f"{where} declares a pipeline plan, but its stages would "
+                              "re-implement its forward between the layers, and that is proven "
+                              "(a sweep against one process) for "
+                              f"{len(BETWEEN)} model types only; another may scale, cap or "
+                              "mask there and train silently wrong.", FIX)
+    parts = replace(parts, between=between)
+    _check_config(model, parts, where)
+    return parts
+
+
+def _parts(model: nn.Module, plan: dict, where: str) -> DeclaredParts:
+    prefix = getattr(model, "base_model_prefix", "")
+    base = getattr(model, prefix, None) if prefix else None
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if not isinstance(base, nn.Module) or head is None:
+        raise SchedulingError("", f"{where} is not a decoder LM with a head (its base model and "
+                              "an output embedding): its pipeline plan has no stage for it.",
+                              "pipeline its *ForCausalLM class, or train without pp_stages.")
+    names = list(plan)
+    lists = [k for k in names if isinstance(getattr(base, k, None), nn.ModuleList)]
+    if len(lists) != 1 or plan[names[0]][0] != ["input_ids"] or not \
+            all(isinstance(getattr(base, k, None), nn.Module) for k in names):
+        raise SchedulingError(prefix, f"the pipeline plan {names} of {where} is not an "
+                              "embedding, one layer list and the modules after it.", FIX)
+    at = names.index(lists[0])
+    head_path = next(n for n, m in model.named_modules() if m is head)
+    shared, owned = [], []
+    for child, mod in base.named_children():
+        if child in plan or mod is None:
+            continue
+        (owned if any(True for _ in mod.parameters()) else shared).append(child)
+    outside = owned + [n for n, m in model.named_children()
+                       if m is not base and n != head_path and any(True for _ in m.parameters())]
+    if outside:
+        raise SchedulingError(prefix, f"{where} has parameters outside its declared pipeline "
+                              f"plan ({', '.join(outside)}), which no stage would run.", FIX)
+    if shared != ["rotary_emb"]:  # the one module the stages run outside the plan
+        raise SchedulingError(prefix, f"{where} has {shared or 'no'} modules outside its "
+                              "declared pipeline plan where the stages expect its one rotary "
+                              "embedding (rotary_emb).", FIX)
+    return DeclaredParts(tuple(f"{prefix}.{k}" for k in names[:at]), f"{prefix}.{lists[0]}",
+                         tuple(f"{prefix}.{k}" for k in names[at + 1:]) + (head_path,),
+                         tuple(f"{prefix}.{k}" for k in shared), Between())
+
+
+def _check_config(model: nn.Module, parts: DeclaredParts, where: str) -> None:
+    """The config values under which the forward is not the one the stages re-implement."""
+    cfg = model.config
+    for flag, why in parts.between.refuse_if:
+        if getattr(cfg, flag, False):
+            raise SchedulingError("", f"{where} with config.{flag} set: {why}.",
+                                  f"set config.{flag} = False, or train without pp_stages.")
+    n_layers = len(model.get_submodule(parts.layers))
+    if getattr(cfg, "num_hidden_layers", n_layers) != n_layers:
+        raise SchedulingError(parts.layers, f"{where} runs config.num_hidden_layers="
+                              f"{cfg.num_hidden_layers} of its {n_layers} layers.",
+                              "make config.num_hidden_layers the number of layers.")
+    if parts.between.masks == "layer_types":
+        unknown = sorted(set(getattr(cfg, "layer_types", None) or ()) - set(LAYER_MASKS))
+        if unknown:
+            raise SchedulingError(parts.layers, f"{where}'s attention types {unknown} have no "
+                                  "pipeline mask.", FIX)
+
+
+# ---- the forward between the layers, as the table says ----------------------------------------
+
+def value(stage: nn.Module, spec: str):
+    """The value `spec` names ("config.x", "lm.x", "base.x"), read as the forward reads it."""
+    owner, attr = spec.split(".", 1)
+    root = stage._root[0]
+    src = {"config": root.config, "lm": root,
+           "base": getattr(root, getattr(root, "base_model_prefix", ""), None)}[owner]
+    return getattr(src, attr)
+
+
+def embed_extra(stage: nn.Module, between: Between, h: torch.Tensor) -> torch.Tensor:
+    """What the forward does to the embedding output before the plan's next module."""
+    if between.embed_scale is not None:
+        h = h * value(stage, between.embed_scale)
+    if between.embed_dropout is not None:
+        h = nn.functional.dropout(h, p=value(stage, between.embed_dropout),
+                                  training=stage.training)
+    return h
+
+
+def attention_type(cfg, between: Between, i: int) -> str:
+    """The mask layer `i` takes under the table's rule."""
+    if between.masks == "window" and getattr(cfg, "sliding_window", None) is not None:
+        return "sliding_attention"
+    if between.masks == "layer_types" and getattr(cfg, "layer_types", None):
+        return cfg.layer_types[i]
+    return "full_attention"
+
+
+def rotary(stage: nn.Module, between: Between, rotary_emb: nn.Module, h: torch.Tensor,
+           pos: torch.Tensor, kinds: set[str]) -> dict:
+    """{attention type: position embeddings} for the layer types of this stage."""
+    if between.rope == "per_type":
+        return {k: rotary_emb(h, pos, k) for k in kinds}
+    shared = rotary_emb(h, position_ids=pos)
+    return dict.fromkeys(kinds, shared)
+
+
+def hidden_extra(stage: nn.Module, between: Between, h: torch.Tensor) -> torch.Tensor:
+    """What the forward does to the last hidden state before the LM head."""
+    if between.hidden_divisor is not None:
+        h = h / value(stage, between.hidden_divisor)
+    return h
+
+
+def logits_extra(stage: nn.Module, between: Between, logits: torch.Tensor) -> torch.Tensor:
+    """What the forward does to the logits after the LM head (scaling, then soft-capping)."""
+    if between.logit_scale is not None:
+        op, spec = between.logit_scale
+        scale = value(stage, spec)
+        logits = logits * scale if op == "mul" else logits / scale
+    cap = value(stage, between.softcap) if between.softcap is not None else None
+    if cap is not None:
+        logits = torch.tanh(logits / cap) * cap
+    return logits
+
+
+def has_tail(between: Between) -> bool:
+    """Whether the forward changes the last hidden state or the logits around the head (a
+    fused head + loss would skip that)."""
+    return any(v is not None for v in (between.hidden_divisor, between.logit_scale,
+                                       between.softcap))

@@ -1,0 +1,268 @@
+"""Every text decoder the installed transformers declares a pipeline plan for
+(`config.base_model_pp_plan`), pipelined from that declaration (`runtime/stages_declared.py`):
+pp=2 on 2 gloo ranks (1F1B, 2 micro-batches) against one process.
+
+Per architecture: the losses of two steps, every gradient of the first (on the rank whose stage
+holds the parameter; tied ones summed over the stages that hold them) and every parameter after
+2 AdamW steps (lr 1e-2), rel <= 1e-5, in float64; together the two ranks hold every parameter.
+The tiny configs turn on what a stage must reproduce between the layers: every scale or
+multiplier left at 1.0 becomes 2.0 and every logit soft-cap 2.0 (Gemma 3's final cap is off by
+default), so a forgotten scale or cap cannot hide behind an identity. A refusal must be a
+`SchedulingError`; any other exception, or a mismatch, fails. The printed table is the one in
+docs/model_schedule.md. By default a sample covering each code path runs (CI budget);
+`SLAPO_SWEEP=all` runs every architecture (tests/sweep.py).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import re
+
+import pytest
+import sweep
+import torch
+
+import slapo
+from slapo import model_schedule
+from slapo.runtime import stages_declared
+
+LR = 1e-2
+RTOL = 1e-5
+ATOL = 1e-8  # the denominator's floor (a gradient zero in exact arithmetic)
+# The default sample: sliding + full layer types with a rotary embedding per type and the
+# final soft-cap (Gemma 3), the embedding multiplier and the logit divisor (Granite), a plan
+# with a dropout module after the embedding and other names (GPT-NeoX), and the refusals (a
+# named one, Granite-SWA's rope per theta; an unproven model type, DOGE).
+EQUIVALENT = ("gemma3_text", "granite", "gpt_neox")
+REFUSED = ("granite_swa", "doge")
+_SCALE = re.compile(r"multiplier|scaling|scale|softcap")
+
+
+def _config(model_type: str):
+    """The tiny config, its identity scales made non-trivial (see the module docstring)."""
+    import hf_tiny
+
+    cfg = hf_tiny.tiny_config(model_type)
+    for name, v in list(vars(cfg).items()):
+        if not _SCALE.search(name) or isinstance(v, bool) or name.startswith("_"):
+            continue
+        if "softcap" in name:
+            setattr(cfg, name, 2.0)
+        elif isinstance(v, float) and v == 1.0:
+            setattr(cfg, name, 2.0)
+    return cfg
+
+
+def _rel(a, b) -> float:
+    return float((a - b).norm() / max(float(b.norm()), ATOL))
+
+
+def _reference(model, batch) -> tuple[list[float], dict, dict]:
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    losses, grads = [], {}
+    for i in range(2):
+        opt.zero_grad()
+        loss = model(**batch).loss
+        loss.backward()
+        if i == 0:
+            grads = {k: p.grad.clone() for k, p in model.named_parameters(remove_duplicate=False)
+                     if p.grad is not None}
+        opt.step()
+        losses.append(loss.item())
+    return losses, grads, {k: p.detach() for k, p in
+                           model.named_parameters(remove_duplicate=False)}
+
+
+def _compare(model_type: str, cls_name: str, mesh) -> tuple[str, list[str]]:
+    """(result, the parameter names this rank's stages hold)."""
+    import hf_tiny
+
+    try:
+        model = hf_tiny.build(model_type, cls_name, config=_config(model_type))
+    except hf_tiny.CannotBuild as e:
+        return f"cannot build tiny config: {e}", []
+    batch = {k: v for k, v in hf_tiny.batch().items() if k != "use_cache"}
+    ref = copy.deepcopy(model)
+    sch = slapo.create_schedule(model, mesh=mesh)
+    try:
+        model_schedule.apply(sch, pp_stages=2)
+    except slapo.SchedulingError as e:
+        assert not sch.pipeline_cuts  # refused before any change
+        return f"refused: {e.problem}", []
+    try:  # the unscheduled model must run: else the tiny config is at fault, not Slapo
+        copy.deepcopy(ref)(**batch).loss.backward()
+    except Exception as e:  # noqa: BLE001
+        return f"cannot build tiny config: forward: {type(e).__name__}: {str(e)[:120]}", []
+    tm, _ = slapo.build(sch, optimizer=torch.optim.AdamW, optimizer_kwargs={"lr": LR},
+                        pipeline="1F1B", num_microbatches=2)
+    held = {n: p for st in tm.stages for n, p in st.named_parameters(remove_duplicate=False)}
+    losses, grads = [], {}
+    for i in range(2):
+        losses.append(tm.train_step(batch))
+        if i == 0:
+            grads = {n: p.grad.clone() for n, p in held.items() if p.grad is not None}
+    ref_losses, ref_grads, ref_params = _reference(ref, batch)
+    if set(grads) != {n for n in held if n in ref_grads}:
+        return f"MISMATCH: gradients of {sorted(set(grads) ^ (set(ref_grads) & set(held)))}", []
+    worst = [(abs(a - b) / abs(b), f"loss {i}") for i, (a, b) in
+             enumerate(zip(losses, ref_losses, strict=True))]
+    worst += [(_rel(g, ref_grads[n]), f"grad {n}") for n, g in grads.items()]
+    worst += [(_rel(p.detach(), ref_params[n]), f"param {n}") for n, p in held.items()]
+    err, where = max(worst)
+    return ("equivalent" if err <= RTOL else f"MISMATCH: {where} rel {err:.2e}"), sorted(held)
+
+
+def job_pp_sweep(archs: list[tuple[str, str]]) -> dict[str, tuple[str, list[str]]]:
+    """Every architecture in `archs` on this rank (pp=2); a crash is reported with its last
+    lines (the test fails on it)."""
+    import traceback
+    import warnings
+
+    import slapo.runtime
+
+    torch.set_num_threads(1)
+    mesh = slapo.runtime.init_mesh(dp=1, pp=2, tp=1)
+    out = {}
+    for model_type, cls_name in archs:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            try:
+                out[model_type] = _compare(model_type, cls_name, mesh)
+            except Exception as e:  # noqa: BLE001 - a crash is a result the test fails on
+                tb = traceback.format_exc().strip().splitlines()
+                out[model_type] = (f"CRASH: {type(e).__name__}: {str(e)[:200]} @ {tb[-3:]}", [])
+    return out
+
+
+def _archs() -> list[tuple[str, str]]:
+    import hf_tiny
+
+    every = hf_tiny.decoders("base_model_pp_plan")
+    return sweep.sample(every, [a for a in every if a[0] in EQUIVALENT + REFUSED])
+
+
+def table(results: dict[str, str]) -> str:
+    rows = ["| architecture | pp=2 |", "|---|---|"]
+    rows += [f"| {k} | {v} |" for k, v in sorted(results.items())]
+    return "\n".join(rows)
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(1800)  # the full sweep (SLAPO_SWEEP=all); the default sample takes ~5 s
+def test_declared_pipeline_plans_pp2_equal_one_process(dist2):
+    import transformers
+
+    per_rank = dist2.run(job_pp_sweep, _archs(), timeout=1500)
+    results = {k: v for k, (v, _) in per_rank[0].items()}
+    print("\n" + table(results))
+    assert {k: v for k, (v, _) in per_rank[1].items()} == results  # both ranks agree
+    bad = {k: v for k, v in results.items() if v.startswith(("MISMATCH", "CRASH"))}
+    assert not bad, bad
+    for k, v in results.items():  # the two ranks' stages hold every parameter, once
+        if v == "equivalent":
+            cls = dict(_archs())[k]
+            with torch.device("meta"):
+                names = {n for n, _ in getattr(transformers, cls)(_config(k))
+                         .named_parameters(remove_duplicate=False)}
+            assert sorted(per_rank[0][k][1] + per_rank[1][k][1]) == sorted(names), k
+    for k, v in results.items():  # equivalent exactly where the table says proven
+        assert (v == "equivalent") == (k in stages_declared.BETWEEN), (k, v)
+    if sweep.full():  # every proven model type was swept (and, above, is equivalent)
+        assert set(stages_declared.BETWEEN) <= set(results), set(stages_declared.BETWEEN) - set(results)
+    else:
+        assert all(results[k] == "equivalent" for k in EQUIVALENT), results
+        assert all(results[k].startswith("refused: ") for k in REFUSED), results
+
+
+# ---- a stage that forgets what the forward does between the layers is caught ------------------
+
+# (Gemma 3's per-type rope made shared fails loudly: its rotary module needs the layer type.)
+MUTATIONS = [("gemma3_text", {"softcap": None}), ("gemma3_text", {"masks": "causal"}),
+             ("granite", {"embed_scale": None}), ("granite", {"logit_scale": None})]
+
+
+@pytest.mark.parametrize("model_type,change", MUTATIONS,
+                         ids=[f"{m}-{next(iter(c))}" for m, c in MUTATIONS])
+def test_a_table_entry_that_forgets_a_step_is_caught(monkeypatch, model_type, change):
+    """Dropping the soft-cap, the sliding masks, the embedding multiplier or the logit divisor from a model's `Between` makes its stages differ from its forward: the
+    same comparison as the sweep's, here in one process (Verify runs the stages against the
+    model's forward when the cut is made)."""
+    import hf_tiny
+
+    cls = dict(hf_tiny.decoders("base_model_pp_plan"))[model_type]
+    batch = {"input_ids": hf_tiny.batch()["input_ids"]}
+    sch = slapo.create_schedule(hf_tiny.build(model_type, cls, config=_config(model_type)))
+    with slapo.Verify(sch, example_kwargs=batch):  # the table as it is: the forward
+        sch["model.layers.0"].cut_pipeline_stage()
+    wrong = dataclasses.replace(stages_declared.BETWEEN[model_type], **change)
+    monkeypatch.setitem(stages_declared.BETWEEN, model_type, wrong)
+    sch = slapo.create_schedule(hf_tiny.build(model_type, cls, config=_config(model_type)))
+    with pytest.raises(slapo.VerificationError, match="do not compute the model's"):
+        with slapo.Verify(sch, example_kwargs=batch):
+            sch["model.layers.0"].cut_pipeline_stage()
+
+
+# ---- bad input: a clear error, nothing changed ------------------------------------------------
+
+def _tiny(model_type: str, **over):
+    import hf_tiny
+
+    cfg = _config(model_type)
+    for k, v in over.items():
+        setattr(cfg, k, v)
+    return hf_tiny.build(model_type, dict(hf_tiny.decoders("base_model_pp_plan"))[model_type],
+                         config=cfg)
+
+
+def _base_model():
+    import transformers as tf
+
+    return tf.LlamaModel(tf.LlamaConfig(hidden_size=64, num_hidden_layers=2,
+                                        num_attention_heads=4, intermediate_size=128,
+                                        vocab_size=128))
+
+
+def _no_pp_plan():
+    import transformers as tf
+
+    return tf.BloomForCausalLM(tf.BloomConfig(hidden_size=64, n_layer=2, n_head=4,
+                                              vocab_size=128))
+
+
+BAD = {
+    "unproven model type": (lambda: _tiny("doge"), "proven .* for \\d+ model types only"),
+    "named refusal": (lambda: _tiny("granite_swa"), "rotary embedding of its own theta"),
+    "bidirectional gemma3": (lambda: _tiny("gemma3_text", use_bidirectional_attention=True),
+                             "use_bidirectional_attention"),
+    "router loss": (lambda: _tiny("qwen2_moe", output_router_logits=True),
+                    "load-balancing loss"),
+    "no head": (_base_model, "not a decoder LM with a head"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD))
+def test_models_the_declared_stages_do_not_cover_are_refused_unchanged(case):
+    make, needle = BAD[case]
+    model = make()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    sch = slapo.create_schedule(model)
+    with pytest.raises(slapo.SchedulingError, match=needle) as e:
+        model_schedule.apply(sch, pp_stages=2)
+    assert "without pp_stages" in str(e.value)
+    assert not sch.pipeline_cuts and not list(sch.applied())
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+def test_a_decoder_without_a_pipeline_plan_or_layout_is_refused():
+    """Bloom declares no pipeline plan and is not laid out like GPT-2 or OPT: `apply` has no
+    schedule for it, and the stages refuse it on their own too."""
+    from slapo.runtime.partition import check_partitionable
+
+    model = _no_pp_plan()
+    with pytest.raises(slapo.SchedulingError, match="is neither"):
+        check_partitionable(model)
+    sch = slapo.create_schedule(model)
+    with pytest.raises(slapo.SchedulingError, match="no ready schedule"):
+        model_schedule.apply(sch, pp_stages=2)
+    assert not sch.pipeline_cuts
