@@ -74,8 +74,15 @@ def _reference(model, batch) -> tuple[list[float], dict, dict]:
                            model.named_parameters(remove_duplicate=False)}
 
 
-def _compare(model_type: str, cls_name: str, mesh) -> tuple[str, list[str]]:
-    """(result, the parameter names this rank's stages hold)."""
+def _full(t, p):
+    from slapo.sharding import gather_full, shard_spec
+
+    return gather_full(t, shard_spec(p))
+
+
+def _compare(model_type: str, cls_name: str, mesh, tp: int = 1) -> tuple[str, list[str]]:
+    """(result, the parameter names this rank's stages hold); with `tp` > 1 the stages are
+    also split by the tensor-parallel plan the config declares (shards gathered to compare)."""
     import hf_tiny
 
     try:
@@ -86,7 +93,7 @@ def _compare(model_type: str, cls_name: str, mesh) -> tuple[str, list[str]]:
     ref = copy.deepcopy(model)
     sch = slapo.create_schedule(model, mesh=mesh)
     try:
-        model_schedule.apply(sch, pp_stages=2)
+        model_schedule.apply(sch, tp=tp, pp_stages=2)
     except slapo.SchedulingError as e:
         assert not sch.pipeline_cuts  # refused before any change
         return f"refused: {e.problem}", []
@@ -97,6 +104,8 @@ def _compare(model_type: str, cls_name: str, mesh) -> tuple[str, list[str]]:
     tm, _ = slapo.build(sch, optimizer=torch.optim.AdamW, optimizer_kwargs={"lr": LR},
                         pipeline="1F1B", num_microbatches=2)
     held = {n: p for st in tm.stages for n, p in st.named_parameters(remove_duplicate=False)}
+    if tp > 1 and not any(getattr(p, "_slapo_shard", None) for p in held.values()):
+        return "MISMATCH: tp split no parameter", []
     losses, grads = [], {}
     for i in range(2):
         losses.append(tm.train_step(batch))
@@ -107,28 +116,28 @@ def _compare(model_type: str, cls_name: str, mesh) -> tuple[str, list[str]]:
         return f"MISMATCH: gradients of {sorted(set(grads) ^ (set(ref_grads) & set(held)))}", []
     worst = [(abs(a - b) / abs(b), f"loss {i}") for i, (a, b) in
              enumerate(zip(losses, ref_losses, strict=True))]
-    worst += [(_rel(g, ref_grads[n]), f"grad {n}") for n, g in grads.items()]
-    worst += [(_rel(p.detach(), ref_params[n]), f"param {n}") for n, p in held.items()]
+    worst += [(_rel(_full(g, held[n]), ref_grads[n]), f"grad {n}") for n, g in grads.items()]
+    worst += [(_rel(_full(p.detach(), p), ref_params[n]), f"param {n}") for n, p in held.items()]
     err, where = max(worst)
     return ("equivalent" if err <= RTOL else f"MISMATCH: {where} rel {err:.2e}"), sorted(held)
 
 
-def job_pp_sweep(archs: list[tuple[str, str]]) -> dict[str, tuple[str, list[str]]]:
-    """Every architecture in `archs` on this rank (pp=2); a crash is reported with its last
-    lines (the test fails on it)."""
+def job_pp_sweep(archs: list[tuple[str, str]], tp: int = 1) -> dict[str, tuple[str, list[str]]]:
+    """Every architecture in `archs` on this rank (pp=2, times `tp`); a crash is reported with
+    its last lines (the test fails on it)."""
     import traceback
     import warnings
 
     import slapo.runtime
 
     torch.set_num_threads(1)
-    mesh = slapo.runtime.init_mesh(dp=1, pp=2, tp=1)
+    mesh = slapo.runtime.init_mesh(dp=1, pp=2, tp=tp)
     out = {}
     for model_type, cls_name in archs:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             try:
-                out[model_type] = _compare(model_type, cls_name, mesh)
+                out[model_type] = _compare(model_type, cls_name, mesh, tp)
             except Exception as e:  # noqa: BLE001 - a crash is a result the test fails on
                 tb = traceback.format_exc().strip().splitlines()
                 out[model_type] = (f"CRASH: {type(e).__name__}: {str(e)[:200]} @ {tb[-3:]}", [])
@@ -173,6 +182,29 @@ def test_declared_pipeline_plans_pp2_equal_one_process(dist2):
     else:
         assert all(results[k] == "equivalent" for k in EQUIVALENT), results
         assert all(results[k].startswith("refused: ") for k in REFUSED), results
+
+
+TP_PP = ("gemma3_text", "olmo2")  # issue 31: tp x pp through both declared plans
+
+
+@pytest.mark.dist
+def test_declared_tp_and_pp_plans_together_equal_one_process(dist4):
+    """tp=2 x pp=2 on 4 ranks: each stage's layers split by the tensor-parallel plan the config
+    declares (`model_schedule/hf_plan.py`), the stages from its pipeline plan; Gemma 3 (sliding
+    and full layers, their own rotary embeddings, the soft-cap, a scaled embedding) and OLMo 2
+    (q/k projections gathered for its full-width q/k norms, the output projection splitting its
+    input) equal one process like the pp=2 sweep, with at least one parameter split."""
+    import hf_tiny
+    import transformers
+
+    archs = [a for a in hf_tiny.decoders("base_model_pp_plan") if a[0] in TP_PP]
+    per_rank = dist4.run(job_pp_sweep, archs, 2, timeout=600)
+    for k, cls in archs:
+        assert all(r[k][0] == "equivalent" for r in per_rank), [r[k][0] for r in per_rank]
+        with torch.device("meta"):
+            names = {n for n, _ in getattr(transformers, cls)(_config(k))
+                     .named_parameters(remove_duplicate=False)}
+        assert set().union(*(r[k][1] for r in per_rank)) == names, k
 
 
 # ---- a stage that forgets what the forward does between the layers is caught ------------------
