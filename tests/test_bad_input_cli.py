@@ -185,6 +185,7 @@ TRAIN_CASES: dict[str, CliCase] = {
                                      ("tp=2", "torchrun --nproc-per-node 2"), rc=1),
     "ckpt_ratio_above_one": CliCase(["--ckpt-ratio", "2"], ("--ckpt-ratio",)),
     "ckpt_policy_unknown": CliCase(["--ckpt-policy", "some"], ("--ckpt-policy", "'some'")),
+    "offload_ratio_above_one": CliCase(["--offload-ratio", "2"], ("--offload-ratio",)),
     "attention_unknown": CliCase(["--attention", "fast"], ("--attention", "'fast'")),
     "cp_attention_unknown": CliCase(["--cp-attention", "ulysses"],
                                     ("--cp-attention", "'ulysses'")),

@@ -61,7 +61,8 @@ def test_train_flags_and_config_fields_are_the_schema():
 
 def test_toml_keys_round_trip(tmp_path):
     """Every knob as a TOML key (under [schedule], `-` or `_`) comes back as the same value."""
-    values = {"tp": 1, "ckpt_ratio": 0.25, "ckpt_policy": "selective", "attention": "sdpa",
+    values = {"tp": 1, "ckpt_ratio": 0.25, "ckpt_policy": "selective", "offload_ratio": 0.5,
+              "attention": "sdpa",
               "fuse": False, "fuse_compiler": "aot_eager", "tempo": True, "pp_stages": 1,
               "sequence_parallel": True, "vocab_parallel": False, "compile_blocks": False,
               "fused_loss": True, "kernels": True, "cp_attention": "ring"}

@@ -184,7 +184,7 @@ apply.__signature__ = _knob_signature()
 
 
 def _apply_knobs(sch: Schedule, family: Family, *, tp: int | None, ckpt_ratio: float,
-                 ckpt_policy: str, attention: str | None, fuse: bool, fuse_compiler: str,
+                 ckpt_policy: str, offload_ratio: float, attention: str | None, fuse: bool, fuse_compiler: str,
                  tempo: bool, pp_stages: int, sequence_parallel: bool, vocab_parallel: bool,
                  compile_blocks: bool | str, fused_loss: bool, kernels: bool,
                  cp_attention: str) -> Schedule:
@@ -242,9 +242,11 @@ def _apply_knobs(sch: Schedule, family: Family, *, tp: int | None, ckpt_ratio: f
                 if rel in layer:
                     _common.install_hf_core(layer[rel])
             _common.fork_sharded_rng(layer, family.tp_rng, family.tp_rng_core)
-    if _common.checkpoint_layers(layers, ckpt_ratio,
-                                 policy=None if ckpt_policy == "full" else ckpt_policy):
+    n_ckpt = _common.checkpoint_layers(layers, ckpt_ratio,
+                                       policy=None if ckpt_policy == "full" else ckpt_policy)
+    if n_ckpt:
         training_without_cache(sch)  # recomputation would append to a KV cache twice
+    _common.offload_layers(layers, offload_ratio, after=n_ckpt)
     if fused_loss:
         from .fused_loss import fuse_loss
 

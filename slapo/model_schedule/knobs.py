@@ -72,6 +72,10 @@ class ScheduleKnobs:
         "full", "full (recompute the whole checkpointed layer) or selective (keep matmul and "
         "attention outputs, recompute the rest: torch's SAC) for the --ckpt-ratio layers",
         "str", choices=CKPT_POLICIES, tune=CKPT_POLICIES)
+    offload_ratio: float = _knob(
+        0.0, "share of layers (the round(ratio * L) after the checkpointed ones) whose saved "
+        "activations of 1 MiB or more wait in pinned host memory from forward to backward "
+        "(CUDA; exact; no prefetch yet)", "float", low=0.0, high=1.0)
     attention: str | None = _knob(
         None, "attention: eager (HF's eager math attention, forced), sdpa (Slapo's SDPA core), "
         "flash (flash-attn on CUDA); not given: the model's own implementation (HF's default, "
@@ -265,6 +269,11 @@ def _check_combinations(k: ScheduleKnobs, path: str) -> None:
         raise KnobError("fused_loss", "fused_loss needs an unsharded LM head, and "
                         "vocab_parallel=True shards it under tp > 1.",
                         "pass vocab_parallel=False with fused_loss=True.", path)
+    if k.ckpt_ratio + k.offload_ratio > 1.0 + 1e-9:
+        raise KnobError("offload_ratio", f"ckpt_ratio={k.ckpt_ratio} and offload_ratio="
+                        f"{k.offload_ratio} ask for more than every layer (a layer is "
+                        "checkpointed or offloaded, not both).", "pass ratios that sum to at "
+                        "most 1.", path)
     if k.sequence_parallel and k.pp_stages > 1:
         raise KnobError("sequence_parallel", "sequence_parallel with pp_stages > 1 is not "
                         "supported (stage boundaries would carry sequence shards).",

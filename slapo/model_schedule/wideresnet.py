@@ -125,6 +125,11 @@ def check(sch: Schedule, knobs: ScheduleKnobs, tp: int) -> None:
                             "network (the WideResNet schedule has channel TP, per-stage "
                             "checkpointing and pipeline cuts).", f"leave {name} at its "
                             f"default ({default!r}).", sch.path)
+    if knobs.offload_ratio:
+        raise KnobError("offload_ratio", "activation offloading is not built for the "
+                        "WideResNet schedule yet (its blocks are scheduled per stage).",
+                        "use ckpt_ratio, or offload chosen blocks with sch[path].offload().",
+                        sch.path)
     if tp not in (1, sch.tp_size):
         raise SchedulingError(sch.path, f"tp={tp} but the schedule's tensor-parallel group has "
                               f"{sch.tp_size} rank(s).", "create the schedule on a group of "

@@ -13,6 +13,7 @@ from .decompose import DecomposePrimitive
 from .find import FindPrimitive
 from .fork_rng import ForkRNGPrimitive
 from .fuse import FusePrimitive
+from .offload import OffloadPrimitive
 from .reduce_param_grads import ReduceParamGradsPrimitive
 from .replace import ReplacePrimitive
 from .set_attr import SetAttrPrimitive
@@ -23,7 +24,7 @@ from .trace import TracePrimitive
 
 BUILTIN: tuple[type[Primitive], ...] = (
     AnnotatePrimitive, CheckpointPrimitive, CompilePrimitive, CutPipelineStagePrimitive,
-    DecomposePrimitive, FindPrimitive, ForkRNGPrimitive, FusePrimitive,
+    DecomposePrimitive, FindPrimitive, ForkRNGPrimitive, FusePrimitive, OffloadPrimitive,
     ReduceParamGradsPrimitive, ReplacePrimitive, SetAttrPrimitive, ShardPrimitive,
     SyncPrimitive, SyncBatchNormPrimitive, TracePrimitive)
 

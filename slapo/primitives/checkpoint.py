@@ -275,6 +275,11 @@ class CheckpointPrimitive(Primitive):
         if any(isinstance(w, CheckpointWrapper) for w in module_patch.wrappers(sch.mod)):
             raise SchedulingError(sch.path, "this module is already checkpointed.",
                                   "remove the second checkpoint call.")
+        if any(w.name == "offload" for w in module_patch.wrappers(sch.mod)):
+            raise SchedulingError(sch.path, "this module is offloaded: its saved activations "
+                                  "already live in host memory, and a checkpoint would keep "
+                                  "only its inputs.", "checkpoint another module, or this one "
+                                  "without offload.")
 
     @classmethod
     def apply(cls, sch, subgraph=None, order_args_fn=None, condition=None, policy=None):

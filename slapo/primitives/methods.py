@@ -20,6 +20,7 @@ from .decompose import DecomposePrimitive
 from .find import FindPrimitive
 from .fork_rng import ForkRNGPrimitive
 from .fuse import FusePrimitive
+from .offload import OffloadPrimitive
 from .reduce_param_grads import ReduceParamGradsPrimitive
 from .replace import ReplacePrimitive
 from .set_attr import SetAttrPrimitive
@@ -92,6 +93,12 @@ class PrimitiveMethods:
 
         (`slapo.primitives.fuse.FusePrimitive`)"""
         return FusePrimitive.run_given(self, subgraph=subgraph, compiler=compiler, name=name, **compile_kwargs)
+
+    def offload(self, min_bytes: int = 1048576, devices=('cuda',)) -> Any:
+        """Keep this module's saved activations in host memory between forward and backward.
+
+        (`slapo.primitives.offload.OffloadPrimitive`)"""
+        return OffloadPrimitive.run_given(self, min_bytes=min_bytes, devices=devices)
 
     def reduce_param_grads(self, names: str | Sequence[str] | None = None) -> Any:
         """Sum (all-reduce) over the tensor-parallel group the gradients of this module's replicated

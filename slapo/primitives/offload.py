@@ -1,0 +1,159 @@
+"""`offload`: keep a module's saved activations in host memory from forward to backward.
+
+Activation memory is what limits batch and sequence length on one GPU. Checkpointing trades it
+for recomputation; offloading trades it for PCIe traffic (Mist co-optimises both; Megatron,
+DeepSpeed and Unsloth offload activations). Inside the offloaded module's forward, every tensor
+autograd saves for backward goes through `torch.autograd.graph.saved_tensors_hooks`:
+
+- **pack** (forward): a tensor on an offloaded device type, of at least `min_bytes`, that is not
+  a parameter's storage (weights stay where they are: copying them gains nothing), is copied to
+  pinned host memory on a side stream (the copy overlaps the next ops; the caching allocator is
+  told the side stream still reads the tensor, `record_stream`), and only the host copy is
+  kept. Smaller tensors (a copy's fixed cost outweighs their bytes) are kept as they are.
+- **unpack** (backward): the compute stream waits for that copy's event, then copies back
+  (non-blocking). There is no prefetch yet: each tensor comes back when backward asks for it,
+  so the H2D copy is not overlapped with the previous layer's backward (GPU time to measure).
+
+The numbers are exactly the module's (a copy is a copy). On CPU there is no device memory to
+save, so CPU tensors are kept unless `devices` names "cpu", which tests use to run the same
+pack/unpack path exactly. Composes with compiled blocks (the hooks wrap the compiled call and
+see the tensors its backward saves) and tensor parallelism (local); not with `checkpoint` on
+the same module (a checkpointed module saves only its inputs: choose one per layer, as
+`model_schedule`'s `offload_ratio` does, which offloads the layers after the checkpointed ones).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+
+from .. import module_patch
+from ..errors import SchedulingError
+from .base import Primitive, register_primitive
+
+DEVICE_TYPES = ("cuda", "cpu")
+MIN_BYTES = 1 << 20  # below ~1 MiB a copy's launch and sync cost more than the bytes it frees
+
+
+@dataclass
+class OffloadStats:
+    """What the last forward of an offloaded module moved (read by tests and reports)."""
+
+    tensors: int = 0
+    bytes: int = 0
+    kept: int = 0
+
+
+@dataclass
+class _OnHost:
+    host: torch.Tensor
+    device: torch.device
+    event: object | None = None  # the D2H copy's CUDA event (None on CPU)
+
+
+@dataclass
+class OffloadWrapper(module_patch.ForwardWrapper):
+    min_bytes: int = MIN_BYTES
+    devices: tuple[str, ...] = ("cuda",)
+    stats: OffloadStats = field(default_factory=OffloadStats)
+    name = "offload"
+
+    def __call__(self, module, fn, args, kwargs):
+        if not torch.is_grad_enabled():
+            return fn(*args, **kwargs)
+        self.stats = OffloadStats()
+        weights = {p.untyped_storage().data_ptr() for p in module.parameters()}
+        with torch.autograd.graph.saved_tensors_hooks(
+                lambda t: self._pack(t, weights), _unpack):
+            return fn(*args, **kwargs)
+
+    def _pack(self, t: torch.Tensor, weights: set[int]):
+        nbytes = t.numel() * t.element_size()
+        if (t.device.type not in self.devices or nbytes < self.min_bytes or t.is_sparse
+                or t.untyped_storage().data_ptr() in weights):
+            self.stats.kept += 1
+            return t
+        self.stats.tensors += 1
+        self.stats.bytes += nbytes
+        if t.device.type == "cpu":
+            return _OnHost(t.detach().clone(), t.device)
+        return _to_host(t)
+
+
+def _to_host(t: torch.Tensor) -> _OnHost:
+    """Copy `t` to pinned host memory on the device's offload stream, after the work that
+    produced it; `t`'s memory is not reused before the copy has read it."""
+    current = torch.cuda.current_stream(t.device)
+    stream = _offload_stream(t.device)
+    stream.wait_stream(current)
+    with torch.cuda.stream(stream):
+        host = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=True)
+        host.copy_(t.detach(), non_blocking=True)
+        event = torch.cuda.Event()
+        event.record(stream)
+    t.record_stream(stream)
+    return _OnHost(host, t.device, event)
+
+
+def _unpack(packed):
+    if not isinstance(packed, _OnHost):
+        return packed
+    if packed.event is None:
+        return packed.host
+    torch.cuda.current_stream(packed.device).wait_event(packed.event)
+    return packed.host.to(packed.device, non_blocking=True)
+
+
+_STREAMS: dict[torch.device, object] = {}
+
+
+def _offload_stream(device: torch.device):
+    """One side stream per device for the D2H copies (created on first use)."""
+    if device not in _STREAMS:
+        _STREAMS[device] = torch.cuda.Stream(device)
+    return _STREAMS[device]
+
+
+def offload_wrapper(module: nn.Module) -> OffloadWrapper | None:
+    return next((w for w in module_patch.wrappers(module) if isinstance(w, OffloadWrapper)),
+                None)
+
+
+@register_primitive
+class OffloadPrimitive(Primitive):
+    """Keep this module's saved activations in host memory between forward and backward.
+
+    Tensors autograd saves inside the module's forward, of at least `min_bytes` and on a device
+    type in `devices` (CUDA by default), are copied to pinned host memory on a side stream and
+    copied back when backward needs them; weights and small tensors stay. Exact (copies only).
+    Not on a checkpointed module (it keeps only its inputs): choose one per module.
+    """
+
+    name = "offload"
+
+    @classmethod
+    def validate(cls, sch, min_bytes: int = MIN_BYTES, devices=("cuda",)):
+        if isinstance(min_bytes, bool) or not isinstance(min_bytes, int) or min_bytes < 0:
+            raise SchedulingError(sch.path, f"min_bytes must be an int >= 0, got {min_bytes!r}.",
+                                  f"pass e.g. min_bytes={MIN_BYTES} (1 MiB).")
+        bad = [d for d in devices if d not in DEVICE_TYPES] if isinstance(devices, tuple) else [
+            devices]
+        if bad or not devices:
+            raise SchedulingError(sch.path, f"devices must be a non-empty tuple of {DEVICE_TYPES}, "
+                                  f"got {devices!r}.", "pass devices=('cuda',).")
+        from .checkpoint import CheckpointWrapper
+
+        wrappers = module_patch.wrappers(sch.mod)
+        if any(isinstance(w, CheckpointWrapper) for w in wrappers):
+            raise SchedulingError(sch.path, "this module is checkpointed: it keeps only its "
+                                  "inputs for backward, so there is nothing to offload.",
+                                  "offload another module, or drop its checkpoint.")
+        if any(isinstance(w, OffloadWrapper) for w in wrappers):
+            raise SchedulingError(sch.path, "this module is already offloaded.",
+                                  "remove the second offload call.")
+
+    @classmethod
+    def apply(cls, sch, min_bytes: int = MIN_BYTES, devices=("cuda",)):
+        module_patch.add_wrapper(sch.mod, OffloadWrapper(min_bytes, tuple(devices)))
