@@ -363,6 +363,9 @@ def _train_ended(e: BaseException, cfg: Any, args: list[str], train_parser: _Par
     from .errors import SlapoError
     from .train import faults, stop_signals
 
+    why = faults.launcher_gone(faults.launcher_pid())
+    if why is not None:  # e.g. a peer that saw it first and exited broke this rank's collective
+        faults.launcher_lost(why)  # the cause, once per node; ends the process
     stop = stop_signals.stopped_by(e)
     if stop is not None and not isinstance(e, faults.PeerFailure):  # PeerFailure: a peer died
         if int(os.environ.get("RANK", "0")) == 0:  # one line for the job, not one per rank

@@ -180,3 +180,25 @@ def test_sigterm_in_a_step_is_a_stop_not_a_failure(tmp_path, dist2, straight):
     _one_line(text, "slapo train: stopped by SIGTERM ")
     assert "the newest checkpoint is " + str(checkpoints.checkpoint_dir(out, 2)) in text
     assert _intact_and_quiet(out) == [2, 1]
+
+
+def test_an_error_after_the_launcher_is_gone_names_the_launcher(monkeypatch):
+    """The race `test_killing_the_launcher_stops_every_worker` met under load (CI, 2026-11-28):
+    rank 1 saw the lost launcher first and exited, so rank 0's collective failed ("Connection
+    reset by peer") before its own watcher looked. Whatever error ends the run then, the line
+    names the cause, once per node, not the gloo traceback."""
+    from slapo import cli
+    from slapo.train import faults
+
+    ended = []
+    monkeypatch.setattr(faults, "launcher_pid", lambda: 4242)
+    monkeypatch.setattr(faults, "launcher_gone", lambda pid: f"its launcher (pid {pid}) is gone")
+    monkeypatch.setattr(faults, "launcher_lost", lambda why: ended.append(why))
+    with pytest.raises(RuntimeError, match="Connection reset"):  # the stand-in does not exit
+        cli._train_ended(RuntimeError("Read error: Connection reset by peer"), None, [], None)
+    assert ended == ["its launcher (pid 4242) is gone"]
+    monkeypatch.setattr(faults, "launcher_gone", lambda pid: None)  # launcher alive: as before
+    ended.clear()
+    with pytest.raises(RuntimeError, match="Connection reset"):
+        cli._train_ended(RuntimeError("Read error: Connection reset by peer"), None, [], None)
+    assert ended == []
