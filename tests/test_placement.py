@@ -251,3 +251,27 @@ def test_tp_alone_reaches_apply_through_the_mesh_not_a_knob(monkeypatch):
     cfg = parse_train_args(TINY)
     _, _, note = schedule(build_model(cfg.model, cfg.size())[0], cfg, Env())
     assert len(calls) == 1 and note.startswith("none")
+
+
+def job_meshes_are_made_once() -> list:
+    """Two `slapo train` runs of one layout in one process build their mesh once: DeviceMesh
+    makes new process groups at every call and gloo never frees their threads (the test pool
+    leaked 6 per run and restarted every ~50 runs). Another layout gets its own mesh."""
+    import os
+
+    from slapo.runtime.mesh import init_mesh
+
+    def threads() -> int:
+        return len(os.listdir("/proc/self/task"))
+
+    a = init_mesh(dims=ParallelDims(tp=2))
+    before = threads()
+    b = init_mesh(dims=ParallelDims(tp=2))
+    after = threads()
+    c = init_mesh(dims=ParallelDims(dp_replicate=2))
+    return [a is b, after == before, c is not a, c.mesh_dim_names == a.mesh_dim_names]
+
+
+@pytest.mark.dist
+def test_a_layout_s_mesh_is_made_once_per_process(dist2):
+    assert dist2.run(job_meshes_are_made_once) == [[True, True, True, True]] * 2

@@ -337,6 +337,24 @@ def init_mesh(dp: int | None = 1, pp: int = 1, tp: int = 1, *,
     world = dist.get_world_size()
     if world != want:
         raise _size_error(world, dims)
+    world_group = dist.distributed_c10d._get_default_group()
+    if _MESHES.get("world") is not world_group:  # a new default group: new meshes
+        _MESHES.clear()
+        _MESHES["world"] = world_group
+    key = (kind, dims.shape, dims.mesh_dims, dims.ep, dims.cp)
+    if key not in _MESHES:
+        _MESHES[key] = _new_mesh(kind, dims)
+    return _MESHES[key]
+
+
+# The meshes made in this process under its current default group, by layout. DeviceMesh makes
+# new process groups at every call and gloo never frees a group's threads, so each `slapo
+# train` in one process (the test pool, in-process tune trials) leaked 6 threads: the pool hit
+# its thread limit and restarted every ~50 runs. Cleared when the default group is replaced.
+_MESHES: dict = {}
+
+
+def _new_mesh(kind: str, dims: ParallelDims) -> DeviceMesh:
     mesh = init_device_mesh(kind, dims.shape, mesh_dim_names=dims.mesh_dims)
     if dims.ep > 1:  # the same ranks, "dp" seen as ("dp_rest", "ep"): kept with the mesh
         setattr(mesh, _EP_MESH, mesh._unflatten("dp", (dims.dp_rest, dims.ep),
