@@ -105,14 +105,13 @@ def checkpoint_layers(layers: list[Schedule], ratio: float, policy=None) -> int:
     return n
 
 
-def offload_layers(layers: list[Schedule], ratio: float, after: int) -> int:
+def offload_layers(layers: list[Schedule], ratio: float, after: int) -> None:
     """Offload (`offload` primitive) the saved activations of round-half-up(ratio * L) layers
     from layer `after` on (the ones after the checkpointed layers: a layer is checkpointed or
     offloaded, and the earliest layers, whose activations live longest, are recomputed)."""
     n = math.floor(ratio * len(layers) + 0.5)
     for node in layers[after:after + n]:
         node.offload()
-    return min(n, max(len(layers) - after, 0))
 
 
 # ---- tensor-parallel dropout: per-rank masks inside sharded regions -------------------------

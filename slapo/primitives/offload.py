@@ -14,7 +14,8 @@ autograd saves for backward goes through `torch.autograd.graph.saved_tensors_hoo
   (non-blocking). There is no prefetch yet: each tensor comes back when backward asks for it,
   so the H2D copy is not overlapped with the previous layer's backward (GPU time to measure).
 
-The numbers are exactly the module's (a copy is a copy). On CPU there is no device memory to
+The numbers are exactly the module's (a copy is a copy). The CUDA path (streams, events,
+pinned memory) has not run on a GPU yet: no device was lent when it was written. On CPU there is no device memory to
 save, so CPU tensors are kept unless `devices` names "cpu", which tests use to run the same
 pack/unpack path exactly. Composes with compiled blocks (the hooks wrap the compiled call and
 see the tensors its backward saves) and tensor parallelism (local); not with `checkpoint` on
@@ -138,9 +139,8 @@ class OffloadPrimitive(Primitive):
         if isinstance(min_bytes, bool) or not isinstance(min_bytes, int) or min_bytes < 0:
             raise SchedulingError(sch.path, f"min_bytes must be an int >= 0, got {min_bytes!r}.",
                                   f"pass e.g. min_bytes={MIN_BYTES} (1 MiB).")
-        bad = [d for d in devices if d not in DEVICE_TYPES] if isinstance(devices, tuple) else [
-            devices]
-        if bad or not devices:
+        if not isinstance(devices, (tuple, list)) or not devices or any(
+                d not in DEVICE_TYPES for d in devices):
             raise SchedulingError(sch.path, f"devices must be a non-empty tuple of {DEVICE_TYPES}, "
                                   f"got {devices!r}.", "pass devices=('cuda',).")
         from .checkpoint import CheckpointWrapper
