@@ -47,8 +47,9 @@ DIST_TIMEOUT_S = 60.0   # --dist-timeout default: long saves or first compiles m
 
 # Options that must match a checkpoint for resuming to continue the same run.
 RUN_IDENTITY = ("model", "batch_size", "seq_len", "seed", "hidden_size", "num_layers",
-                "num_heads", "dropout", "num_experts", "experts_per_token", "data", "text_field", "tokenizer", "val_fraction",
-                "lora_r", "lora_alpha", "lora_dropout", "lora_targets")
+                "num_heads", "dropout", "num_experts", "experts_per_token", "data", "text_field",
+                "tokenizer", "val_fraction", "lora_r", "lora_alpha", "lora_dropout",
+                "lora_targets")
 # How the run is laid out on the ranks (with the number of processes): a resume may change
 # them (the loader reads each tensor into this job's layout), but then the per-rank random
 # streams restart (`slapo.train.resume`), so only an equal layout resumes bit for bit.
