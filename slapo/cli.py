@@ -13,7 +13,7 @@
 Options come from three places, later ones winning: `TrainConfig`'s defaults, the TOML file
 (`--config`; keys are the option names, with `_` or `-`, in their section's table such as
 `[training]` or `[schedule]`, or at top level or in any other table), then the flags given on
-the command line. Each option is declared once, with its help, in `slapo/train/config.py`.
+the command line. Each option is declared once, with its help, in `slapo/train/options.py`.
 
 Exit status: 0 done; 2 bad input (a flag, the TOML file, a path: one `error:` line, nothing
 written); 1 a failure once the run started; 128 + N when stopped by signal N (130: Ctrl-C,

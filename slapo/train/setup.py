@@ -33,7 +33,7 @@ from ..errors import SchedulingError
 from ..runtime.mesh import ParallelDims, device_type, init_mesh, job_world_size, local_device
 from . import checkpoints, fault_injection, faults, pretrained, run_owner
 from . import run_state as ckpt
-from .config import PROGRESSIVE_INPUTS
+from .config_checks import PROGRESSIVE_INPUTS
 from .metrics_log import check_sinks
 from .models import check_unambiguous, get_model_spec
 
