@@ -78,8 +78,11 @@ def pytest_sessionfinish(session, exitstatus):
         p.close()
 
 
+_POOL_FIXTURES = {"dist2", "dist4", "dist8"}
+
+
 def pytest_collection_modifyitems(config, items):
-    """The tests marked `slow` (each ~30-100 s on the CI's two cores) first, the rest in file
+    """The tests marked `slow` (each ~10-100 s on the CI's two cores) first, the rest in file
     order: with two xdist workers, a 100 s test collected near the end ran alone at the end of
     the suite; started first, it overlaps the many short ones.
 
@@ -89,6 +92,10 @@ def pytest_collection_modifyitems(config, items):
     suite and pushed the fault tests' exit bounds and the c10d rendezvous towards their
     limits."""
     for item in items:
+        # a test on the rank pools runs gloo ranks, whether or not it says so: the fast tier
+        # (`-m "not dist"`) leaves it out
+        if _POOL_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.dist)
         if item.get_closest_marker("torchrun") is not None:
             item.add_marker(pytest.mark.xdist_group("torchrun"))
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)

@@ -359,6 +359,7 @@ def test_pattern_with_forged_signature_cannot_inject_code(tmp_path):
 
 
 # ---- a real kill -9 during a save -------------------------------------------------------------
+@pytest.mark.slow
 def test_sigkill_during_a_save_resumes_from_an_intact_checkpoint(tmp_path, capsys):
     """A real `slapo train` process, SIGKILLed as soon as its step-4 save directory appears
     (mid-save: DCP, RNG, hashing and rename take tens of ms). Whatever the moment, `--resume`

@@ -28,6 +28,7 @@ def _run(tmp_path, *extra, models="llama") -> list[dict]:
     return json.loads((tmp_path / "results.json").read_text())
 
 
+@pytest.mark.slow
 def test_rows_for_every_variant(tmp_path):
     """Liger-Kernel has no BERT kernels (or is absent): a failed row, the others measured."""
     rows = _run(tmp_path, "--variants", "hf_sdpa,hf_liger,hf_eager", models="bert")
@@ -281,6 +282,7 @@ def test_cli_gpu_setup_goes_through_best():
     assert meta["model"] == "gpt2-medium" and meta["settings"]["device"] == "cpu"
 
 
+@pytest.mark.slow
 def test_graph_breaks_script_counts_and_refuses(tmp_path):
     """`benchmarks/graph_breaks.py` (run on the device by `gpu_session.sh 3`): a row per model x
     knob set with dynamo's graphs and breaks; the schedules compile whole here (torch 2.13,

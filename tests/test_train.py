@@ -117,6 +117,7 @@ def test_latest_picks_highest_complete_checkpoint(tmp_path):
     assert checkpoints.latest(tmp_path).name == "step_000040"
 
 
+@pytest.mark.slow
 def test_sigkill_then_resume_matches_uninterrupted(tmp_path):
     """A real `python -m slapo.cli train` process, SIGKILLed after its step-10 checkpoint,
     resumed from it: steps 11-20 equal an uninterrupted run's (constant LR, so the killed

@@ -27,6 +27,7 @@ def _tune(tmp_path, calibration, *extra):
                      if (out / "results.json").exists() else None)
 
 
+@pytest.mark.slow
 def test_cli_runs_a_space_and_writes_table_json_png(tmp_path, calibration, capsys):
     rc, out, res = _tune(tmp_path, calibration, "--algorithm", "exhaustive",
                          "--batch-sizes", "2,4", "--fuse", "off", "--tempo", "both")
@@ -77,6 +78,7 @@ def test_interrupted_tuning_resumes_from_its_database(tmp_path, calibration):
         assert new["metrics"]["step_times_s"] == old["metrics"]["step_times_s"]
 
 
+@pytest.mark.slow
 def test_guided_cli_resumes_and_counts_db_trials(tmp_path, calibration):
     args = ("--algorithm", "guided", "--batch-sizes", "2,4", "--fuse", "off", "--tempo", "both")
     rc, _, first = _tune(tmp_path, calibration, *args, "--max-trials", "1")
@@ -85,6 +87,7 @@ def test_guided_cli_resumes_and_counts_db_trials(tmp_path, calibration):
     assert rc == 0 and second["trials_total"] == second["trials_run_now"] + 1
 
 
+@pytest.mark.slow
 def test_crashing_and_over_cap_trials_do_not_stop_the_search(tmp_path, calibration):
     # fuse=True trials crash (no such compiler); batch 2048 ends above the cap (post hoc) and
     # batch 65536 hits the hard address-space guard long before it could finish.

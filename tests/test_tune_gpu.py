@@ -76,6 +76,7 @@ def _mem(model, **kw):
     return model.step_cost(cfg).memory()
 
 
+@pytest.mark.slow
 def test_memory_is_monotone_in_the_knobs_and_batch(tiny):
     none = _mem(tiny)
     sac = _mem(tiny, ckpt_ratio=1.0, ckpt_policy="selective")

@@ -107,6 +107,7 @@ def test_interrupted_search_resumes_from_database(tmp_path):
     assert res.best.config == ref.best.config
 
 
+@pytest.mark.slow
 def test_subprocess_trials_crash_hang_oom_do_not_stop_search(tmp_path):
     space = Space()
     space.create_symbol("x", [1, 2, 3, 4, 5])
@@ -137,6 +138,7 @@ def test_reported_peak_over_cap_is_oom():
     assert ev({"x": 1}).status == "oom"
 
 
+@pytest.mark.slow
 def test_command_evaluator(tmp_path):
     script = tmp_path / "trial.py"
     script.write_text(
