@@ -63,7 +63,7 @@ def test_kv_heads_tp_does_not_divide():
 
 @pytest.mark.parametrize("model_type,cls,needles", [
     ("inkling_text", "InklingForCausalLM", ("'all_reduce'", "outside a row projection")),
-    ("gpt_oss", "GptOssForCausalLM", ("no layer rows", "splits nothing")),
+    ("lfm2", "Lfm2ForCausalLM", ("no layer rows", "splits nothing")),
 ])
 def test_refused_with_a_named_reason(model_type, cls, needles):
     model = build(model_type, cls)
@@ -72,6 +72,31 @@ def test_refused_with_a_named_reason(model_type, cls, needles):
     _rejected(_sch(model), lambda s: model_schedule.apply(s, tp=2), "model.layers",
               (*needles, "use tp=1"))
     model_schedule.apply(_sch(model), tp=1, ckpt_ratio=0.5)  # the other knobs still apply
+
+
+def test_a_parameter_no_row_covers_in_a_split_module_is_refused(monkeypatch):
+    """Apertus's declared plan leaves out its xIELU activation's scalars (`mlp.act_fn.alpha_p`),
+    which act on one rank's MLP features: as declared it is refused, naming the parameter;
+    Slapo's supplement (`plan_supplements.py`) is what makes it equivalent (test_hf_plans)."""
+    from slapo.model_schedule import plan_supplements
+
+    monkeypatch.delitem(plan_supplements.SUPPLEMENTS, "apertus")
+    model = build("apertus", "ApertusForCausalLM")
+    assert isinstance(model_schedule.detect(model).tp_plan, RefusedPlan)
+    _rejected(_sch(model), lambda s: model_schedule.apply(s, tp=2), "model.layers",
+              ("'mlp.act_fn.alpha_p'", "one rank's share", "use tp=1"))
+
+
+def test_a_layer_with_part_of_a_place_s_projections_is_refused():
+    """A hybrid layer whose `self_attn` is another kind keeps it whole (MiniMax's linear
+    attention, test_hf_plans); one that has some of the declared projections but not all
+    would split a projection without its partner: refused."""
+    model = _granite()
+    del model.model.layers[1].self_attn.k_proj
+    plan = model_schedule.detect(model).tp_plan
+    assert isinstance(plan, RefusedPlan) and "layer 1 has" in plan.problem
+    _rejected(_sch(model), lambda s: model_schedule.apply(s, tp=2), "model.layers",
+              ("a projection without the one that completes it", "use tp=1"))
 
 
 def _qwen2_moe(**flags):
@@ -85,15 +110,28 @@ def _qwen2_moe(**flags):
 QWEN_EXPERTS = "model.layers.0.mlp.experts"
 
 
+def _lookalike_llama4():
+    """Llama 4's experts have no flags; their layout is known by class *and* module
+    (`plan_experts.KNOWN_LAYOUTS`, proven by test_hf_plans), so a class of the same name from
+    elsewhere, whose forward was never read, is refused."""
+    model = build("llama4_text", "Llama4ForCausalLM")
+    for layer in model.model.layers:
+        experts = getattr(layer.feed_forward, "experts", None)
+        if experts is not None:
+            experts.__class__ = type("Llama4TextExperts", (type(experts),),
+                                     {"__module__": "my_models.llama4"})
+    return model
+
+
 @pytest.mark.parametrize("model,path,needles", [
     (lambda: _qwen2_moe(has_bias=True), QWEN_EXPERTS, ("expert biases", "once per rank")),
     (lambda: _qwen2_moe(has_post_expert_norm=True), QWEN_EXPERTS,
      ("normalises each expert's output",)),
     (lambda: _qwen2_moe(is_transposed="no"), QWEN_EXPERTS,
      ("no `use_experts_implementation` flags",)),
-    (lambda: build("llama4_text", "Llama4ForCausalLM"), "model.layers.0.feed_forward.experts",
+    (lambda: _lookalike_llama4(), "model.layers.0.feed_forward.experts",
      ("Llama4TextExperts has no",)),
-], ids=["bias", "post_expert_norm", "no_flags", "llama4"])
+], ids=["bias", "post_expert_norm", "no_flags", "lookalike"])
 def test_expert_tp_refuses_what_it_cannot_split_exactly(model, path, needles):
     """Tensor-parallel experts (`plan_experts.Experts`) are refused, before any change, where
     the split would not be the model's computation."""

@@ -184,7 +184,7 @@ def test_declared_pipeline_plans_pp2_equal_one_process(dist2):
         assert all(results[k].startswith("refused: ") for k in REFUSED), results
 
 
-TP_PP = ("gemma3_text", "olmo2", "phi3")  # issue 31: tp x pp through both declared plans
+TP_PP = ("gemma3_text", "olmo2", "phi3", "gpt_oss")  # issue 31: tp x pp, both declared plans
 
 
 @pytest.mark.dist
@@ -194,8 +194,9 @@ def test_declared_tp_and_pp_plans_together_equal_one_process(dist4):
     and full layers, their own rotary embeddings, the soft-cap, a scaled embedding) and OLMo 2
     (q/k projections gathered for its full-width q/k norms, the output projection splitting its
     input) and Phi-3 (packed q|k|v and gate|up split per block) equal one process like the pp=2
-    sweep, with at least one parameter split. (GPT-OSS's declared TP plan is refused: it splits
-    nothing in the layers, `test_hf_plans`.)"""
+    sweep, with at least one parameter split; GPT-OSS (its attention with biases and per-head
+    sinks split by Slapo's supplement to a plan that declares only the embedding,
+    `plan_supplements.py`; sliding and full layers; its experts whole on every rank)."""
     import hf_tiny
     import transformers
 

@@ -119,12 +119,14 @@ def _with_declared_tp_plan(family: Family, model: nn.Module) -> Family:
     """A hand-written family without a tensor-parallel plan (DeepSeek-V3: its MLA attention)
     takes the one derived from the model's declared plan, when that translates; the family's
     other fields (its MoE plan for expert parallelism) stay."""
-    if family.tp_plan is not None or not isinstance(
-            getattr(getattr(model, "config", None), "base_model_tp_plan", None), dict):
+    from .plan_supplements import declared_tp_plan
+
+    declared = declared_tp_plan(model)
+    if family.tp_plan is not None or declared is None:
         return family
     from .hf_plan import DeclaredPlan, derive_plan, layer_lists
 
-    lists = tuple(p for p in layer_lists(model, model.config.base_model_tp_plan)
+    lists = tuple(p for p in layer_lists(model, declared)
                   if p.split(".")[-1] in family.layer_lists or p in family.layer_lists)
     plan = derive_plan(model, lists) if lists else None
     return dataclasses.replace(family, tp_plan=plan) if isinstance(plan, DeclaredPlan) \

@@ -41,6 +41,15 @@ import torch.nn as nn
 from ..errors import SchedulingError
 from ..schedule import Schedule
 from ._common import find_path
+from .hf_plan_layers import (
+    Refused,
+    check_moe_layers,
+    check_regions,
+    get,
+    has_param,
+    join,
+    other_kinds_optional,
+)
 from .lora import is_tuner_layer
 from .plan import (
     OPTIONAL,
@@ -54,6 +63,7 @@ from .plan import (
 )
 from .plan_edges import GatherOutput, ReduceTailGrad, Replicated, ScatterInput
 from .plan_experts import Experts
+from .plan_supplements import declared_tp_plan
 
 if TYPE_CHECKING:
     from ._registry import Family
@@ -95,16 +105,22 @@ FIX = ("use tp=1 (every other knob still applies), or register a hand-written Fa
 @dataclass(frozen=True)
 class DeclaredPlan(TPPlan):
     """A `TPPlan` derived from a declared HF plan. A row is skipped only in a layer that lacks
-    its top-level module (hybrid decoders: a layer has `self_attn` or `linear_attn`); any
-    other missing module is an error, so a projection is never split without its partner."""
+    its top-level module (hybrid decoders: a layer has `self_attn` or `linear_attn`), or where
+    `_other_kinds_optional` marked it optional (another kind of module at its place, a per-head
+    parameter the layer lacks); any other missing module is an error, so a projection is never
+    split without its partner."""
 
     model_type: str = ""
 
     @staticmethod
     def _node(layer: Schedule, path: str, style: Style) -> Schedule | None:
-        if path.split(".")[0] not in layer.mod._modules:
+        if path.rstrip(OPTIONAL).split(".")[0] not in layer.mod._modules:
             return None
-        return TPPlan._node(layer, path, style)
+        node = TPPlan._node(layer, path, style)
+        if (node is not None and path.endswith(OPTIONAL) and isinstance(style, ShardParam)
+                and not has_param(node.mod, style.name)):
+            return None  # a per-head parameter this layer's module does not have
+        return node
 
 
 @dataclass(frozen=True)
@@ -148,6 +164,8 @@ def refusal(model: nn.Module, declared: dict) -> str | None:
             return f"{model_type!r} declares {key!r}: {style!r}, refused: {REFUSED[style]}"
     layers, model_rows = split_rows(declared)
     for key, style in model_rows:
+        if style in _NOTHING:  # an embedding that stays whole (Inkling 2's "replicate")
+            continue
         if style != "embedding_rowwise" or not _is_input_embedding(model, key):
             return (f"{model_type!r} declares {key!r}: {style!r} outside the layers, which "
                     "is not translated (only the input embedding's embedding_rowwise is: "
@@ -182,7 +200,7 @@ def _rows_for(rel: str, style: str, target: nn.Module | None, param: str | None,
         return []
     if param is not None:  # a parameter of the module at `rel`'s parent (attention sinks)
         if style != "colwise":
-            raise _Refused(f"{model_type!r} declares the parameter {rel!r} {style!r}; only "
+            raise Refused(f"{model_type!r} declares the parameter {rel!r} {style!r}; only "
                            "'colwise' parameters (per-head tensors) are translated")
         return [(rel.rpartition(".")[0], ShardParam(param, axis=0))]
     if style == "replicated_with_grad_allreduce":  # a norm without a scale: nothing to sum
@@ -190,7 +208,7 @@ def _rows_for(rel: str, style: str, target: nn.Module | None, param: str | None,
     if is_tuner_layer(target):  # a PEFT adapter layer: its plan row splits base, A and B
         target = target.get_base_layer()
     if not isinstance(target, nn.Linear):
-        raise _Refused(f"{model_type!r} declares {rel!r}: {style!r} on a "
+        raise Refused(f"{model_type!r} declares {rel!r}: {style!r} on a "
                        f"{type(target).__name__}; only nn.Linear projections are split")
     if style in ("colwise", "packed_colwise"):
         return [(rel, Column(blocks=2 if style == "packed_colwise" else 1)), (rel, EnterRegion())]
@@ -199,10 +217,6 @@ def _rows_for(rel: str, style: str, target: nn.Module | None, param: str | None,
     if style == "rowwise":
         return [(rel, Row())]
     return [(rel, ScatterInput()), (rel, Row())]  # rowwise_split_input
-
-
-class _Refused(Exception):
-    pass
 
 
 def _find(layers: list[nn.Module], rel: str) -> tuple[nn.Module | None, str | None]:
@@ -230,20 +244,13 @@ def layer_lists(model: nn.Module, declared: dict) -> tuple[str, ...]:
     if not names:
         names = list(getattr(model.config, "base_model_pp_plan", None) or {}) + ["layers"]
     paths = [find_path(model, n) for n in names]
-    found = tuple(p for p in paths if p is not None and isinstance(_get(model, p), nn.ModuleList))
+    found = tuple(p for p in paths if p is not None and isinstance(get(model, p), nn.ModuleList))
     return found if split_rows(declared)[0] else found[:1]
-
-
-def _get(model: nn.Module, path: str) -> nn.Module | None:
-    try:
-        return model.get_submodule(path)
-    except AttributeError:
-        return None
 
 
 def derive_plan(model: nn.Module, lists: tuple[str, ...]) -> DeclaredPlan | RefusedPlan:
     """The model's declared plan as a `DeclaredPlan`, or a `RefusedPlan` with the reason."""
-    declared = dict(model.config.base_model_tp_plan)
+    declared = declared_tp_plan(model) or {}
     model_type = model.config.model_type
     why = refusal(model, declared)
     if why is not None:
@@ -259,14 +266,14 @@ def derive_plan(model: nn.Module, lists: tuple[str, ...]) -> DeclaredPlan | Refu
                 continue
             if rel.rpartition(".")[0] in experts:  # a tensor of the experts: their split
                 if style not in _EXPERT_TENSOR_STYLES:
-                    raise _Refused(f"{model_type!r} declares the expert tensor {rel!r} "
+                    raise Refused(f"{model_type!r} declares the expert tensor {rel!r} "
                                    f"{style!r}, which expert TP does not translate")
                 continue
             if style == MLA:
                 rows += _mla_rows(model, layers, rel, declared_rows)
                 continue
             if style == "packed_rowwise":
-                raise _Refused(f"{model_type!r} declares {rel!r}: 'packed_rowwise' outside "
+                raise Refused(f"{model_type!r} declares {rel!r}: 'packed_rowwise' outside "
                                "tensor-parallel experts, which is not translated")
             target, param = _find(layers, rel)
             if target is None and param is None:
@@ -274,13 +281,14 @@ def derive_plan(model: nn.Module, lists: tuple[str, ...]) -> DeclaredPlan | Refu
                     continue
                 if _mla_query_alternative(rel, declared_rows, layers):
                     continue
-                raise _Refused(f"{model_type!r} declares {rel!r}: {style!r}, but no layer of "
+                raise Refused(f"{model_type!r} declares {rel!r}: {style!r}, but no layer of "
                                "this model has that module or parameter")
             rows += _rows_for(rel, style, target, param, model_type)
         rows = [(p + OPTIONAL if _moe_alternative(p, experts) else p, st) for p, st in rows]
-        _check_moe_layers(layers, rows, experts, model_type)
-        _check_regions(layers, rows, model_type)
-    except _Refused as e:
+        rows = other_kinds_optional(layers, rows, model_type)
+        check_moe_layers(layers, rows, experts, model_type)
+        check_regions(layers, rows, model_type)
+    except Refused as e:
         return RefusedPlan(str(e))
     return DeclaredPlan(tuple(rows), model_type=model_type)
 
@@ -294,19 +302,19 @@ def _mla_rows(model: nn.Module, layers: list[nn.Module], rel: str,
     model_type = model.config.model_type
     parent = rel.rpartition(".")[0]
     # the width each layer's attention stores (a config may set it per layer); one for all
-    widths = {getattr(_get(layer, parent), "qk_rope_head_dim", None) for layer in layers
-              if _get(layer, rel) is not None}
+    widths = {getattr(get(layer, parent), "qk_rope_head_dim", None) for layer in layers
+              if get(layer, rel) is not None}
     if len(widths) != 1 or not isinstance(rope := widths.pop(), int) or rope <= 0:
-        raise _Refused(f"{model_type!r} declares {rel!r}: {MLA!r}, but its layers' attention "
+        raise Refused(f"{model_type!r} declares {rel!r}: {MLA!r}, but its layers' attention "
                        f"modules do not share one qk_rope_head_dim (found {sorted(map(str, widths))}"
                        "): the shared rotary key's width")
-    kv_b = _join(parent, "kv_b_proj")
+    kv_b = join(parent, "kv_b_proj")
     if (kv_b, "colwise") not in declared_rows:
-        raise _Refused(f"{model_type!r} declares {rel!r}: {MLA!r} without a colwise {kv_b!r} "
+        raise Refused(f"{model_type!r} declares {rel!r}: {MLA!r} without a colwise {kv_b!r} "
                        "to sum the compressed kv's gradient")
     rows: list[tuple[str, Style]] = [(rel, ReduceTailGrad(rope))]
     for name in _MLA_REPLICATED:
-        path = _join(parent, name)
+        path = join(parent, name)
         if _find(layers, path)[0] is not None:
             rows.append((path + OPTIONAL, Replicated()))
     return rows
@@ -317,9 +325,9 @@ def _mla_query_alternative(rel: str, declared_rows: list[tuple[str, str]],
     """`rel` is the MLA query projection this configuration does not build, and the other one
     is there (DeepSeek-V2's plan declares both `q_proj` and `q_b_proj`)."""
     parent, _, name = rel.rpartition(".")
-    if name not in _MLA_QUERY or (_join(parent, "kv_a_proj_with_mqa"), MLA) not in declared_rows:
+    if name not in _MLA_QUERY or (join(parent, "kv_a_proj_with_mqa"), MLA) not in declared_rows:
         return False
-    other = _join(parent, _MLA_QUERY[1 - _MLA_QUERY.index(name)])
+    other = join(parent, _MLA_QUERY[1 - _MLA_QUERY.index(name)])
     return _find(layers, other)[0] is not None
 
 
@@ -327,62 +335,6 @@ def _moe_alternative(rel: str, experts: set[str]) -> bool:
     """A row of an MoE block's own module (its experts, shared experts, or the dense MLP that
     layers without experts have in the same place): present in some layers only."""
     return any(rel == e or rel.startswith(e.rpartition(".")[0] + ".") for e in experts)
-
-
-def _check_moe_layers(layers: list[nn.Module], rows: list[tuple[str, Style]],
-                      experts: set[str], model_type: str) -> None:
-    """Each layer's MoE block is one form: experts (with their shared experts) or a dense MLP
-    whose every declared projection is there, never a mix (a row skipped beside an applied
-    partner would leave a projection split without the one that completes it)."""
-    for e in experts:
-        parent = e.rpartition(".")[0]
-        dense = sorted({p.rstrip(OPTIONAL) for p, _ in rows
-                        if p.rstrip(OPTIONAL).rpartition(".")[0] == parent
-                        and p.rstrip(OPTIONAL) != e})
-        for i, layer in enumerate(layers):
-            has = [d for d in dense if _get(layer, d) is not None]
-            moe = _get(layer, e) is not None
-            if (moe and has) or (not moe and dense and has != dense):
-                raise _Refused(f"{model_type!r}: layer {i} has {'experts and ' if moe else ''}"
-                               f"{has or 'none'} of its dense MLP rows {dense}, neither the "
-                               "experts alone nor the whole dense MLP")
-
-
-def _check_regions(layers: list[nn.Module], rows: list[tuple[str, Style]],
-                   model_type: str) -> None:
-    """Refuse a parameter no row covers inside a module whose column projections keep their
-    outputs split (no `GatherOutput`): it may compute on this rank's features only (Apertus's
-    xIELU `mlp.act_fn.alpha_p`), so its gradient would be partial, and the declared plan does
-    not say (`replicated_with_grad_allreduce`) that it is. Where every column output is
-    gathered, the module computes on whole tensors and its parameters are exact."""
-    rows = [(p.rstrip(OPTIONAL), s) for p, s in rows]
-    gathered = {p for p, s in rows if isinstance(s, GatherOutput)}
-    covered = {p for p, _ in rows}
-    for layer in layers:
-        # only the rows this layer has split its regions (an MoE layer has no dense MLP rows);
-        # tensor-parallel experts are a region of their own (their intermediate features)
-        split = {p.rpartition(".")[0] for p, s in rows if isinstance(s, Column)
-                 and p not in gathered and _get(layer, p) is not None}
-        split |= {p for p, s in rows if isinstance(s, Experts) and _get(layer, p) is not None}
-        # a PEFT adapter layer at a row's path: its base, A and B are the row's (lora.py); a
-        # replicated module's submodules are its own
-        tuned = tuple(c + "." for c in covered if is_tuner_layer(_get(layer, c)))
-        tuned += tuple(p + "." for p, s in rows if isinstance(s, Replicated))
-        for region in sorted(split):
-            mod = _get(layer, region)
-            if mod is None:
-                continue
-            for name, _ in mod.named_parameters():
-                owner = _join(region, name.rpartition(".")[0])
-                if owner not in covered and not owner.startswith(tuned):
-                    raise _Refused(f"{model_type!r}: the parameter {_join(region, name)!r} sits "
-                                   f"in {region!r}, whose projections keep their outputs split, "
-                                   "and the declared plan gives it no style, so its gradient "
-                                   "could be one rank's share")
-
-
-def _join(*parts: str) -> str:
-    return ".".join(p for p in parts if p)
 
 
 def declared_family(model: nn.Module) -> Family | None:
@@ -393,8 +345,8 @@ def declared_family(model: nn.Module) -> Family | None:
     from ._registry import Family
 
     cfg = getattr(model, "config", None)
-    declared = getattr(cfg, "base_model_tp_plan", None)
-    if not isinstance(declared, dict) or not declared:
+    declared = declared_tp_plan(model)
+    if declared is None:
         return None
     lists = layer_lists(model, declared)
     if not lists:

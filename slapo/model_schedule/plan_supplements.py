@@ -1,0 +1,63 @@
+"""Slapo's rows for the declared tensor-parallel plans that transformers leaves incomplete.
+
+A config's `base_model_tp_plan` is HF's statement of how an architecture splits, and
+`hf_plan.py` translates it. A few declarations leave out a row the split needs, so that HF's
+own TP of them computes one rank's share of a gradient:
+
+- Apertus: the xIELU activation's scalar `alpha_p`/`alpha_n` act on this rank's MLP features
+  (the translator refuses the plan as declared, naming the parameter);
+- Sarvam-MoE: the per-head `q_norm`/`k_norm` (width head_dim) see this rank's heads only
+  (Qwen3-MoE's plan, the same attention, declares them).
+
+Others declare only the input embedding, which splits nothing in the layers: HunYuan dense
+(LLaMA's attention and MLP, per-head query/key norms) and GPT-OSS (LLaMA's attention with
+biases and per-head attention sinks). For GPT-OSS only the attention is split: its experts have
+biases, which expert TP does not split exactly yet (`plan_experts.Experts` refuses them), so
+they stay whole on every rank (exact; `ep` is the way to split experts).
+
+`declared_tp_plan(model)` is the declaration with the supplement of its model type, written in
+HF's own style names: it goes through the same translator and the same checks (a row naming a
+module a layer does not have, a parameter in a split module no row covers), and each model type
+here is proven against one process by tests/test_hf_plans.py. A supplement only adds rows, for
+the model types named here; every other model's plan is HF's alone.
+"""
+
+from __future__ import annotations
+
+import torch.nn as nn
+
+_GRAD_SUM = "replicated_with_grad_allreduce"
+_ATTENTION = {"layers.*.self_attn.q_proj": "colwise", "layers.*.self_attn.k_proj": "colwise",
+              "layers.*.self_attn.v_proj": "colwise", "layers.*.self_attn.o_proj": "rowwise"}
+_MLP = {"layers.*.mlp.gate_proj": "colwise", "layers.*.mlp.up_proj": "colwise",
+        "layers.*.mlp.down_proj": "rowwise"}
+
+
+def _per_head(*names: str) -> dict[str, str]:
+    """Norms applied to each head with one weight: their gradient sums over the ranks' heads."""
+    return {f"layers.*.self_attn.{n}": _GRAD_SUM for n in names}
+
+
+_XIELU = {"layers.*.mlp.act_fn": _GRAD_SUM}
+
+# model type -> {plan key: HF style} added to its declared plan
+SUPPLEMENTS: dict[str, dict[str, str]] = {
+    "apertus": _XIELU,
+    "apertus1p5_text": _XIELU,
+    "sarvam_moe": _per_head("q_norm", "k_norm"),
+    "hunyuan_v1_dense": {**_ATTENTION, **_MLP, **_per_head("query_layernorm", "key_layernorm")},
+    "gpt_oss": {**_ATTENTION, "layers.*.self_attn.sinks": "colwise"},
+}
+
+
+def declared_tp_plan(model: nn.Module) -> dict | None:
+    """The model's declared tensor-parallel plan with Slapo's supplement for its model type, or
+    None when its config declares none."""
+    cfg = getattr(model, "config", None)
+    declared = getattr(cfg, "base_model_tp_plan", None)
+    if not isinstance(declared, dict) or not declared:
+        return None
+    return {**declared, **SUPPLEMENTS.get(getattr(cfg, "model_type", None), {})}
+
+
+__all__ = ["SUPPLEMENTS", "declared_tp_plan"]
