@@ -63,7 +63,7 @@ def test_kv_heads_tp_does_not_divide():
 
 @pytest.mark.parametrize("model_type,cls,needles", [
     ("inkling_text", "InklingForCausalLM", ("'all_reduce'", "outside a row projection")),
-    ("lfm2", "Lfm2ForCausalLM", ("no layer rows", "splits nothing")),
+    ("bamba", "BambaForCausalLM", ("no layer rows", "splits nothing")),
 ])
 def test_refused_with_a_named_reason(model_type, cls, needles):
     model = build(model_type, cls)
@@ -180,3 +180,14 @@ def test_vocab_parallel_leaves_what_its_kernel_would_change(model_type, cls):
     assert _common.vocab_parallel(_sch(model)) is False
     assert getattr(model.get_input_embeddings().weight, "_slapo_shard", None) is None
     assert getattr(model.get_output_embeddings().weight, "_slapo_shard", None) is None
+
+
+def test_slapo_style_supplement_rows_split_what_they_name():
+    """The sweep proves LFM3 equivalent at tp=2, which a row that split nothing would also be:
+    here its short convolution's packed projection, depthwise weight and output projection,
+    and its per-head output gate, are split (LFM3's tiny layers: conv, sliding, full)."""
+    model = build("lfm3", "Lfm3ForCausalLM")
+    model_schedule.apply(_sch(model), tp=2)
+    conv, attn = model.model.layers[0].conv, model.model.layers[1].self_attn
+    assert conv.in_proj.weight.shape == (96, 64) and conv.conv.weight.shape == (32, 1, 7)
+    assert conv.out_proj.weight.shape == (64, 32) and attn.g_proj.weight.shape == (2, 64)

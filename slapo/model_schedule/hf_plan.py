@@ -157,6 +157,8 @@ def refusal(model: nn.Module, declared: dict) -> str | None:
     model's modules alone, before any change."""
     model_type = model.config.model_type
     for key, style in declared.items():
+        if isinstance(style, tuple):  # Slapo's own rows (`plan_supplements.py`)
+            continue
         if style not in KNOWN:
             return (f"the declared tensor-parallel plan of {model_type!r} gives {key!r} the "
                     f"style {style!r}, which Slapo does not know")
@@ -261,6 +263,10 @@ def derive_plan(model: nn.Module, lists: tuple[str, ...]) -> DeclaredPlan | Refu
     experts = {rel for rel, style in declared_rows if style == EXPERTS}
     try:
         for rel, style in declared_rows:
+            if isinstance(style, tuple):  # Slapo styles, where some layer has the module
+                if any(get(layer, rel) is not None for layer in layers):
+                    rows += [(rel, st) for st in style]
+                continue
             if style == EXPERTS:
                 rows.append((rel, Experts()))
                 continue

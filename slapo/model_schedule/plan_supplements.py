@@ -15,7 +15,14 @@ biases and per-head attention sinks). For GPT-OSS only the attention is split: i
 biases, which expert TP does not split exactly yet (`plan_experts.Experts` refuses them), so
 they stay whole on every rank (exact; `ep` is the way to split experts).
 
-`declared_tp_plan(model)` is the declaration with the supplement of its model type, written in
+LFM2 and LFM3 also declare only the embedding; their short-convolution layers have no HF style
+(an input projection packing B|C|x, a depthwise convolution over the channels, an output
+projection), so those rows are Slapo styles: the packed projection split per block
+(`Column(blocks=3)`), the convolution's weight split over its channels (each channel is its own
+group), the output projection a `Row`. A Slapo-style row is skipped where no layer has its
+module (a config whose layers are all attention).
+
+`declared_tp_plan(model)` is the declaration with the supplement of its model type, mostly in
 HF's own style names: it goes through the same translator and the same checks (a row naming a
 module a layer does not have, a parameter in a split module no row covers), and each model type
 here is proven against one process by tests/test_hf_plans.py. A supplement only adds rows, for
@@ -25,6 +32,8 @@ the model types named here; every other model's plan is HF's alone.
 from __future__ import annotations
 
 import torch.nn as nn
+
+from .plan import Column, EnterRegion, Row, ShardParam
 
 _GRAD_SUM = "replicated_with_grad_allreduce"
 _ATTENTION = {"layers.*.self_attn.q_proj": "colwise", "layers.*.self_attn.k_proj": "colwise",
@@ -39,14 +48,29 @@ def _per_head(*names: str) -> dict[str, str]:
 
 
 _XIELU = {"layers.*.mlp.act_fn": _GRAD_SUM}
+# LFM's short convolution (B, C, x = in_proj(h).chunk(3); y = out_proj(C * conv(B * x))), in
+# Slapo styles: every product and the depthwise convolution act per channel
+_SHORT_CONV = {"layers.*.conv.in_proj": (Column(blocks=3), EnterRegion()),
+               "layers.*.conv.conv": (ShardParam("weight", axis=0),),
+               "layers.*.conv.out_proj": (Row(),)}
+_LFM_FFN = {"layers.*.feed_forward.w1": "colwise", "layers.*.feed_forward.w3": "colwise",
+            "layers.*.feed_forward.w2": "rowwise"}
+_LFM2_ATTENTION = {**{k: v for k, v in _ATTENTION.items() if not k.endswith("o_proj")},
+                   "layers.*.self_attn.out_proj": "rowwise",
+                   **_per_head("q_layernorm", "k_layernorm")}
+# LFM3's attention: LLaMA's with per-head norms and a per-head output gate (`g_proj`)
+_LFM3_ATTENTION = {**_ATTENTION, "layers.*.self_attn.g_proj": "colwise",
+                   **_per_head("q_norm", "k_norm")}
 
-# model type -> {plan key: HF style} added to its declared plan
-SUPPLEMENTS: dict[str, dict[str, str]] = {
+# model type -> {plan key: HF style, or a tuple of Slapo styles} added to its declared plan
+SUPPLEMENTS: dict[str, dict[str, str | tuple]] = {
     "apertus": _XIELU,
     "apertus1p5_text": _XIELU,
     "sarvam_moe": _per_head("q_norm", "k_norm"),
     "hunyuan_v1_dense": {**_ATTENTION, **_MLP, **_per_head("query_layernorm", "key_layernorm")},
     "gpt_oss": {**_ATTENTION, "layers.*.self_attn.sinks": "colwise"},
+    "lfm2": {**_LFM2_ATTENTION, **_SHORT_CONV, **_LFM_FFN},
+    "lfm3": {**_LFM3_ATTENTION, **_SHORT_CONV, **_LFM_FFN},
 }
 
 
