@@ -80,9 +80,21 @@ def _full(t, p):
     return gather_full(t, shard_spec(p))
 
 
-def _compare(model_type: str, cls_name: str, mesh, tp: int = 1) -> tuple[str, list[str]]:
+def _padded(batch: dict) -> dict:
+    """The batch with its first row left-padded by 3 tokens (mask 0, label -100): a recurrent
+    layer must not carry padding into its state (`create_recurrent_attention_mask`)."""
+    mask = torch.ones_like(batch["input_ids"])
+    mask[0, :3] = 0
+    labels = batch["labels"].clone()
+    labels[0, :3] = -100
+    return {**batch, "attention_mask": mask, "labels": labels}
+
+
+def _compare(model_type: str, cls_name: str, mesh, tp: int = 1,
+             padded: bool = False) -> tuple[str, list[str]]:
     """(result, the parameter names this rank's stages hold); with `tp` > 1 the stages are
-    also split by the tensor-parallel plan the config declares (shards gathered to compare)."""
+    also split by the tensor-parallel plan the config declares (shards gathered to compare);
+    `padded`: a left-padded batch."""
     import hf_tiny
 
     try:
@@ -90,6 +102,7 @@ def _compare(model_type: str, cls_name: str, mesh, tp: int = 1) -> tuple[str, li
     except hf_tiny.CannotBuild as e:
         return f"cannot build tiny config: {e}", []
     batch = {k: v for k, v in hf_tiny.batch().items() if k != "use_cache"}
+    batch = _padded(batch) if padded else batch
     ref = copy.deepcopy(model)
     sch = slapo.create_schedule(model, mesh=mesh)
     try:
@@ -117,12 +130,19 @@ def _compare(model_type: str, cls_name: str, mesh, tp: int = 1) -> tuple[str, li
     worst = [(abs(a - b) / abs(b), f"loss {i}") for i, (a, b) in
              enumerate(zip(losses, ref_losses, strict=True))]
     worst += [(_rel(_full(g, held[n]), ref_grads[n]), f"grad {n}") for n, g in grads.items()]
-    worst += [(_rel(_full(p.detach(), p), ref_params[n]), f"param {n}") for n, p in held.items()]
+    if padded:  # the first step only: the recurrent layers run in float32 inside (HF's gated
+        # delta rule), whose roundoff (rel ~1e-6 in their gradients) AdamW amplifies in the
+        # parameters; a wrong mask is off by far more
+        worst = [w for w in worst if w[1].startswith("grad") or w[1] == "loss 0"]
+    else:
+        worst += [(_rel(_full(p.detach(), p), ref_params[n]), f"param {n}")
+                  for n, p in held.items()]
     err, where = max(worst)
     return ("equivalent" if err <= RTOL else f"MISMATCH: {where} rel {err:.2e}"), sorted(held)
 
 
-def job_pp_sweep(archs: list[tuple[str, str]], tp: int = 1) -> dict[str, tuple[str, list[str]]]:
+def job_pp_sweep(archs: list[tuple[str, str]], tp: int = 1,
+                 padded: bool = False) -> dict[str, tuple[str, list[str]]]:
     """Every architecture in `archs` on this rank (pp=2, times `tp`); a crash is reported with
     its last lines (the test fails on it)."""
     import traceback
@@ -137,7 +157,7 @@ def job_pp_sweep(archs: list[tuple[str, str]], tp: int = 1) -> dict[str, tuple[s
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             try:
-                out[model_type] = _compare(model_type, cls_name, mesh, tp)
+                out[model_type] = _compare(model_type, cls_name, mesh, tp, padded)
             except Exception as e:  # noqa: BLE001 - a crash is a result the test fails on
                 tb = traceback.format_exc().strip().splitlines()
                 out[model_type] = (f"CRASH: {type(e).__name__}: {str(e)[:200]} @ {tb[-3:]}", [])
@@ -208,6 +228,22 @@ def test_declared_tp_and_pp_plans_together_equal_one_process(dist4):
             names = {n for n, _ in getattr(transformers, cls)(_config(k))
                      .named_parameters(remove_duplicate=False)}
         assert set().union(*(r[k][1] for r in per_rank)) == names, k
+
+
+HYBRIDS = ("olmo_hybrid",)  # linear (recurrent) and full attention layers (Qwen3-Next: slower)
+
+
+@pytest.mark.dist
+def test_hybrid_stages_mask_padding_as_the_model_does(dist2):
+    """pp=2 of linear-attention hybrids on a left-padded batch: each recurrent layer gets the
+    2-D padding mask the model gives it (`LAYER_MASKS["linear_attention"]`), each full layer the
+    causal mask; without padding both masks are None, so the sweep alone would not see a wrong
+    one (a stage that gave the recurrent layers the causal mask fails here)."""
+    import hf_tiny
+
+    archs = [a for a in hf_tiny.decoders("base_model_pp_plan") if a[0] in HYBRIDS]
+    per_rank = dist2.run(job_pp_sweep, archs, 1, True, timeout=600)
+    assert {k: v for k, (v, _) in per_rank[0].items()} == dict.fromkeys(HYBRIDS, "equivalent")
 
 
 # ---- a stage that forgets what the forward does between the layers is caught ------------------

@@ -7,7 +7,8 @@ list, the final norm) and what flows between them. It does not say what the mode
 does *between* those modules, and models differ there: Granite multiplies the embeddings by a
 config value and divides the logits, Cohere multiplies the logits, Gemma 2/3 soft-cap them,
 Gemma 3 and OLMo 3 give each layer type its own rotary embedding, Mistral windows every layer,
-Qwen2/3 and Gemma pick full or sliding attention per layer from `config.layer_types`. A stage
+Qwen2/3 and Gemma pick full or sliding attention per layer from `config.layer_types` (and the
+linear-attention hybrids a recurrent layer's 2-D padding mask). A stage
 re-implements that code, so a wrong guess trains silently wrong. Hence two tables, both data:
 
 - `BETWEEN`: the model types whose forward between the declared modules was read (transformers
@@ -30,8 +31,10 @@ from ..errors import SchedulingError
 MASKS = ("causal", "window", "layer_types")
 ROPES = ("shared", "per_type")
 # the attention types a `layer_types` model may list, and the masking function of each
+# (a linear-attention or recurrent layer takes the 2-D padding mask trimmed to the sequence)
 LAYER_MASKS = {"full_attention": "create_causal_mask",
-               "sliding_attention": "create_sliding_window_causal_mask"}
+               "sliding_attention": "create_sliding_window_causal_mask",
+               "linear_attention": "create_recurrent_attention_mask"}
 
 
 @dataclass(frozen=True)
@@ -43,7 +46,7 @@ class Between:
 
     # which mask each layer gets: one causal mask ("causal"); Mistral's rule, a sliding-window
     # mask for every layer when `config.sliding_window` is set ("window"); `config.layer_types[i]`
-    # naming full or sliding attention ("layer_types")
+    # naming full, sliding or linear attention ("layer_types": `LAYER_MASKS`)
     masks: str = "causal"
     # one rotary embedding for every layer, `rotary_emb(h, position_ids)` ("shared"), or one per
     # layer type, `rotary_emb(h, position_ids, layer_type)` ("per_type": Gemma 3, OLMo 3)
@@ -104,21 +107,23 @@ BETWEEN: dict[str, Between] = {
     "hyperclovax": Between(embed_scale="base.embedding_multiplier",
                            logit_scale=("mul", "config.logits_scaling")),
     "minicpm3": Between(hidden_divisor="config.logits_scaling"),
+    # hybrids of linear (recurrent) and full attention layers
+    # (Kimi Linear has no rotary embedding, which the stages share: refused by that check)
+    **dict.fromkeys(("olmo_hybrid", "bailing_hybrid"), TYPED),
+    **dict.fromkeys(("qwen3_next", "minimax"), Between(masks="layer_types", refuse_if=(_ROUTER,))),
 }
 
-_LINEAR = ("its linear-attention layers take a recurrent mask (create_recurrent_attention_mask) "
-           "the stages do not build")
 # Model types refused by name: what their forward does between the layers that `Between`
 # cannot say.
 REFUSED: dict[str, str] = {
     "granite_swa": "each layer takes the rotary embedding of its own theta "
                    "(config.layer_rope_theta), from a list of rotary modules",
     "beam": "layers without a rotary embedding get an attention scaling computed in the forward",
+    "lara_mini": "only its sliding-attention layers get the rotary embedding (the others "
+                 "position_embeddings=None)",
     "afmoe": "its forward scales the embeddings when config.mup_enabled",
-    "qwen3_5_text": "its positions are 4 rows (text + multimodal rotary) and " + _LINEAR,
-    "qwen3_5_moe_text": "its positions are 4 rows (text + multimodal rotary) and " + _LINEAR,
-    **dict.fromkeys(("olmo_hybrid", "bailing_hybrid", "qwen3_next", "kimi_linear", "minimax",
-                     "lara_mini"), _LINEAR),
+    **dict.fromkeys(("qwen3_5_text", "qwen3_5_moe_text"),
+                    "its positions are 4 rows (text + multimodal rotary)"),
     "gemma4_unified_text": "later layers share key/value states with earlier ones, sliced in "
                            "the forward",
     "inkling_text": "its forward divides the hidden state and cuts the logits to the unpadded "
