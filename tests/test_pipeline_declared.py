@@ -308,6 +308,8 @@ BAD = {
                              "use_bidirectional_attention"),
     "router loss": (lambda: _tiny("qwen2_moe", output_router_logits=True),
                     "load-balancing loss"),
+    "mup afmoe": (lambda: _tiny("afmoe", mup_enabled=True), "sqrt\\(hidden_size\\)"),
+    "pruned head": (lambda: _tiny("apertus1p5_text", output_vocab_size=64), "output_vocab_size"),
     "no head": (_base_model, "not a decoder LM with a head"),
 }
 

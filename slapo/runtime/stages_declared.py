@@ -111,6 +111,10 @@ BETWEEN: dict[str, Between] = {
     # (Kimi Linear has no rotary embedding, which the stages share: refused by that check)
     **dict.fromkeys(("olmo_hybrid", "bailing_hybrid"), TYPED),
     **dict.fromkeys(("qwen3_next", "minimax"), Between(masks="layer_types", refuse_if=(_ROUTER,))),
+    "apertus1p5_text": Between(refuse_if=(("output_vocab_size", "its LM head is pruned to "
+                                           "config.output_vocab_size, the width its loss reads"),)),
+    "afmoe": Between(masks="layer_types", refuse_if=(("mup_enabled", "its forward scales the "
+                                                      "embeddings by sqrt(hidden_size)"),)),
 }
 
 # Model types refused by name: what their forward does between the layers that `Between`
@@ -121,7 +125,6 @@ REFUSED: dict[str, str] = {
     "beam": "layers without a rotary embedding get an attention scaling computed in the forward",
     "lara_mini": "only its sliding-attention layers get the rotary embedding (the others "
                  "position_embeddings=None)",
-    "afmoe": "its forward scales the embeddings when config.mup_enabled",
     **dict.fromkeys(("qwen3_5_text", "qwen3_5_moe_text"),
                     "its positions are 4 rows (text + multimodal rotary)"),
     "gemma4_unified_text": "later layers share key/value states with earlier ones, sliced in "
