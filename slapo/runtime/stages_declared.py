@@ -28,13 +28,17 @@ import torch.nn as nn
 
 from ..errors import SchedulingError
 
-MASKS = ("causal", "window", "layer_types")
+MASKS = ("causal", "window", "layer_types", "indexed")
 ROPES = ("shared", "per_type")
 # the attention types a `layer_types` model may list, and the masking function of each
 # (a linear-attention or recurrent layer takes the 2-D padding mask trimmed to the sequence)
 LAYER_MASKS = {"full_attention": "create_causal_mask",
                "sliding_attention": "create_sliding_window_causal_mask",
-               "linear_attention": "create_recurrent_attention_mask"}
+               "linear_attention": "create_recurrent_attention_mask",
+               "indexed_attention": "create_causal_mask"}
+# the arguments a type's masking function takes beyond the common ones: an indexed (sparse)
+# attention layer's indexer needs the causal mask materialised (no is_causal skip)
+MASK_KWARGS = {"indexed_attention": {"allow_is_causal_skip": False}}
 
 
 @dataclass(frozen=True)
@@ -46,7 +50,8 @@ class Between:
 
     # which mask each layer gets: one causal mask ("causal"); Mistral's rule, a sliding-window
     # mask for every layer when `config.sliding_window` is set ("window"); `config.layer_types[i]`
-    # naming full, sliding or linear attention ("layer_types": `LAYER_MASKS`)
+    # naming full, sliding or linear attention ("layer_types": `LAYER_MASKS`); one causal mask,
+    # always materialised, for indexed sparse attention ("indexed": DeepSeek-V3.2)
     masks: str = "causal"
     # one rotary embedding for every layer, `rotary_emb(h, position_ids)` ("shared"), or one per
     # layer type, `rotary_emb(h, position_ids, layer_type)` ("per_type": Gemma 3, OLMo 3)
@@ -107,6 +112,7 @@ BETWEEN: dict[str, Between] = {
     "hyperclovax": Between(embed_scale="base.embedding_multiplier",
                            logit_scale=("mul", "config.logits_scaling")),
     "minicpm3": Between(hidden_divisor="config.logits_scaling"),
+    **dict.fromkeys(("deepseek_v32", "axk2"), Between(masks="indexed")),
     # hybrids of linear (recurrent) and full attention layers
     # (Kimi Linear has no rotary embedding, which the stages share: refused by that check)
     **dict.fromkeys(("olmo_hybrid", "bailing_hybrid"), TYPED),
@@ -131,7 +137,7 @@ REFUSED: dict[str, str] = {
                            "the forward",
     "inkling_text": "its forward divides the hidden state and cuts the logits to the unpadded "
                     "vocabulary",
-    **dict.fromkeys(("axk2", "deepseek_v32", "glm_moe_dsa", "dots3_note_text"),
+    **dict.fromkeys(("glm_moe_dsa", "dots3_note_text"),
                     "its indexed (sparse) attention layers take a mask the stages do not build"),
     "longcat_flash": "its forward runs config.num_layers layers, each a pair of attention "
                      "sublayers",
@@ -265,6 +271,8 @@ def attention_type(cfg, between: Between, i: int) -> str:
         return "sliding_attention"
     if between.masks == "layer_types" and getattr(cfg, "layer_types", None):
         return cfg.layer_types[i]
+    if between.masks == "indexed":
+        return "indexed_attention"
     return "full_attention"
 
 

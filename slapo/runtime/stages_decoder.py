@@ -346,7 +346,8 @@ class HFDecoderStage(FusedLossStage, nn.Module):
             raise SchedulingError(self.layout.layers, f"attention types {sorted(unknown)} of "
                                   f"{type(self._root[0]).__name__} have no pipeline mask.",
                                   "use full or sliding attention layers, or no pp_stages.")
-        return {k: getattr(masking_utils, declared.LAYER_MASKS[k])(**kw) for k in kinds}
+        return {k: getattr(masking_utils, declared.LAYER_MASKS[k])(
+            **kw, **declared.MASK_KWARGS.get(k, {})) for k in kinds}
 
     # ---- what the pipeline runtime asks the last stage ----------------------------------------
     def pipeline_outputs(self, logits: torch.Tensor):
