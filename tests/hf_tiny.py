@@ -3,7 +3,9 @@ for: the architectures `tests/test_hf_plans.py` sweeps.
 
 One builder for all of them: the config class's defaults, with the sizes that make a model big
 shrunk by their (standard or family-specific) field names, so a new architecture in a new
-transformers is swept without an entry here. What cannot be built is reported with the reason.
+transformers is swept without an entry here. A model type whose defaults do not build (fields
+left None, layer types the model requires but does not default) has a row in `OVERRIDES`, with
+why. What cannot be built is reported with the reason.
 """
 
 from __future__ import annotations
@@ -23,6 +25,34 @@ PATTERNS = ((r"^qk_rope_head_dim$", 8), (r"^qk_nope_head_dim$", 8), (r"^v_head_d
             (r"vocab_size", 128), (r"^sliding_window$", 4), (r"^num_kv_shared_layers$", 0),
             (r"intermediate_size", 128), (r"head_dim$", 16))
 SEQ = 8
+# Fields a model type's defaults leave unusable (the model does not build, or 2 layers hold
+# none of what its plan splits), set as the released checkpoints set them, at test size.
+OVERRIDES: dict[str, tuple[dict, str]] = {
+    "cohere_compass_text": (
+        {"layer_types": ["sliding_attention", "full_attention"], "logit_scale": 0.5,
+         "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 1e4,
+                                                   "mrope_section": [4, 2, 2]},
+                             "full_attention": None}},
+        "its defaults carry no RoPE parameters, which the model reads per layer type; the "
+        "layers its config's back-compat rule interleaves: sliding with RoPE (mrope_section "
+        "sums to head_dim / 2), full without (None: NoPE); a logit scale that is not 1"),
+    "dots1": (
+        {"n_routed_experts": 4, "n_shared_experts": 1},
+        "its defaults leave the routed and shared expert counts None (a checkpoint sets them)"),
+    "jamba": (
+        {"attn_layer_period": 2, "attn_layer_offset": 0},
+        "its layer types derive from the attention period (default: layer 4 of every 8, so 2 "
+        "layers are all Mamba): layer 0 attention with a dense MLP, layer 1 Mamba with the "
+        "experts, as the defaults pair them"),
+    "lfm2_moe": (
+        {"layer_types": ["conv", "full_attention"], "num_dense_layers": 1},
+        "its defaults leave layer_types None, and 2 dense layers would leave no experts"),
+    "qwen4_exp_text": (
+        {"indexer_n_heads": 4, "indexer_kv_heads": 1, "indexer_head_dim": 16,
+         "indexer_budget": 4, "indexer_compress_ratio": 2},
+        "its indexed attention layers always build the QSA indexer, whose sizes default to "
+        "None (one key head is required; a budget of 2 blocks of 2 selects within SEQ)"),
+}
 
 
 class CannotBuild(Exception):
@@ -59,6 +89,12 @@ def _layer_types(default) -> list[str] | None:
     return kinds
 
 
+def _derived(cls, name: str) -> bool:
+    """True when the config computes `name` from other fields (a read-only property, like
+    Jamba's layer types from its attention period): it cannot be given, only its sources."""
+    return isinstance(getattr(cls, name, None), property)
+
+
 def tiny_config(model_type: str):
     """The model type's config with its defaults, at test size, dropout off."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
@@ -83,12 +119,13 @@ def tiny_config(model_type: str):
                     kw[name] = min(value, small) if small else 0
                     break
     kinds = _layer_types(default)
-    if kinds:
+    if kinds and not _derived(cls, "layer_types"):
         kw["layer_types"], kw["num_hidden_layers"] = kinds, len(kinds)
     if "qk_rope_head_dim" in kw:  # MLA: one KV head per query head, the rotary part is head_dim
         kw.update(head_dim=kw["qk_rope_head_dim"], num_key_value_heads=SIZES["num_attention_heads"])
     if getattr(default, "num_experts_per_tok", 0) is None:  # DeepSeek-V2's default: no top-k
         kw["num_experts_per_tok"] = 2
+    kw.update(OVERRIDES.get(model_type, ({}, ""))[0])
     try:
         return cls(**kw)
     except Exception as e:  # noqa: BLE001

@@ -250,15 +250,18 @@ def test_hybrid_stages_mask_padding_as_the_model_does(dist2):
 
 # (Gemma 3's per-type rope made shared fails loudly: its rotary module needs the layer type.)
 MUTATIONS = [("gemma3_text", {"softcap": None}), ("gemma3_text", {"masks": "causal"}),
-             ("granite", {"embed_scale": None}), ("granite", {"logit_scale": None})]
+             ("granite", {"embed_scale": None}), ("granite", {"logit_scale": None}),
+             ("cohere_compass_text", {"logit_scale": None})]
 
 
 @pytest.mark.parametrize("model_type,change", MUTATIONS,
                          ids=[f"{m}-{next(iter(c))}" for m, c in MUTATIONS])
 def test_a_table_entry_that_forgets_a_step_is_caught(monkeypatch, model_type, change):
-    """Dropping the soft-cap, the sliding masks, the embedding multiplier or the logit divisor from a model's `Between` makes its stages differ from its forward: the
-    same comparison as the sweep's, here in one process (Verify runs the stages against the
-    model's forward when the cut is made)."""
+    """Dropping the soft-cap, the sliding masks, the embedding multiplier or the logit divisor
+    or multiplier from a model's `Between` makes its stages differ from its forward: the same
+    comparison as the sweep's, here in one process (Verify runs the stages against the model's
+    forward when the cut is made). The table as it is passes first, Cohere Compass's full
+    layers without a rotary embedding (NoPE) included."""
     import hf_tiny
 
     cls = dict(hf_tiny.decoders("base_model_pp_plan"))[model_type]

@@ -54,7 +54,8 @@ class Between:
     # always materialised, for indexed sparse attention ("indexed": DeepSeek-V3.2)
     masks: str = "causal"
     # one rotary embedding for every layer, `rotary_emb(h, position_ids)` ("shared"), or one per
-    # layer type, `rotary_emb(h, position_ids, layer_type)` ("per_type": Gemma 3, OLMo 3)
+    # layer type, `rotary_emb(h, position_ids, layer_type)` ("per_type": Gemma 3, OLMo 3; none
+    # for a type whose `config.rope_parameters[type]` is None, Cohere Compass's NoPE layers)
     rope: str = "shared"
     embed_scale: str | None = None  # multiplies the embeddings (Granite)
     embed_dropout: str | None = None  # a functional dropout's p after the embedding (StarCoder2)
@@ -93,7 +94,7 @@ BETWEEN: dict[str, Between] = {
     **dict.fromkeys(("mixtral", "qwen3_moe"), Between(masks="window", refuse_if=(_ROUTER,))),
     "starcoder2": Between(masks="window", embed_dropout="base.embedding_dropout"),
     **dict.fromkeys(("qwen2", "qwen3", "smollm3", "ministral", "exaone4", "cwm", "kolibri1",
-                     "exaone_moe"), TYPED),
+                     "exaone_moe", "dots1"), TYPED),
     **dict.fromkeys(("qwen2_moe", "gpt_oss", "flint"),
                     Between(masks="layer_types", refuse_if=(_ROUTER,))),
     "olmo3": TYPED_ROPE,
@@ -105,6 +106,8 @@ BETWEEN: dict[str, Between] = {
     "gemma3_text": Between(masks="layer_types", rope="per_type",
                            softcap="config.final_logit_softcapping", refuse_if=(_BIDIRECTIONAL,)),
     "cohere": Between(logit_scale=("mul", "lm.logit_scale")),
+    "cohere_compass_text": Between(masks="layer_types", rope="per_type",
+                                   logit_scale=("mul", "lm.logit_scale")),
     **dict.fromkeys(("cohere2", "cohere2_moe"),
                     Between(masks="layer_types", logit_scale=("mul", "lm.logit_scale"))),
     "granite": Between(embed_scale="base.embedding_multiplier",
@@ -280,7 +283,9 @@ def rotary(stage: nn.Module, between: Between, rotary_emb: nn.Module, h: torch.T
            pos: torch.Tensor, kinds: set[str]) -> dict:
     """{attention type: position embeddings} for the layer types of this stage."""
     if between.rope == "per_type":
-        return {k: rotary_emb(h, pos, k) for k in kinds}
+        params = getattr(stage.config, "rope_parameters", None) or {}
+        return {k: None if k in params and params[k] is None else rotary_emb(h, pos, k)
+                for k in kinds}
     shared = rotary_emb(h, position_ids=pos)
     return dict.fromkeys(kinds, shared)
 
