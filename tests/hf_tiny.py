@@ -23,7 +23,9 @@ SIZES = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key
 PATTERNS = ((r"^qk_rope_head_dim$", 8), (r"^qk_nope_head_dim$", 8), (r"^v_head_dim$", 16),
             (r"^kv_lora_rank$", 16), (r"^q_lora_rank$", 32), (r"^rotary_dim$", 8),
             (r"vocab_size", 128), (r"^sliding_window$", 4), (r"^num_kv_shared_layers$", 0),
-            (r"intermediate_size", 128), (r"head_dim$", 16))
+            (r"intermediate_size", 128), (r"head_dim$", 16),
+            # the dense layers before the first MoE layer: 1, so layer 1 of 2 has experts
+            (r"^first_k_dense_replace$", 1))
 SEQ = 8
 # Fields a model type's defaults leave unusable (the model does not build, or 2 layers hold
 # none of what its plan splits), set as the released checkpoints set them, at test size.
@@ -53,6 +55,13 @@ OVERRIDES: dict[str, tuple[dict, str]] = {
         "its indexed attention layers always build the QSA indexer, whose sizes default to "
         "None (one key head is required; a budget of 2 blocks of 2 selects within SEQ)"),
 }
+
+
+# Model types whose forward needs the tensors the class keeps in float32 to *be* float32 (a
+# float64 model does not run otherwise): Inkling 2 casts its router's input to float32 and
+# multiplies it by the router weight. Every other model runs wholly in float64 (stricter: a
+# float32 part's roundoff would be amplified by AdamW in the parameters).
+KEEP_FP32 = ("inkling2_text", "inkling2_loop_text")
 
 
 class CannotBuild(Exception):
@@ -148,7 +157,8 @@ def build(model_type: str, cls_name: str, seed: int = 0, meta: bool = False,
         if meta:
             with torch.device("meta"):
                 return getattr(transformers, cls_name)(cfg)
-        return getattr(transformers, cls_name)(cfg).double()
+        model = getattr(transformers, cls_name)(cfg).double()
+        return _keep_fp32(model) if model_type in KEEP_FP32 else model
     except Exception as e:  # noqa: BLE001
         raise CannotBuild(f"model: {type(e).__name__}: {str(e).splitlines()[0]}") from e
 
@@ -159,3 +169,14 @@ def batch(seed: int = 1):
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(1, 128, (2, SEQ), generator=g)
     return {"input_ids": ids, "labels": ids, "use_cache": False}
+
+
+def _keep_fp32(model):
+    """The tensors the class keeps in float32 whatever the model's dtype (its
+    `_keep_in_fp32_modules_strict`, as `from_pretrained` keeps them: Inkling 2's router casts
+    its input to float32 and multiplies it by the router weight) back in float32."""
+    names = getattr(model, "_keep_in_fp32_modules_strict", None) or []
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        if any(n in name for n in names):
+            t.data = t.data.float()
+    return model
