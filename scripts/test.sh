@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Install (if needed) and run the whole test suite: CPU only, real gloo ranks for distributed tests.
-# Arguments go to pytest. The fast tier for the inner loop (4 min on a 2-core VM, no gloo ranks, no
+# Arguments go to pytest. The fast tier for the inner loop (3.3 min on a 2-core VM, no gloo ranks, no
 # torch.compile): bash scripts/test.sh -m "not slow and not dist and not compile"
 set -euo pipefail
 cd "$(dirname "$0")/.."
