@@ -120,6 +120,11 @@ BETWEEN: dict[str, Between] = {
     # (Kimi Linear has no rotary embedding, which the stages share: refused by that check)
     **dict.fromkeys(("olmo_hybrid", "bailing_hybrid"), TYPED),
     **dict.fromkeys(("qwen3_next", "minimax"), Between(masks="layer_types", refuse_if=(_ROUTER,))),
+    # Qwen3.5 on text: its forward splits 4 position rows into the text positions (for the masks
+    # and layers) and 3 multimodal rotary rows that equal them; its rotary embedding broadcasts
+    # text positions to those rows itself (`position_ids.expand(3, -1, -1)`)
+    "qwen3_5_text": TYPED,
+    "qwen3_5_moe_text": Between(masks="layer_types", refuse_if=(_ROUTER,)),
     "apertus1p5_text": Between(refuse_if=(("output_vocab_size", "its LM head is pruned to "
                                            "config.output_vocab_size, the width its loss reads"),)),
     "afmoe": Between(masks="layer_types", refuse_if=(("mup_enabled", "its forward scales the "
@@ -134,8 +139,6 @@ REFUSED: dict[str, str] = {
     "beam": "layers without a rotary embedding get an attention scaling computed in the forward",
     "lara_mini": "only its sliding-attention layers get the rotary embedding (the others "
                  "position_embeddings=None)",
-    **dict.fromkeys(("qwen3_5_text", "qwen3_5_moe_text"),
-                    "its positions are 4 rows (text + multimodal rotary)"),
     "gemma4_unified_text": "later layers share key/value states with earlier ones, sliced in "
                            "the forward",
     "inkling_text": "its forward divides the hidden state and cuts the logits to the unpadded "
