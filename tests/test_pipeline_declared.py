@@ -34,7 +34,8 @@ ATOL = 1e-8  # the denominator's floor (a gradient zero in exact arithmetic)
 # final soft-cap (Gemma 3), the embedding multiplier and the logit divisor (Granite), a plan
 # with a dropout module after the embedding and other names (GPT-NeoX), and the refusals (a
 # named one, Granite-SWA's rope per theta; an unproven model type, DOGE).
-EQUIVALENT = ("gemma3_text", "granite", "gpt_neox", "deepseek_v32")  # + indexed attention
+# + indexed sparse attention's materialised mask (AXK2: the same path as DeepSeek-V3.2, 3x cheaper)
+EQUIVALENT = ("gemma3_text", "granite", "gpt_neox", "axk2")
 REFUSED = ("granite_swa", "doge")
 _SCALE = re.compile(r"multiplier|scaling|scale|softcap")
 

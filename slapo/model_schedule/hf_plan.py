@@ -106,9 +106,9 @@ FIX = ("use tp=1 (every other knob still applies), or register a hand-written Fa
 class DeclaredPlan(TPPlan):
     """A `TPPlan` derived from a declared HF plan. A row is skipped only in a layer that lacks
     its top-level module (hybrid decoders: a layer has `self_attn` or `linear_attn`), or where
-    `_other_kinds_optional` marked it optional (another kind of module at its place, a per-head
-    parameter the layer lacks); any other missing module is an error, so a projection is never
-    split without its partner."""
+    `hf_plan_layers.other_kinds_optional` marked it optional (another kind of module at its
+    place, a per-head parameter the layer lacks); any other missing module is an error, so a
+    projection is never split without its partner."""
 
     model_type: str = ""
 
@@ -203,7 +203,7 @@ def _rows_for(rel: str, style: str, target: nn.Module | None, param: str | None,
     if param is not None:  # a parameter of the module at `rel`'s parent (attention sinks)
         if style != "colwise":
             raise Refused(f"{model_type!r} declares the parameter {rel!r} {style!r}; only "
-                           "'colwise' parameters (per-head tensors) are translated")
+                          "'colwise' parameters (per-head tensors) are translated")
         return [(rel.rpartition(".")[0], ShardParam(param, axis=0))]
     if style == "replicated_with_grad_allreduce":  # a norm without a scale: nothing to sum
         return [(rel, ReduceParamGrads())] if any(True for _ in target.parameters()) else []
@@ -211,7 +211,7 @@ def _rows_for(rel: str, style: str, target: nn.Module | None, param: str | None,
         target = target.get_base_layer()
     if not isinstance(target, nn.Linear):
         raise Refused(f"{model_type!r} declares {rel!r}: {style!r} on a "
-                       f"{type(target).__name__}; only nn.Linear projections are split")
+                      f"{type(target).__name__}; only nn.Linear projections are split")
     if style in ("colwise", "packed_colwise"):
         return [(rel, Column(blocks=2 if style == "packed_colwise" else 1)), (rel, EnterRegion())]
     if style == "colwise_gather_output":
@@ -233,7 +233,7 @@ def _find(layers: list[nn.Module], rel: str) -> tuple[nn.Module | None, str | No
             owner = layer.get_submodule(parent) if parent else layer
         except AttributeError:
             continue
-        if isinstance(owner._parameters.get(name), nn.Parameter):
+        if has_param(owner, name):
             return None, name
     return None, None
 
@@ -273,14 +273,14 @@ def derive_plan(model: nn.Module, lists: tuple[str, ...]) -> DeclaredPlan | Refu
             if rel.rpartition(".")[0] in experts:  # a tensor of the experts: their split
                 if style not in _EXPERT_TENSOR_STYLES:
                     raise Refused(f"{model_type!r} declares the expert tensor {rel!r} "
-                                   f"{style!r}, which expert TP does not translate")
+                                  f"{style!r}, which expert TP does not translate")
                 continue
             if style == MLA:
                 rows += _mla_rows(model, layers, rel, declared_rows)
                 continue
             if style == "packed_rowwise":
                 raise Refused(f"{model_type!r} declares {rel!r}: 'packed_rowwise' outside "
-                               "tensor-parallel experts, which is not translated")
+                              "tensor-parallel experts, which is not translated")
             target, param = _find(layers, rel)
             if target is None and param is None:
                 if _moe_alternative(rel, experts):  # the dense MLP of MoE-only layers
@@ -288,7 +288,7 @@ def derive_plan(model: nn.Module, lists: tuple[str, ...]) -> DeclaredPlan | Refu
                 if _mla_query_alternative(rel, declared_rows, layers):
                     continue
                 raise Refused(f"{model_type!r} declares {rel!r}: {style!r}, but no layer of "
-                               "this model has that module or parameter")
+                              "this model has that module or parameter")
             rows += _rows_for(rel, style, target, param, model_type)
         rows = [(p + OPTIONAL if _moe_alternative(p, experts) else p, st) for p, st in rows]
         rows = other_kinds_optional(layers, rows, model_type)
@@ -312,12 +312,12 @@ def _mla_rows(model: nn.Module, layers: list[nn.Module], rel: str,
               if get(layer, rel) is not None}
     if len(widths) != 1 or not isinstance(rope := widths.pop(), int) or rope <= 0:
         raise Refused(f"{model_type!r} declares {rel!r}: {MLA!r}, but its layers' attention "
-                       f"modules do not share one qk_rope_head_dim (found {sorted(map(str, widths))}"
-                       "): the shared rotary key's width")
+                      f"modules do not share one qk_rope_head_dim (found {sorted(map(str, widths))}"
+                      "): the shared rotary key's width")
     kv_b = join(parent, "kv_b_proj")
     if (kv_b, "colwise") not in declared_rows:
         raise Refused(f"{model_type!r} declares {rel!r}: {MLA!r} without a colwise {kv_b!r} "
-                       "to sum the compressed kv's gradient")
+                      "to sum the compressed kv's gradient")
     rows: list[tuple[str, Style]] = [(rel, ReduceTailGrad(rope))]
     for name in _MLA_REPLICATED:
         path = join(parent, name)

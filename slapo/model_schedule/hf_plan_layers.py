@@ -27,7 +27,7 @@ def get(model: nn.Module, path: str) -> nn.Module | None:
 
 
 def other_kinds_optional(layers: list[nn.Module], rows: list[tuple[str, Style]],
-                          model_type: str) -> list[tuple[str, Style]]:
+                         model_type: str) -> list[tuple[str, Style]]:
     """A hybrid decoder may hold another kind of module at a row's place in some layers
     (MiniMax: a linear attention as `self_attn`, with none of the declared projections), or a
     per-head parameter in some layers only (MiMo-V2's attention sinks). Such a module stays whole
@@ -49,18 +49,19 @@ def other_kinds_optional(layers: list[nn.Module], rows: list[tuple[str, Style]],
                 optional |= set(entries)  # another kind of module at this place
             elif has != modules:
                 raise Refused(f"{model_type!r}: layer {i} has {has} of the declared {modules}, "
-                               "a projection without the one that completes it")
+                              "a projection without the one that completes it")
             optional |= {(p, st) for p, st in entries if isinstance(st, ShardParam)
                          and not has_param(get(layer, p), st.name)}
     return [(p + OPTIONAL if (p, st) in optional else p, st) for p, st in rows]
 
 
 def has_param(mod: nn.Module | None, name: str) -> bool:
+    """`mod` has its own registered parameter `name`."""
     return mod is not None and isinstance(mod._parameters.get(name), nn.Parameter)
 
 
 def check_moe_layers(layers: list[nn.Module], rows: list[tuple[str, Style]],
-                      experts: set[str], model_type: str) -> None:
+                     experts: set[str], model_type: str) -> None:
     """Each layer's MoE block is one form: experts (with their shared experts) or a dense MLP
     whose every declared projection is there, never a mix (a row skipped beside an applied
     partner would leave a projection split without the one that completes it)."""
@@ -74,12 +75,12 @@ def check_moe_layers(layers: list[nn.Module], rows: list[tuple[str, Style]],
             moe = get(layer, e) is not None
             if (moe and has) or (not moe and dense and has != dense):
                 raise Refused(f"{model_type!r}: layer {i} has {'experts and ' if moe else ''}"
-                               f"{has or 'none'} of its dense MLP rows {dense}, neither the "
-                               "experts alone nor the whole dense MLP")
+                              f"{has or 'none'} of its dense MLP rows {dense}, neither the "
+                              "experts alone nor the whole dense MLP")
 
 
 def check_regions(layers: list[nn.Module], rows: list[tuple[str, Style]],
-                   model_type: str) -> None:
+                  model_type: str) -> None:
     """Refuse a parameter no row covers inside a module whose column projections keep their
     outputs split (no `GatherOutput`): it may compute on this rank's features only (Apertus's
     xIELU `mlp.act_fn.alpha_p`), so its gradient would be partial, and the declared plan does
@@ -106,9 +107,9 @@ def check_regions(layers: list[nn.Module], rows: list[tuple[str, Style]],
                 owner = join(region, name.rpartition(".")[0])
                 if owner not in covered and not owner.startswith(tuned):
                     raise Refused(f"{model_type!r}: the parameter {join(region, name)!r} sits "
-                                   f"in {region!r}, whose projections keep their outputs split, "
-                                   "and the declared plan gives it no style, so its gradient "
-                                   "could be one rank's share")
+                                  f"in {region!r}, whose projections keep their outputs split, "
+                                  "and the declared plan gives it no style, so its gradient "
+                                  "could be one rank's share")
 
 
 def join(*parts: str) -> str:

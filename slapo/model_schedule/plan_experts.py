@@ -24,7 +24,7 @@ Refused, with the reason: experts with biases (`down_proj_bias` would be added o
 before the all-reduce), a norm after each expert (it would normalise partial sums), an experts
 module without the decorator's flags (its forward is not known to read the tensors as above;
 `KNOWN_LAYOUTS` names the classes whose forward was read instead: Llama 4's) or without a
-`top_k_weights` input (but for a known layout that scales its input), and sequence
+`top_k_weights` input (but for a known layout whose router scaled its input), and sequence
 parallelism.
 """
 
@@ -40,15 +40,21 @@ from .plan import Style, _check_split
 _FLAGS = ("is_transposed", "is_concatenated", "has_gate", "has_bias")
 WEIGHTS = "top_k_weights"  # the routing weights' argument of an HF experts forward
 # Experts classes without the decorator whose forward was read (transformers 5.24), by class
-# and module: their layout as the decorator's flags. Llama 4's experts run every expert on every
-# token row (`bmm` over [E, H, 2I] = [gate | up]) and take no routing weights: the tokens are
-# scaled by the router before them, so the reduced input gradient carries the router's too.
+# and module: their layout as the decorator's flags, and `scales_input` for a forward that takes
+# no routing weights because the router scaled the tokens before it (its input's reduced
+# gradient then carries the router's too). Llama 4's experts run every expert on every token
+# row (`bmm` over [E, H, 2I] = [gate | up]).
 KNOWN_LAYOUTS = {("transformers.models.llama4.modeling_llama4", "Llama4TextExperts"): dict(
-    is_transposed=True, is_concatenated=True, has_gate=True, has_bias=False)}
+    is_transposed=True, is_concatenated=True, has_gate=True, has_bias=False, scales_input=True)}
 
 
 def _known_layout(mod) -> dict | None:
     return KNOWN_LAYOUTS.get((type(mod).__module__, type(mod).__name__))
+
+
+def _takes_weights(mod) -> bool:
+    """The forward takes the routing weights (whose gradient is then summed over the ranks)."""
+    return not (_known_layout(mod) or {}).get("scales_input", False)
 
 
 def expert_flags(mod) -> dict | None:
@@ -76,7 +82,7 @@ class Experts(Style):
         flags = expert_flags(node.mod) or {"has_gate": True, "is_transposed": False,
                                            "is_concatenated": True}
         first = _layout(flags)[0]
-        weights = [] if _known_layout(node.mod) else [("sync", "bwd_post", "all_reduce", WEIGHTS)]
+        weights = [("sync", "bwd_post", "all_reduce", WEIGHTS)] if _takes_weights(node.mod) else []
         return [("shard", first), ("shard", "down_proj"), ("sync", "bwd_post", "all_reduce"),
                 *weights, ("sync", "fwd_post", "all_reduce")]
 
@@ -105,7 +111,7 @@ class Experts(Style):
             args = list(inspect.signature(node.mod.forward).parameters)
         except (TypeError, ValueError):
             args = []
-        if WEIGHTS not in args and _known_layout(node.mod) is None:
+        if WEIGHTS not in args and _takes_weights(node.mod):
             raise SchedulingError(node.path, f"{self}: {name}.forward takes no {WEIGHTS!r} "
                                   f"(it takes {args}), so the routing weights' gradient cannot "
                                   "be summed over the ranks.", "use tp=1 for this model.")
@@ -130,7 +136,7 @@ class Experts(Style):
         if isinstance(node.mod.__dict__.get("intermediate_dim"), int):  # an eager forward's
             node.set_attr("intermediate_dim", node.mod.intermediate_dim // tp)
         node.sync(mode="bwd_post", sync_op_or_fn="all_reduce")
-        if _known_layout(node.mod) is None:  # a known layout scales its input instead
+        if _takes_weights(node.mod):  # else the router scaled the input: summed above
             node.sync(mode="bwd_post", sync_op_or_fn="all_reduce", arg=WEIGHTS)
         node.sync(mode="fwd_post", sync_op_or_fn="all_reduce")
 

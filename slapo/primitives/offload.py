@@ -15,9 +15,9 @@ autograd saves for backward goes through `torch.autograd.graph.saved_tensors_hoo
   so the H2D copy is not overlapped with the previous layer's backward (GPU time to measure).
 
 The numbers are exactly the module's (a copy is a copy). The CUDA path (streams, events,
-pinned memory) has not run on a GPU yet: no device was lent when it was written. On CPU there is no device memory to
-save, so CPU tensors are kept unless `devices` names "cpu", which tests use to run the same
-pack/unpack path exactly. Composes with compiled blocks (the hooks wrap the compiled call and
+pinned memory) has not run on a GPU yet: no device was lent when it was written. On CPU there
+is no device memory to save, so CPU tensors are kept unless `devices` names "cpu", which tests
+use to run the same pack/unpack path exactly. Composes with compiled blocks (the hooks wrap the compiled call and
 see the tensors its backward saves) and tensor parallelism (local); not with `checkpoint` on
 the same module (a checkpointed module saves only its inputs: choose one per layer, as
 `model_schedule`'s `offload_ratio` does, which offloads the layers after the checkpointed ones).

@@ -58,7 +58,7 @@ decide how many stages the model is cut into.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
@@ -310,9 +310,10 @@ def init_mesh(dp: int | None = 1, pp: int = 1, tp: int = 1, *,
               timeout_s: float = DEFAULT_TIMEOUT_S) -> DeviceMesh:
     """Return a DeviceMesh of shape (dp, pp, tp) named ("dp", "pp", "tp") over all ranks.
 
-    The one construction site of meshes and process groups. Pass the degrees, or `dims`
-    (a `ParallelDims`, the placement, which carries its own device); `dp=None` takes the data-parallel degree from the job's size (all ranks
-    not used by tp x pp). Initialises torch.distributed from the torchrun environment when it
+    The one construction site of meshes and process groups (each layout's mesh made once per
+    process and default group: `_MeshCache`). Pass the degrees, or `dims` (a `ParallelDims`,
+    the placement, which carries its own device); `dp=None` takes the data-parallel degree
+    from the job's size (all ranks not used by tp x pp). Initialises torch.distributed from the torchrun environment when it
     is not initialised yet (`device`: "auto" = NCCL + CUDA when a GPU is there, else gloo +
     CPU; `timeout_s` for every collective). Every rank checks the sizes before any
     communication, so a wrong size fails on all of them at once instead of leaving some
@@ -337,21 +338,31 @@ def init_mesh(dp: int | None = 1, pp: int = 1, tp: int = 1, *,
     world = dist.get_world_size()
     if world != want:
         raise _size_error(world, dims)
-    world_group = dist.distributed_c10d._get_default_group()
-    if _MESHES.get("world") is not world_group:  # a new default group: new meshes
-        _MESHES.clear()
-        _MESHES["world"] = world_group
-    key = (kind, dims.shape, dims.mesh_dims, dims.ep, dims.cp)
-    if key not in _MESHES:
-        _MESHES[key] = _new_mesh(kind, dims)
-    return _MESHES[key]
+    return _MESHES.mesh((kind, dims.shape, dims.mesh_dims, dims.ep, dims.cp),
+                        lambda: _new_mesh(kind, dims))
 
 
-# The meshes made in this process under its current default group, by layout. DeviceMesh makes
-# new process groups at every call and gloo never frees a group's threads, so each `slapo
-# train` in one process (the test pool, in-process tune trials) leaked 6 threads: the pool hit
-# its thread limit and restarted every ~50 runs. Cleared when the default group is replaced.
-_MESHES: dict = {}
+@dataclass
+class _MeshCache:
+    """The meshes made in this process under its current default group, by layout. DeviceMesh
+    makes new process groups at every call and gloo never frees a group's threads, so each
+    `slapo train` in one process (the test pool, in-process tune trials) leaked 6 threads: the
+    pool hit its thread limit and restarted every ~50 runs. A new default group (the old one
+    destroyed) starts an empty cache."""
+
+    group: object = None
+    meshes: dict = field(default_factory=dict)
+
+    def mesh(self, layout: tuple, make) -> DeviceMesh:
+        group = dist.distributed_c10d._get_default_group()
+        if group is not self.group:
+            self.group, self.meshes = group, {}
+        if layout not in self.meshes:
+            self.meshes[layout] = make()
+        return self.meshes[layout]
+
+
+_MESHES = _MeshCache()
 
 
 def _new_mesh(kind: str, dims: ParallelDims) -> DeviceMesh:

@@ -345,7 +345,8 @@ class HFDecoderStage(FusedLossStage, nn.Module):
         if unknown:
             raise SchedulingError(self.layout.layers, f"attention types {sorted(unknown)} of "
                                   f"{type(self._root[0]).__name__} have no pipeline mask.",
-                                  "use full or sliding attention layers, or no pp_stages.")
+                                  "use attention types the stages mask (stages_declared.LAYER_MASKS), "
+                                  "or no pp_stages.")
         return {k: getattr(masking_utils, declared.LAYER_MASKS[k])(
             **kw, **declared.MASK_KWARGS.get(k, {})) for k in kinds}
 

@@ -71,11 +71,7 @@ RUN_LAYOUT = ("tp", "pp_stages", "cp", "ep", "sequence_parallel", "vocab_paralle
 
 
 # ---- the config -------------------------------------------------------------------------------
-
-
 @dataclass(init=False, eq=False)
-
-
 class TrainConfig:
     """Every option of `slapo train`, in its section (see the module docstring).
 

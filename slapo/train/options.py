@@ -32,11 +32,7 @@ def _opt(default: Any, help: str, *, choices: tuple | None = None, check: Any = 
 
 
 # ---- the sections -----------------------------------------------------------------------------
-
-
 @dataclass
-
-
 class ArchOptions:
     """What is trained: a registry architecture at a small size, or a local HF model."""
 
@@ -55,8 +51,6 @@ class ArchOptions:
 
 
 @dataclass
-
-
 class CorpusOptions:
     """The training text and how it is tokenised and split."""
 
@@ -72,8 +66,6 @@ class CorpusOptions:
 
 
 @dataclass
-
-
 class TrainingOptions:
     """The steps: how many, how big, in which precision, on which device."""
 
@@ -99,8 +91,6 @@ class TrainingOptions:
 
 
 @dataclass
-
-
 class OptimizerOptions:
     """AdamW and its learning-rate schedule (linear warm-up, cosine decay)."""
 
@@ -113,8 +103,6 @@ class OptimizerOptions:
 
 
 @dataclass
-
-
 class LoraOptions:
     """LoRA fine-tuning: PEFT's low-rank adapters on the projections, the base model frozen."""
 
@@ -138,8 +126,6 @@ class LoraOptions:
 
 
 @dataclass
-
-
 class ParallelismOptions:
     """How the data-parallel ranks hold the model and how a pipeline is scheduled (the degrees
     `--tp` and `--pp-stages` are schedule knobs: the schedule section)."""
@@ -161,8 +147,6 @@ class ParallelismOptions:
 
 
 @dataclass
-
-
 class CheckpointOptions:
     """The run directory: where checkpoints go, and where a run resumes from."""
 
@@ -184,8 +168,6 @@ class CheckpointOptions:
 
 
 @dataclass
-
-
 class LoggingOptions:
     """What the run reports: val loss, logs, progress bar, plot."""
 
