@@ -31,13 +31,19 @@ LR = 1e-2
 RTOL = 1e-5
 ATOL = 1e-8  # the denominator's floor (a gradient zero in exact arithmetic)
 # The default sample: sliding + full layer types with a rotary embedding per type and the
-# final soft-cap (Gemma 3), the embedding multiplier and the logit divisor (Granite), a plan
-# with a dropout module after the embedding and other names (GPT-NeoX), and the refusals (a
-# named one, Granite-SWA's rope per theta; an unproven model type, DOGE).
-# + indexed sparse attention's materialised mask (AXK2: the same path as DeepSeek-V3.2, 3x cheaper)
-EQUIVALENT = ("gemma3_text", "granite", "gpt_neox", "axk2")
-REFUSED = ("granite_swa", "doge")
+# final soft-cap (Gemma 3); the embedding multiplier, the logit divisor and a rotary embedding
+# per base theta with a NoPE layer (Granite-SWA); a plan with a dropout module after the
+# embedding and other names (GPT-NeoX); indexed sparse attention's materialised mask (AXK2:
+# the same path as DeepSeek-V3.2, 3x cheaper); and a named refusal (Gemma 4 unified's shared
+# key/value states). The other rules are proven in one process below (MUTATIONS).
+EQUIVALENT = ("gemma3_text", "granite_swa", "gpt_neox", "axk2")
+REFUSED = ("gemma4_unified_text",)
 _SCALE = re.compile(r"multiplier|scaling|scale|softcap")
+# config values the tiny defaults leave at a case a wrong rule would pass: Granite-SWA's two
+# layers at one theta (the global rotary's: a stage using `rotary_emb` would pass) become
+# another theta and a NoPE layer; DOGE's unset window becomes one shorter than the sequence
+EXERCISE = {"granite_swa": {"layer_rope_theta": [500000.0, 0.0]},
+            "doge": {"sliding_window": 4}}
 
 
 def _config(model_type: str):
@@ -52,6 +58,8 @@ def _config(model_type: str):
             setattr(cfg, name, 2.0)
         elif isinstance(v, float) and v == 1.0:
             setattr(cfg, name, 2.0)
+    for name, v in EXERCISE.get(model_type, {}).items():
+        setattr(cfg, name, v)
     return cfg
 
 
@@ -249,32 +257,57 @@ def test_hybrid_stages_mask_padding_as_the_model_does(dist2):
 
 # ---- a stage that forgets what the forward does between the layers is caught ------------------
 
-# (Gemma 3's per-type rope made shared fails loudly: its rotary module needs the layer type.)
+# (Gemma 3's per-type rope made shared fails loudly: its rotary module needs the layer type;
+# Granite-SWA's per-theta rule made another is refused: its rope modules are not that rule's.)
+# (model type, the change to its row, config values its tiny config needs for the step to
+# matter, the dtype it runs in): DOGE's materialised mask matters without a window (the
+# causal mask would be skipped, and its dynamic mask added onto nothing); a float32 rotary
+# embedding differs from the model's dtype's in bfloat16 only (float64 holds float32 exactly)
 MUTATIONS = [("gemma3_text", {"softcap": None}), ("gemma3_text", {"masks": "causal"}),
              ("granite", {"embed_scale": None}), ("granite", {"logit_scale": None}),
-             ("cohere_compass_text", {"logit_scale": None})]
+             ("cohere_compass_text", {"logit_scale": None}),
+             ("granite_swa", {"logit_scale": None}),
+             ("lara_mini", {"rope_types": None}), ("beam", {"nope_scaling": None}),
+             ("beam", {"softcap_float32": False}), ("doge", {"masks": "causal"}),
+             ("doge", {"materialise": False}, {"sliding_window": None}),
+             ("dots3_note_text", {"rope_float32": ()}, {}, torch.bfloat16)]
+MUTATIONS = [m + ({}, torch.float64)[len(m) - 2:] for m in MUTATIONS]
+
+# float64 models, so a float32 cast the forward makes (a soft-cap, a rotary embedding: rel
+# ~1e-7) is a difference Verify's default rtol (1e-5) would pass
+TIGHT = {"rtol": 1e-10, "atol": 1e-12}
 
 
-@pytest.mark.parametrize("model_type,change", MUTATIONS,
-                         ids=[f"{m}-{next(iter(c))}" for m, c in MUTATIONS])
-def test_a_table_entry_that_forgets_a_step_is_caught(monkeypatch, model_type, change):
-    """Dropping the soft-cap, the sliding masks, the embedding multiplier or the logit divisor
-    or multiplier from a model's `Between` makes its stages differ from its forward: the same
-    comparison as the sweep's, here in one process (Verify runs the stages against the model's
-    forward when the cut is made). The table as it is passes first, Cohere Compass's full
-    layers without a rotary embedding (NoPE) included."""
+@pytest.mark.parametrize("model_type,change,over,dtype", MUTATIONS,
+                         ids=[f"{m}-{next(iter(c))}" for m, c, _, _ in MUTATIONS])
+def test_a_table_entry_that_forgets_a_step_is_caught(monkeypatch, model_type, change, over,
+                                                      dtype):
+    """Dropping the soft-cap (or its float32 cast), the sliding masks (or their always
+    materialised form), the embedding multiplier, the logit divisor or multiplier, the rope
+    rule's NoPE layers, a NoPE layer's attention scaling or a float32 rotary embedding from a
+    model's `Between` makes its stages differ from its forward: the same comparison as the
+    sweep's, here in one process (Verify runs the stages against the model's forward when the
+    cut is made; in float64 its floor is float64's). The table as it is passes first, Cohere
+    Compass's full layers without a rotary embedding (NoPE) included."""
     import hf_tiny
 
     cls = dict(hf_tiny.decoders("base_model_pp_plan"))[model_type]
     batch = {"input_ids": hf_tiny.batch()["input_ids"]}
-    sch = slapo.create_schedule(hf_tiny.build(model_type, cls, config=_config(model_type)))
-    with slapo.Verify(sch, example_kwargs=batch):  # the table as it is: the forward
+
+    def schedule():
+        cfg = _config(model_type)
+        for k, v in over.items():
+            setattr(cfg, k, v)
+        return slapo.create_schedule(hf_tiny.build(model_type, cls, config=cfg).to(dtype))
+
+    sch = schedule()
+    with slapo.Verify(sch, example_kwargs=batch, **TIGHT):  # the table as it is: the forward
         sch["model.layers.0"].cut_pipeline_stage()
     wrong = dataclasses.replace(stages_declared.BETWEEN[model_type], **change)
     monkeypatch.setitem(stages_declared.BETWEEN, model_type, wrong)
-    sch = slapo.create_schedule(hf_tiny.build(model_type, cls, config=_config(model_type)))
+    sch = schedule()
     with pytest.raises(slapo.VerificationError, match="do not compute the model's"):
-        with slapo.Verify(sch, example_kwargs=batch):
+        with slapo.Verify(sch, example_kwargs=batch, **TIGHT):
             sch["model.layers.0"].cut_pipeline_stage()
 
 
@@ -288,6 +321,18 @@ def _tiny(model_type: str, **over):
         setattr(cfg, k, v)
     return hf_tiny.build(model_type, dict(hf_tiny.decoders("base_model_pp_plan"))[model_type],
                          config=cfg)
+
+
+def _renamed(model, model_type: str):
+    """`model` under a model type no table names (a user's own, its plan copied from LLaMA)."""
+    model.config.model_type = model_type
+    return model
+
+
+def _without(model, child: str):
+    """`model` whose base model lost `child` (a layout the rope rule does not expect)."""
+    delattr(model.model, child)
+    return model
 
 
 def _base_model():
@@ -306,8 +351,11 @@ def _no_pp_plan():
 
 
 BAD = {
-    "unproven model type": (lambda: _tiny("doge"), "proven .* for \\d+ model types only"),
-    "named refusal": (lambda: _tiny("granite_swa"), "rotary embedding of its own theta"),
+    "unproven model type": (lambda: _renamed(_tiny("llama"), "my_llama"),
+                            "proven .* for \\d+ model types only"),
+    "named refusal": (lambda: _tiny("gemma4_unified_text"), "share key/value states"),
+    "rope rule without its modules": (lambda: _without(_tiny("granite_swa"), "rotary_embs"),
+                                      "its rope rule \\('per_theta'\\) runs"),
     "bidirectional gemma3": (lambda: _tiny("gemma3_text", use_bidirectional_attention=True),
                              "use_bidirectional_attention"),
     "router loss": (lambda: _tiny("qwen2_moe", output_router_logits=True),

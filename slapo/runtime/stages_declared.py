@@ -21,6 +21,7 @@ Every other declared-plan model type is refused, naming itself, until the sweep 
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, replace
 
 import torch
@@ -29,7 +30,10 @@ import torch.nn as nn
 from ..errors import SchedulingError
 
 MASKS = ("causal", "window", "layer_types", "indexed")
-ROPES = ("shared", "per_type")
+ROPES = ("shared", "per_type", "per_theta", "none")
+# the parameter-free modules outside the plan that each rope rule runs (every stage needs them)
+ROPE_MODULES = {"shared": ("rotary_emb",), "per_type": ("rotary_emb",),
+                "per_theta": ("rotary_emb", "rotary_embs"), "none": ()}
 # the attention types a `layer_types` model may list, and the masking function of each
 # (a linear-attention or recurrent layer takes the 2-D padding mask trimmed to the sequence)
 LAYER_MASKS = {"full_attention": "create_causal_mask",
@@ -53,15 +57,30 @@ class Between:
     # naming full, sliding or linear attention ("layer_types": `LAYER_MASKS`); one causal mask,
     # always materialised, for indexed sparse attention ("indexed": DeepSeek-V3.2)
     masks: str = "causal"
-    # one rotary embedding for every layer, `rotary_emb(h, position_ids)` ("shared"), or one per
+    # one rotary embedding for every layer, `rotary_emb(h, position_ids)` ("shared"); one per
     # layer type, `rotary_emb(h, position_ids, layer_type)` ("per_type": Gemma 3, OLMo 3; none
-    # for a type whose `config.rope_parameters[type]` is None, Cohere Compass's NoPE layers)
+    # for a type whose `config.rope_parameters[type]` is None, Cohere Compass's NoPE layers);
+    # one per base theta, layer i taking the module of `rotary_embs` whose theta is
+    # `config.layer_rope_theta[i]`, none for theta 0 ("per_theta": Granite-SWA; its
+    # `rotary_emb` stays unused); no position embeddings passed at all ("none": Kimi Linear)
     rope: str = "shared"
+    # the layer types that get the rotary embedding, the others None (LARA-mini's global
+    # layers); None: every type
+    rope_types: tuple[str, ...] | None = None
+    # the layer types whose rotary embedding is computed from the hidden state cast to float32
+    # (its cos/sin then float32: Dots3's indexed layers)
+    rope_float32: tuple[str, ...] = ()
+    # the attention scaling of layers without a rotary embedding: a function of the positions
+    # in the model's modeling module, passed as `attention_scaling` to every layer (None to the
+    # roped ones: Beam's NoPE layers)
+    nope_scaling: str | None = None
+    materialise: bool = False  # every mask materialised, no is_causal skip (Doge adds onto it)
     embed_scale: str | None = None  # multiplies the embeddings (Granite)
     embed_dropout: str | None = None  # a functional dropout's p after the embedding (StarCoder2)
     hidden_divisor: str | None = None  # divides the last hidden state before the head (MiniCPM3)
     logit_scale: tuple[str, str] | None = None  # ("mul" or "div", value) on the logits
     softcap: str | None = None  # the logits' tanh soft-cap, off when None (Gemma 2/3)
+    softcap_float32: bool = False  # the soft-cap computed on the logits cast to float32 (Beam)
     # (config flag, what the forward does then): refused when the flag is set
     refuse_if: tuple[tuple[str, str], ...] = ()
 
@@ -129,22 +148,35 @@ BETWEEN: dict[str, Between] = {
                                            "config.output_vocab_size, the width its loss reads"),)),
     "afmoe": Between(masks="layer_types", refuse_if=(("mup_enabled", "its forward scales the "
                                                       "embeddings by sqrt(hidden_size)"),)),
+    # each layer's rotary embedding by its own theta, from a list of rotary modules
+    "granite_swa": Between(masks="layer_types", rope="per_theta",
+                           embed_scale="base.embedding_multiplier",
+                           logit_scale=("div", "config.logits_scaling")),
+    # only the sliding layers are roped; the global ones are NoPE
+    "lara_mini": Between(masks="layer_types", rope_types=("sliding_attention",),
+                         refuse_if=(_ROUTER,)),
+    # NoPE layers (rope_parameters[type] None) get an attention scaling of the positions
+    # and the logits are soft-capped in float32
+    "beam": Between(masks="layer_types", rope="per_type",
+                    nope_scaling="modeling.compute_attention_scaling",
+                    softcap="config.final_logit_softcapping", softcap_float32=True),
+    "kimi_linear": Between(masks="layer_types", rope="none"),
+    # Mistral's window rule, the mask always materialised (its dynamic mask is added onto it)
+    "doge": Between(masks="window", materialise=True, refuse_if=(_ROUTER,)),
+    # the indexed layers' rotary embedding is computed in float32
+    "dots3_note_text": Between(masks="layer_types", rope="per_type",
+                               rope_float32=("indexed_attention",)),
 }
 
 # Model types refused by name: what their forward does between the layers that `Between`
 # cannot say.
 REFUSED: dict[str, str] = {
-    "granite_swa": "each layer takes the rotary embedding of its own theta "
-                   "(config.layer_rope_theta), from a list of rotary modules",
-    "beam": "layers without a rotary embedding get an attention scaling computed in the forward",
-    "lara_mini": "only its sliding-attention layers get the rotary embedding (the others "
-                 "position_embeddings=None)",
     "gemma4_unified_text": "later layers share key/value states with earlier ones, sliced in "
                            "the forward",
     "inkling_text": "its forward divides the hidden state and cuts the logits to the unpadded "
                     "vocabulary",
-    **dict.fromkeys(("glm_moe_dsa", "dots3_note_text"),
-                    "its indexed (sparse) attention layers take a mask the stages do not build"),
+    "glm_moe_dsa": "its indexed (sparse) attention layers pass the indexer's top-k from one "
+                   "layer to the next",
     "longcat_flash": "its forward runs config.num_layers layers, each a pair of attention "
                      "sublayers",
 }
@@ -192,6 +224,7 @@ def declared_parts(model: nn.Module) -> DeclaredParts | None:
                               f"{len(BETWEEN)} model types only; another may scale, cap or "
                               "mask there and train silently wrong.", FIX)
     parts = replace(parts, between=between)
+    _check_shared(parts, where)
     _check_config(model, parts, where)
     return parts
 
@@ -222,13 +255,19 @@ def _parts(model: nn.Module, plan: dict, where: str) -> DeclaredParts:
     if outside:
         raise SchedulingError(prefix, f"{where} has parameters outside its declared pipeline "
                               f"plan ({', '.join(outside)}), which no stage would run.", FIX)
-    if shared != ["rotary_emb"]:  # the one module the stages run outside the plan
-        raise SchedulingError(prefix, f"{where} has {shared or 'no'} modules outside its "
-                              "declared pipeline plan where the stages expect its one rotary "
-                              "embedding (rotary_emb).", FIX)
     return DeclaredParts(tuple(f"{prefix}.{k}" for k in names[:at]), f"{prefix}.{lists[0]}",
                          tuple(f"{prefix}.{k}" for k in names[at + 1:]) + (head_path,),
                          tuple(f"{prefix}.{k}" for k in shared), Between())
+
+
+def _check_shared(parts: DeclaredParts, where: str) -> None:
+    """The parameter-free modules outside the plan must be the ones its rope rule runs."""
+    shared = tuple(p.rsplit(".", 1)[-1] for p in parts.shared)
+    want = ROPE_MODULES[parts.between.rope]
+    if sorted(shared) != sorted(want):
+        raise SchedulingError("", f"{where} has {list(shared) or 'no'} modules outside its "
+                              f"declared pipeline plan where its rope rule "
+                              f"({parts.between.rope!r}) runs {list(want) or 'none'}.", FIX)
 
 
 def _check_config(model: nn.Module, parts: DeclaredParts, where: str) -> None:
@@ -253,9 +292,12 @@ def _check_config(model: nn.Module, parts: DeclaredParts, where: str) -> None:
 # ---- the forward between the layers, as the table says ----------------------------------------
 
 def value(stage: nn.Module, spec: str):
-    """The value `spec` names ("config.x", "lm.x", "base.x"), read as the forward reads it."""
+    """The value `spec` names ("config.x", "lm.x", "base.x", "modeling.f": a function of the
+    model's modeling module), read as the forward reads it."""
     owner, attr = spec.split(".", 1)
     root = stage._root[0]
+    if owner == "modeling":  # a function of the model's modeling module
+        return getattr(sys.modules[type(root).__module__], attr)
     src = {"config": root.config, "lm": root,
            "base": getattr(root, getattr(root, "base_model_prefix", ""), None)}[owner]
     return getattr(src, attr)
@@ -282,15 +324,47 @@ def attention_type(cfg, between: Between, i: int) -> str:
     return "full_attention"
 
 
-def rotary(stage: nn.Module, between: Between, rotary_emb: nn.Module, h: torch.Tensor,
-           pos: torch.Tensor, kinds: set[str]) -> dict:
-    """{attention type: position embeddings} for the layer types of this stage."""
-    if between.rope == "per_type":
-        params = getattr(stage.config, "rope_parameters", None) or {}
-        return {k: None if k in params and params[k] is None else rotary_emb(h, pos, k)
-                for k in kinds}
-    shared = rotary_emb(h, position_ids=pos)
-    return dict.fromkeys(kinds, shared)
+def rope_key(cfg, between: Between, i: int):
+    """Which of the stage's position embeddings layer `i` takes: its attention type, or its
+    base theta under the per-theta rule."""
+    if between.rope == "per_theta":
+        return cfg.layer_rope_theta[i]
+    return attention_type(cfg, between, i)
+
+
+def rotary(stage: nn.Module, between: Between, modules: dict[str, nn.Module], h: torch.Tensor,
+           pos: torch.Tensor, keys: set) -> dict:
+    """{rope key: position embeddings, None for a NoPE layer} for this stage's layers; {} when
+    the rule passes none (`modules`: the stage's rope modules by name, `ROPE_MODULES`)."""
+    if between.rope == "none":
+        return {}
+    if between.rope == "per_theta":
+        by_theta = {m.config.rope_parameters["rope_theta"]: m for m in modules["rotary_embs"]}
+        return {t: by_theta[t](h, position_ids=pos) if t else None for t in keys}
+    params = getattr(stage.config, "rope_parameters", None) or {}
+    out = {}
+    for k in keys:
+        x = h.float() if k in between.rope_float32 else h
+        if between.rope_types is not None and k not in between.rope_types:
+            out[k] = None
+        elif between.rope == "per_type":
+            out[k] = None if k in params and params[k] is None else \
+                modules["rotary_emb"](x, pos, k)
+        else:
+            out[k] = modules["rotary_emb"](x, position_ids=pos)
+    return out
+
+
+def layer_kwargs(stage: nn.Module, between: Between, rope: dict, key,
+                 pos: torch.Tensor) -> dict:
+    """The position arguments a layer takes beyond its hidden state, mask and positions."""
+    if between.rope == "none":
+        return {}
+    out = {"position_embeddings": rope[key]}
+    if between.nope_scaling is not None:
+        out["attention_scaling"] = value(stage, between.nope_scaling)(pos) \
+            if rope[key] is None else None
+    return out
 
 
 def hidden_extra(stage: nn.Module, between: Between, h: torch.Tensor) -> torch.Tensor:
@@ -308,6 +382,7 @@ def logits_extra(stage: nn.Module, between: Between, logits: torch.Tensor) -> to
         logits = logits * scale if op == "mul" else logits / scale
     cap = value(stage, between.softcap) if between.softcap is not None else None
     if cap is not None:
+        logits = logits.float() if between.softcap_float32 else logits
         logits = torch.tanh(logits / cap) * cap
     return logits
 

@@ -19,6 +19,16 @@ from ..errors import SchedulingError, VerificationError
 _EPS = 1e-6  # relative roundoff floor (fp32 eps ~1.2e-7, times accumulation depth)
 
 
+def _eps(dtype: torch.dtype) -> float:
+    """The roundoff floor of outputs in `dtype`: `_EPS`, scaled down for float64 (whose eps is
+    2e-9 of float32's), so a stage that computes a step in float32 where the float64 model's
+    forward does not (or the reverse: a soft-cap, a rotary embedding) is seen. Never looser
+    than float32's."""
+    if not dtype.is_floating_point:
+        return _EPS
+    return _EPS * min(1.0, torch.finfo(dtype).eps / torch.finfo(torch.float32).eps)
+
+
 def _stage_output_pairs(got, want) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
     """(name, stage value, model value) for what the last pipeline stage returns: the fields of
     its wrapped output (an HF `ModelOutput` with `logits`), or a tensor / tuple compared with the
@@ -117,8 +127,8 @@ class PipelineChecks:
         named = [(name, g.detach(), w.detach()) for name, g, w in pairs]
         named += [(f"grad {n}", g, w) for (n, _), g, w in zip(params, *grads, strict=True)
                   if w is not None or g is not None]
-        floor = _EPS * max((w.abs().max().item() for _, _, w in named[:len(pairs)]
-                            if w.numel()), default=0.0)
+        floor = max((_eps(w.dtype) * w.abs().max().item() for _, _, w in named[:len(pairs)]
+                     if w.numel()), default=0.0)
         for name, g, w in named:
             if g is None or w is None:
                 self._fail(name, f"the pipeline stages run in sequence do not train what the "
@@ -128,11 +138,11 @@ class PipelineChecks:
             err = (g.double() - w.double()).abs().max().item() if w.numel() else 0.0
             atol = max(self.rtol * w.abs().max().item() if w.numel() else 0.0, floor, 1e-30)
             self.report[f"pipeline stages {name}"] = err
-            if g.shape != w.shape or not torch.allclose(g.double(), w.double(),
-                                                        rtol=self.rtol, atol=atol):
+            if g.shape != w.shape or g.dtype != w.dtype or \
+                    not torch.allclose(g.double(), w.double(), rtol=self.rtol, atol=atol):
                 self._fail(name, f"the pipeline stages run in sequence do not compute the "
                            f"model's forward and backward: {name} max abs error {err:.3e} "
-                           f"(atol {atol:.3e}). The stages re-implement "
+                           f"(atol {atol:.3e}, dtype {g.dtype} for {w.dtype}). The stages re-implement "
                            f"{type(model).__name__}'s forward between its layers, and this "
                            "model or transformers version computes something they do not; "
                            "train it without pipeline stages, or report the model type and "
