@@ -165,23 +165,34 @@ def _local(value: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     return value if s is None else value[s.first:s.first + s.count]
 
 
+def _full(t: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """A tensor-parallel shard (`p`'s) gathered whole; anything else as it is."""
+    from slapo.sharding import gather_full, shard_spec
+
+    spec = shard_spec(p)
+    return gather_full(t, spec) if spec is not None and spec.world_size > 1 else t
+
+
 def _ep_run(family: str, mesh, batches, dp: int = 2, grad_accum: int = 1, **kw):
     """The scheduled model: apply on the ep mesh, build with DDP, two train steps."""
     import slapo
 
-    model = _model(family, dp=dp, rows=grad_accum, **kw)
+    dtype = kw.pop("dtype", torch.float32)
+    clip = kw.pop("grad_clip", None)
+    model = _model(family, dp=dp, rows=grad_accum, **kw).to(dtype)
     ref = copy.deepcopy(model)
     sch = slapo.create_schedule(model, mesh=mesh)
     slapo.model_schedule.apply(sch)
     auxes = []
     model.register_forward_hook(lambda m, a, o: auxes.append(_aux(o)))
     tm, _ = slapo.build(sch, optimizer=torch.optim.AdamW, optimizer_kwargs={"lr": LR},
-                        data_parallel="ddp", grad_accum=grad_accum)
+                        data_parallel="ddp", grad_accum=grad_accum, grad_clip=clip)
     losses, grads = [], None
     for batch in batches:
         losses.append(tm.train_step(batch))
         if grads is None:
-            grads = {n: p.grad.clone() for n, p in tm.named_parameters()}
+            grads = {n: _full(p.grad, p) for n, p in tm.named_parameters()}
+            tm.__dict__["first_norm"] = tm.train_step.__self__.last_grad_norm
     return ref, tm, losses, auxes, grads
 
 
@@ -197,20 +208,22 @@ def _off_by_one(honest):
     return splits
 
 
-def job_ep2_equals_one_process(families=FAMILIES, misroute=False, dp=2, grad_accum=1, **kw):
+def job_ep2_equals_one_process(families=FAMILIES, misroute=False, dp=2, grad_accum=1, tp=1,
+                               **kw):
     """Each family: every compared quantity's relative difference, and the facts the
     comparison relies on (an idle expert, uneven counts, this rank's experts). `misroute`:
     with `_off_by_one` patched into the split computation; `dp`: data-parallel ranks (ep=2
     of them, so dp=4 has two ranks holding each expert); `grad_accum`: micro-batches per
-    rank and step (one sequence each). "reduces": the expert all-reduces run."""
+    rank and step (one sequence each); `tp`: tensor-parallel ranks per data-parallel rank
+    (their shards gathered to compare). "reduces": the expert all-reduces run."""
     import torch.distributed as dist
 
     import slapo.op.moe as moe
     from slapo.runtime.data_parallel import ExpertGradMean
     from slapo.runtime.mesh import init_mesh
 
-    rank, k = dist.get_rank(), grad_accum
-    mesh = init_mesh(dims=ParallelDims(dp_replicate=dp, ep=2, device="cpu"))
+    rank, k = dist.get_rank() // tp, grad_accum  # the data-parallel rank
+    mesh = init_mesh(dims=ParallelDims(dp_replicate=dp, ep=2, tp=tp, device="cpu"))
     batches = _batches(dp, k)
     honest, out, reduces = moe.send_splits, {}, []
     real_reduce = ExpertGradMean.reduce
@@ -236,8 +249,13 @@ def job_ep2_equals_one_process(families=FAMILIES, misroute=False, dp=2, grad_acc
                 "has_aux": auxes[0] is not None and ref_auxes[0][rank] is not None,
                 "reduces": len(reduces),
                 "grad": {n: _rel(g, _local(ref_grads[n], params[n])) for n, g in grads.items()},
-                "param": {n: _rel(p.detach(), _local(ref_params[n].detach(), p))
+                "param": {n: _rel(_full(p.detach(), p), _local(ref_params[n].detach(), p))
                           for n, p in params.items()},
+                "tp_split": sum(_full(p, p) is not p for p in params.values()),
+                # the clipped norm (with `grad_clip`): each expert once, tp replicas once
+                "norm": None if tm.__dict__.get("first_norm") is None else _rel(
+                    tm.__dict__["first_norm"].double(),
+                    torch.stack([g.double().norm() for g in ref_grads.values()]).norm()),
             }
     finally:
         moe.send_splits = honest
@@ -324,6 +342,22 @@ def test_ep2_of_dp4_with_accumulation_equals_one_process(dist4):
     assert results[0]["mixtral"]["counts"][0][3] == 0, results[0]["mixtral"]["counts"]
     bad = _mismatches(results, "mixtral", param_rel=1e-4)
     assert not bad, bad
+
+
+@pytest.mark.dist
+def test_ep2_with_tp2_equals_one_process(dist4):
+    """ep=2 x tp=2 on 4 ranks: attention (and DeepSeek-V3's MLA, its dense layer and shared
+    expert) split by the tensor-parallel plan, the experts by ep among the ranks of one tp
+    index, whole on each (the tp plan leaves them to ep: `moe.without_experts`). In float64:
+    tp's all-reduces sum in another order than one process, whose float32 roundoff AdamW's
+    first steps amplify to ~2e-4 in a parameter whose gradient element is near zero."""
+    results = dist4.run(job_ep2_equals_one_process, tp=2, dtype=torch.float64, grad_clip=1e6)
+    for family in FAMILIES:
+        assert [r[family]["held"][0] for r in results] == [0, 0, 2, 2]  # ep over dp ranks
+        assert all(r[family]["held"][2] == (2, 64, 64) for r in results)  # experts whole
+        assert all(r[family]["tp_split"] > 0 for r in results)  # tp split something
+        assert all(r[family]["norm"] < REL for r in results), [r[family]["norm"] for r in results]
+        assert not _mismatches(results, family), (family, _mismatches(results, family))
 
 
 @pytest.mark.dist

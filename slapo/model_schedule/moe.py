@@ -11,7 +11,8 @@ HF's module, so routing and the auxiliary loss are HF's (docs/model_schedule.md)
 Every check runs before the first swap (`check_expert_parallel`): a model without an MoE plan,
 ep not dividing a layer's experts, an experts module in a layout this plan does not know (HF's
 `use_experts_implementation` flags: concatenated gate/up, not transposed, no bias, no post-norm),
-and the combinations not built yet (ep with tp > 1 or with pipeline stages).
+and the combination not built yet (ep with pipeline stages). With tp > 1 the family's
+tensor-parallel plan leaves the experts to ep (`without_experts`).
 """
 
 from __future__ import annotations
@@ -55,10 +56,9 @@ def check_expert_parallel(sch: Schedule, family, layers: list[Schedule], tp: int
         raise SchedulingError(sch.path, f"the mesh has ep={ep}, but family {family.name!r} has "
                               "no mixture-of-experts plan (no experts to spread).",
                               "use a mesh with ep=1, or give the Family a moe=MoEPlan(...).")
-    for what, n in (("tp", tp), ("pp_stages", pp_stages)):
-        if n > 1:
-            raise SchedulingError(sch.path, f"ep={ep} with {what}={n} is not supported yet.",
-                                  f"use {what}=1 with expert parallelism.")
+    if pp_stages > 1:
+        raise SchedulingError(sch.path, f"ep={ep} with pp_stages={pp_stages} is not supported "
+                              "yet.", "use pp_stages=1 with expert parallelism.")
     found = plan.modules(layers)
     if not found:
         raise SchedulingError(sch.path, f"ep={ep}: no layer of this model has experts at "
@@ -85,6 +85,26 @@ def _check_experts(node: Schedule, ep: int) -> None:
     if num % ep:
         raise SchedulingError(node.path, f"ep={ep} does not divide the {num} experts of this "
                               "layer.", f"use an ep that divides {num}.")
+
+
+def without_experts(family):
+    """`family` whose tensor-parallel plan leaves the experts to expert parallelism: the rows
+    at or under its experts module dropped (expert TP, `plan_experts.Experts`, would split
+    each expert's FFN over tp, which the experts ep then holds are not). Under ep x tp every
+    tp rank of an ep group runs its experts whole on the same tokens (the attention's row
+    projection already all-reduced them), the all-to-all runs among the ranks of one tp index
+    (`MeshInfo.group("ep")`), so the experts' input gradient is whole on every tp rank, as the
+    router's, and the shared experts keep their rows (each projection reduces its own input
+    gradient)."""
+    import dataclasses
+
+    plan = family.tp_plan
+    if plan is None or not hasattr(plan, "entries"):
+        return family
+    at = family.moe.experts
+    rows = tuple(r for r in plan.entries
+                 if not (r[0].rstrip("?") == at or r[0].rstrip("?").startswith(at + ".")))
+    return dataclasses.replace(family, tp_plan=dataclasses.replace(plan, entries=rows))
 
 
 def expert_parallel(family, layers: list[Schedule], info) -> None:

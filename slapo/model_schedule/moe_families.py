@@ -8,8 +8,10 @@ Expert parallelism (a mesh with ep > 1) spreads each layer's experts (`moe.MoEPl
 Tensor parallelism (Mixtral, Qwen3-MoE): LLaMA's attention rows and expert TP
 (`plan_experts.Experts`: each expert's FFN split over the ranks, the router replicated);
 Qwen3-MoE's dense layers split their MLP per projection (an MoE layer has no such modules,
-so those rows are optional). DeepSeek-V3's multi-head latent attention has no plan: tp > 1 is
-refused for it before anything changes, and so is tp with ep.
+so those rows are optional). DeepSeek-V3 takes the plan derived from its declared one
+(`_registry._with_declared_tp_plan`): HF declares no attention rows for its multi-head latent
+attention, so tp splits its dense MLPs, shared expert and experts and keeps MLA whole.
+With ep > 1 as well, the tp plan leaves the experts to ep (`moe.without_experts`).
 """
 
 from __future__ import annotations
