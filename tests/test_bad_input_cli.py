@@ -113,8 +113,6 @@ TRAIN_CASES: dict[str, CliCase] = {
     "ep_on_dense_model": CliCase(["--model", "llama", "--ep", "2"], ("--ep 2", "--model llama")),
     "ep_not_dividing_experts": CliCase(["--model", "mixtral", "--ep", "3"],
                                        ("--ep 3 does not divide --num-experts 4",)),
-    "ep_with_dp_shard": CliCase(["--model", "mixtral", "--ep", "2", "--dp-shard"],
-                                ("--ep 2", "FSDP2")),
     "ep_with_pipeline": CliCase(["--model", "qwen3_moe", "--ep", "2", "--pp-stages", "2"],
                                 ("--ep 2", "pipelines")),
     "ep_with_lora": CliCase(["--model", "mixtral", "--ep", "2", "--lora-r", "4"],

@@ -29,7 +29,6 @@ RIGGED = ("mixtral", "qwen3_moe")  # layer 0 is sparse: its router is rigged (`_
 @pytest.mark.parametrize("kw, match", [
     ({"ep": 2}, "ep does not divide dp=1"),
     ({"dp_replicate": 3, "ep": 2}, "ep does not divide dp=3"),
-    ({"dp_shard": 2, "ep": 2}, "FSDP2"),
     ({"dp_replicate": 2, "pp": 2, "ep": 2}, "pipelines"),
     ({"ep": 0}, "must be a positive int"),
 ])
@@ -166,9 +165,11 @@ def _local(value: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
 
 
 def _full(t: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
-    """A tensor-parallel shard (`p`'s) gathered whole; anything else as it is."""
+    """An FSDP2 shard (a DTensor) and a tensor-parallel shard (`p`'s) gathered whole;
+    anything else as it is."""
     from slapo.sharding import gather_full, shard_spec
 
+    t = t.full_tensor() if hasattr(t, "full_tensor") else t
     spec = shard_spec(p)
     return gather_full(t, spec) if spec is not None and spec.world_size > 1 else t
 
@@ -179,6 +180,7 @@ def _ep_run(family: str, mesh, batches, dp: int = 2, grad_accum: int = 1, **kw):
 
     dtype = kw.pop("dtype", torch.float32)
     clip = kw.pop("grad_clip", None)
+    data_parallel = kw.pop("data_parallel", "ddp")
     model = _model(family, dp=dp, rows=grad_accum, **kw).to(dtype)
     ref = copy.deepcopy(model)
     sch = slapo.create_schedule(model, mesh=mesh)
@@ -186,7 +188,7 @@ def _ep_run(family: str, mesh, batches, dp: int = 2, grad_accum: int = 1, **kw):
     auxes = []
     model.register_forward_hook(lambda m, a, o: auxes.append(_aux(o)))
     tm, _ = slapo.build(sch, optimizer=torch.optim.AdamW, optimizer_kwargs={"lr": LR},
-                        data_parallel="ddp", grad_accum=grad_accum, grad_clip=clip)
+                        data_parallel=data_parallel, grad_accum=grad_accum, grad_clip=clip)
     losses, grads = [], None
     for batch in batches:
         losses.append(tm.train_step(batch))
@@ -223,7 +225,8 @@ def job_ep2_equals_one_process(families=FAMILIES, misroute=False, dp=2, grad_acc
     from slapo.runtime.mesh import init_mesh
 
     rank, k = dist.get_rank() // tp, grad_accum  # the data-parallel rank
-    mesh = init_mesh(dims=ParallelDims(dp_replicate=dp, ep=2, tp=tp, device="cpu"))
+    dp_kind = "dp_shard" if kw.get("data_parallel") == "fsdp" else "dp_replicate"
+    mesh = init_mesh(dims=ParallelDims(**{dp_kind: dp}, ep=2, tp=tp, device="cpu"))
     batches = _batches(dp, k)
     honest, out, reduces = moe.send_splits, {}, []
     real_reduce = ExpertGradMean.reduce
@@ -251,7 +254,9 @@ def job_ep2_equals_one_process(families=FAMILIES, misroute=False, dp=2, grad_acc
                 "grad": {n: _rel(g, _local(ref_grads[n], params[n])) for n, g in grads.items()},
                 "param": {n: _rel(_full(p.detach(), p), _local(ref_params[n].detach(), p))
                           for n, p in params.items()},
-                "tp_split": sum(_full(p, p) is not p for p in params.values()),
+                "tp_split": sum(_full(p, p) is not p for p in params.values()
+                                if not hasattr(p, "full_tensor")),
+                "fsdp": sum(hasattr(p, "full_tensor") for p in params.values()),
                 # the clipped norm (with `grad_clip`): each expert once, tp replicas once
                 "norm": None if tm.__dict__.get("first_norm") is None else _rel(
                     tm.__dict__["first_norm"].double(),
@@ -299,7 +304,7 @@ def job_bad_models_are_refused():
         refused[name] = str(err.value)
     # (grad_clip is no longer refused: the norm sums the experts over ep, and
     # test_train_moe's ep run clips to one process's norm)
-    for name, kw in {"fsdp": {"data_parallel": "fsdp"}, "none": {}}.items():
+    for name, kw in {"none": {}}.items():
         sch = slapo.create_schedule(_model("mixtral"), mesh=mesh)
         slapo.model_schedule.apply(sch)
         with pytest.raises(SchedulingError) as err:
@@ -361,6 +366,23 @@ def test_ep2_with_tp2_equals_one_process(dist4):
 
 
 @pytest.mark.dist
+def test_ep2_of_fsdp2_dp4_with_accumulation_equals_one_process(dist4):
+    """ep=2 of dp_shard=4 (FSDP2), two micro-batches per rank and step, in float64: FSDP2
+    shards every parameter but the experts over the 4 ranks and reduce-scatters on the last
+    micro-batch; the experts stay ep's (`ignored_params`), averaged over "dp_rest" once per
+    step with FSDP2's own sync flag (`set_expert_sync`); the clipped norm counts each expert
+    once (it would count them on each of FSDP2's dp ranks otherwise)."""
+    results = dist4.run(job_ep2_equals_one_process, dp=4, grad_accum=2,
+                        data_parallel="fsdp", dtype=torch.float64, grad_clip=1e6)
+    for family in FAMILIES:
+        assert [r[family]["held"][0] for r in results] == [0, 2, 0, 2]
+        assert all(r[family]["fsdp"] > 10 for r in results)  # FSDP2 sharded the rest
+        assert [r[family]["reduces"] for r in results] == [2] * 4  # one per step
+        assert all(r[family]["norm"] < REL for r in results), [r[family]["norm"] for r in results]
+        assert not _mismatches(results, family), (family, _mismatches(results, family))
+
+
+@pytest.mark.dist
 def test_ep2_equals_hf_default_grouped_mm_experts(dist2):
     """Against HF's default experts implementation (`grouped_mm` on this CPU in transformers
     5.24), not only its eager loop: loss, aux loss and every gradient within REL. grouped_mm
@@ -386,5 +408,4 @@ def test_bad_models_and_builds_are_refused(dist2):
     assert "ep=2 does not divide the 3 experts" in refused["experts"]
     assert "no mixture-of-experts plan" in refused["no_plan"]
     assert "pp_stages" in refused["pp"]  # the stage check or the ep one, both before changes
-    assert "data_parallel='fsdp'" in refused["fsdp"]
     assert "data_parallel=None" in refused["none"]

@@ -95,7 +95,9 @@ def job_ep_runs(root: str) -> dict:
     """Every rank: `--ep 2` (dp=2, ep=2: each rank 2 of the 4 experts), then two resumes from
     its step-1 checkpoint: on `--ep 2` (bit for bit) and on `--ep 1` (plain DDP, every expert
     on both ranks: the checkpoint holds the experts under their global names); and `--ep 2`
-    from the same model saved by `save_pretrained` (the Hub's per-expert tensors)."""
+    from the same model saved by `save_pretrained` (the Hub's per-expert tensors); `--ep 2
+    --dp-shard` (FSDP2 shards the rest of the model, the experts stay ep's), resumed from its
+    step-1 checkpoint too."""
     from slapo.train import TrainConfig, train
 
     torch.set_num_threads(1)
@@ -103,7 +105,10 @@ def job_ep_runs(root: str) -> dict:
     runs = {"ep2": {"ep": 2}, "ep2_resumed": {"ep": 2, "resume": step1},
             "ep1_resumed": {"ep": 1, "resume": step1},
             "dir_ep2": {"ep": 2, "model": f"{root}/saved"},  # each rank reads its experts
-            "qwen_ep2": {"ep": 2, **QWEN}}
+            "qwen_ep2": {"ep": 2, **QWEN},
+            "fsdp_ep2": {"ep": 2, "dp_shard": True},
+            "fsdp_ep2_resumed": {"ep": 2, "dp_shard": True,
+                                 "resume": f"{root}/fsdp_ep2/checkpoints/step_000001"}}
     out = {}
     for name, kw in runs.items():
         metrics = train(TrainConfig(**{**EP_RUN, **kw}, out=f"{root}/{name}"))
@@ -139,7 +144,8 @@ def _steps(run_dir) -> list[dict]:
 
 @pytest.mark.dist
 def test_ep2_trains_resumes_and_exports_like_one_process(dist2, tmp_path):
-    """`slapo train --model mixtral --ep 2` on 2 ranks: the losses, the clipped gradient norms,
+    """`slapo train --model mixtral --ep 2` on 2 ranks (and with `--dp-shard`, FSDP2): the
+    losses, the clipped gradient norms,
     the router numbers and the parameters after 2 AdamW steps equal one process's with
     `--grad-accum 2` (each rank's half is one process's micro-batch, the aux loss per half in
     both; qwen3_moe's losses too); resumed from its step-1 checkpoint on ep=2 it continues bit
@@ -163,7 +169,8 @@ def test_ep2_trains_resumes_and_exports_like_one_process(dist2, tmp_path):
                                     resume=str(tmp_path / "ep2/checkpoints/step_000001")))
     assert max(abs(a - b) / b for a, b in zip(ep["ep2"], one)) < REL, (ep["ep2"], one)
     assert ep["ep2_resumed"] == ep["ep2"]  # bit for bit
-    for other in (ep["ep1_resumed"], one_resumed["losses"], ep["dir_ep2"]):
+    for other in (ep["ep1_resumed"], one_resumed["losses"], ep["dir_ep2"], ep["fsdp_ep2"],
+                  ep["fsdp_ep2_resumed"]):
         assert max(abs(a - b) / b for a, b in zip(other, ep["ep2"])) < REL, (other, ep)
     qwen = train(TrainConfig(**{**EP_RUN, **QWEN}, grad_accum=2, out=str(tmp_path / "qwen_one")))
     assert max(abs(a - b) / b for a, b in zip(ep["qwen_ep2"], qwen["losses"])) < REL, (ep, qwen)
@@ -184,7 +191,7 @@ def test_ep2_trains_resumes_and_exports_like_one_process(dist2, tmp_path):
     assert not bad, bad
     resumed = _params(tmp_path / "ep2_resumed")
     assert all(torch.equal(resumed[n], p) for n, p in params.items())
-    for other in ("ep1_resumed", "one_resumed"):
+    for other in ("ep1_resumed", "one_resumed", "fsdp_ep2", "fsdp_ep2_resumed"):
         got = _params(tmp_path / other)
         bad = {n: _rel(got[n], p) for n, p in params.items() if _rel(got[n], p) > REL}
         assert not bad, (other, bad)

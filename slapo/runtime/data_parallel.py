@@ -12,10 +12,11 @@ step's runner (`LocalRunner.ddp`), never as a child of the model it returns, so 
 parameter names and state-dict keys stay its own (see `slapo.runtime.built_model`).
 
 Expert-parallel parameters (`op.moe.ExpertParallelExperts`, ep borrowing the dp ranks) are not
-replicas: each ep rank holds other experts, so DDP skips them and `ExpertGradMean` averages them
-(see there). Only DDP does this (FSDP2, no data parallelism and DeepSpeed with expert-parallel
-parameters are refused by `check_experts`; gradient clipping counts each expert once:
-`train_step.clip_grad_norm`).
+replicas: each ep rank holds other experts, so DDP skips them, FSDP2 leaves them unsharded
+(`ignored_params`: they are already split over ep, and torchtitan's further dp_shard split of
+experts is not built) and `ExpertGradMean` averages them (see there) under both. No data
+parallelism and DeepSpeed with expert-parallel parameters are refused by `check_experts`;
+gradient clipping counts each expert once: `train_step.clip_grad_norm`.
 """
 
 from __future__ import annotations
@@ -95,6 +96,10 @@ def apply_fsdp(model: nn.Module, info: MeshInfo, *, reshard_after_forward: bool 
 
     dp_mesh = info.submesh("dp")
     kwargs = {"mesh": dp_mesh, "mp_policy": mp_policy or MixedPrecisionPolicy()}
+    experts = _expert_params(model)
+    if experts:  # ep's, not FSDP2's: left whole on this rank, averaged by their own hook
+        kwargs["ignored_params"] = {p for _, p in experts}
+        _EXPERT_MEANS[model] = ExpertGradMean([p for _, p in experts], info)
     before = _parameters(model)
     for block in fsdp_blocks(model):
         fully_shard(block, reshard_after_forward=reshard_after_forward, **kwargs)
@@ -126,12 +131,13 @@ def check_experts(model: nn.Module, kind: str | None, target: str | None) -> Non
     if not experts:
         return
     name = experts[0][0]
-    if target is not None or kind != "ddp":
+    if target is not None or kind not in DATA_PARALLEL:
         how = f"target={target!r}" if target is not None else f"data_parallel={kind!r}"
         raise SchedulingError(name, f"expert-parallel parameters with {how}: expert "
                               "parallelism borrows the data-parallel ranks and averages its "
-                              "experts' gradients beside DDP; the other combinations are not "
-                              "supported yet.", "build with data_parallel='ddp'.")
+                              "experts' gradients beside DDP or FSDP2; the other combinations "
+                              "are not supported yet.",
+                              "build with data_parallel='ddp' or 'fsdp'.")
 
 
 class ExpertGradMean:
@@ -155,6 +161,7 @@ class ExpertGradMean:
         self.ep, self.group = info.ep, info.group("dp_rest")
         self.replicas = info.dp // info.ep  # ranks holding the same experts
         self.ddp = None  # set by apply_ddp once the wrapper exists: its no_sync flag
+        self.sync = True  # FSDP2's flag, set with its own (`set_expert_sync`)
         self._queued_for = None  # the backward (graph task) whose end reduces
         for p in params:
             old = _EXPERT_HOOKS.pop(p, None)
@@ -163,7 +170,8 @@ class ExpertGradMean:
             _EXPERT_HOOKS[p] = p.register_hook(self._scale)
 
     def _scale(self, grad: torch.Tensor) -> torch.Tensor:
-        if self.replicas > 1 and (self.ddp is None or self.ddp.require_backward_grad_sync):
+        syncing = self.sync if self.ddp is None else self.ddp.require_backward_grad_sync
+        if self.replicas > 1 and syncing:
             task = torch._C._current_graph_task_id()
             if task != self._queued_for:  # first expert gradient of this backward
                 self._queued_for = task
@@ -188,6 +196,16 @@ class ExpertGradMean:
 
 # the gradient hook of each expert parameter (a second `build` replaces it, never adds one)
 _EXPERT_HOOKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# an FSDP2 model's ExpertGradMean, whose sync flag follows FSDP2's (`set_expert_sync`)
+_EXPERT_MEANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def set_expert_sync(model: nn.Module, sync: bool) -> None:
+    """Under FSDP2, whether this backward reduces the experts too: set with FSDP2's own
+    `set_requires_gradient_sync` (gradient accumulation reduces on the last slice only)."""
+    mean = _EXPERT_MEANS.get(model)
+    if mean is not None:
+        mean.sync = sync
 
 
 def apply_ddp(model: nn.Module, info: MeshInfo) -> nn.Module:

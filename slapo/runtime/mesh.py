@@ -33,8 +33,9 @@ the job; `ep` (experts) borrows ranks from the others and adds none.
   is the world with `dp = dp_rest * ep`; ep ranks see different tokens, which is what lets
   the all-to-all carry real work (ranks holding the same tokens, as tp ranks do, would
   only duplicate it). An ep group is `ep` consecutive dp ranks (nearest links after tp's);
-  `dp_rest` groups the ranks that hold the same experts. Not yet with FSDP2 (dp_shard > 1) or
-  pipelines (pp > 1): refused here.
+  `dp_rest` groups the ranks that hold the same experts. With FSDP2 (dp_shard > 1) the rest
+  of the model is sharded over dp and the experts stay ep's. Not yet with pipelines (pp > 1):
+  refused here.
 - `tp`, `pp`: tensor and pipeline parallelism.
 
 **Mesh layout.** Dimensions `("dp", "pp", "tp")`, outermost first (Megatron's and torchtitan's
@@ -197,11 +198,10 @@ class ParallelDims:
                                   f"launch dp x pp x tp ranks with dp a multiple of {self.ep} "
                                   "(e.g. `torchrun --nproc-per-node "
                                   f"{self.ep * self.pp * self.tp * self.cp}`), or change ep.")
-        for name, what in (("dp_shard", "FSDP2 (dp_shard > 1)"), ("pp", "pipelines (pp > 1)")):
-            if getattr(self, name) > 1:
-                raise SchedulingError("", f"ep={self.ep} with {what} is not supported yet.",
-                                      f"use {name}=1 with ep > 1 (expert parallelism runs "
-                                      "with DDP over the data-parallel ranks).")
+        if self.pp > 1:
+            raise SchedulingError("", f"ep={self.ep} with pipelines (pp > 1) is not supported "
+                                  "yet.", "use pp=1 with ep > 1 (expert parallelism runs with "
+                                  "DDP or FSDP2 over the data-parallel ranks).")
 
     @classmethod
     def for_world(cls, world: int, *, tp: int = 1, pp: int = 1, dp_shard: bool = False,

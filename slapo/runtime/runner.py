@@ -21,6 +21,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ..errors import SchedulingError
 from .batch import Batch, call
+from .data_parallel import set_expert_sync
 from .precision import Precision
 from .token_mean import Weights
 
@@ -96,6 +97,7 @@ class LocalRunner:
                          tokens: Weights | None = None) -> torch.Tensor:
         if isinstance(self.model, FSDPModule):  # reduce-scatter only on the last slice
             self.model.set_requires_gradient_sync(sync_grads)
+            set_expert_sync(self.model, sync_grads)  # and the experts' mean with it
         weight = scale if tokens is None else tokens.weight(batch)
         batch = batch if tokens is None else tokens.guard(batch)
         with self._no_sync(sync_grads):

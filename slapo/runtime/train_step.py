@@ -102,7 +102,9 @@ def clip_grad_norm(nw: NormWeights, max_norm: float, info: MeshInfo) -> torch.Te
             total += sq
     if nw.experts:  # every rank holds experts (the same model), so every rank joins
         dist.all_reduce(experts, group=nw.expert_group)
-    total += experts
+    # every expert once on each rank now; under FSDP2 the sum over dp below would count them
+    # on each of its dp ranks
+    total += experts / info.dp if nw.dp_sharded and nw.experts else experts
     for dim in ("tp", "pp") + (("dp",) if nw.dp_sharded else ()):
         if getattr(info, dim) > 1:
             dist.all_reduce(total, group=info.group(dim))
