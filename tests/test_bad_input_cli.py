@@ -114,7 +114,7 @@ TRAIN_CASES: dict[str, CliCase] = {
     "ep_not_dividing_experts": CliCase(["--model", "mixtral", "--ep", "3"],
                                        ("--ep 3 does not divide --num-experts 4",)),
     "ep_with_pipeline": CliCase(["--model", "qwen3_moe", "--ep", "2", "--pp-stages", "2"],
-                                ("--ep 2", "pipelines")),
+                                ("--ep 2 with --pp-stages 2", "auxiliary loss")),
     "ep_with_lora": CliCase(["--model", "mixtral", "--ep", "2", "--lora-r", "4"],
                             ("--ep 2 with --lora-r",)),
     "ep_above_world": CliCase(["--model", "mixtral", "--ep", "2"],

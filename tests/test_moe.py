@@ -29,7 +29,6 @@ RIGGED = ("mixtral", "qwen3_moe")  # layer 0 is sparse: its router is rigged (`_
 @pytest.mark.parametrize("kw, match", [
     ({"ep": 2}, "ep does not divide dp=1"),
     ({"dp_replicate": 3, "ep": 2}, "ep does not divide dp=3"),
-    ({"dp_replicate": 2, "pp": 2, "ep": 2}, "pipelines"),
     ({"ep": 0}, "must be a positive int"),
 ])
 def test_bad_ep_placements_are_refused(kw, match):
@@ -268,6 +267,56 @@ def job_ep2_equals_one_process(families=FAMILIES, misroute=False, dp=2, grad_acc
     return out
 
 
+def job_ep2_pp2_equals_one_process(families=FAMILIES) -> dict:
+    """ep=2 x pp=2 on 4 ranks (1F1B, 2 micro-batches of one sequence per dp rank; FSDP2 per
+    stage, as pipelines take data parallelism: DDP's reducer cannot follow them), in float64,
+    without the router's auxiliary loss (pipeline stages do not compute it: refused with it,
+    `stages_declared._ROUTER`): each rank's stage parameters, their gradients and values after
+    2 AdamW steps against one process, the losses, the clipped norm; which experts it holds."""
+    import torch.distributed as dist
+
+    import slapo
+    import slapo.op.moe as moe
+    from slapo.runtime.mesh import init_mesh
+
+    mesh = init_mesh(dims=ParallelDims(dp_shard=2, ep=2, pp=2, device="cpu"))
+    batches = _batches(2, 2)
+    out = {}
+    for family in families:
+        model = _model(family, dp=2, rows=2).to(torch.float64)
+        model.config.output_router_logits = False
+        ref = copy.deepcopy(model)
+        sch = slapo.create_schedule(model, mesh=mesh)
+        slapo.model_schedule.apply(sch, pp_stages=2)
+        tm, _ = slapo.build(sch, optimizer=torch.optim.AdamW, optimizer_kwargs={"lr": LR},
+                            data_parallel="fsdp", pipeline="1F1B", num_microbatches=2,
+                            grad_clip=1e6)
+        losses, grads, norm = [], None, None
+        for batch in batches:
+            losses.append(tm.train_step(batch))
+            if grads is None:
+                grads = {n: _full(p.grad, p) for st in tm.stages
+                         for n, p in st.named_parameters()}
+                norm = tm._trainer.last_grad_norm
+        ref_losses, _, ref_grads, _ = _reference(ref, batches)
+        params = {n: p for st in tm.stages for n, p in st.named_parameters()}
+        ref_params = dict(ref.named_parameters())
+        held = [m for m in tm.modules() if isinstance(m, moe.ExpertParallelExperts)]
+        out[family] = {
+            "rank": dist.get_rank(),
+            "held": [(moe.expert_shard(m.gate_up_proj).first,
+                      tuple(m.gate_up_proj.shape)) for m in held],
+            "loss": max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)),
+            "aux": 0.0,
+            "grad": {n: _rel(g, _local(ref_grads[n], params[n])) for n, g in grads.items()},
+            "param": {n: _rel(_full(p.detach(), p), _local(ref_params[n].detach(), p))
+                      for n, p in params.items()},
+            "norm": _rel(norm.double(), torch.stack([g.double().norm()
+                                                     for g in ref_grads.values()]).norm()),
+        }
+    return out
+
+
 def _mismatches(results: list[dict], family: str, param_rel: float = REL) -> dict:
     """Every quantity of `family` (on any rank) further than REL from one process (the
     parameters after the AdamW steps: `param_rel`)."""
@@ -282,7 +331,8 @@ def _mismatches(results: list[dict], family: str, param_rel: float = REL) -> dic
 
 def job_bad_models_are_refused():
     """On an ep=2 mesh: experts ep does not divide, a model without an MoE plan, ep with
-    tp > 1 asked, and builds ep cannot run yet: each a SchedulingError, the model unchanged."""
+    pipeline stages of a model whose loss adds the router's auxiliary loss, and builds ep cannot
+    run yet: each a SchedulingError, the model unchanged."""
     import models
 
     import slapo
@@ -383,6 +433,22 @@ def test_ep2_of_fsdp2_dp4_with_accumulation_equals_one_process(dist4):
 
 
 @pytest.mark.dist
+def test_ep2_with_pp2_equals_one_process(dist4):
+    """ep=2 x pp=2 on 4 ranks: each stage's experts spread over the 2 dp ranks running that
+    stage (ranks 0, 2 hold stage 0; 1, 3 stage 1), their all-to-alls in step under the same
+    1F1B schedule; DeepSeek-V3's first stage holds its dense layer only, so no experts."""
+    results = dist4.run(job_ep2_pp2_equals_one_process)
+    for family in FAMILIES:
+        held = [r[family]["held"] for r in results]
+        stage1 = [[(0, (2, 64, 64))], [(0, (2, 64, 64))], [(2, (2, 64, 64))],
+                  [(2, (2, 64, 64))]]
+        want = stage1 if family in RIGGED else [[], stage1[1], [], stage1[3]]
+        assert held == want, (family, held)
+        assert all(r[family]["norm"] < REL for r in results), [r[family]["norm"] for r in results]
+        assert not _mismatches(results, family), (family, _mismatches(results, family))
+
+
+@pytest.mark.dist
 def test_ep2_equals_hf_default_grouped_mm_experts(dist2):
     """Against HF's default experts implementation (`grouped_mm` on this CPU in transformers
     5.24), not only its eager loop: loss, aux loss and every gradient within REL. grouped_mm
@@ -407,5 +473,5 @@ def test_bad_models_and_builds_are_refused(dist2):
     refused = dist2.run(job_bad_models_are_refused)[0]
     assert "ep=2 does not divide the 3 experts" in refused["experts"]
     assert "no mixture-of-experts plan" in refused["no_plan"]
-    assert "pp_stages" in refused["pp"]  # the stage check or the ep one, both before changes
+    assert "load-balancing loss" in refused["pp"]  # pipelines do not compute the aux loss
     assert "data_parallel=None" in refused["none"]

@@ -11,8 +11,10 @@ HF's module, so routing and the auxiliary loss are HF's (docs/model_schedule.md)
 Every check runs before the first swap (`check_expert_parallel`): a model without an MoE plan,
 ep not dividing a layer's experts, an experts module in a layout this plan does not know (HF's
 `use_experts_implementation` flags: concatenated gate/up, not transposed, no bias, no post-norm),
-and the combination not built yet (ep with pipeline stages). With tp > 1 the family's
-tensor-parallel plan leaves the experts to ep (`without_experts`).
+With tp > 1 the family's tensor-parallel plan leaves the experts to ep (`without_experts`).
+With pipeline stages the experts are swapped before the cuts: a stage keeps the swapped
+module, and its ep group is the dp ranks running the same stage, whose schedule (the same on
+each) keeps their all-to-alls in step.
 """
 
 from __future__ import annotations
@@ -40,8 +42,7 @@ class MoEPlan:
         return [layer[self.experts] for layer in layers if self.experts in layer]
 
 
-def check_expert_parallel(sch: Schedule, family, layers: list[Schedule], tp: int,
-                          pp_stages: int):
+def check_expert_parallel(sch: Schedule, family, layers: list[Schedule]):
     """Every check of the mesh's ep against the model, before anything changes (module
     docstring). Returns the mesh's view (`runtime.mesh.MeshInfo`: `ep`, `ep_rank`, the "ep"
     group) when ep > 1, else None (no mesh, or ep=1: nothing to do)."""
@@ -56,9 +57,6 @@ def check_expert_parallel(sch: Schedule, family, layers: list[Schedule], tp: int
         raise SchedulingError(sch.path, f"the mesh has ep={ep}, but family {family.name!r} has "
                               "no mixture-of-experts plan (no experts to spread).",
                               "use a mesh with ep=1, or give the Family a moe=MoEPlan(...).")
-    if pp_stages > 1:
-        raise SchedulingError(sch.path, f"ep={ep} with pp_stages={pp_stages} is not supported "
-                              "yet.", "use pp_stages=1 with expert parallelism.")
     found = plan.modules(layers)
     if not found:
         raise SchedulingError(sch.path, f"ep={ep}: no layer of this model has experts at "

@@ -34,8 +34,8 @@ the job; `ep` (experts) borrows ranks from the others and adds none.
   the all-to-all carry real work (ranks holding the same tokens, as tp ranks do, would
   only duplicate it). An ep group is `ep` consecutive dp ranks (nearest links after tp's);
   `dp_rest` groups the ranks that hold the same experts. With FSDP2 (dp_shard > 1) the rest
-  of the model is sharded over dp and the experts stay ep's. Not yet with pipelines (pp > 1):
-  refused here.
+  of the model is sharded over dp and the experts stay ep's; with pipelines an ep group is
+  the dp ranks of one stage (and tp index).
 - `tp`, `pp`: tensor and pipeline parallelism.
 
 **Mesh layout.** Dimensions `("dp", "pp", "tp")`, outermost first (Megatron's and torchtitan's
@@ -198,10 +198,6 @@ class ParallelDims:
                                   f"launch dp x pp x tp ranks with dp a multiple of {self.ep} "
                                   "(e.g. `torchrun --nproc-per-node "
                                   f"{self.ep * self.pp * self.tp * self.cp}`), or change ep.")
-        if self.pp > 1:
-            raise SchedulingError("", f"ep={self.ep} with pipelines (pp > 1) is not supported "
-                                  "yet.", "use pp=1 with ep > 1 (expert parallelism runs with "
-                                  "DDP or FSDP2 over the data-parallel ranks).")
 
     @classmethod
     def for_world(cls, world: int, *, tp: int = 1, pp: int = 1, dp_shard: bool = False,

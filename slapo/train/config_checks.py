@@ -111,8 +111,10 @@ def _check_ep(cfg: TrainConfig, spec) -> None:
     registry model must be a mixture of experts whose experts N divides (a model
     directory's experts are checked by `apply`, before any change); the degrees it does
     not compose with are the placement's one check (`ParallelDims`, here on the ep ranks
-    alone; the job's size is checked when the job runs), tp > 1 the expert plan's
-    (`model_schedule.moe.check_expert_parallel`, before any change)."""
+    alone; the job's size is checked when the job runs). Pipelines: `apply` and `build` run
+    ep x pp, but `slapo train`'s mixtures of experts add the router's auxiliary loss to their
+    loss, which pipeline stages do not compute (`stages_declared._ROUTER`): refused here by
+    name rather than by the stages once the job runs."""
     if spec is not None and not spec.moe:
         raise ValueError(f"--ep {cfg.ep} splits the experts of a mixture of experts; "
                          f"--model {cfg.model} has none (use mixtral or qwen3_moe)")
@@ -121,6 +123,11 @@ def _check_ep(cfg: TrainConfig, spec) -> None:
                          f"(each ep rank holds num_experts / ep experts)")
     if cfg.lora_r:  # the experts' gradient hooks need trained experts
         raise ValueError(f"--ep {cfg.ep} with --lora-r is not supported yet; drop one")
+    if (cfg.pp_stages or 1) > 1:
+        raise ValueError(f"--ep {cfg.ep} with --pp-stages {cfg.pp_stages}: slapo train's "
+                         "mixtures of experts add the router's auxiliary loss, which pipelines "
+                         "do not compute yet; drop one (slapo.build runs ep with pipelines for "
+                         "a model without that loss)")
     try:
         ParallelDims(**{"dp_shard" if cfg.dp_shard else "dp_replicate": cfg.ep},
                      pp=cfg.pp_stages or 1, cp=cfg.cp, ep=cfg.ep)

@@ -139,7 +139,8 @@ class ParallelismOptions:
                    "data-parallel ranks (E/N each), every token sent to its top-k experts by "
                    "all-to-all, exact and dropless; N divides the data-parallel ranks and the "
                    "experts; mixtures of experts only, with DDP or --dp-shard (FSDP2 shards the "
-                   "rest) and --tp (--pp-stages > 1, --cp > 1 and --lora-r are refused)")
+                   "rest) and --tp (--pp-stages > 1: the aux loss, --cp > 1 and --lora-r are "
+                   "refused)")
     pp_schedule: str | None = _opt(None, "pipeline schedule with --pp-stages > 1 (default "
                                    "1F1B); Interleaved1F1B, LoopedBFS, InterleavedZeroBubble, "
                                    "ZBVZeroBubble, DualPipeV run 2 stages per rank",
