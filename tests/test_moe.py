@@ -210,13 +210,14 @@ def _off_by_one(honest):
 
 
 def job_ep2_equals_one_process(families=FAMILIES, misroute=False, dp=2, grad_accum=1, tp=1,
-                               **kw):
+                               ep=2, **kw):
     """Each family: every compared quantity's relative difference, and the facts the
     comparison relies on (an idle expert, uneven counts, this rank's experts). `misroute`:
     with `_off_by_one` patched into the split computation; `dp`: data-parallel ranks (ep=2
     of them, so dp=4 has two ranks holding each expert); `grad_accum`: micro-batches per
     rank and step (one sequence each); `tp`: tensor-parallel ranks per data-parallel rank
-    (their shards gathered to compare). "reduces": the expert all-reduces run."""
+    (their shards gathered to compare); `ep`: the ranks the experts spread over. "reduces":
+    the expert all-reduces run."""
     import torch.distributed as dist
 
     import slapo.op.moe as moe
@@ -225,7 +226,7 @@ def job_ep2_equals_one_process(families=FAMILIES, misroute=False, dp=2, grad_acc
 
     rank, k = dist.get_rank() // tp, grad_accum  # the data-parallel rank
     dp_kind = "dp_shard" if kw.get("data_parallel") == "fsdp" else "dp_replicate"
-    mesh = init_mesh(dims=ParallelDims(**{dp_kind: dp}, ep=2, tp=tp, device="cpu"))
+    mesh = init_mesh(dims=ParallelDims(**{dp_kind: dp}, ep=ep, tp=tp, device="cpu"))
     batches = _batches(dp, k)
     honest, out, reduces = moe.send_splits, {}, []
     real_reduce = ExpertGradMean.reduce
@@ -397,6 +398,21 @@ def test_ep2_of_dp4_with_accumulation_equals_one_process(dist4):
     assert results[0]["mixtral"]["counts"][0][3] == 0, results[0]["mixtral"]["counts"]
     bad = _mismatches(results, "mixtral", param_rel=1e-4)
     assert not bad, bad
+
+
+@pytest.mark.dist
+def test_ep4_equals_one_process(dist4):
+    """ep=4 of dp=4: one expert per rank, each token's two experts on two other ranks mostly,
+    the rigged idle expert's rank receiving no row of the first batch's layer 0. In float64:
+    an expert sums its 4 ranks' rows in another order than one process's loop, whose float32
+    roundoff AdamW amplifies to 1.5e-5 in a parameter."""
+    results = dist4.run(job_ep2_equals_one_process, dp=4, ep=4, dtype=torch.float64)
+    for family in FAMILIES:
+        assert [r[family]["held"] for r in results] == [(i, 1, (1, 64, 64)) for i in range(4)]
+        if family in RIGGED:
+            assert results[0][family]["counts"][0][3] == 0
+        assert all(r[family]["reduces"] == 0 for r in results)  # dp == ep
+        assert not _mismatches(results, family), (family, _mismatches(results, family))
 
 
 @pytest.mark.dist
