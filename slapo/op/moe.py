@@ -22,6 +22,15 @@ the rows of this rank), marked with an `ExpertShard` (`expert_shard(p)`). A forw
 4. combines: the results travel back by the reverse all-to-all and are added into the output,
    times their routing weights, in ascending expert order (HF's order of summation).
 
+Step 3 follows the experts implementation the HF module was built with
+(`config._experts_implementation`): "eager" (HF's loop) runs the per-(source, expert) matmuls
+above; any other (HF's default "grouped_mm", "batched_mm") runs each projection as one grouped
+GEMM over all local experts' rows (`torch.nn.functional.grouped_mm` through HF's dispatcher,
+which falls back where the kernel does not apply), rows sorted by local expert: one kernel
+launch per projection instead of one per (source, expert), each row's result the same, the
+weight gradients summed in another order. Dtypes the grouped kernel does not take (float64)
+run the loop.
+
 No capacity limit: every token reaches each of its top-k experts. Gradients: the reverse
 all-to-all sends each row's gradient home, so an expert's gradient here sums the losses of
 every rank of the ep group. Making that the data-parallel mean is the runtime's job
@@ -100,10 +109,14 @@ class ExpertParallelExperts(nn.Module):
             setattr(new, _SHARD_ATTR, self.shard)
             self.register_parameter(name, new)
         self.act_fn = experts.act_fn
+        impl = getattr(getattr(experts, "config", None), "_experts_implementation", None)
+        self.grouped = impl != "eager"  # HF's default (None) is grouped_mm too
 
     def extra_repr(self) -> str:
         s = self.shard
-        return f"experts {s.first}..{s.first + s.count - 1} of {s.num_experts}, ep={s.ep}"
+        how = "grouped GEMM" if self.grouped else "loop"
+        return (f"experts {s.first}..{s.first + s.count - 1} of {s.num_experts}, ep={s.ep}, "
+                f"{how}")
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
@@ -129,6 +142,8 @@ class ExpertParallelExperts(nn.Module):
         sums the sources' gradients as gradient accumulation over them does. Results come
         back in `rows`' order."""
         count = self.shard.count
+        if self.grouped and rows.dtype in GROUPED_DTYPES and _grouped_linear() is not None:
+            return self._run_grouped(rows, experts)
         source = torch.repeat_interleave(torch.arange(len(recv), device=rows.device),
                                          torch.tensor(recv, device=rows.device))
         key = source * count + experts
@@ -139,6 +154,33 @@ class ExpertParallelExperts(nn.Module):
             gate, up = F.linear(chunk, self.gate_up_proj[c % count]).chunk(2, dim=-1)
             outs.append(F.linear(self.act_fn(gate) * up, self.down_proj[c % count]))
         return torch.cat(outs)[torch.argsort(order)]
+
+
+    def _run_grouped(self, rows: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """Each projection as one grouped GEMM over the local experts, rows sorted by expert
+        (stable, so each expert's rows keep their sources' order); results in `rows`' order."""
+        linear = _grouped_linear()
+        order = torch.argsort(experts, stable=True)
+        counts = torch.bincount(experts, minlength=self.shard.count)
+        offs = torch.cumsum(counts, dim=0).to(torch.int32)
+        x = rows[order].contiguous()
+        gate, up = linear(x, self.gate_up_proj, offs).chunk(2, dim=-1)
+        out = linear((self.act_fn(gate) * up).contiguous(), self.down_proj, offs)
+        return out[torch.argsort(order)]
+
+
+GROUPED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _grouped_linear():
+    """`linear(x [N, in], weight [E, out, in], offs) -> [N, out]` by grouped GEMM: HF's
+    dispatcher (it checks the kernel applies: alignment on CPU, torch.compile's dtypes, and
+    falls back to its own op otherwise), else None (the loop runs)."""
+    try:
+        from transformers.integrations.moe import _grouped_linear as hf_grouped
+    except ImportError:
+        return None
+    return lambda x, w, offs: hf_grouped(x, w, offs)
 
 
 def _by_expert(top_k_index: torch.Tensor) -> torch.Tensor:
