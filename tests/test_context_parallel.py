@@ -32,9 +32,7 @@ SEQ = 14  # not a multiple of 2 * cp = 4: padded to 16
 
 # ---- one process: the placement and the split --------------------------------------------------
 @pytest.mark.parametrize("kw, match", [
-    ({"cp": 2, "tp": 2}, "tensor parallelism"),
     ({"cp": 2, "pp": 2}, "pipelines"),
-    ({"cp": 2, "dp_shard": 2}, "FSDP2"),
     ({"cp": 2, "dp_replicate": 2, "ep": 2}, "expert parallelism"),
     ({"cp": 0}, "must be a positive int"),
 ])
@@ -132,7 +130,17 @@ def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
     return (got - want).abs().max().item() / (scale if scale > 0 else 1.0)
 
 
-def _worst(family: str, mode: str, mesh, batches, dtype=torch.float64) -> dict:
+def _full(t: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """An FSDP2 shard (a DTensor) and a tensor-parallel shard (`p`'s) gathered whole."""
+    from slapo.sharding import gather_full, shard_spec
+
+    t = t.full_tensor() if hasattr(t, "full_tensor") else t
+    spec = shard_spec(p)
+    return gather_full(t, spec) if spec is not None and spec.world_size > 1 else t
+
+
+def _worst(family: str, mode: str, mesh, batches, dtype=torch.float64,
+           data_parallel: str = "ddp") -> dict:
     import slapo
 
     model = _model(family, dtype)
@@ -140,18 +148,23 @@ def _worst(family: str, mode: str, mesh, batches, dtype=torch.float64) -> dict:
     sch = slapo.create_schedule(model, mesh=mesh)
     slapo.model_schedule.apply(sch, cp_attention=mode)
     tm, _ = slapo.build(sch, optimizer=torch.optim.AdamW, optimizer_kwargs={"lr": LR},
-                        data_parallel="ddp")
-    losses, grads = [], None
+                        data_parallel=data_parallel, grad_clip=1e6)
+    losses, grads, norm = [], None, None
     for batch in batches:
         losses.append(tm.train_step(batch))
         if grads is None:
-            grads = {n: p.grad.clone() for n, p in tm.named_parameters()}
+            grads = {n: _full(p.grad, p) for n, p in tm.named_parameters()}
+            norm = tm.train_step.__self__.last_grad_norm
     ref_losses, ref_grads = _reference(ref, batches)
     params, ref_params = dict(tm.named_parameters()), dict(ref.named_parameters())
     assert params.keys() == ref_params.keys() == grads.keys()
+    want_norm = torch.stack([g.double().norm() for g in ref_grads.values()]).norm()
     return {"loss": max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)),
             "grad": max(_rel(g, ref_grads[n]) for n, g in grads.items()),
-            "param": max(_rel(p.detach(), ref_params[n].detach()) for n, p in params.items()),
+            "param": max(_rel(_full(p.detach(), p), ref_params[n].detach())
+                         for n, p in params.items()),
+            "norm": _rel(norm.double(), want_norm),
+            "split": sum(_full(p, p) is not p for p in params.values()),
             "cores": sorted({type(m).__name__ for m in tm.modules()
                              if type(m).__name__ == "ContextParallelAttention"})}
 
@@ -165,21 +178,25 @@ def _without_lse(out, lse, out_b, lse_b):
     return (out_b, lse_b) if out is None else (out + out_b, torch.maximum(lse, lse_b))
 
 
-def job_cp_equals_one_process(families=FAMILIES, modes=MODES, mutation=None, cp=2):
-    """{(family, mode): the worst relative difference of loss, gradients, parameters}.
-    `mutation`: "skip_step" or "no_lse", patched into the ring (`op/ring_attention.py`)."""
+def job_cp_equals_one_process(families=FAMILIES, modes=MODES, mutation=None, cp=2, tp=1,
+                              data_parallel="ddp"):
+    """{(family, mode): the worst relative difference of loss, gradients, parameters, the
+    clipped norm}. `mutation`: "skip_step" or "no_lse", patched into the ring
+    (`op/ring_attention.py`); `tp`: tensor-parallel ranks per cp rank; `data_parallel`:
+    "fsdp" shards over the dp x cp ranks."""
     import slapo.op.ring_attention as ring
     from slapo.runtime.mesh import init_mesh
 
-    mesh = init_mesh(dims=ParallelDims(cp=cp, device="cpu"))
+    mesh = init_mesh(dims=ParallelDims(cp=cp, tp=tp, device="cpu"))
     honest = ring.ring_steps, ring.merge_partials
     if mutation == "skip_step":
         ring.ring_steps = _skip_last_step(honest[0])
     elif mutation == "no_lse":
         ring.merge_partials = _without_lse
     try:
-        out = {(f, m): _worst(f, m, mesh, _batches()) for f in families for m in modes}
-        if mutation is None and cp == 2:  # float32: loss and gradients (AdamW amplifies fp32 noise: _model)
+        out = {(f, m): _worst(f, m, mesh, _batches(), data_parallel=data_parallel)
+               for f in families for m in modes}
+        if mutation is None and cp == 2 and tp == 1 and data_parallel == "ddp":  # float32: loss and gradients (AdamW amplifies fp32 noise: _model)
             out.update({(f, m, "fp32"): _worst(f, m, mesh, _batches(), torch.float32)
                         for f in families[:1] for m in modes})
         return out
@@ -202,11 +219,31 @@ def test_cp4_equals_one_process(dist4):
     _check_equal(results)
 
 
+@pytest.mark.dist
+def test_cp2_with_tp2_equals_one_process(dist4):
+    """cp=2 x tp=2 on 4 ranks: each layer's heads split over tp, each tp rank's heads attending
+    over the cp ranks of its tp index (ring and all-gather), DDP over the cp ranks."""
+    results = dist4.run(job_cp_equals_one_process, families=("llama", "qwen2"), tp=2)
+    assert all(w["split"] > 0 for r in results for w in r.values())
+    _check_equal(results)
+
+
+@pytest.mark.dist
+def test_cp2_with_fsdp2_equals_one_process(dist2):
+    """cp=2 with FSDP2: the parameters sharded over the dp x cp ranks (the cp ranks hold the
+    same parameters), reduce-scattered as DDP all-reduces; the clipped norm summed over them."""
+    results = dist2.run(job_cp_equals_one_process, families=("llama", "gpt2"),
+                        data_parallel="fsdp")
+    assert all(w["split"] > 0 for r in results for w in r.values())
+    _check_equal(results)
+
+
 def _check_equal(results: list[dict]) -> None:
     for rank, res in enumerate(results):
         for key, worst in res.items():
             assert worst["cores"] == ["ContextParallelAttention"], (rank, key)
-            kinds = ("loss", "grad") if "fp32" in key else ("loss", "grad", "param")
+            kinds = ("loss", "grad", "norm") if "fp32" in key else ("loss", "grad", "param",
+                                                                    "norm")
             bad = {k: worst[k] for k in kinds if worst[k] > REL}
             assert not bad, (rank, key, bad)
 
@@ -307,7 +344,8 @@ def job_train_cp(runs: list[dict], out: str) -> list:
 @pytest.mark.dist
 def test_slapo_train_cp2_trains_like_one_process_and_resumes(dist2, tmp_path):
     """`slapo train --cp 2` (sequence 30: padded to 32 for the zig-zag split) logs one
-    process's losses for LLaMA and GPT-2 with both attention choices; a run saved at step 2
+    process's losses for LLaMA and GPT-2 with both attention choices (and LLaMA with
+    `--dp-shard`, FSDP2 sharding over the cp ranks); a run saved at step 2
     and resumed logs the uninterrupted run's losses bit for bit; a family without a cp plan
     is refused by name."""
     from slapo.train import TrainConfig, train
@@ -317,11 +355,12 @@ def test_slapo_train_cp2_trains_like_one_process_and_resumes(dist2, tmp_path):
     runs += [{"model": "llama", "cp": 2, "save_every": 2},
              {"model": "llama", "cp": 2, "resume": str(tmp_path / "run4" / "checkpoints" /
                                                         "step_000002"), "out": str(tmp_path / "b")},
-             {"model": "bert", "cp": 2, "steps": 1}]
+             {"model": "bert", "cp": 2, "steps": 1},
+             {"model": "llama", "cp": 2, "dp_shard": True}]  # FSDP2 over the cp ranks
     ranks = dist2.run(job_train_cp, runs, str(tmp_path), timeout=600)
     assert ranks[0] == ranks[1], ranks
     got = ranks[0]
-    for i, run in enumerate(runs[:4]):
+    for i, run in [*enumerate(runs[:4]), (7, runs[7])]:
         one = train(TrainConfig(**{**TRAIN, "model": run["model"]}))["losses"]
         assert got[i] == pytest.approx(one, rel=REL, abs=1e-6), (run, got[i], one)
     assert got[5][2:] == got[4][2:], (got[4], got[5])

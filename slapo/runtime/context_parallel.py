@@ -104,11 +104,11 @@ def check_context_parallel(sch_path: str, cp: int, loss: ModelLoss, data_paralle
         what = f"target={target!r}" if target is not None else "a pipeline"
         raise SchedulingError(sch_path, f"cp={cp} with {what} is not supported yet.",
                               "build without it (context parallelism runs with DDP).")
-    if data_parallel != "ddp":
+    if data_parallel not in ("ddp", "fsdp"):
         raise SchedulingError(sch_path, f"cp={cp}: the cp ranks hold the same parameters and "
                               "compute different tokens, so their gradients must be averaged "
                               f"(over dp x cp), and data_parallel={data_parallel!r} does not.",
-                              "build with data_parallel='ddp'.")
+                              "build with data_parallel='ddp' or 'fsdp'.")
     if loss.user_loss_fn or loss.shift != 1 or not loss.num_items:
         raise SchedulingError(sch_path, f"cp={cp} needs the model's own causal-LM loss (a "
                               "*ForCausalLM head whose loss takes `shift_labels`): each cp "

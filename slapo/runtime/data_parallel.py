@@ -94,7 +94,7 @@ def apply_fsdp(model: nn.Module, info: MeshInfo, *, reshard_after_forward: bool 
     """
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    dp_mesh = info.submesh("dp")
+    dp_mesh = info.replica_submesh()  # dp, or dp x cp: cp ranks hold the same parameters
     kwargs = {"mesh": dp_mesh, "mp_policy": mp_policy or MixedPrecisionPolicy()}
     experts = _expert_params(model)
     if experts:  # ep's, not FSDP2's: left whole on this rank, averaged by their own hook

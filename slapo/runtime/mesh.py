@@ -76,8 +76,7 @@ DEVICES = ("auto", "cpu", "cuda")
 DEGREES = ("dp_replicate", "dp_shard", "cp", "tp", "pp", "ep")
 # Degrees that are fields but not yet implemented: > 1 is refused, naming what will bring them.
 # What cp > 1 does not compose with yet (each refused by name before any change).
-_CP_NOT_YET = (("tp", "tensor parallelism (tp > 1)"), ("pp", "pipelines (pp > 1)"),
-               ("dp_shard", "FSDP2 (dp_shard > 1)"), ("ep", "expert parallelism (ep > 1)"))
+_CP_NOT_YET = (("pp", "pipelines (pp > 1)"), ("ep", "expert parallelism (ep > 1)"))
 _EP_MESH = "_slapo_ep_mesh"  # the ("dp_rest", "ep", "pp", "tp") view `init_mesh` keeps on a mesh
 _DP_CP_MESH = "_slapo_dp_cp_mesh"  # the flattened ("dp_cp",) view `init_mesh` keeps with cp > 1
 
@@ -185,7 +184,8 @@ class ParallelDims:
             if self.cp > 1 and getattr(self, name) > 1:
                 raise SchedulingError("", f"cp={self.cp} with {what} is not supported yet.",
                                       f"use {name}=1 with cp > 1 (context parallelism runs "
-                                      "with DDP over the data-parallel x cp ranks).")
+                                      "with DDP or FSDP2 over the data-parallel x cp ranks, "
+                                      "and with tp).")
 
     def _check_ep(self) -> None:
         """ep borrows data-parallel ranks (module docstring): it must divide dp, and the
@@ -461,6 +461,13 @@ class MeshInfo:
 
     def submesh(self, dim: str) -> DeviceMesh | None:
         return self.mesh[dim] if self.mesh is not None else None
+
+    def replica_submesh(self) -> DeviceMesh | None:
+        """The mesh of the `replicas` (FSDP2 shards over it): "dp", or the flattened
+        ("dp_cp",) view with cp > 1."""
+        if self.mesh is None or self.cp == 1:
+            return self.submesh("dp")
+        return getattr(self.mesh, _DP_CP_MESH)
 
     @property
     def device_type(self) -> str:

@@ -104,10 +104,12 @@ def clip_grad_norm(nw: NormWeights, max_norm: float, info: MeshInfo) -> torch.Te
         dist.all_reduce(experts, group=nw.expert_group)
     # every expert once on each rank now; under FSDP2 the sum over dp below would count them
     # on each of its dp ranks
-    total += experts / info.dp if nw.dp_sharded and nw.experts else experts
-    for dim in ("tp", "pp") + (("dp",) if nw.dp_sharded else ()):
+    total += experts / info.replicas if nw.dp_sharded and nw.experts else experts
+    for dim in ("tp", "pp"):
         if getattr(info, dim) > 1:
             dist.all_reduce(total, group=info.group(dim))
+    if nw.dp_sharded and info.replicas > 1:  # FSDP2 shards over dp (x cp)
+        dist.all_reduce(total, group=info.replica_group())
     norm = total.sqrt()
     coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
     for g in grads:
