@@ -106,6 +106,7 @@ def job_ep_runs(root: str) -> dict:
             "ep1_resumed": {"ep": 1, "resume": step1},
             "dir_ep2": {"ep": 2, "model": f"{root}/saved"},  # each rank reads its experts
             "qwen_ep2": {"ep": 2, **QWEN},
+            "deepseek_ep2": {"ep": 2, "model": "deepseek_v3", "save_every": 0},
             "fsdp_ep2": {"ep": 2, "dp_shard": True},
             "fsdp_ep2_resumed": {"ep": 2, "dp_shard": True,
                                  "resume": f"{root}/fsdp_ep2/checkpoints/step_000001"}}
@@ -175,6 +176,10 @@ def test_ep2_trains_resumes_and_exports_like_one_process(dist2, tmp_path):
     qwen = train(TrainConfig(**{**EP_RUN, **QWEN}, grad_accum=2, out=str(tmp_path / "qwen_one")))
     assert max(abs(a - b) / b for a, b in zip(ep["qwen_ep2"], qwen["losses"])) < REL, (ep, qwen)
     assert abs(ep["val"] - qwen["val_loss"]) / qwen["val_loss"] < REL, (ep, qwen)
+    deepseek = train(TrainConfig(**{**EP_RUN, "model": "deepseek_v3", "save_every": 0},
+                                 grad_accum=2))["losses"]  # MLA, group-limited routing
+    assert max(abs(a - b) / b for a, b in zip(ep["deepseek_ep2"], deepseek)) < REL, \
+        (ep["deepseek_ep2"], deepseek)
     logged, one_logged = _steps(tmp_path / "ep2"), _steps(tmp_path / "one")
     assert min(r["grad_norm"] for r in logged) > 1.0  # the default --grad-clip 1.0 clipped
     for key in ("grad_norm", "aux_loss", "load_imbalance"):  # the one-process numbers

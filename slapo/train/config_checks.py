@@ -117,7 +117,7 @@ def _check_ep(cfg: TrainConfig, spec) -> None:
     name rather than by the stages once the job runs."""
     if spec is not None and not spec.moe:
         raise ValueError(f"--ep {cfg.ep} splits the experts of a mixture of experts; "
-                         f"--model {cfg.model} has none (use mixtral or qwen3_moe)")
+                         f"--model {cfg.model} has none (use mixtral, qwen3_moe or deepseek_v3)")
     if spec is not None and cfg.num_experts % cfg.ep:
         raise ValueError(f"--ep {cfg.ep} does not divide --num-experts {cfg.num_experts} "
                          f"(each ep rank holds num_experts / ep experts)")

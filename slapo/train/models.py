@@ -4,10 +4,12 @@ Each entry says which HF class to build and which task (data format) it trains o
 tiny by default (hidden 128, 4 layers, 4 heads: ~0.8 M parameters) so CPU runs take seconds;
 `--hidden-size/--num-layers/--num-heads` scale them. The vocabulary is the byte tokenizer's.
 
-The mixtures of experts (`mixtral`, `qwen3_moe`; `ModelSpec.moe`) have `--num-experts` experts
+The mixtures of experts (`mixtral`, `qwen3_moe`, `deepseek_v3`; `ModelSpec.moe`) have
+`--num-experts` experts
 per layer (default 4), each token routed to `--experts-per-token` of them (default 2), and train
 with HF's own loss *including* the auxiliary load-balancing loss (`output_router_logits=True`,
-HF's `router_aux_loss_coef` 0.001): what `model(..., labels=)` returns is the loss
+HF's `router_aux_loss_coef` 0.001; DeepSeek-V3 has none): what `model(..., labels=)` returns
+is the loss
 `slapo train` steps on. Their experts run HF's `"eager"` loop (`experts_implementation`), the
 order of sums expert parallelism (`--ep`, `op.moe.ExpertParallelExperts`) reproduces, so a run
 equals itself to roundoff on any ep; HF's default (`grouped_mm`) sums in another order.
@@ -181,6 +183,28 @@ def _qwen3_moe(s: ModelSize) -> nn.Module:
     return Qwen3MoeForCausalLM(cfg)
 
 
+def _deepseek_v3(s: ModelSize) -> nn.Module:
+    """DeepSeek-V3: multi-head latent attention, a dense first layer (when there are two or
+    more), sigmoid scores with the score-correction bias, group-limited top-k (2 groups, the
+    best one per token, when the experts split in two and a group holds the top-k) and one
+    shared expert. HF's model adds no auxiliary loss (bias-balanced routing)."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    head = s.hidden // s.heads
+    common = _moe_common(s)
+    del common["output_router_logits"]  # no aux loss to ask for
+    grouped = s.experts % 2 == 0 and s.experts_per_token <= s.experts // 2
+    cfg = DeepseekV3Config(n_routed_experts=s.experts, n_shared_experts=1,
+                           moe_intermediate_size=_multiple(s.hidden // 2, 8),
+                           intermediate_size=_multiple(8 * s.hidden // 3, 16),
+                           q_lora_rank=s.hidden // 2, kv_lora_rank=s.hidden // 4,
+                           qk_rope_head_dim=_multiple(head // 2, 2),
+                           qk_nope_head_dim=head - _multiple(head // 2, 2), v_head_dim=head,
+                           n_group=2 if grouped else 1, topk_group=1,
+                           first_k_dense_replace=min(1, s.layers - 1), **common)
+    return DeepseekV3ForCausalLM(cfg)
+
+
 def _multiple(n: int, k: int) -> int:
     return (n + k - 1) // k * k
 
@@ -203,6 +227,9 @@ MOE_MODELS: dict[str, ModelSpec] = {spec.name: spec for spec in [
               "LLaMA attention; HF's aux load-balancing loss in the loss)", moe=True),
     ModelSpec("qwen3_moe", "causal", _qwen3_moe, "Qwen3-MoE mixture of experts (top-k "
               "renormalised, per-head q/k norms; HF's aux load-balancing loss)", moe=True),
+    ModelSpec("deepseek_v3", "causal", _deepseek_v3, "DeepSeek-V3 mixture of experts (MLA "
+              "attention, sigmoid group-limited routing with the correction bias, a shared "
+              "expert, a dense first layer; no aux loss)", moe=True),
 ]}
 REGISTRY: dict[str, ModelSpec] = {**MODELS, **MOE_MODELS}  # every name `--model` takes
 
