@@ -1,6 +1,6 @@
 """Context parallelism in a ready schedule: on a mesh with cp > 1, `apply` gives every layer's
 attention module the context-parallel core (`op/context_parallel.py`), over the mesh's "cp"
-group, by the `cp_attention` knob ("allgather" or "ring").
+group, by the `cp_attention` knob ("allgather", "ring" or "ulysses").
 
 Only attention changes: under cp each rank holds its chunks of every sequence from the
 embedding to the loss (the step splits the batch: `runtime/context_parallel.py`), and
@@ -52,7 +52,8 @@ def _refuse(sch: Schedule, cp: int, why: str, fix: str) -> SchedulingError:
 
 
 def check_context_parallel(sch: Schedule, family, layers: list[Schedule], *, attention,
-                           tempo: bool, fused_loss: bool, compile_blocks, pp_stages: int):
+                           tempo: bool, fused_loss: bool, compile_blocks, pp_stages: int,
+                           cp_attention: str = "allgather", tp: int = 1):
     """Every check of the mesh's cp against the model and the knobs, before anything changes.
     Returns the mesh's view (`runtime.mesh.MeshInfo`) when cp > 1, else None."""
     from ..op.hf_attention import is_hf_attention
@@ -68,6 +69,8 @@ def check_context_parallel(sch: Schedule, family, layers: list[Schedule], *, att
                       f"sequence: {why}", "use a mesh with cp=1 (context parallelism supports "
                       "the llama family: LLaMA, Qwen2, Qwen3; GPT-2).")
     _check_config(sch, cp, getattr(sch.mod, "config", None))
+    if cp_attention == "ulysses":
+        _check_ulysses(sch, cp, tp, getattr(sch.mod, "config", None))
     conflicts = {"attention": attention is not None, "tempo": tempo, "fused_loss": fused_loss,
                  "compile_blocks": bool(compile_blocks), "pp_stages": pp_stages > 1}
     for knob, on in conflicts.items():
@@ -80,6 +83,16 @@ def check_context_parallel(sch: Schedule, family, layers: list[Schedule], *, att
             raise _refuse(sch, cp, f"{layer.path}.{rel} is not an HF attention module the "
                           "context-parallel core can replace", "check the model's layout.")
     return info
+
+
+def _check_ulysses(sch: Schedule, cp: int, tp: int, cfg) -> None:
+    """Ulysses splits each tp rank's query heads over the cp ranks."""
+    heads = getattr(cfg, "num_attention_heads", None) or getattr(cfg, "n_head", None)
+    if heads is not None and (heads // tp) % cp:
+        raise _refuse(sch, cp, f"cp_attention='ulysses' splits the {heads // tp} query heads "
+                      f"of each tp rank (num_attention_heads={heads}, tp={tp}) over the cp "
+                      "ranks, which does not divide them", "use cp_attention='allgather' or "
+                      "'ring', or a cp that divides the heads.")
 
 
 def _check_config(sch: Schedule, cp: int, cfg) -> None:

@@ -33,7 +33,7 @@ from typing import Any
 from ..errors import SchedulingError
 
 ATTENTION = ("eager", "sdpa", "flash")
-CP_ATTENTION = ("allgather", "ring")  # `op.context_parallel.CP_ATTENTION`
+CP_ATTENTION = ("allgather", "ring", "ulysses")  # `op.context_parallel.CP_ATTENTION`
 CKPT_POLICIES = ("full", "selective")
 KINDS = ("int", "float", "str", "bool")
 # The knobs that are parallel degrees: their values are checked by `runtime.mesh.check_degree`,
@@ -111,8 +111,9 @@ class ScheduleKnobs:
 
     cp_attention: str = _knob(
         "allgather", "on a mesh with cp > 1, how attention crosses the cp ranks: allgather "
-        "(K/V all-gathered, Llama 3's choice for GQA) or ring (K/V blocks passed rank to rank, "
-        "merged by log-sum-exp; K/V memory 1/cp)", "str", choices=CP_ATTENTION)
+        "(K/V all-gathered, Llama 3's choice for GQA), ring (K/V blocks passed rank to rank, "
+        "merged by log-sum-exp; K/V memory 1/cp) or ulysses (all-to-all of sequence <-> "
+        "heads; the heads must divide by cp)", "str", choices=CP_ATTENTION)
 
     def validate(self, path: str = "") -> ScheduleKnobs:
         """Reject out-of-domain values and contradicting knobs, naming the knob and the fix.

@@ -14,8 +14,12 @@ parameters stay as they are. Two exact ways across ranks (the `cp_attention` kno
   are the KV heads', fewer than the queries'.
 - "ring": `op/ring_attention.py` (K/V blocks passed rank to rank, log-sum-exp merge; K/V memory
   stays 1/cp).
-
-Ulysses (all-to-all of sequence <-> heads) is not implemented.
+- "ulysses": DeepSpeed-Ulysses' all-to-all of sequence <-> heads: each rank sends every other
+  rank its chunks of that rank's 1/cp of the heads, attends its heads over the whole sequence
+  (one SDPA call, no merge), and the reverse all-to-all brings each rank its tokens' outputs
+  of every head. 4 all-to-alls of q/k/v/out per layer (their bytes fall as 1/cp of the
+  activations, where the ring's K/V traffic does not); the (local) query heads must divide by
+  cp, and K/V heads that do not (GQA with few KV heads) are repeated to the query heads first.
 
 The mask is built here from global positions, never from the mask HF computed (HF builds it
 for the local chunk's length): causal by `position_ids` (the cp batch gives every token its
@@ -40,7 +44,7 @@ from .attention import SDPAttention
 from .attention_core import AttentionCore
 from .ring_attention import ring_attention, visible
 
-CP_ATTENTION = ("allgather", "ring")
+CP_ATTENTION = ("allgather", "ring", "ulysses")
 # the cp batch's real-key flags of every cp rank's chunks, (b, cp, s_local) by rank, when it had
 # an attention mask (batch-first, so accumulation slices split it with the rest)
 KEY_VALID = "cp_key_valid"
@@ -107,6 +111,8 @@ class ContextParallelAttention(AttentionCore):
         k_valid = None if valid is None else valid.transpose(0, 1)  # (cp, b, s)
         if self.mode == "ring":
             out = ring_attention(query, key, value, q_pos, k_pos, k_valid, scale, self.group)
+        elif self.mode == "ulysses":
+            out = self._ulysses(module, query, key, value, k_pos, k_valid, scale)
         else:
             out = self._allgather(query, key, value, q_pos, k_pos, k_valid, scale)
         return out.transpose(1, 2).contiguous(), None
@@ -118,6 +124,22 @@ class ContextParallelAttention(AttentionCore):
         flags = None if k_valid is None else k_valid.permute(1, 0, 2).reshape(q.shape[0], -1)
         return self._sdpa.attend(q, keys, values, visible(q_pos, flat, flags), False, 0.0, scale)
 
+    def _ulysses(self, module, q, k, v, k_pos, k_valid, scale) -> torch.Tensor:
+        cp = dist.get_world_size(self.group)
+        heads, kv_heads = q.shape[1], k.shape[1]
+        if heads % cp:
+            raise ValueError(f"{type(module).__name__}: Ulysses context parallelism splits the "
+                             f"{heads} (local) query heads over cp={cp} ranks, which does not "
+                             "divide them; use cp_attention='allgather' or 'ring'.")
+        if kv_heads % cp:  # HF's repeat_kv: each KV head serves heads // kv_heads query heads
+            k = k.repeat_interleave(heads // kv_heads, dim=1)
+            v = v.repeat_interleave(heads // kv_heads, dim=1)
+        q, k, v = (SeqToHeads.apply(t, self.group) for t in (q, k, v))
+        pos = k_pos.permute(1, 0, 2).reshape(q.shape[0], -1)  # rank-major, as exchanged
+        flags = None if k_valid is None else k_valid.permute(1, 0, 2).reshape(q.shape[0], -1)
+        out = self._sdpa.attend(q, k, v, visible(pos, pos, flags), False, 0.0, scale)
+        return HeadsToSeq.apply(out, self.group)
+
     def _refuse(self, module: torch.nn.Module, dropout: float, kwargs: dict) -> None:
         """What this core does not compute, refused instead of computed differently."""
         name = type(module).__name__
@@ -128,6 +150,51 @@ class ContextParallelAttention(AttentionCore):
             if kwargs.get(key) is not None:
                 raise ValueError(f"{name}: HF passed `{key}`, which context-parallel "
                                  "attention does not implement.")
+
+
+def _seq_to_heads(x: torch.Tensor, group) -> torch.Tensor:
+    """(b, h, s, d) of this rank's tokens -> (b, h / cp, cp * s, d): its 1/cp of the heads
+    (rank r: heads r * h / cp ...) for every rank's tokens, rank-major."""
+    cp = dist.get_world_size(group)
+    b, h, s, d = x.shape
+    send = x.reshape(b, cp, h // cp, s, d).transpose(0, 1).contiguous()  # [j]: rank j's heads
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=group)  # [j]: rank j's tokens
+    return recv.permute(1, 2, 0, 3, 4).reshape(b, h // cp, cp * s, d)
+
+
+def _heads_to_seq(y: torch.Tensor, group) -> torch.Tensor:
+    """The inverse: (b, h / cp, cp * s, d) -> (b, h, s, d), this rank's tokens, every head."""
+    cp = dist.get_world_size(group)
+    b, hc, total, d = y.shape
+    send = y.reshape(b, hc, cp, total // cp, d).permute(2, 0, 1, 3, 4).contiguous()
+    recv = torch.empty_like(send)  # [j]: this rank's tokens of rank j's heads
+    dist.all_to_all_single(recv, send, group=group)
+    return recv.permute(1, 0, 2, 3, 4).reshape(b, cp * hc, total // cp, d)
+
+
+class SeqToHeads(torch.autograd.Function):
+    """`_seq_to_heads`, whose gradient travels back by `_heads_to_seq` (and vice versa)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _seq_to_heads(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _heads_to_seq(grad, ctx.group), None
+
+
+class HeadsToSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, y, group):
+        ctx.group = group
+        return _heads_to_seq(y, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _seq_to_heads(grad, ctx.group), None
 
 
 def install(module: torch.nn.Module, group, mode: str, path: str = "") -> torch.nn.Module:

@@ -135,7 +135,7 @@ class ParallelismOptions:
     cp: int = _opt(1, "context parallelism: each of N ranks holds 1/N of every sequence "
                    "(zig-zag chunks, causal load balanced) from the embedding to the loss; "
                    "LLaMA/Qwen2/Qwen3 and GPT-2, with DDP or --dp-shard, and --tp (--cp-attention: "
-                   "ring or allgather)")
+                   "allgather, ring or ulysses)")
     ep: int = _opt(1, "expert parallelism: each MoE layer's experts split over N of the "
                    "data-parallel ranks (E/N each), every token sent to its top-k experts by "
                    "all-to-all, exact and dropless; N divides the data-parallel ranks and the "
