@@ -261,16 +261,15 @@ def test_hybrid_stages_mask_padding_as_the_model_does(dist2):
 # Granite-SWA's per-theta rule made another is refused: its rope modules are not that rule's.)
 # (model type, the change to its row, config values its tiny config needs for the step to
 # matter, the dtype it runs in): DOGE's materialised mask matters without a window (the
-# causal mask would be skipped, and its dynamic mask added onto nothing); a float32 rotary
-# embedding differs from the model's dtype's in bfloat16 only (float64 holds float32 exactly)
+# causal mask would be skipped, and its dynamic mask added onto nothing). Dots3's float32
+# rotary embedding differs in bfloat16 only: `test_a_float32_rotary_embedding_is_the_forwards`
 MUTATIONS = [("gemma3_text", {"softcap": None}), ("gemma3_text", {"masks": "causal"}),
              ("granite", {"embed_scale": None}), ("granite", {"logit_scale": None}),
              ("cohere_compass_text", {"logit_scale": None}),
              ("granite_swa", {"logit_scale": None}),
              ("lara_mini", {"rope_types": None}), ("beam", {"nope_scaling": None}),
              ("beam", {"softcap_float32": False}), ("doge", {"masks": "causal"}),
-             ("doge", {"materialise": False}, {"sliding_window": None}),
-             ("dots3_note_text", {"rope_float32": ()}, {}, torch.bfloat16)]
+             ("doge", {"materialise": False}, {"sliding_window": None})]
 MUTATIONS = [m + ({}, torch.float64)[len(m) - 2:] for m in MUTATIONS]
 
 # float64 models, so a float32 cast the forward makes (a soft-cap, a rotary embedding: rel
@@ -289,6 +288,7 @@ def test_a_table_entry_that_forgets_a_step_is_caught(monkeypatch, model_type, ch
     sweep's, here in one process (Verify runs the stages against the model's forward when the
     cut is made; in float64 its floor is float64's). The table as it is passes first, Cohere
     Compass's full layers without a rotary embedding (NoPE) included."""
+
     import hf_tiny
 
     cls = dict(hf_tiny.decoders("base_model_pp_plan"))[model_type]
@@ -309,6 +309,43 @@ def test_a_table_entry_that_forgets_a_step_is_caught(monkeypatch, model_type, ch
     with pytest.raises(slapo.VerificationError, match="do not compute the model's"):
         with slapo.Verify(sch, example_kwargs=batch, **TIGHT):
             sch["model.layers.0"].cut_pipeline_stage()
+
+
+def test_a_float32_rotary_embedding_is_the_forwards():
+    """Dots3's indexed layers take a rotary embedding computed from the hidden state cast to
+    float32 (`rope_float32`): in bfloat16 the stage's position embeddings for its layer 0 (an
+    indexed layer) are the ones the model's forward gives that layer, dtype and values, and
+    without the rule they are bfloat16. Forward only: Verify's stage comparison in bfloat16
+    costs 20 s on this CPU (its backward), and float64 holds float32 exactly, so the sweep
+    cannot see the rule."""
+    import types
+
+    import hf_tiny
+
+    model_type = "dots3_note_text"
+    cls = dict(hf_tiny.decoders("base_model_pp_plan"))[model_type]
+    model = hf_tiny.build(model_type, cls, config=_config(model_type)).to(torch.bfloat16)
+    ids = hf_tiny.batch()["input_ids"]
+    seen = {}
+    model.model.layers[0].register_forward_pre_hook(
+        lambda m, a, kw: seen.update(pe=kw["position_embeddings"]), with_kwargs=True)
+    with torch.no_grad():
+        model(input_ids=ids)
+        kind = model.config.layer_types[0]
+        h = model.model.embed_tokens(ids)
+        pos = torch.arange(ids.shape[1]).unsqueeze(0)
+        stage = types.SimpleNamespace(config=model.config)
+        row = stages_declared.BETWEEN[model_type]
+        got = {}
+        for name, between in (("row", row), ("without", dataclasses.replace(row,
+                                                                           rope_float32=()))):
+            got[name] = stages_declared.rotary(stage, between,
+                                               {"rotary_emb": model.model.rotary_emb}, h, pos,
+                                               {kind})[kind]
+    assert kind == "indexed_attention"
+    for g, w in zip(got["row"], seen["pe"], strict=True):
+        assert g.dtype == w.dtype == torch.float32 and torch.equal(g, w)
+    assert all(g.dtype == torch.bfloat16 for g in got["without"])
 
 
 # ---- bad input: a clear error, nothing changed ------------------------------------------------
