@@ -296,8 +296,11 @@ def value(stage: nn.Module, spec: str):
     model's modeling module), read as the forward reads it."""
     owner, attr = spec.split(".", 1)
     root = stage._root[0]
-    if owner == "modeling":  # a function of the model's modeling module
-        return getattr(sys.modules[type(root).__module__], attr)
+    if owner == "modeling":  # a function of the model's modeling module (its own class's,
+        # not a class Slapo patched in: `module_patch.original_class`)
+        from ..module_patch import original_class
+
+        return getattr(sys.modules[original_class(root).__module__], attr)
     src = {"config": root.config, "lm": root,
            "base": getattr(root, getattr(root, "base_model_prefix", ""), None)}[owner]
     return getattr(src, attr)
