@@ -53,7 +53,7 @@ def _refuse(sch: Schedule, cp: int, why: str, fix: str) -> SchedulingError:
 
 def check_context_parallel(sch: Schedule, family, layers: list[Schedule], *, attention,
                            tempo: bool, fused_loss: bool, compile_blocks, pp_stages: int,
-                           cp_attention: str = "allgather", tp: int = 1):
+                           cp_attention: str, tp: int):
     """Every check of the mesh's cp against the model and the knobs, before anything changes.
     Returns the mesh's view (`runtime.mesh.MeshInfo`) when cp > 1, else None."""
     from ..op.hf_attention import is_hf_attention

@@ -10,7 +10,7 @@ HF's module, so routing and the auxiliary loss are HF's (docs/model_schedule.md)
 
 Every check runs before the first swap (`check_expert_parallel`): a model without an MoE plan,
 ep not dividing a layer's experts, an experts module in a layout this plan does not know (HF's
-`use_experts_implementation` flags: concatenated gate/up, not transposed, no bias, no post-norm),
+`use_experts_implementation` flags: concatenated gate/up, not transposed, no bias, no post-norm).
 With tp > 1 the family's tensor-parallel plan leaves the experts to ep (`without_experts`).
 With pipeline stages the experts are swapped before the cuts: a stage keeps the swapped
 module, and its ep group is the dp ranks running the same stage, whose schedule (the same on

@@ -17,9 +17,10 @@ parameters stay as they are. Two exact ways across ranks (the `cp_attention` kno
 - "ulysses": DeepSpeed-Ulysses' all-to-all of sequence <-> heads: each rank sends every other
   rank its chunks of that rank's 1/cp of the heads, attends its heads over the whole sequence
   (one SDPA call, no merge), and the reverse all-to-all brings each rank its tokens' outputs
-  of every head. 4 all-to-alls of q/k/v/out per layer (their bytes fall as 1/cp of the
-  activations, where the ring's K/V traffic does not); the (local) query heads must divide by
-  cp, and K/V heads that do not (GQA with few KV heads) are repeated to the query heads first.
+  of every head: 4 all-to-alls per layer, each rank sending (cp-1)/cp of its q, k, v and
+  output (the ring sends its K/V cp-1 times; neither is measured on a GPU yet). The (local)
+  query heads must divide by cp, and K/V heads that do not (GQA with few KV heads) are
+  repeated to the query heads first.
 
 The mask is built here from global positions, never from the mask HF computed (HF builds it
 for the local chunk's length): causal by `position_ids` (the cp batch gives every token its
@@ -39,6 +40,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..distributed.all_to_all import all_to_all
 from ..distributed.collectives import all_gather
 from .attention import SDPAttention
 from .attention_core import AttentionCore
@@ -134,11 +136,11 @@ class ContextParallelAttention(AttentionCore):
         if kv_heads % cp:  # HF's repeat_kv: each KV head serves heads // kv_heads query heads
             k = k.repeat_interleave(heads // kv_heads, dim=1)
             v = v.repeat_interleave(heads // kv_heads, dim=1)
-        q, k, v = (SeqToHeads.apply(t, self.group) for t in (q, k, v))
+        q, k, v = (_seq_to_heads(t, self.group) for t in (q, k, v))
         pos = k_pos.permute(1, 0, 2).reshape(q.shape[0], -1)  # rank-major, as exchanged
         flags = None if k_valid is None else k_valid.permute(1, 0, 2).reshape(q.shape[0], -1)
         out = self._sdpa.attend(q, k, v, visible(pos, pos, flags), False, 0.0, scale)
-        return HeadsToSeq.apply(out, self.group)
+        return _heads_to_seq(out, self.group)
 
     def _refuse(self, module: torch.nn.Module, dropout: float, kwargs: dict) -> None:
         """What this core does not compute, refused instead of computed differently."""
@@ -154,12 +156,12 @@ class ContextParallelAttention(AttentionCore):
 
 def _seq_to_heads(x: torch.Tensor, group) -> torch.Tensor:
     """(b, h, s, d) of this rank's tokens -> (b, h / cp, cp * s, d): its 1/cp of the heads
-    (rank r: heads r * h / cp ...) for every rank's tokens, rank-major."""
+    (rank r: heads r * h / cp ...) for every rank's tokens, rank-major. Differentiable: the
+    exchange is `distributed.all_to_all`'s (its backward the reverse exchange)."""
     cp = dist.get_world_size(group)
     b, h, s, d = x.shape
-    send = x.reshape(b, cp, h // cp, s, d).transpose(0, 1).contiguous()  # [j]: rank j's heads
-    recv = torch.empty_like(send)
-    dist.all_to_all_single(recv, send, group=group)  # [j]: rank j's tokens
+    send = x.reshape(b, cp, h // cp, s, d).transpose(0, 1)  # [j]: rank j's heads
+    recv = all_to_all(send, [1] * cp, [1] * cp, group)  # [j]: rank j's tokens
     return recv.permute(1, 2, 0, 3, 4).reshape(b, h // cp, cp * s, d)
 
 
@@ -167,34 +169,9 @@ def _heads_to_seq(y: torch.Tensor, group) -> torch.Tensor:
     """The inverse: (b, h / cp, cp * s, d) -> (b, h, s, d), this rank's tokens, every head."""
     cp = dist.get_world_size(group)
     b, hc, total, d = y.shape
-    send = y.reshape(b, hc, cp, total // cp, d).permute(2, 0, 1, 3, 4).contiguous()
-    recv = torch.empty_like(send)  # [j]: this rank's tokens of rank j's heads
-    dist.all_to_all_single(recv, send, group=group)
+    send = y.reshape(b, hc, cp, total // cp, d).permute(2, 0, 1, 3, 4)  # [j]: rank j's tokens
+    recv = all_to_all(send, [1] * cp, [1] * cp, group)  # [j]: this rank's tokens, j's heads
     return recv.permute(1, 0, 2, 3, 4).reshape(b, cp * hc, total // cp, d)
-
-
-class SeqToHeads(torch.autograd.Function):
-    """`_seq_to_heads`, whose gradient travels back by `_heads_to_seq` (and vice versa)."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _seq_to_heads(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _heads_to_seq(grad, ctx.group), None
-
-
-class HeadsToSeq(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, y, group):
-        ctx.group = group
-        return _heads_to_seq(y, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _seq_to_heads(grad, ctx.group), None
 
 
 def install(module: torch.nn.Module, group, mode: str, path: str = "") -> torch.nn.Module:

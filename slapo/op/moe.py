@@ -40,6 +40,7 @@ holding the same experts and divided by dp).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -155,7 +156,6 @@ class ExpertParallelExperts(nn.Module):
             outs.append(F.linear(self.act_fn(gate) * up, self.down_proj[c % count]))
         return torch.cat(outs)[torch.argsort(order)]
 
-
     def _run_grouped(self, rows: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """Each projection as one grouped GEMM over the local experts, rows sorted by expert
         (stable, so each expert's rows keep their sources' order); results in `rows`' order."""
@@ -172,15 +172,16 @@ class ExpertParallelExperts(nn.Module):
 GROUPED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
+@functools.cache
 def _grouped_linear():
     """`linear(x [N, in], weight [E, out, in], offs) -> [N, out]` by grouped GEMM: HF's
     dispatcher (it checks the kernel applies: alignment on CPU, torch.compile's dtypes, and
-    falls back to its own op otherwise), else None (the loop runs)."""
+    falls back to its own op otherwise), else None (the loop runs). Looked up once."""
     try:
         from transformers.integrations.moe import _grouped_linear as hf_grouped
     except ImportError:
         return None
-    return lambda x, w, offs: hf_grouped(x, w, offs)
+    return hf_grouped
 
 
 def _by_expert(top_k_index: torch.Tensor) -> torch.Tensor:

@@ -345,7 +345,7 @@ def rotary(stage: nn.Module, between: Between, modules: dict[str, nn.Module], h:
         by_theta = {m.config.rope_parameters["rope_theta"]: m for m in modules["rotary_embs"]}
         return {t: by_theta[t](h, position_ids=pos) if t else None for t in keys}
     params = getattr(stage.config, "rope_parameters", None) or {}
-    out = {}
+    out, shared = {}, {}  # shared: the one embedding of the "shared" rule, by input dtype
     for k in keys:
         x = h.float() if k in between.rope_float32 else h
         if between.rope_types is not None and k not in between.rope_types:
@@ -354,19 +354,38 @@ def rotary(stage: nn.Module, between: Between, modules: dict[str, nn.Module], h:
             out[k] = None if k in params and params[k] is None else \
                 modules["rotary_emb"](x, pos, k)
         else:
-            out[k] = modules["rotary_emb"](x, position_ids=pos)
+            if x.dtype not in shared:
+                shared[x.dtype] = modules["rotary_emb"](x, position_ids=pos)
+            out[k] = shared[x.dtype]
     return out
 
 
-def layer_kwargs(stage: nn.Module, between: Between, rope: dict, key,
-                 pos: torch.Tensor) -> dict:
-    """The position arguments a layer takes beyond its hidden state, mask and positions."""
+def layer_kwargs(stage: nn.Module, between: Between, modules: dict[str, nn.Module],
+                 h: torch.Tensor, pos: torch.Tensor, keys: set) -> dict:
+    """{rope key: the position arguments a layer of that key takes beyond its hidden state,
+    mask and positions}, each computed once per stage forward, as the model's forward does:
+    its position embeddings (`rotary`), and under `nope_scaling` the attention scaling of the
+    NoPE layers (None for the roped ones)."""
+    rope = rotary(stage, between, modules, h, pos, keys)
     if between.rope == "none":
-        return {}
-    out = {"position_embeddings": rope[key]}
-    if between.nope_scaling is not None:
-        out["attention_scaling"] = value(stage, between.nope_scaling)(pos) \
-            if rope[key] is None else None
+        return dict.fromkeys(keys, {})
+    scaling = None
+    if between.nope_scaling is not None and any(e is None for e in rope.values()):
+        scaling = value(stage, between.nope_scaling)(pos)
+    out = {}
+    for k, emb in rope.items():
+        out[k] = {"position_embeddings": emb}
+        if between.nope_scaling is not None:
+            out[k]["attention_scaling"] = scaling if emb is None else None
+    return out
+
+
+def mask_kwargs(between: Between | None, kind: str) -> dict:
+    """What the masking function of attention type `kind` takes beyond the common arguments
+    (`MASK_KWARGS`; every mask materialised under `materialise`)."""
+    out = dict(MASK_KWARGS.get(kind, {}))
+    if between is not None and between.materialise:
+        out["allow_is_causal_skip"] = False
     return out
 
 

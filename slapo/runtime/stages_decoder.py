@@ -278,20 +278,20 @@ class HFDecoderStage(FusedLossStage, nn.Module):
         kinds = {self._attention_type(i) for i in range(self.lo, self.hi)}
         masks = self._masks(h, pos, attention_mask, kinds)
         between = lay.between
+        keys = [None if between is None else declared.rope_key(self.config, between, i)
+                for i in range(self.lo, self.hi)]
+        extra = {None: {}}  # a hand-written layout's layers take no position arguments
         if between is not None:
-            keys = {declared.rope_key(self.config, between, i) for i in range(self.lo, self.hi)}
             modules = {p.rsplit(".", 1)[-1]: self._get(p) for p in lay.shared}
-            rope = declared.rotary(self, between, modules, h, pos, keys)
-        for i in range(self.lo, self.hi):
+            extra = declared.layer_kwargs(self, between, modules, h, pos, set(keys))
+        for i, key in zip(range(self.lo, self.hi), keys, strict=True):
             layer = self._get(f"{lay.layers}.{i}")
             kind = self._attention_type(i)
             if lay.family == "gpt2":
                 out = layer(h, attention_mask=masks[kind], use_cache=False)
             else:
-                extra = {} if between is None else declared.layer_kwargs(
-                    self, between, rope, declared.rope_key(self.config, between, i), pos)
                 out = layer(h, attention_mask=masks[kind], position_ids=pos, use_cache=False,
-                            **extra)
+                            **extra[key])
             h = out[0] if isinstance(out, tuple) else out  # GPT-Neo's blocks return tuples
         return not_a_view(self._final(h, labels) if self.last else h)
 
@@ -351,10 +351,8 @@ class HFDecoderStage(FusedLossStage, nn.Module):
                                   f"{type(self._root[0]).__name__} have no pipeline mask.",
                                   "use attention types the stages mask (stages_declared.LAYER_MASKS), "
                                   "or no pp_stages.")
-        always = {"allow_is_causal_skip": False} if self.layout.between is not None and \
-            self.layout.between.materialise else {}
         return {k: getattr(masking_utils, declared.LAYER_MASKS[k])(
-            **kw, **{**declared.MASK_KWARGS.get(k, {}), **always}) for k in kinds}
+            **kw, **declared.mask_kwargs(self.layout.between, k)) for k in kinds}
 
     # ---- what the pipeline runtime asks the last stage ----------------------------------------
     def pipeline_outputs(self, logits: torch.Tensor):

@@ -104,7 +104,7 @@ def clip_grad_norm(nw: NormWeights, max_norm: float, info: MeshInfo) -> torch.Te
         dist.all_reduce(experts, group=nw.expert_group)
     # every expert once on each rank now; under FSDP2 the sum over dp below would count them
     # on each of its dp ranks
-    total += experts / info.replicas if nw.dp_sharded and nw.experts else experts
+    total += experts / info.replicas if nw.dp_sharded else experts
     for dim in ("tp", "pp"):
         if getattr(info, dim) > 1:
             dist.all_reduce(total, group=info.group(dim))
