@@ -41,6 +41,15 @@ def test_bad_cp_placements_are_refused(kw, match):
         ParallelDims(**kw)
 
 
+def test_the_knob_offers_the_attention_choices_the_core_has():
+    """The knob schema keeps its own copy of the choices (it must not import the op layer);
+    the two must agree."""
+    from slapo.model_schedule import knobs
+    from slapo.op import context_parallel
+
+    assert knobs.CP_ATTENTION == context_parallel.CP_ATTENTION
+
+
 def test_cp_is_its_own_dimension_and_averages_with_dp():
     dims = ParallelDims.for_world(8, cp=4)
     assert (dims.dp, dims.cp, dims.world, dims.mesh_dims) == (2, 4, 8, ("dp", "pp", "cp", "tp"))
@@ -189,12 +198,13 @@ def _heads_reversed(honest):
 
 
 def job_cp_equals_one_process(families=FAMILIES, modes=MODES, mutation=None, cp=2, tp=1,
-                              data_parallel="ddp"):
+                              data_parallel="ddp", pairs=None):
     """{(family, mode): the worst relative difference of loss, gradients, parameters, the
-    clipped norm}. `mutation`: "skip_step" or "no_lse", patched into the ring
-    (`op/ring_attention.py`), or "heads_reversed" into Ulysses' all-to-all back
-    (`op/context_parallel.py`); `tp`: tensor-parallel ranks per cp rank; `data_parallel`:
-    "fsdp" shards over the dp x cp ranks."""
+    clipped norm}, for every family with every mode, or for the (family, mode) `pairs`.
+    `mutation`: "skip_step" or "no_lse", patched into the ring (`op/ring_attention.py`), or
+    "heads_reversed" into Ulysses' all-to-all back (`op/context_parallel.py`); `tp`:
+    tensor-parallel ranks per cp rank; `data_parallel`: "fsdp" shards over the dp x cp
+    ranks."""
     import slapo.op.context_parallel as cpa
     import slapo.op.ring_attention as ring
     from slapo.runtime.mesh import init_mesh
@@ -208,8 +218,9 @@ def job_cp_equals_one_process(families=FAMILIES, modes=MODES, mutation=None, cp=
     elif mutation == "heads_reversed":
         cpa._heads_to_seq = _heads_reversed(honest[2])
     try:
+        pairs = pairs or [(f, m) for f in families for m in modes]
         out = {(f, m): _worst(f, m, mesh, _batches(), data_parallel=data_parallel)
-               for f in families for m in modes}
+               for f, m in pairs}
         if mutation is None and cp == 2 and tp == 1 and data_parallel == "ddp":  # float32: loss and gradients (AdamW amplifies fp32 noise: _model)
             out.update({(f, m, "fp32"): _worst(f, m, mesh, _batches(), torch.float32)
                         for f in families[:1] for m in modes})
@@ -233,11 +244,20 @@ def test_cp4_equals_one_process(dist4):
     _check_equal(results)
 
 
+# Each cp family once and each attention choice with LLaMA (the choices act on the local heads,
+# whatever the family): the layouts below at the cost of 6 runs, not 12.
+COVER = [("llama", m) for m in MODES] + [("qwen2", "ring"), ("qwen3", "ulysses"),
+                                          ("gpt2", "allgather")]
+
+
 @pytest.mark.dist
 def test_cp2_with_tp2_equals_one_process(dist4):
     """cp=2 x tp=2 on 4 ranks: each layer's heads split over tp, each tp rank's heads attending
-    over the cp ranks of its tp index (ring and all-gather), DDP over the cp ranks."""
-    results = dist4.run(job_cp_equals_one_process, families=("llama", "qwen2"), tp=2)
+    over the cp ranks of its tp index, DDP over the cp ranks; every cp family (GPT-2's fused
+    c_attn included) and every attention choice (Ulysses then splits 2 local heads; LLaMA's
+    single local KV head is repeated)."""
+    results = dist4.run(job_cp_equals_one_process, tp=2, pairs=COVER)
+    assert set(results[0]) == set(COVER)
     assert all(w["split"] > 0 for r in results for w in r.values())
     _check_equal(results)
 
@@ -246,8 +266,8 @@ def test_cp2_with_tp2_equals_one_process(dist4):
 def test_cp2_with_fsdp2_equals_one_process(dist2):
     """cp=2 with FSDP2: the parameters sharded over the dp x cp ranks (the cp ranks hold the
     same parameters), reduce-scattered as DDP all-reduces; the clipped norm summed over them."""
-    results = dist2.run(job_cp_equals_one_process, families=("llama", "gpt2"),
-                        data_parallel="fsdp")
+    results = dist2.run(job_cp_equals_one_process, data_parallel="fsdp", pairs=COVER)
+    assert set(results[0]) == set(COVER)
     assert all(w["split"] > 0 for r in results for w in r.values())
     _check_equal(results)
 
@@ -392,3 +412,18 @@ def test_slapo_train_cp2_trains_like_one_process_and_resumes(dist2, tmp_path):
         assert got[i] == pytest.approx(one, rel=REL, abs=1e-6), (run, got[i], one)
     assert got[5][2:] == got[4][2:], (got[4], got[5])
     assert isinstance(got[6], str) and "cp" in got[6] and "bert" in got[6].lower(), got[6]
+
+
+@pytest.mark.dist
+def test_slapo_train_cp2_with_tp2_trains_like_one_process(dist4, tmp_path):
+    """`slapo train --cp 2 --tp 2` on 4 ranks (each rank: its chunks, its heads) logs one
+    process's losses (Ulysses: the knob travels from the command line too); float32, so to
+    rel 1e-5 (tp's all-reduces and the cp split sum in another order)."""
+    from slapo.train import TrainConfig, train
+
+    runs = [{"model": "llama", "cp": 2, "tp": 2, "cp_attention": "ulysses"}]
+    ranks = dist4.run(job_train_cp, runs, str(tmp_path), timeout=600)
+    assert all(r == ranks[0] for r in ranks), ranks
+    one = train(TrainConfig(**{**TRAIN, "model": "llama"}))["losses"]
+    for run, got in zip(runs, ranks[0], strict=True):
+        assert got == pytest.approx(one, rel=REL, abs=1e-6), (run, got, one)
