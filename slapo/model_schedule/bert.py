@@ -25,6 +25,7 @@ FAMILY = Family(
     # BertSelfAttention draws only the probability dropout; `attention.output.dropout` and
     # `output.dropout` act after the row-parallel all-reduce (replicated)
     tp_rng=("attention.self",),
+    context_parallel="attention.self",  # bidirectional: the module's is_causal is False
     # post-LN: the norms and dropouts sit inside `attention.output` / `output`. The embeddings
     # (positions, token types, their norm) run on the full sequence before the first layer; the
     # encoder's output is gathered, then the (replicated) MLM transform and pooler run on it.

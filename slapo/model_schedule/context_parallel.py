@@ -7,17 +7,18 @@ embedding to the loss (the step splits the batch: `runtime/context_parallel.py`)
 everything else a decoder computes is per token. Which families Slapo splits exactly (a
 `Family.context_parallel` path; checked here before anything changes):
 
-- LLaMA, Qwen2, Qwen3 (the "llama" family): RoPE from the global `position_ids` the cp batch
-  passes, GQA, causal. Their Mistral member, and any config with sliding-window layers, is
-  refused: a window is not implemented in the cp core.
+- LLaMA, Mistral, Qwen2, Qwen3 (the "llama" family): RoPE from the global `position_ids` the
+  cp batch passes, GQA, causal; sliding-window layers (Mistral's, Qwen2/3's `layer_types`)
+  masked by the window HF passes each layer.
 - GPT-2: learned absolute positions, `wpe(position_ids)` of the same global ids (HF's default
   ids are the token indices, as the cp batch's are).
-- Refused, naming why (`WHY_NOT`): OPT (its positions are a cumulative sum of the attention
-  mask, which the split does not reproduce yet), GPT-Neo (attention outside HF's registry,
-  local layers), BERT, RoBERTa, ALBERT (bidirectional
-  encoders with masked-LM losses: no causal shift, not wired yet), T5 (a learned relative
-  position bias over the whole sequence), the MoE families (not yet with experts), and any
-  family without a plan.
+- BERT (`*ForMaskedLM`): bidirectional (the module's `is_causal` is False), learned absolute
+  positions and token types split with the tokens, the masked-LM labels unshifted.
+- Refused, naming why (`WHY_NOT`): OPT and RoBERTa (positions that count only unpadded
+  tokens, which the split does not reproduce yet), GPT-Neo (attention outside HF's registry,
+  local layers), ALBERT (one shared layer; not wired yet), T5 (a learned relative position
+  bias over the whole sequence), the MoE families (not yet with experts), and any family
+  without a plan.
 
 What cp does not compose with yet is refused too: `attention` (the cp core *is* the
 attention), `tempo` (its attention replaces the core), `fused_loss` (its loss does not take
@@ -38,10 +39,9 @@ WHY_NOT = {
                "has local (windowed) layers",
     "opt": "its learned positions are a cumulative sum of the attention mask (padding-aware), "
            "which the cp split does not reproduce yet",
-    "bert": "a bidirectional encoder with a masked-LM loss: no causal mask or label shift to "
-            "split by (not implemented yet)",
-    "roberta": "a bidirectional encoder with a masked-LM loss (not implemented yet)",
-    "albert": "a bidirectional encoder with a masked-LM loss (not implemented yet)",
+    "roberta": "its learned positions count only unpadded tokens (offset by the padding id), "
+               "which the cp split does not reproduce yet",
+    "albert": "its one shared layer is not wired for the cp core yet",
     "t5": "an encoder-decoder whose relative position bias spans the whole sequence",
     "wideresnet": "a CNN has no sequence",
 }
@@ -67,7 +67,7 @@ def check_context_parallel(sch: Schedule, family, layers: list[Schedule], *, att
         why = WHY_NOT.get(family.name, "it has no context-parallel plan")
         raise _refuse(sch, cp, f"family {family.name!r} cannot be split exactly over the "
                       f"sequence: {why}", "use a mesh with cp=1 (context parallelism supports "
-                      "the llama family: LLaMA, Qwen2, Qwen3; GPT-2).")
+                      "the llama family: LLaMA, Mistral, Qwen2, Qwen3; GPT-2; BERT).")
     _check_config(sch, cp, getattr(sch.mod, "config", None))
     if cp_attention == "ulysses":
         _check_ulysses(sch, cp, tp, getattr(sch.mod, "config", None))
@@ -96,15 +96,9 @@ def _check_ulysses(sch: Schedule, cp: int, tp: int, cfg) -> None:
 
 
 def _check_config(sch: Schedule, cp: int, cfg) -> None:
-    """Sliding windows and attention dropout are not computed by the cp core."""
-    kinds = getattr(cfg, "layer_types", None) or ()
-    window = getattr(cfg, "sliding_window", None)
-    if any("sliding" in str(k) for k in kinds) or (not kinds and window is not None):
-        raise _refuse(sch, cp, f"{getattr(cfg, 'model_type', 'the model')} has sliding-window "
-                      f"attention (sliding_window={window}), which context-parallel attention "
-                      "does not implement", "use cp=1, or a config without sliding windows.")
-    for name in ("attention_dropout", "attn_pdrop"):  # LLaMA's, GPT-2's
-        if getattr(cfg, name, 0.0):
+    """Attention dropout is not computed by the cp core."""
+    for name in ("attention_dropout", "attn_pdrop", "attention_probs_dropout_prob"):
+        if getattr(cfg, name, 0.0):  # LLaMA's, GPT-2's, BERT's
             raise _refuse(sch, cp, f"{name}={getattr(cfg, name)} is not implemented by "
                           "context-parallel attention", f"set {name}=0.0.")
 

@@ -28,7 +28,7 @@ TP_PLAN = TPPlan((
 FAMILY = Family(
     name="llama", model_types=("llama", "mistral", "qwen2", "qwen3"), layer_lists=("layers",),
     tp_plan=TP_PLAN, mlp_paths=("mlp",),
-    context_parallel="self_attn",  # sliding-window configs (Mistral's) refused by config
+    context_parallel="self_attn",  # sliding windows: the window HF passes each layer
     tp_rng=("self_attn",),  # its only random op is the core's probability dropout
     # the hidden states are split entering the first layer (the rotary tables and the causal
     # mask are computed on the full sequence before it) and gathered after the final norm.

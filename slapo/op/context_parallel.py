@@ -22,15 +22,18 @@ parameters stay as they are. Two exact ways across ranks (the `cp_attention` kno
   query heads must divide by cp, and K/V heads that do not (GQA with few KV heads) are
   repeated to the query heads first.
 
-The mask is built here from global positions, never from the mask HF computed (HF builds it
-for the local chunk's length): causal by `position_ids` (the cp batch gives every token its
-index in the sequence, so position = index), and, when the batch had an attention mask, its
-real-key flags (`KEY_VALID`, the batch's key carrying them). Every rank's key positions follow
-from the split rule (`zigzag_index`) and every rank's key flags come with the batch (the step
-splits the whole batch on every rank), so no layer communicates for its mask: only K/V cross
-the ranks. A query that sees no key gets
-zeros (SDPA's definition of a fully masked row). Dropout on attention probabilities, sliding
-windows, soft-capping and attention sinks are refused at the first call.
+The mask is built here from the tokens' indices in the whole sequence, never from the mask
+HF computed (HF builds it for the local chunk's length): every rank's indices follow from the
+split rule (`zigzag_index`), so the core needs no `position_ids` (a model's positions may be
+offset, as RoBERTa's are); causal or not as HF's SDPA decides (the call's `is_causal`, else the
+module's: BERT's is False); within HF's sliding window when the layer passes one (`q - k <
+window`, Mistral, Qwen2/3's sliding layers); and only real keys: the cp batch's key flags of
+every rank (`KEY_VALID`: the padding the split adds, and the batch's attention mask). Those
+flags come with every cp batch (the step splits the whole batch on every rank), so no layer
+communicates for its mask (only K/V cross the ranks), and a call without them (the model run
+outside `train_step`, on an unsplit batch) is refused. A query that sees no key gets zeros
+(SDPA's definition of a fully masked row). Dropout on attention probabilities, soft-capping
+and attention sinks are refused at the first call.
 """
 
 from __future__ import annotations
@@ -61,16 +64,11 @@ def zigzag_index(seq: int, cp: int, rank: int) -> torch.Tensor:
                       torch.arange(late * c, (late + 1) * c)])
 
 
-def key_positions(q_pos: torch.Tensor, group) -> torch.Tensor:
-    """(cp, b, s): every cp rank's token positions, by rank, from the split rule; `q_pos`
-    (b, s) must be this rank's share of it (the cp batch's), else the mask would be wrong."""
-    cp, rank = dist.get_world_size(group), dist.get_rank(group)
-    b, s = q_pos.shape
-    every = torch.stack([zigzag_index(s * cp, cp, r) for r in range(cp)]).to(q_pos.device)
-    if not torch.equal(q_pos, every[rank].expand(b, s)):
-        raise ValueError("context-parallel attention got position_ids that are not this cp "
-                         "rank's zig-zag chunks: train through the built model's train_step "
-                         "(it splits the batch over the cp ranks).")
+def key_positions(b: int, s: int, group, device: torch.device) -> torch.Tensor:
+    """(cp, b, s): every cp rank's token positions, by rank, from the split rule (each rank
+    holds `s` tokens of every sequence of length `s * cp`)."""
+    cp = dist.get_world_size(group)
+    every = torch.stack([zigzag_index(s * cp, cp, r) for r in range(cp)]).to(device)
     return every[:, None, :].expand(cp, b, s)
 
 
@@ -100,33 +98,40 @@ class ContextParallelAttention(AttentionCore):
                 scaling: float | None = None, is_causal: bool | None = None,
                 **kwargs: Any) -> tuple[torch.Tensor, None]:
         self._refuse(module, dropout, kwargs)
-        positions = kwargs.get("position_ids")
-        if positions is None:
-            raise ValueError("context-parallel attention needs the global `position_ids` of "
-                             "this rank's tokens: train through the built model's train_step "
-                             "(it splits the batch over the cp ranks), not model(...).")
         b, s = query.shape[0], query.shape[2]
-        q_pos = positions.expand(b, s).contiguous()
+        cp, rank = dist.get_world_size(self.group), dist.get_rank(self.group)
         valid = kwargs.get(KEY_VALID)
+        if not isinstance(valid, torch.Tensor) or tuple(valid.shape) != (b, cp, s):
+            raise ValueError(f"{type(module).__name__}: context-parallel attention needs the "
+                             f"cp batch's key flags `{KEY_VALID}` of shape (batch, cp, local "
+                             f"length) = {(b, cp, s)}: train through the built model's "
+                             "train_step (it splits the batch over the cp ranks), not "
+                             "model(...).")
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-        k_pos = key_positions(q_pos, self.group)  # (cp, b, s): key positions, by owning rank
-        k_valid = None if valid is None else valid.transpose(0, 1)  # (cp, b, s)
+        k_pos = key_positions(b, s, self.group, query.device)  # (cp, b, s), by owning rank
+        q_pos = k_pos[rank]
+        k_valid = valid.transpose(0, 1)  # (cp, b, s)
+        # HF's SDPA rule: the call's `is_causal`, else the module's (BERT's is False)
+        rule = (is_causal if is_causal is not None else getattr(module, "is_causal", True),
+                kwargs.get("sliding_window"))
         if self.mode == "ring":
-            out = ring_attention(query, key, value, q_pos, k_pos, k_valid, scale, self.group)
+            out = ring_attention(query, key, value, q_pos, k_pos, k_valid, scale, self.group,
+                                 *rule)
         elif self.mode == "ulysses":
-            out = self._ulysses(module, query, key, value, k_pos, k_valid, scale)
+            out = self._ulysses(module, query, key, value, k_pos, k_valid, scale, rule)
         else:
-            out = self._allgather(query, key, value, q_pos, k_pos, k_valid, scale)
+            out = self._allgather(query, key, value, q_pos, k_pos, k_valid, scale, rule)
         return out.transpose(1, 2).contiguous(), None
 
-    def _allgather(self, q, k, v, q_pos, k_pos, k_valid, scale) -> torch.Tensor:
+    def _allgather(self, q, k, v, q_pos, k_pos, k_valid, scale, rule) -> torch.Tensor:
         keys = all_gather(k, 2, self.group, partial_grad=True)  # backward: reduce-scatter
         values = all_gather(v, 2, self.group, partial_grad=True)
         flat = k_pos.permute(1, 0, 2).reshape(q.shape[0], -1)  # rank-major, as gathered
-        flags = None if k_valid is None else k_valid.permute(1, 0, 2).reshape(q.shape[0], -1)
-        return self._sdpa.attend(q, keys, values, visible(q_pos, flat, flags), False, 0.0, scale)
+        flags = k_valid.permute(1, 0, 2).reshape(q.shape[0], -1)
+        return self._sdpa.attend(q, keys, values, visible(q_pos, flat, flags, *rule), False, 0.0,
+                                 scale)
 
-    def _ulysses(self, module, q, k, v, k_pos, k_valid, scale) -> torch.Tensor:
+    def _ulysses(self, module, q, k, v, k_pos, k_valid, scale, rule) -> torch.Tensor:
         cp = dist.get_world_size(self.group)
         heads, kv_heads = q.shape[1], k.shape[1]
         if heads % cp:
@@ -138,8 +143,8 @@ class ContextParallelAttention(AttentionCore):
             v = v.repeat_interleave(heads // kv_heads, dim=1)
         q, k, v = (_seq_to_heads(t, self.group) for t in (q, k, v))
         pos = k_pos.permute(1, 0, 2).reshape(q.shape[0], -1)  # rank-major, as exchanged
-        flags = None if k_valid is None else k_valid.permute(1, 0, 2).reshape(q.shape[0], -1)
-        out = self._sdpa.attend(q, k, v, visible(pos, pos, flags), False, 0.0, scale)
+        flags = k_valid.permute(1, 0, 2).reshape(q.shape[0], -1)
+        out = self._sdpa.attend(q, k, v, visible(pos, pos, flags, *rule), False, 0.0, scale)
         return _heads_to_seq(out, self.group)
 
     def _refuse(self, module: torch.nn.Module, dropout: float, kwargs: dict) -> None:
@@ -148,7 +153,7 @@ class ContextParallelAttention(AttentionCore):
         if dropout and self.training:
             raise ValueError(f"{name}: attention dropout {dropout} under context parallelism "
                              "is not supported (set the config's attention_dropout to 0).")
-        for key in ("sliding_window", "softcap", "s_aux", "position_bias"):
+        for key in ("softcap", "s_aux", "position_bias"):
             if kwargs.get(key) is not None:
                 raise ValueError(f"{name}: HF passed `{key}`, which context-parallel "
                                  "attention does not implement.")

@@ -7,9 +7,9 @@ arriving), so K/V memory per rank stays 1/cp of the sequence. Each step attends 
 queries to one block; the block's softmax is normalised within the block and remembered with
 its log-sum-exp `lse_b`, and `merge_partials` combines blocks exactly:
 `out = out_a * exp(lse_a - lse) + out_b * exp(lse_b - lse)`, `lse = logaddexp(lse_a, lse_b)`
-(the flash-attention / Ring Attention recurrence). The causal mask comes from the *global*
-positions of queries and keys (`positions`), so any layout of chunks (Slapo's zig-zag) is
-masked right; a query that sees no key at all (a padding query under left padding) gets
+(the flash-attention / Ring Attention recurrence). The mask (causal or bidirectional, a
+sliding window) comes from the *global* positions of queries and keys, so any layout of chunks
+(Slapo's zig-zag) is masked right; a query that sees no key at all (a padding query under left padding) gets
 zeros, as SDPA defines a fully masked row.
 
 The backward is written out (a custom autograd Function), as in flash attention: with the
@@ -39,10 +39,17 @@ def ring_steps(cp: int) -> range:
     return range(cp)
 
 
-def visible(q_pos: torch.Tensor, k_pos: torch.Tensor, k_valid: torch.Tensor | None
-            ) -> torch.Tensor:
-    """Bool (b, 1, s_q, s_k), True = attend: causal by global position, keys that are real."""
-    mask = k_pos[:, None, None, :] <= q_pos[:, None, :, None]
+def visible(q_pos: torch.Tensor, k_pos: torch.Tensor, k_valid: torch.Tensor | None,
+            causal: bool = True, window: int | None = None) -> torch.Tensor:
+    """Bool (b, 1, s_q, s_k), True = attend, by global positions: keys at or before the query
+    (`causal`), within the last `window` positions (HF's sliding window: `q - k < window`,
+    `masking_utils.sliding_window_overlay`), and real (`k_valid`)."""
+    q, k = q_pos[:, None, :, None], k_pos[:, None, None, :]
+    mask = torch.ones(q.shape[0], 1, q.shape[2], k.shape[3], dtype=torch.bool, device=q.device)
+    if causal:
+        mask = mask & (k <= q)
+    if window is not None:
+        mask = mask & (q - k < window)
     return mask if k_valid is None else mask & k_valid[:, None, None, :]
 
 
@@ -85,10 +92,11 @@ def pass_on(tensors: list[torch.Tensor], group) -> list[torch.Tensor]:
     rank, size = dist.get_rank(group), dist.get_world_size(group)
     to = dist.get_global_rank(group, (rank + 1) % size)
     frm = dist.get_global_rank(group, (rank - 1) % size)
+    tensors = [t.contiguous() for t in tensors]  # BERT's K/V are transposed views
     got = [torch.empty_like(t) for t in tensors]
     reqs = []
     for t, g in zip(tensors, got):
-        reqs.append(dist.isend(t.contiguous(), to, group=group))
+        reqs.append(dist.isend(t, to, group=group))
         reqs.append(dist.irecv(g, frm, group=group))
     for r in reqs:
         r.wait()
@@ -98,10 +106,11 @@ def pass_on(tensors: list[torch.Tensor], group) -> list[torch.Tensor]:
 class RingAttention(torch.autograd.Function):
     """Ring attention forward and backward (module docstring). `q_pos` (b, s_q): the local
     queries' global positions; `k_pos` (cp, b, s_k), `k_valid` (cp, b, s_k) or None: every cp
-    rank's key positions and real-key flags (gathered once, small), indexed by owner."""
+    rank's key positions and real-key flags (gathered once, small), indexed by owner;
+    `rule` = (causal, window): `visible`'s mask rule."""
 
     @staticmethod
-    def forward(ctx, q, k, v, q_pos, k_pos, k_valid, scale, group):
+    def forward(ctx, q, k, v, q_pos, k_pos, k_valid, scale, group, rule):
         cp, rank = dist.get_world_size(group), dist.get_rank(group)
         rep = q.shape[1] // k.shape[1]
         out = lse = None
@@ -110,12 +119,13 @@ class RingAttention(torch.autograd.Function):
             if step:
                 blk = tuple(pass_on(list(blk), group))
             owner = (rank - step) % cp
-            mask = visible(q_pos, k_pos[owner], None if k_valid is None else k_valid[owner])
+            mask = visible(q_pos, k_pos[owner], None if k_valid is None else k_valid[owner],
+                           *rule)
             o_b, l_b = block_attention(q, repeat_kv(blk[0], rep), repeat_kv(blk[1], rep),
                                        mask, scale)
             out, lse = merge_partials(out, lse, o_b, l_b)
         ctx.save_for_backward(q, k, v, q_pos, k_pos, k_valid, out, lse)
-        ctx.scale, ctx.group = scale, group
+        ctx.scale, ctx.group, ctx.rule = scale, group, rule
         return out
 
     @staticmethod
@@ -132,7 +142,8 @@ class RingAttention(torch.autograd.Function):
             if step:
                 blk = pass_on(blk, group)
             owner = (rank - step) % cp
-            mask = visible(q_pos, k_pos[owner], None if k_valid is None else k_valid[owner])
+            mask = visible(q_pos, k_pos[owner], None if k_valid is None else k_valid[owner],
+                           *ctx.rule)
             k_r, v_r = repeat_kv(blk[0], rep), repeat_kv(blk[1], rep)
             p = torch.exp(_scores(q, k_r, mask, scale) - lse)
             ds = p * (torch.matmul(d_out, v_r.transpose(-1, -2)) - delta)
@@ -140,9 +151,11 @@ class RingAttention(torch.autograd.Function):
             blk[2] = blk[2] + _fold(torch.matmul(ds.transpose(-1, -2), q) * scale, kv_heads)
             blk[3] = blk[3] + _fold(torch.matmul(p.transpose(-1, -2), d_out), kv_heads)
         dk, dv = pass_on(blk[2:], group)  # the last pass brings each block's gradient home
-        return dq, dk, dv, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None
 
 
-def ring_attention(q, k, v, q_pos, k_pos, k_valid, scale: float, group) -> torch.Tensor:
-    """(b, h, s_q, d) attention of the local queries against every cp rank's K/V (exact)."""
-    return RingAttention.apply(q, k, v, q_pos, k_pos, k_valid, scale, group)
+def ring_attention(q, k, v, q_pos, k_pos, k_valid, scale: float, group, causal: bool = True,
+                   window: int | None = None) -> torch.Tensor:
+    """(b, h, s_q, d) attention of the local queries against every cp rank's K/V (exact),
+    masked by `visible(..., causal, window)`."""
+    return RingAttention.apply(q, k, v, q_pos, k_pos, k_valid, scale, group, (causal, window))

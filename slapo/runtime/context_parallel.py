@@ -5,28 +5,34 @@ what `build` checks before a cp step can be exact (`check_context_parallel`).
 rank `i` holds chunks `i` and `2cp - 1 - i` (torch's `context_parallel` and Megatron's CP do
 the same): under a causal mask the late chunks see more keys than the early ones, and pairing
 an early chunk with a late one gives every rank the same attention work. A sequence whose
-length is not a multiple of `2 * cp` is padded at its end (token 0, label -100, not a real
-key): a padded key comes after every real token, so no real query sees it, and a padded
-query's label is ignored, so loss and gradients are exactly those of the unpadded sequence.
+length is not a multiple of `2 * cp` is padded at its end (token 0, label -100, never a
+key: the key flags below mark it): a padded query's label is ignored, so loss and gradients are
+exactly those of the unpadded sequence, causal or bidirectional.
 
 **What the model gets** (a dict of keyword arguments, `Trainer.local_batch`):
 
-- `input_ids`: the rank's tokens, `position_ids`: their indices in the whole sequence (RoPE
-  per chunk from the global position; the cp attention core masks causally by them);
-- `labels` and `shift_labels`: HF's causal shift done **before** the split (label `t` is the
-  token at `t + 1` of the whole sequence; a chunk's last token predicts the first token of the
-  next chunk, which another rank holds). HF's causal-LM loss takes `shift_labels` as given,
-  and the step counts the supervised tokens of `labels` unshifted (`ModelLoss` shift 0);
-- `num_items_in_batch` (added by the step, `token_mean.GlobalSum`): the supervised tokens of
-  the whole global batch, over every dp and cp rank, so each rank's loss is its tokens' sum
-  over that count;
-- `cp_key_valid` (`op.context_parallel.KEY_VALID`), when the batch had an `attention_mask`:
-  the real-key flags of every cp rank's chunks, (batch, cp, local length), so no attention
-  layer gathers them; the mask itself is not passed (HF would build it for the local length).
+- `input_ids` (and `token_type_ids`, BERT's): the rank's tokens, `position_ids`: their
+  indices in the whole sequence (RoPE per chunk from the global position; learned absolute
+  positions, GPT-2's and BERT's, look them up);
+- causal LMs: `labels` and `shift_labels`, HF's causal shift done **before** the split (label
+  `t` is the token at `t + 1` of the whole sequence; a chunk's last token predicts the first
+  token of the next chunk, which another rank holds). HF's causal-LM loss takes
+  `shift_labels` as given, and the step counts the supervised tokens of `labels` unshifted
+  (`ModelLoss` shift 0). Masked LMs: `labels` split as they are (no shift);
+- `num_items_in_batch` (causal LMs, added by the step, `token_mean.GlobalSum`): the
+  supervised tokens of the whole global batch, over every dp and cp rank, so each rank's loss
+  is its tokens' sum over that count;
+- `cp_key_valid` (`op.context_parallel.KEY_VALID`), always: the real-key flags of every cp
+  rank's chunks, (batch, cp, local length): the batch's `attention_mask` (all ones without
+  one) and the split's padding, so no attention layer gathers them; the mask itself is not
+  passed (HF would build it for the local length).
 
-The loss is then the sum of every rank's token losses over the global token count, what one
-process computes (DDP's mean over `dp x cp` ranks is undone by the units' weight `dp x cp`). Batches with `position_ids`,
-`inputs_embeds` or other per-token inputs are refused (their split is not defined here).
+A causal LM's loss is then the sum of every rank's token losses over the global token count,
+what one process computes (DDP's mean over `dp x cp` ranks is undone by the units' weight
+`dp x cp`). A masked LM's own loss (BERT's `CrossEntropyLoss()`) is its rank's mean, which the
+step's token weights (`token_mean.TokenMean` over the dp x cp ranks) turn into the global
+token mean. Batches with `position_ids`, `inputs_embeds` or other per-token inputs are refused
+(their split is not defined here).
 """
 
 from __future__ import annotations
@@ -39,7 +45,8 @@ from ..op.context_parallel import KEY_VALID, zigzag_index
 from .batch import Batch
 from .token_mean import IGNORE_INDEX, ModelLoss
 
-SPLIT = ("input_ids", "labels", "attention_mask")  # the keys split along the sequence
+# the keys split along the sequence
+SPLIT = ("input_ids", "labels", "attention_mask", "token_type_ids")
 PAD_TOKEN = 0  # the id padded sequences get at their end (never a real key, never a target)
 
 
@@ -68,30 +75,40 @@ def check_cp_batch(batch: Batch) -> None:
                               f"{', '.join(SPLIT)} are split over the cp ranks (positions "
                               "are the tokens' indices in the sequence).",
                               f"drop {key!r} from the batch.")
-    mask = batch.get("attention_mask")
-    if mask is not None and (not isinstance(mask, torch.Tensor) or mask.shape != ids.shape):
-        raise SchedulingError("", "attention_mask under context parallelism must be a "
-                              "(batch, sequence) tensor like input_ids.",
-                              "pass a 2-D 0/1 attention_mask, or none.")
+    for key in ("attention_mask", "token_type_ids"):
+        value = batch.get(key)
+        if value is not None and (not isinstance(value, torch.Tensor) or
+                                  value.shape != ids.shape):
+            raise SchedulingError("", f"{key} under context parallelism must be a (batch, "
+                                  "sequence) tensor like input_ids.",
+                                  f"pass a 2-D {key}, or none.")
 
 
-def cp_batch(batch: Batch, cp: int, rank: int) -> dict:
-    """Cp rank `rank`'s part of every sequence of `batch` (module docstring)."""
+def cp_batch(batch: Batch, cp: int, rank: int, shift_labels: bool = True) -> dict:
+    """Cp rank `rank`'s part of every sequence of `batch` (module docstring); `shift_labels`:
+    HF's causal shift before the split (causal LMs; a masked LM's labels are not shifted)."""
     check_cp_batch(batch)
     ids = batch["input_ids"]
     seq = ids.shape[-1]
     pad = padded_length(seq, cp) - seq
-    shifted = F.pad(batch["labels"], (0, 1), value=IGNORE_INDEX)[..., 1:]  # HF's shift
+    labels = batch["labels"]
+    if shift_labels:  # label t is the token at t + 1 of the whole sequence
+        labels = F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
     index = zigzag_index(seq + pad, cp, rank).to(ids.device)
-    labels = F.pad(shifted, (0, pad), value=IGNORE_INDEX)[:, index]
+    labels = F.pad(labels, (0, pad), value=IGNORE_INDEX)[:, index]
     out = {k: v for k, v in batch.items() if k not in SPLIT}
     out.update(input_ids=F.pad(ids, (0, pad), value=PAD_TOKEN)[:, index],
-               position_ids=index.expand(ids.shape[0], -1), labels=labels,
-               shift_labels=labels)
+               position_ids=index.expand(ids.shape[0], -1), labels=labels)
+    if shift_labels:
+        out["shift_labels"] = labels
+    if batch.get("token_type_ids") is not None:
+        out["token_type_ids"] = F.pad(batch["token_type_ids"], (0, pad), value=0)[:, index]
+    # every cp rank's key flags (the attention needs no collective for them): the batch's
+    # attention mask, and the split's padding, never a key (a bidirectional layer would see it)
     mask = batch.get("attention_mask")
-    if mask is not None:  # every cp rank's flags: the attention needs no collective for them
-        every = torch.stack([zigzag_index(seq + pad, cp, r) for r in range(cp)]).to(ids.device)
-        out[KEY_VALID] = F.pad(mask, (0, pad), value=0)[:, every].bool()  # (b, cp, s_local)
+    mask = torch.ones_like(ids) if mask is None else mask
+    every = torch.stack([zigzag_index(seq + pad, cp, r) for r in range(cp)]).to(ids.device)
+    out[KEY_VALID] = F.pad(mask, (0, pad), value=0)[:, every].bool()  # (b, cp, s_local)
     return out
 
 
@@ -109,14 +126,16 @@ def check_context_parallel(sch_path: str, cp: int, loss: ModelLoss, data_paralle
                               "compute different tokens, so their gradients must be averaged "
                               f"(over dp x cp), and data_parallel={data_parallel!r} does not.",
                               "build with data_parallel='ddp' or 'fsdp'.")
-    if loss.user_loss_fn or loss.shift != 1 or not loss.num_items:
-        raise SchedulingError(sch_path, f"cp={cp} needs the model's own causal-LM loss (a "
-                              "*ForCausalLM head whose loss takes `shift_labels`): each cp "
-                              "rank holds part of every sequence, and Slapo normalises that "
-                              "loss over the whole sequence's tokens; a loss_fn or another "
-                              "head's loss is not.", "train a *ForCausalLM model without "
-                              "loss_fn.")
-    return ModelLoss(shift=0, num_items=loss.num_items, global_sum=True)
+    if not loss.user_loss_fn and loss.shift == 1 and loss.num_items:
+        return ModelLoss(shift=0, num_items=loss.num_items, global_sum=True, preshifted=True)
+    if not loss.user_loss_fn and loss.shift == 0:  # a masked LM: each rank's mean, re-weighted
+        return ModelLoss(shift=0, num_items=loss.num_items)
+    raise SchedulingError(sch_path, f"cp={cp} needs the model's own language-modelling loss "
+                          "(a *ForCausalLM head whose loss takes `shift_labels`, or a "
+                          "*ForMaskedLM head): each cp rank holds part of every sequence, and "
+                          "Slapo normalises that loss over the whole sequence's tokens; a "
+                          "loss_fn or another head's loss is not.", "train a *ForCausalLM or "
+                          "*ForMaskedLM model without loss_fn.")
 
 
 CP_META = "context_parallel"  # `module_meta(model)[CP_META]`: the cp degree `apply` scheduled

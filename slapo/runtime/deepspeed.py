@@ -38,7 +38,7 @@ from ..errors import SchedulingError
 from .batch import Batch, batch_size, check_divisible, slice_batch
 from .mesh import MeshInfo
 from .runner import LossFn, forward_loss
-from .token_mean import token_mean_over
+from .token_mean import token_mean_over, weighted
 from .train_step import StepConfig
 
 _LAUNCH_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -255,7 +255,7 @@ class DeepSpeedModule(nn.Module):
             weight = None if tokens is None else tokens.weight(part)
             part = part if tokens is None else tokens.guard(part)
             loss = forward_loss(self.engine, part, self.loss_fn)
-            self.engine.backward(loss if weight is None else loss * (weight * k))
+            self.engine.backward(loss if weight is None else weighted(loss, weight * k))
             self.engine.step()
             total += float(loss.detach()) / k if weight is None else \
                 float(loss.detach().double() * weight)

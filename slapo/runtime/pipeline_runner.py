@@ -67,7 +67,7 @@ from .pipeline_tied import TiedWeights
 from .precision import Precision
 from .runner import LossFn, compute_loss
 from .split_backward import SPLIT_BACKWARD, split_backward_hazards
-from .token_mean import Weights
+from .token_mean import Weights, weighted
 
 
 class PipelineRunner:
@@ -126,7 +126,7 @@ class PipelineRunner:
             self._fail_in_schedule(e, self.plan.num_stages, "the loss")
             return zero_loss(output)
         self._losses.append(loss.detach().double() * weight)
-        grad_loss = self.precision.loss_for_backward(loss) * weight
+        grad_loss = weighted(self.precision.loss_for_backward(loss), weight)
         return grad_loss * 0.0 if self._zero_backward else grad_loss
 
     def _fail(self, error: BaseException, order: int, phase: str | None = None) -> None:

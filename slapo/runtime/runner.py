@@ -23,7 +23,7 @@ from ..errors import SchedulingError
 from .batch import Batch, call
 from .data_parallel import set_expert_sync
 from .precision import Precision
-from .token_mean import Weights
+from .token_mean import Weights, weighted
 
 LossFn = Callable[[Any, Batch], torch.Tensor]
 
@@ -104,7 +104,8 @@ class LocalRunner:
             with self.precision.autocast():  # forward and loss; backward outside autocast
                 loss = forward_loss(self.model, batch, self.loss_fn)
             grad_loss = self.precision.loss_for_backward(loss)  # fp32 (x the fp16 scale)
-            (grad_loss * weight if tokens is not None or scale != 1 else grad_loss).backward()
+            (weighted(grad_loss, weight) if tokens is not None or scale != 1
+             else grad_loss).backward()
         return loss.detach().double() * weight
 
     def finish_grads(self) -> None:

@@ -118,6 +118,7 @@ class ModelLoss:
     num_items: bool | None = False  # `loss_divides_by_num_items` (None: unknown)
     user_loss_fn: bool = False  # a `loss_fn` was given: its reduction is the user's
     global_sum: bool = False  # context parallelism: units are sums over the global count
+    preshifted: bool = False  # context parallelism: labels shifted by the step, before the split
 
     @classmethod
     def of(cls, model: nn.Module | None, loss_fn_given: bool) -> ModelLoss:
@@ -171,9 +172,11 @@ class TokenMean:
     shift: int
 
     def weight(self, unit: Batch) -> torch.Tensor:
-        """`n_u * dp / N` for one unit (an accumulation slice or a micro-batch)."""
+        """`n_u * dp / N` for one unit (an accumulation slice or a micro-batch), in float64:
+        the step multiplies a loss by it in that loss's dtype (`weighted`), so a float64 model
+        is not weighted by a float32-rounded number."""
         n = supervised_tokens(unit, self.shift)
-        return (n.double() * self.dp / self.total).float()
+        return n.double() * self.dp / self.total.double()
 
     def guard(self, unit: Batch) -> Batch:
         """The unit as the model must see it: without `num_items_in_batch` (its loss is then
@@ -232,6 +235,14 @@ class GlobalSum:
 
 
 Weights = TokenMean | UnitSum | GlobalSum
+
+
+def weighted(loss: torch.Tensor, weight: torch.Tensor | float) -> torch.Tensor:
+    """`loss` x a unit's `weight`, in the loss's dtype (a float64 weight would promote a 0-d
+    float32 loss, and a float32 one would round a float64 model's weight)."""
+    if isinstance(weight, torch.Tensor):
+        weight = weight.to(device=loss.device, dtype=loss.dtype)
+    return loss * weight
 
 
 def token_mean(loss: ModelLoss | int | None, parts: list[Batch], info: MeshInfo,
