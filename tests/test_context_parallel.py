@@ -26,8 +26,10 @@ from slapo.runtime.mesh import ParallelDims
 LR = 1e-2
 REL = 1e-5
 # Qwen2: biased q/k/v projections; Mistral: a sliding window (4) shorter than the sequence and
-# than a rank's span of it; BERT: bidirectional, masked-LM labels
-FAMILIES = ("llama", "qwen2", "qwen3", "gpt2", "mistral", "bert_mlm")
+# than a rank's span of it; BERT: bidirectional, masked-LM labels; OPT, RoBERTa: positions that
+# count unpadded tokens only (RoBERTa's from the padding id in input_ids)
+FAMILIES = ("llama", "qwen2", "qwen3", "gpt2", "mistral", "bert_mlm", "opt", "roberta")
+MASKED = ("bert_mlm", "roberta")
 MODES = ("allgather", "ring", "ulysses")
 SEQ = 14  # not a multiple of 2 * cp = 4: padded to 16
 
@@ -117,11 +119,14 @@ def _batches(family: str = "llama") -> list[dict]:
         x = models.ids(2, SEQ, seed=seed)
         mask = torch.ones_like(x)
         mask[1, :3] = 0
+        if family == "roberta":
+            x[1, :3] = 1  # RoBERTa's padding id: its positions skip these tokens
         batch = {"input_ids": x, "attention_mask": mask,
                  "labels": x.masked_fill(mask == 0, -100)}
-        if family.startswith("bert"):
+        if family in MASKED:
             drop = torch.rand(x.shape, generator=torch.Generator().manual_seed(seed)) < 0.5
             batch["labels"] = batch["labels"].masked_fill(drop, -100)
+        if family == "bert_mlm":
             batch["token_type_ids"] = (torch.arange(SEQ) >= SEQ // 2).long().expand(2, SEQ)
         out.append(batch)
     return out
@@ -227,13 +232,20 @@ def job_cp_equals_one_process(families=FAMILIES, modes=MODES, mutation=None, cp=
     clipped norm}, for every family with every mode, or for the (family, mode) `pairs`.
     `mutation`: "skip_step" or "no_lse", patched into the ring (`op/ring_attention.py`),
     "heads_reversed" into Ulysses' all-to-all back (`op/context_parallel.py`), "no_window"
-    or "all_causal" into the mask rule (`visible`, both modules); `tp`: tensor-parallel ranks
+    or "all_causal" into the mask rule (`visible`, both modules), "index_positions": the
+    tokens' indices as positions for every model (`runtime.context_parallel.position_rule`);
+    `tp`: tensor-parallel ranks
     per cp rank; `data_parallel`: "fsdp" shards over the dp x cp ranks."""
+    import importlib
+
     import slapo.op.context_parallel as cpa
     import slapo.op.ring_attention as ring
     from slapo.runtime.mesh import init_mesh
 
+    build = importlib.import_module("slapo.runtime.build")  # the module, not `slapo.build`
+
     mesh = init_mesh(dims=ParallelDims(cp=cp, tp=tp, device="cpu"))
+    rule = build.position_rule
     honest = ring.ring_steps, ring.merge_partials, cpa._heads_to_seq, ring.visible
     if mutation == "skip_step":
         ring.ring_steps = _skip_last_step(honest[0])
@@ -243,6 +255,8 @@ def job_cp_equals_one_process(families=FAMILIES, modes=MODES, mutation=None, cp=
         cpa._heads_to_seq = _heads_reversed(honest[2])
     elif mutation in ("no_window", "all_causal"):
         ring.visible = cpa.visible = _rule_broken(honest[3], mutation)
+    elif mutation == "index_positions":
+        build.position_rule = lambda model: None
     try:
         pairs = pairs or [(f, m) for f in families for m in modes]
         out = {(f, m): _worst(f, m, mesh, _batches(f), data_parallel=data_parallel)
@@ -254,6 +268,7 @@ def job_cp_equals_one_process(families=FAMILIES, modes=MODES, mutation=None, cp=
     finally:
         ring.ring_steps, ring.merge_partials, cpa._heads_to_seq, ring.visible = honest
         cpa.visible = honest[3]
+        build.position_rule = rule
 
 
 @pytest.mark.dist
@@ -265,10 +280,11 @@ def test_cp2_equals_one_process(dist2):
 
 # Each cp family once and each attention choice with LLaMA (the choices act on the local heads,
 # whatever the family; Mistral's window and BERT's bidirectional rule with every choice are
-# under test at cp=2): the layouts below at the cost of 8 runs, not 18.
+# under test at cp=2): the layouts below at the cost of 10 runs, not 24.
 COVER = [("llama", m) for m in MODES] + [("qwen2", "ring"), ("qwen3", "ulysses"),
                                           ("gpt2", "allgather"), ("mistral", "ring"),
-                                          ("bert_mlm", "ulysses")]
+                                          ("bert_mlm", "ulysses"), ("opt", "allgather"),
+                                          ("roberta", "ring")]
 
 
 @pytest.mark.dist
@@ -314,7 +330,7 @@ def _check_equal(results: list[dict]) -> None:
 
 BROKEN = {"skip_step": ("llama", "ring"), "no_lse": ("llama", "ring"),
           "heads_reversed": ("llama", "ulysses"), "no_window": ("mistral", "allgather"),
-          "all_causal": ("bert_mlm", "ring")}
+          "all_causal": ("bert_mlm", "ring"), "index_positions": ("opt", "allgather")}
 
 
 @pytest.mark.dist
@@ -322,7 +338,8 @@ def test_a_broken_ring_fails(dist2):
     """Each mutation (`job_cp_equals_one_process`) on the family and attention choice it
     breaks: a ring step skipped, blocks merged without the log-sum-exp, Ulysses' head groups
     returned in the wrong order, Mistral's window ignored, BERT's bidirectional layers masked
-    causally: each moves the loss and the gradients."""
+    causally, OPT's positions taken as the tokens' indices: each moves the loss and the
+    gradients."""
     results = {m: dist2.run(job_cp_equals_one_process, pairs=[pair], mutation=m)[0][pair]
                for m, pair in BROKEN.items()}
     for mutation, worst in results.items():  # 10x the tests' tolerance, at least
@@ -349,7 +366,7 @@ def job_bad_input_is_refused():
 
     mesh = init_mesh(dims=ParallelDims(cp=2, device="cpu"))
     refused = {}
-    cases = {"roberta": (models.roberta, {}), "opt": (models.opt, {}),
+    cases = {"gpt_neo": (models.gpt_neo, {}), "albert": (models.albert, {}),
              "t5": (models.t5, {}), "dropout": (lambda seed: models.bert_mlm(seed, dropout=0.1), {}),
              "attention": (models.llama, {"attention": "sdpa"}),
              "fused_loss": (models.llama, {"fused_loss": True}),
@@ -387,8 +404,8 @@ def job_bad_input_is_refused():
 @pytest.mark.dist
 def test_bad_input_is_refused(dist2):
     refused = dist2.run(job_bad_input_is_refused)[0]
-    assert "family 'roberta'" in refused["roberta"] and "unpadded" in refused["roberta"]
-    assert "family 'opt'" in refused["opt"] and "attention mask" in refused["opt"]
+    assert "family 'gpt_neo'" in refused["gpt_neo"] and "registry" in refused["gpt_neo"]
+    assert "family 'albert'" in refused["albert"] and "shared layer" in refused["albert"]
     assert "attention_probs_dropout_prob=0.1" in refused["dropout"], refused["dropout"]
     assert "relative position bias" in refused["t5"]
     assert "attention does not compose" in refused["attention"]
@@ -428,8 +445,9 @@ def job_train_cp(runs: list[dict], out: str) -> list:
 @pytest.mark.dist
 def test_slapo_train_cp2_trains_like_one_process_and_resumes(dist2, tmp_path):
     """`slapo train --cp 2` (sequence 30: padded to 32 for the zig-zag split) logs one
-    process's losses for LLaMA and GPT-2 with both attention choices, BERT (masked LM,
-    bidirectional) and LLaMA with `--dp-shard` (FSDP2 sharding over the cp ranks); a run
+    process's losses for LLaMA and GPT-2 with both attention choices, BERT and RoBERTa (masked
+    LMs, bidirectional), OPT (positions counting unpadded tokens) and LLaMA with `--dp-shard`
+    (FSDP2 sharding over the cp ranks); a run
     saved at step 2 and resumed logs the uninterrupted run's losses bit for bit; a family
     without a cp plan is refused by name."""
     from slapo.train import TrainConfig, train
@@ -439,17 +457,18 @@ def test_slapo_train_cp2_trains_like_one_process_and_resumes(dist2, tmp_path):
     runs += [{"model": "llama", "cp": 2, "save_every": 2},
              {"model": "llama", "cp": 2, "resume": str(tmp_path / "run4" / "checkpoints" /
                                                         "step_000002"), "out": str(tmp_path / "b")},
-             {"model": "roberta", "cp": 2, "steps": 1},
+             {"model": "albert", "cp": 2, "steps": 1},
              {"model": "llama", "cp": 2, "dp_shard": True},  # FSDP2 over the cp ranks
-             {"model": "bert", "cp": 2}]
+             {"model": "bert", "cp": 2}, {"model": "roberta", "cp": 2},
+             {"model": "opt", "cp": 2, "cp_attention": "ring"}]
     ranks = dist2.run(job_train_cp, runs, str(tmp_path), timeout=600)
     assert ranks[0] == ranks[1], ranks
     got = ranks[0]
-    for i, run in [*enumerate(runs[:4]), (7, runs[7]), (8, runs[8])]:
+    for i, run in [*enumerate(runs[:4]), *list(enumerate(runs))[7:]]:
         one = train(TrainConfig(**{**TRAIN, "model": run["model"]}))["losses"]
         assert got[i] == pytest.approx(one, rel=REL, abs=1e-6), (run, got[i], one)
     assert got[5][2:] == got[4][2:], (got[4], got[5])
-    assert isinstance(got[6], str) and "cp" in got[6] and "roberta" in got[6].lower(), got[6]
+    assert isinstance(got[6], str) and "cp" in got[6] and "albert" in got[6].lower(), got[6]
 
 
 @pytest.mark.dist

@@ -14,8 +14,10 @@ everything else a decoder computes is per token. Which families Slapo splits exa
   ids are the token indices, as the cp batch's are).
 - BERT (`*ForMaskedLM`): bidirectional (the module's `is_causal` is False), learned absolute
   positions and token types split with the tokens, the masked-LM labels unshifted.
-- Refused, naming why (`WHY_NOT`): OPT and RoBERTa (positions that count only unpadded
-  tokens, which the split does not reproduce yet), GPT-Neo (attention outside HF's registry,
+- OPT (causal) and RoBERTa (masked LM): learned positions that count only unpadded tokens;
+  the split passes the model's own numbering, computed over the whole sequence before it
+  (`runtime.context_parallel.position_rule`).
+- Refused, naming why (`WHY_NOT`): GPT-Neo (attention outside HF's registry,
   local layers), ALBERT (one shared layer; not wired yet), T5 (a learned relative position
   bias over the whole sequence), the MoE families (not yet with experts), and any family
   without a plan.
@@ -37,10 +39,6 @@ from ..schedule import Schedule
 WHY_NOT = {
     "gpt_neo": "its attention computes scores itself, outside HF's attention registry, and "
                "has local (windowed) layers",
-    "opt": "its learned positions are a cumulative sum of the attention mask (padding-aware), "
-           "which the cp split does not reproduce yet",
-    "roberta": "its learned positions count only unpadded tokens (offset by the padding id), "
-               "which the cp split does not reproduce yet",
     "albert": "its one shared layer is not wired for the cp core yet",
     "t5": "an encoder-decoder whose relative position bias spans the whole sequence",
     "wideresnet": "a CNN has no sequence",
@@ -67,7 +65,7 @@ def check_context_parallel(sch: Schedule, family, layers: list[Schedule], *, att
         why = WHY_NOT.get(family.name, "it has no context-parallel plan")
         raise _refuse(sch, cp, f"family {family.name!r} cannot be split exactly over the "
                       f"sequence: {why}", "use a mesh with cp=1 (context parallelism supports "
-                      "the llama family: LLaMA, Mistral, Qwen2, Qwen3; GPT-2; BERT).")
+                      "the llama family: LLaMA, Mistral, Qwen2, Qwen3; GPT-2; OPT; BERT, RoBERTa).")
     _check_config(sch, cp, getattr(sch.mod, "config", None))
     if cp_attention == "ulysses":
         _check_ulysses(sch, cp, tp, getattr(sch.mod, "config", None))

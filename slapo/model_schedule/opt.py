@@ -43,6 +43,7 @@ def check_sequence_parallel(sch: Schedule) -> None:
 FAMILY = Family(
     name="opt", model_types=("opt",), layer_lists=("decoder.layers",), tp_plan=TP_PLAN,
     tp_rng=("self_attn",),  # the residual dropouts are functional calls of the layer itself
+    context_parallel="self_attn",  # positions: the cp split passes OPT's own (position_rule)
     # split entering the first layer (learned positions and the causal mask are full-sequence),
     # gather after the decoder's final norm. The residual-path dropouts are functional calls in
     # the layer's forward, so the whole layer runs in the per-rank RNG stream (".": inside the

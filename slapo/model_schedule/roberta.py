@@ -15,4 +15,5 @@ FAMILY = Family(
     name="roberta", model_types=("roberta", "xlm-roberta", "camembert"),
     layer_lists=("encoder.layer",), tp_plan=bert.TP_PLAN, mlp_paths=("intermediate",),
     tp_rng=bert.FAMILY.tp_rng,
+    context_parallel="attention.self",  # positions: the cp split passes RoBERTa's own
     sequence_plan=bert.FAMILY.sequence_plan)

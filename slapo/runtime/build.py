@@ -32,7 +32,7 @@ from ..init import has_meta_tensors, materialize
 from ..schedule import Schedule
 from . import pipeline_stages as _stages
 from .built_model import OwnForward, PipelineTrainModule, attach, check_trainable, detach
-from .context_parallel import check_context_parallel, check_scheduled_for_cp
+from .context_parallel import check_context_parallel, check_scheduled_for_cp, position_rule
 from .data_parallel import apply_data_parallel, check_data_parallel, check_experts
 from .fp8 import Float8Config
 from .mesh import MeshInfo
@@ -350,6 +350,7 @@ def _checked(sch: Schedule, args: dict[str, Any]) -> tuple[str, MeshInfo, str, S
         check_scheduled_for_cp(sch.path, sch.mod, info.cp)
         config.loss = check_context_parallel(sch.path, info.cp, config.loss,
                                              args["data_parallel"], pipeline, args["target"])
+        config.cp_positions = position_rule(sch.mod)
     name_shape_errors(sch.mod, sch)  # a shape error inside a scheduled module names the shard
     guard_gloo_exit()  # a script that never leaves its gloo group still exits cleanly
     return precision, info, device_type, config

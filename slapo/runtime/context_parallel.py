@@ -13,7 +13,9 @@ exactly those of the unpadded sequence, causal or bidirectional.
 
 - `input_ids` (and `token_type_ids`, BERT's): the rank's tokens, `position_ids`: their
   indices in the whole sequence (RoPE per chunk from the global position; learned absolute
-  positions, GPT-2's and BERT's, look them up);
+  positions, GPT-2's and BERT's, look them up), or, for a model whose positions count only
+  unpadded tokens (OPT, RoBERTa: `position_rule`), its own numbering computed over the whole
+  sequence before the split;
 - causal LMs: `labels` and `shift_labels`, HF's causal shift done **before** the split (label
   `t` is the token at `t + 1` of the whole sequence; a chunk's last token predicts the first
   token of the next chunk, which another rank holds). HF's causal-LM loss takes
@@ -36,6 +38,8 @@ token mean. Batches with `position_ids`, `inputs_embeds` or other per-token inpu
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -84,9 +88,46 @@ def check_cp_batch(batch: Batch) -> None:
                                   f"pass a 2-D {key}, or none.")
 
 
-def cp_batch(batch: Batch, cp: int, rank: int, shift_labels: bool = True) -> dict:
+Positions = Callable[[dict], tuple[torch.Tensor, int]]
+
+
+def unpadded_count_positions(batch: dict) -> tuple[torch.Tensor, int]:
+    """OPT's learned positions (`OPTDecoder.forward` without `position_ids`): each token's
+    count of unpadded tokens up to it, minus one (padding: -1); the split's padding gets 0."""
+    mask = batch.get("attention_mask")
+    mask = torch.ones_like(batch["input_ids"]) if mask is None else mask.long()
+    return torch.cumsum(mask, dim=1) * mask - 1, 0
+
+
+def padding_id_positions(padding_idx: int) -> Positions:
+    """RoBERTa's (`create_position_ids_from_input_ids`): the count of tokens that are not
+    `padding_idx` up to each token, plus `padding_idx`; a padding token (and the split's
+    padding) gets `padding_idx`. Counted from the token ids, as HF does, not the mask."""
+    def positions(batch: dict) -> tuple[torch.Tensor, int]:
+        real = batch["input_ids"].ne(padding_idx).long()
+        return torch.cumsum(real, dim=1) * real + padding_idx, padding_idx
+    return positions
+
+
+def position_rule(model) -> Positions | None:
+    """How the model numbers its learned positions when not given `position_ids`, when that is
+    not the token's index in the sequence (the split then passes these, computed over the whole
+    sequence before it): OPT's and RoBERTa's count unpadded tokens only. None: the index."""
+    cfg = getattr(model, "config", None)
+    kind = getattr(cfg, "model_type", None)
+    if kind == "opt":
+        return unpadded_count_positions
+    if kind in ("roberta", "xlm-roberta", "camembert"):
+        return padding_id_positions(cfg.pad_token_id)
+    return None
+
+
+def cp_batch(batch: Batch, cp: int, rank: int, shift_labels: bool = True,
+             positions: Positions | None = None) -> dict:
     """Cp rank `rank`'s part of every sequence of `batch` (module docstring); `shift_labels`:
-    HF's causal shift before the split (causal LMs; a masked LM's labels are not shifted)."""
+    HF's causal shift before the split (causal LMs; a masked LM's labels are not shifted);
+    `positions`: the model's position rule over the whole sequence (`position_rule`), None
+    for the token's index."""
     check_cp_batch(batch)
     ids = batch["input_ids"]
     seq = ids.shape[-1]
@@ -96,9 +137,14 @@ def cp_batch(batch: Batch, cp: int, rank: int, shift_labels: bool = True) -> dic
         labels = F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
     index = zigzag_index(seq + pad, cp, rank).to(ids.device)
     labels = F.pad(labels, (0, pad), value=IGNORE_INDEX)[:, index]
+    if positions is None:
+        pos = index.expand(ids.shape[0], -1)
+    else:
+        full, fill = positions(batch)
+        pos = F.pad(full, (0, pad), value=fill)[:, index]
     out = {k: v for k, v in batch.items() if k not in SPLIT}
     out.update(input_ids=F.pad(ids, (0, pad), value=PAD_TOKEN)[:, index],
-               position_ids=index.expand(ids.shape[0], -1), labels=labels)
+               position_ids=pos, labels=labels)
     if shift_labels:
         out["shift_labels"] = labels
     if batch.get("token_type_ids") is not None:

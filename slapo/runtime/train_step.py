@@ -10,6 +10,7 @@ mesh and the gradients only.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -141,6 +142,9 @@ class StepConfig:
     # what the step knows of the loss (label shift, `num_items_in_batch`, a user loss_fn):
     # `token_mean.ModelLoss`; the default, nothing known, keeps the mean over units
     loss: ModelLoss = ModelLoss()
+    # context parallelism: the model's position rule (`context_parallel.position_rule`), when
+    # its positions are not the tokens' indices
+    cp_positions: Callable | None = None
 
     def units(self) -> int:
         """How many units (accumulation slices x micro-batches, on every dp x cp rank) one

@@ -76,7 +76,8 @@ class Trainer:
             size = batch_size(batch) // info.dp
             batch = slice_batch(batch, info.dp_rank * size, (info.dp_rank + 1) * size)
         if info.cp > 1:  # this cp rank's chunks of every sequence (`runtime/context_parallel`)
-            batch = cp_batch(batch, info.cp, info.cp_rank, shift_labels=cfg.loss.preshifted)
+            batch = cp_batch(batch, info.cp, info.cp_rank, shift_labels=cfg.loss.preshifted,
+                             positions=cfg.cp_positions)
         return batch
 
     def train_step(self, batch: Batch) -> float:

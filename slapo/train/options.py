@@ -134,8 +134,8 @@ class ParallelismOptions:
                           "state (FSDP2) instead of replicating them (DDP)")
     cp: int = _opt(1, "context parallelism: each of N ranks holds 1/N of every sequence "
                    "(zig-zag chunks, causal load balanced) from the embedding to the loss; "
-                   "LLaMA/Mistral/Qwen2/Qwen3, GPT-2 and BERT, with DDP or --dp-shard, and --tp "
-                   "(--cp-attention: allgather, ring or ulysses)")
+                   "LLaMA/Mistral/Qwen2/Qwen3, GPT-2, OPT, BERT and RoBERTa, with DDP or "
+                   "--dp-shard, and --tp (--cp-attention: allgather, ring or ulysses)")
     ep: int = _opt(1, "expert parallelism: each MoE layer's experts split over N of the "
                    "data-parallel ranks (E/N each), every token sent to its top-k experts by "
                    "all-to-all, exact and dropless; N divides the data-parallel ranks and the "
