@@ -36,7 +36,6 @@ SEQ = 14  # not a multiple of 2 * cp = 4: padded to 16
 
 # ---- one process: the placement and the split --------------------------------------------------
 @pytest.mark.parametrize("kw, match", [
-    ({"cp": 2, "pp": 2}, "pipelines"),
     ({"cp": 2, "dp_replicate": 2, "ep": 2}, "expert parallelism"),
     ({"cp": 0}, "must be a positive int"),
 ])
@@ -141,7 +140,8 @@ def _reference(ref, batches):
         loss = ref(**batch).loss
         loss.backward()
         if grads is None:
-            grads = {n: p.grad.clone() for n, p in ref.named_parameters()}
+            grads = {n: p.grad.clone()
+                     for n, p in ref.named_parameters(remove_duplicate=False)}
         opt.step()
         losses.append(loss.item())
     return losses, grads
@@ -164,26 +164,38 @@ def _full(t: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     return gather_full(t, spec) if spec is not None and spec.world_size > 1 else t
 
 
+def _held(tm, pp: int) -> dict:
+    """This rank's parameters by their names in the model (a pipeline rank: its stages')."""
+    if pp == 1:
+        return dict(tm.named_parameters())
+    return {n: p for stage in tm.stages for n, p in stage.named_parameters()}
+
+
 def _worst(family: str, mode: str, mesh, batches, dtype=torch.float64,
-           data_parallel: str = "ddp") -> dict:
+           data_parallel: str = "ddp", pp: int = 1) -> dict:
     import slapo
 
     model = _model(family, dtype)
     ref = copy.deepcopy(model)
     sch = slapo.create_schedule(model, mesh=mesh)
-    slapo.model_schedule.apply(sch, cp_attention=mode)
+    slapo.model_schedule.apply(sch, cp_attention=mode, pp_stages=pp)
+    piped = {"pipeline": "1F1B", "num_microbatches": 2} if pp > 1 else {}
     tm, _ = slapo.build(sch, optimizer=torch.optim.AdamW, optimizer_kwargs={"lr": LR},
-                        data_parallel=data_parallel, grad_clip=1e6)
+                        data_parallel=data_parallel, grad_clip=1e6, **piped)
     losses, grads, norm = [], None, None
     for batch in batches:
         losses.append(tm.train_step(batch))
         if grads is None:
-            grads = {n: _full(p.grad, p) for n, p in tm.named_parameters()}
-            norm = tm.train_step.__self__.last_grad_norm
+            grads = {n: _full(p.grad, p) for n, p in _held(tm, pp).items()}
+            norm = (tm._trainer if pp > 1 else tm.train_step.__self__).last_grad_norm
     ref_losses, ref_grads = _reference(ref, batches)
-    params, ref_params = dict(tm.named_parameters()), dict(ref.named_parameters())
-    assert params.keys() == ref_params.keys() == grads.keys()
-    want_norm = torch.stack([g.double().norm() for g in ref_grads.values()]).norm()
+    # a pipeline's last stage holds a tied head under its own name (one process: a duplicate)
+    params = _held(tm, pp)
+    ref_params = dict(ref.named_parameters(remove_duplicate=pp == 1))
+    assert params.keys() == grads.keys() and (pp > 1 or params.keys() == ref_params.keys())
+    assert params.keys() <= ref_params.keys()
+    unique = dict(ref.named_parameters())  # a tied weight's gradient counts once in the norm
+    want_norm = torch.stack([ref_grads[n].double().norm() for n in unique]).norm()
     biggest = max(g.abs().max().item() for g in ref_grads.values())
     return {"loss": max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)),
             "grad": max(_rel(g, ref_grads[n], 1e-9 * biggest) for n, g in grads.items()),
@@ -194,6 +206,7 @@ def _worst(family: str, mode: str, mesh, batches, dtype=torch.float64,
                          if ref_grads[n].abs().max().item() > 1e-9 * biggest),
             "norm": _rel(norm.double(), want_norm),
             "split": sum(_full(p, p) is not p for p in params.values()),
+            "held": sorted(params),
             "cores": sorted({type(m).__name__ for m in tm.modules()
                              if type(m).__name__ == "ContextParallelAttention"})}
 
@@ -227,7 +240,7 @@ def _rule_broken(honest, mutation):
 
 
 def job_cp_equals_one_process(families=FAMILIES, modes=MODES, mutation=None, cp=2, tp=1,
-                              data_parallel="ddp", pairs=None):
+                              data_parallel="ddp", pairs=None, pp=1):
     """{(family, mode): the worst relative difference of loss, gradients, parameters, the
     clipped norm}, for every family with every mode, or for the (family, mode) `pairs`.
     `mutation`: "skip_step" or "no_lse", patched into the ring (`op/ring_attention.py`),
@@ -235,7 +248,8 @@ def job_cp_equals_one_process(families=FAMILIES, modes=MODES, mutation=None, cp=
     or "all_causal" into the mask rule (`visible`, both modules), "index_positions": the
     tokens' indices as positions for every model (`runtime.context_parallel.position_rule`);
     `tp`: tensor-parallel ranks
-    per cp rank; `data_parallel`: "fsdp" shards over the dp x cp ranks."""
+    per cp rank; `data_parallel`: "fsdp" shards over the dp x cp ranks; `pp`: pipeline stages
+    (1F1B, 2 micro-batches; FSDP2 over the cp ranks of each stage)."""
     import importlib
 
     import slapo.op.context_parallel as cpa
@@ -244,7 +258,7 @@ def job_cp_equals_one_process(families=FAMILIES, modes=MODES, mutation=None, cp=
 
     build = importlib.import_module("slapo.runtime.build")  # the module, not `slapo.build`
 
-    mesh = init_mesh(dims=ParallelDims(cp=cp, tp=tp, device="cpu"))
+    mesh = init_mesh(dims=ParallelDims(cp=cp, tp=tp, pp=pp, device="cpu"))
     rule = build.position_rule
     honest = ring.ring_steps, ring.merge_partials, cpa._heads_to_seq, ring.visible
     if mutation == "skip_step":
@@ -259,9 +273,9 @@ def job_cp_equals_one_process(families=FAMILIES, modes=MODES, mutation=None, cp=
         build.position_rule = lambda model: None
     try:
         pairs = pairs or [(f, m) for f in families for m in modes]
-        out = {(f, m): _worst(f, m, mesh, _batches(f), data_parallel=data_parallel)
+        out = {(f, m): _worst(f, m, mesh, _batches(f), data_parallel=data_parallel, pp=pp)
                for f, m in pairs}
-        if mutation is None and cp == 2 and tp == 1 and data_parallel == "ddp":  # float32: loss and gradients (AdamW amplifies fp32 noise: _model)
+        if mutation is None and cp == 2 and tp == 1 and pp == 1 and data_parallel == "ddp":  # float32: loss and gradients (AdamW amplifies fp32 noise: _model)
             out.update({(f, m, "fp32"): _worst(f, m, mesh, _batches(), torch.float32)
                         for f in families[:1] for m in modes})
         return out
@@ -316,6 +330,42 @@ def test_cp2_with_fsdp2_equals_one_process(dist2):
     assert set(results[0]) == set(COVER)
     assert all(w["split"] > 0 for r in results for w in r.values())
     _check_equal(results)
+
+
+# the families whose pipeline stages take the cp inputs (decoders: `stages_decoder`); BERT's
+# and RoBERTa's encoder stages are refused with cp (test_bad_input_is_refused)
+PIPED = [("llama", "ring"), ("qwen3", "allgather"), ("gpt2", "ulysses"), ("mistral", "ring"),
+         ("opt", "allgather")]
+
+
+@pytest.mark.dist
+def test_cp2_with_pp2_equals_one_process(dist4):
+    """cp=2 x pp=2 on 4 ranks (1F1B, 2 micro-batches): each stage's layers get the cp batch's
+    positions and key flags from the runner, the last stage's loss the pre-shifted labels and
+    the global token count; FSDP2 over each stage's cp ranks. Every parameter is held by some
+    rank, and each equals one process's."""
+    results = dist4.run(job_cp_equals_one_process, data_parallel="fsdp", pairs=PIPED, pp=2)
+    assert set(results[0]) == set(PIPED)
+    for pair in PIPED:
+        held = {n for r in results for n in r[pair]["held"]}
+        assert held == set(dict(_model(pair[0]).named_parameters(remove_duplicate=False))), pair
+    _check_equal(results)
+    refused = dist4.run(job_encoder_pipeline_is_refused)
+    assert all("not built for context parallelism" in r for r in refused), refused
+
+
+def job_encoder_pipeline_is_refused() -> str:
+    """BERT's encoder stages take no cp inputs: build refuses them on a cp x pp mesh."""
+    import slapo
+    from slapo.runtime.mesh import init_mesh
+
+    sch = slapo.create_schedule(_model("bert_mlm"), mesh=init_mesh(
+        dims=ParallelDims(cp=2, pp=2, device="cpu")))
+    slapo.model_schedule.apply(sch, pp_stages=2)
+    with pytest.raises(SchedulingError) as err:
+        slapo.build(sch, optimizer=torch.optim.AdamW, pipeline="1F1B", num_microbatches=2,
+                    data_parallel="fsdp")
+    return str(err.value)
 
 
 def _check_equal(results: list[dict]) -> None:
@@ -473,14 +523,18 @@ def test_slapo_train_cp2_trains_like_one_process_and_resumes(dist2, tmp_path):
 
 @pytest.mark.dist
 def test_slapo_train_cp2_with_tp2_trains_like_one_process(dist4, tmp_path):
-    """`slapo train --cp 2 --tp 2` on 4 ranks (each rank: its chunks, its heads) logs one
-    process's losses (Ulysses: the knob travels from the command line too); float32, so to
-    rel 1e-5 (tp's all-reduces and the cp split sum in another order)."""
+    """`slapo train --cp 2 --tp 2` on 4 ranks (each rank: its chunks, its heads) and `--cp 2
+    --pp-stages 2 --dp-shard` (each stage's ranks: their chunks) log one process's losses (the attention
+    choice travels from the command line too); float32, so to rel 1e-5 (tp's all-reduces and
+    the cp split sum in another order)."""
     from slapo.train import TrainConfig, train
 
-    runs = [{"model": "llama", "cp": 2, "tp": 2, "cp_attention": "ulysses"}]
+    runs = [{"model": "llama", "cp": 2, "tp": 2, "cp_attention": "ulysses"},
+            {"model": "llama", "cp": 2, "pp_stages": 2, "cp_attention": "ring",
+             "dp_shard": True},
+            {"model": "gpt2", "cp": 2, "pp_stages": 2, "dp_shard": True}]
     ranks = dist4.run(job_train_cp, runs, str(tmp_path), timeout=600)
     assert all(r == ranks[0] for r in ranks), ranks
-    one = train(TrainConfig(**{**TRAIN, "model": "llama"}))["losses"]
     for run, got in zip(runs, ranks[0], strict=True):
+        one = train(TrainConfig(**{**TRAIN, "model": run["model"]}))["losses"]
         assert got == pytest.approx(one, rel=REL, abs=1e-6), (run, got, one)

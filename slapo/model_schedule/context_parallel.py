@@ -24,8 +24,9 @@ everything else a decoder computes is per token. Which families Slapo splits exa
 
 What cp does not compose with yet is refused too: `attention` (the cp core *is* the
 attention), `tempo` (its attention replaces the core), `fused_loss` (its loss does not take
-the pre-shifted labels), `compile_blocks` (collectives inside compiled layers not verified)
-and `pp_stages > 1`. Activation checkpointing (full or selective), `fuse` and `kernels` work
+the pre-shifted labels) and `compile_blocks` (collectives inside compiled layers not
+verified). Pipelines compose (`pp_stages`, the decoder stages take the cp batch's positions and
+key flags: `runtime/stages_decoder.py`). Activation checkpointing (full or selective), `fuse` and `kernels` work
 (their recomputation repeats the core's collectives in the same order on every rank).
 """
 
@@ -50,8 +51,8 @@ def _refuse(sch: Schedule, cp: int, why: str, fix: str) -> SchedulingError:
 
 
 def check_context_parallel(sch: Schedule, family, layers: list[Schedule], *, attention,
-                           tempo: bool, fused_loss: bool, compile_blocks, pp_stages: int,
-                           cp_attention: str, tp: int):
+                           tempo: bool, fused_loss: bool, compile_blocks, cp_attention: str,
+                           tp: int):
     """Every check of the mesh's cp against the model and the knobs, before anything changes.
     Returns the mesh's view (`runtime.mesh.MeshInfo`) when cp > 1, else None."""
     from ..op.hf_attention import is_hf_attention
@@ -70,7 +71,7 @@ def check_context_parallel(sch: Schedule, family, layers: list[Schedule], *, att
     if cp_attention == "ulysses":
         _check_ulysses(sch, cp, tp, getattr(sch.mod, "config", None))
     conflicts = {"attention": attention is not None, "tempo": tempo, "fused_loss": fused_loss,
-                 "compile_blocks": bool(compile_blocks), "pp_stages": pp_stages > 1}
+                 "compile_blocks": bool(compile_blocks)}
     for knob, on in conflicts.items():
         if on:
             raise _refuse(sch, cp, f"{knob} does not compose with context parallelism yet "

@@ -147,7 +147,7 @@ def _check_pipeline_dp(pipeline: str | None, data_parallel: str | None, info: Me
     backwards, and DDP's reducer prepares one gradient reduction per forward (torch's pipelining
     re-prepares for the last one), so it fails on the first step with an internal assert
     ("rebuilt parameter indices size ... 52 vs 26", seen on 4 gloo ranks, torch 2.13)."""
-    if pipeline is not None and data_parallel == "ddp" and info.dp > 1:
+    if pipeline is not None and data_parallel == "ddp" and info.replicas > 1:
         raise SchedulingError("", f"pipeline={pipeline!r} with data_parallel='ddp' is not "
                               "supported: DDP's reducer cannot follow several micro-batch "
                               "forwards per backward.", "use data_parallel='fsdp' with "
@@ -349,7 +349,7 @@ def _checked(sch: Schedule, args: dict[str, Any]) -> tuple[str, MeshInfo, str, S
     if info.cp > 1:
         check_scheduled_for_cp(sch.path, sch.mod, info.cp)
         config.loss = check_context_parallel(sch.path, info.cp, config.loss,
-                                             args["data_parallel"], pipeline, args["target"])
+                                             args["data_parallel"], args["target"])
         config.cp_positions = position_rule(sch.mod)
     name_shape_errors(sch.mod, sch)  # a shape error inside a scheduled module names the shard
     guard_gloo_exit()  # a script that never leaves its gloo group still exits cleanly
@@ -404,6 +404,12 @@ def _build_pipeline(sch: Schedule, info: MeshInfo, config: StepConfig, *,
     staged = pipeline if isinstance(pipeline, PipelineStages) else \
         _stages.plan(sch, info, pipeline, num_microbatches, virtual_stages)
     plan, all_stages = staged.plan, staged.stages
+    if info.cp > 1 and not getattr(all_stages[0], "cp_inputs", ()):
+        raise SchedulingError(sch.path, f"cp={info.cp}: the pipeline stages of "
+                              f"{type(sch.mod).__name__} ({type(all_stages[0]).__name__}) are "
+                              "not built for context parallelism.", "use cp=1 with this "
+                              "model's pipeline, or pipeline a decoder LM (GPT-2, OPT, LLaMA, "
+                              "Mistral, Qwen2/3).")
     ids = plan.stage_ids(info.pp_rank)
     mine = [all_stages[i] for i in ids]
     tied = find_tied(all_stages, plan, info.pp_rank)  # before weights are replaced

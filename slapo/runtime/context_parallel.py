@@ -159,14 +159,14 @@ def cp_batch(batch: Batch, cp: int, rank: int, shift_labels: bool = True,
 
 
 def check_context_parallel(sch_path: str, cp: int, loss: ModelLoss, data_parallel: str | None,
-                           pipeline, target: str | None) -> ModelLoss:
+                           target: str | None) -> ModelLoss:
     """`build`'s checks of a cp mesh (before anything changes); returns the step's
-    `ModelLoss`: labels arrive shifted (shift 0), each unit's loss is its sum over the global
-    token count (`token_mean.GlobalSum`)."""
-    if target is not None or pipeline is not None:
-        what = f"target={target!r}" if target is not None else "a pipeline"
-        raise SchedulingError(sch_path, f"cp={cp} with {what} is not supported yet.",
-                              "build without it (context parallelism runs with DDP).")
+    `ModelLoss`: a causal LM's labels arrive shifted (shift 0), each unit's loss is its sum
+    over the global token count (`token_mean.GlobalSum`); a masked LM's are weighted means."""
+    if target is not None:
+        raise SchedulingError(sch_path, f"cp={cp} with target={target!r} is not supported "
+                              "yet.", "build without it (context parallelism runs with DDP or "
+                              "FSDP2).")
     if data_parallel not in ("ddp", "fsdp"):
         raise SchedulingError(sch_path, f"cp={cp}: the cp ranks hold the same parameters and "
                               "compute different tokens, so their gradients must be averaged "

@@ -26,7 +26,7 @@ the job; `ep` (experts) borrows ranks from the others and adds none.
   (torchtitan's). Parameters are **replicated over cp** (cp ranks compute different tokens of
   the same samples), so gradients are averaged over `dp x cp` ranks: `init_mesh` keeps that
   flattened ("dp_cp") view with the mesh, DDP runs over it, and the step's token count and
-  loss are reduced over it. Not yet with tp, pp, FSDP2 or ep (refused here).
+  loss are reduced over it. With tp, pp and FSDP2 (over dp x cp); not yet with ep (refused here).
 - `ep`: expert parallelism (MoE): each of `ep` ranks holds `E / ep` of every MoE layer's
   experts and tokens travel to their experts by all-to-all. It **borrows the data-parallel
   ranks** (torchtitan borrows dp_shard x cp): `ep` divides `dp`, so `dp_rest x ep x pp x tp`
@@ -76,7 +76,7 @@ DEVICES = ("auto", "cpu", "cuda")
 DEGREES = ("dp_replicate", "dp_shard", "cp", "tp", "pp", "ep")
 # Degrees that are fields but not yet implemented: > 1 is refused, naming what will bring them.
 # What cp > 1 does not compose with yet (each refused by name before any change).
-_CP_NOT_YET = (("pp", "pipelines (pp > 1)"), ("ep", "expert parallelism (ep > 1)"))
+_CP_NOT_YET = (("ep", "expert parallelism (ep > 1)"),)
 _EP_MESH = "_slapo_ep_mesh"  # the ("dp_rest", "ep", "pp", "tp") view `init_mesh` keeps on a mesh
 _DP_CP_MESH = "_slapo_dp_cp_mesh"  # the flattened ("dp_cp",) view `init_mesh` keeps with cp > 1
 
@@ -185,7 +185,7 @@ class ParallelDims:
                 raise SchedulingError("", f"cp={self.cp} with {what} is not supported yet.",
                                       f"use {name}=1 with cp > 1 (context parallelism runs "
                                       "with DDP or FSDP2 over the data-parallel x cp ranks, "
-                                      "and with tp).")
+                                      "with tp and with pipelines).")
 
     def _check_ep(self) -> None:
         """ep borrows data-parallel ranks (module docstring): it must divide dp, and the

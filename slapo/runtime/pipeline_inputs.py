@@ -13,6 +13,7 @@ import torch.utils._pytree as pytree
 
 from ..errors import SchedulingError
 from ..module_patch import original_class
+from ..op.context_parallel import KEY_VALID
 from .batch import Batch
 from .runner import LossFn
 
@@ -78,7 +79,7 @@ def check_batch_inputs(stage: nn.Module, batch: Batch) -> None:
         return
     params = _forward_params(original_class(root))  # the model's own, not a patch wrapper's
     taken = {*getattr(stage, "first_inputs", ()), *getattr(stage, "mask_inputs", ()),
-             "labels"}
+             *(getattr(stage, "cp_inputs", ()) if KEY_VALID in batch else ()), "labels"}
     unused = sorted(k for k, v in batch.items() if k in params and k not in taken
                     and isinstance(v, torch.Tensor))
     if unused:
@@ -119,6 +120,23 @@ def stage_masks(stage: nn.Module, batch: Batch) -> dict[str, torch.Tensor]:
                               "pack sequences without padding (or mask padded tokens in the "
                               f"labels with -100 and drop {key}).")
     return masks
+
+
+def stage_cp_inputs(stage: nn.Module, batch: Batch) -> dict[str, torch.Tensor]:
+    """Under context parallelism, what every stage takes besides the hidden states (the cp
+    batch's `position_ids` and key flags, `runtime/context_parallel.py`): each stage's layers
+    need them, as they would inside one model's forward. A stage kind without `cp_inputs`
+    (encoder, seq2seq, ResNet stages) is refused rather than run on positions it would
+    recompute for the local chunk."""
+    if not isinstance(batch, dict) or KEY_VALID not in batch:
+        return {}
+    names = getattr(stage, "cp_inputs", ())
+    if not names:
+        raise SchedulingError("", f"the pipeline stages of {type(stage).__name__} are not "
+                              "built for context parallelism (cp > 1).", "use cp=1 with this "
+                              "model's pipeline, or pipeline a decoder LM (GPT-2, OPT, LLaMA, "
+                              "Mistral, Qwen2/3).")
+    return {k: batch[k] for k in names}
 
 
 def stage_loss_inputs(stage: nn.Module, batch: Batch, loss_fn: LossFn | None

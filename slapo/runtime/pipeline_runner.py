@@ -57,6 +57,7 @@ from .pipeline_inputs import (
     check_batch_inputs,
     contiguous_inputs,
     first_stage_args,
+    stage_cp_inputs,
     stage_default_loss,
     stage_loss_inputs,
     stage_masks,
@@ -170,7 +171,7 @@ class PipelineRunner:
         usual agreement serves it.)"""
         if self.info.tp > 1:
             return True
-        if self.info.dp <= 1:
+        if self.info.replicas <= 1:
             return False
         from torch.distributed.fsdp import FSDPModule
 
@@ -284,7 +285,8 @@ class PipelineRunner:
         args, target, masks = (), None, {}
         try:  # what can fail before the step fails on its rank only: agree first
             masks = contiguous_inputs({**stage_masks(self.modules[0], batch),
-                                 **stage_loss_inputs(self.modules[0], batch, self.loss_fn)})
+                                       **stage_cp_inputs(self.modules[0], batch),
+                                       **stage_loss_inputs(self.modules[0], batch, self.loss_fn)})
             check_batch_inputs(self.modules[0], batch)
             args = contiguous_inputs(first_stage_args(self.first, batch)) \
                 if self.holds_first else ()

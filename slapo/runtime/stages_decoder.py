@@ -26,6 +26,7 @@ import torch
 import torch.nn as nn
 
 from ..errors import SchedulingError
+from ..op.context_parallel import KEY_VALID
 from . import stages_declared as declared
 from .stages_declared import BETWEEN, Between, declared_parts
 
@@ -226,15 +227,22 @@ def graft(container: nn.Module, root: nn.Module, path: str) -> None:
 class HFDecoderStage(FusedLossStage, nn.Module):
     """One pipeline stage of an HF decoder LM: layers [lo, hi), plus embeddings/head at the ends.
 
-    forward(x, attention_mask=None, labels=None): x is `input_ids` on the first stage, hidden
-    states elsewhere; returns hidden states, or logits on the last stage (the loss, with the
-    fused loss and `labels`: `FusedLossStage`). `attention_mask` (the micro-batch's padding
-    mask, handed to every stage by the runner) goes into the masks as in the model's forward,
-    and into OPT's positions.
+    forward(x, attention_mask=None, labels=None, position_ids=None, cp_key_valid=None): x is
+    `input_ids` on the first stage, hidden states elsewhere; returns hidden states, or logits
+    on the last stage (the loss, with the fused loss and `labels`: `FusedLossStage`).
+    `attention_mask` (the micro-batch's padding mask, handed to every stage by the runner)
+    goes into the masks as in the model's forward, and into OPT's positions.
+
+    Under context parallelism the runner hands every stage the cp batch's `position_ids` and
+    key flags instead (`cp_inputs`, `runtime/context_parallel.py`): the positions feed the
+    embeddings and RoPE as given, the layers get the key flags (their attention is the cp
+    core, which masks by them and ignores the mask argument, so no mask is built for the
+    local chunk).
     """
 
     mask_inputs = ("attention_mask",)  # the padding masks the runner hands every stage
     first_inputs = ("input_ids",)  # what stage 0 takes
+    cp_inputs = ("position_ids", KEY_VALID)  # what every stage takes under cp
 
     def __init__(self, root: nn.Module, layout: DecoderLayout, lo: int, hi: int, first: bool,
                  last: bool):
@@ -271,12 +279,15 @@ class HFDecoderStage(FusedLossStage, nn.Module):
         return self.get_submodule(path)
 
     def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                labels: torch.Tensor | None = None) -> torch.Tensor:
+                labels: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
+                cp_key_valid: torch.Tensor | None = None) -> torch.Tensor:
         lay = self.layout
-        h = self._embed(x, attention_mask) if self.first else x
-        pos = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
+        h = self._embed(x, attention_mask, position_ids) if self.first else x
+        pos = torch.arange(h.shape[1], device=h.device).unsqueeze(0) if position_ids is None \
+            else position_ids
         kinds = {self._attention_type(i) for i in range(self.lo, self.hi)}
-        masks = self._masks(h, pos, attention_mask, kinds)
+        cp = {} if cp_key_valid is None else {KEY_VALID: cp_key_valid}
+        masks = {k: None for k in kinds} if cp else self._masks(h, pos, attention_mask, kinds)
         between = lay.between
         keys = [None if between is None else declared.rope_key(self.config, between, i)
                 for i in range(self.lo, self.hi)]
@@ -288,10 +299,10 @@ class HFDecoderStage(FusedLossStage, nn.Module):
             layer = self._get(f"{lay.layers}.{i}")
             kind = self._attention_type(i)
             if lay.family == "gpt2":
-                out = layer(h, attention_mask=masks[kind], use_cache=False)
+                out = layer(h, attention_mask=masks[kind], use_cache=False, **cp)
             else:
                 out = layer(h, attention_mask=masks[kind], position_ids=pos, use_cache=False,
-                            **extra[key])
+                            **extra[key], **cp)
             h = out[0] if isinstance(out, tuple) else out  # GPT-Neo's blocks return tuples
         return not_a_view(self._final(h, labels) if self.last else h)
 
@@ -310,8 +321,10 @@ class HFDecoderStage(FusedLossStage, nn.Module):
             h = h if module is None else module(h)
         return h if lay.between is None else declared.logits_extra(self, lay.between, h)
 
-    def _embed(self, ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
-        pos = torch.arange(ids.shape[1], device=ids.device).unsqueeze(0)
+    def _embed(self, ids: torch.Tensor, attention_mask: torch.Tensor | None,
+               position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        pos = torch.arange(ids.shape[1], device=ids.device).unsqueeze(0) \
+            if position_ids is None else position_ids
         family = self.layout.family
         if family == "gpt2":
             h = self._get("transformer.wte")(ids) + self._get("transformer.wpe")(pos)
@@ -321,7 +334,8 @@ class HFDecoderStage(FusedLossStage, nn.Module):
             # OPT numbers the positions of unmasked tokens only (padding does not advance them)
             pmask = torch.ones(ids.shape, device=ids.device) if attention_mask is None \
                 else attention_mask
-            pos = (torch.cumsum(pmask, dim=1) * pmask - 1).long()
+            if position_ids is None:  # else: the cp split's, OPT's own numbering
+                pos = (torch.cumsum(pmask, dim=1) * pmask - 1).long()
             p = self._get("model.decoder.embed_positions")(pmask, 0, position_ids=pos)
             project_in = self._get("model.decoder.project_in")
             h = h if project_in is None else project_in(h)
@@ -370,4 +384,7 @@ class HFDecoderStage(FusedLossStage, nn.Module):
             raise SchedulingError("", "the batch has no `labels`, so the model's own loss cannot "
                                   "be computed.", "add labels to the batch or pass loss_fn=.")
         root = self._root[0]
-        return root.loss_function(outputs.logits, labels, vocab_size=self.config.vocab_size)
+        # under cp: the labels shifted before the split, the sum over the global token count
+        cp = {k: batch[k] for k in ("shift_labels", "num_items_in_batch") if k in batch}
+        return root.loss_function(outputs.logits, labels, vocab_size=self.config.vocab_size,
+                                  **cp)

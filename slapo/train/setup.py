@@ -275,13 +275,18 @@ def data_parallel(cfg: Any, env: Env) -> str | None:
     data-parallel rank, else None.
 
     A pipeline with several data-parallel ranks needs --dp-shard, refused here before anything
-    is built: DDP cannot hold a pipeline stage (see `slapo.build`)."""
+    is built: DDP cannot hold a pipeline stage (see `slapo.build`). With --cp the cp ranks hold
+    the same weights too, so --dp-shard shards over dp x cp even when there is one
+    data-parallel rank (`ParallelDims` counts dp_shard in dp ranks only, and would say DDP)."""
     dims = env.dims
+    if getattr(cfg, "dp_shard", False) and dims.dp * dims.cp > 1:
+        return "fsdp"
     if dims.pp > 1 and dims.data_parallel == "ddp":
-        raise ValueError(f"--pp-stages {dims.pp} on {env.world} processes leaves "
-                         f"{dims.dp} data-parallel ranks, and DDP cannot hold a pipeline "
-                         "stage: add --dp-shard (FSDP2 over the data-parallel ranks of each "
-                         "stage), or run pp_stages x tp processes")
+        held = f"{dims.dp} data-parallel" + (f" x {dims.cp} cp" if dims.cp > 1 else "")
+        raise ValueError(f"--pp-stages {dims.pp} on {env.world} processes leaves {held} "
+                         "ranks holding each stage's weights, and DDP cannot hold a pipeline "
+                         "stage: add --dp-shard (FSDP2 over those ranks of each stage), or "
+                         "run pp_stages x tp processes")
     return dims.data_parallel
 
 
