@@ -408,8 +408,8 @@ def _build_pipeline(sch: Schedule, info: MeshInfo, config: StepConfig, *,
         raise SchedulingError(sch.path, f"cp={info.cp}: the pipeline stages of "
                               f"{type(sch.mod).__name__} ({type(all_stages[0]).__name__}) are "
                               "not built for context parallelism.", "use cp=1 with this "
-                              "model's pipeline, or pipeline a decoder LM (GPT-2, OPT, LLaMA, "
-                              "Mistral, Qwen2/3).")
+                              "model's pipeline (the decoder and encoder stages take the cp "
+                              "inputs: GPT-2, OPT, LLaMA, Mistral, Qwen2/3, BERT, RoBERTa).")
     ids = plan.stage_ids(info.pp_rank)
     mine = [all_stages[i] for i in ids]
     tied = find_tied(all_stages, plan, info.pp_rank)  # before weights are replaced

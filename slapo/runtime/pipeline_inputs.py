@@ -126,7 +126,7 @@ def stage_cp_inputs(stage: nn.Module, batch: Batch) -> dict[str, torch.Tensor]:
     """Under context parallelism, what every stage takes besides the hidden states (the cp
     batch's `position_ids` and key flags, `runtime/context_parallel.py`): each stage's layers
     need them, as they would inside one model's forward. A stage kind without `cp_inputs`
-    (encoder, seq2seq, ResNet stages) is refused rather than run on positions it would
+    (seq2seq, ResNet stages) is refused rather than run on positions it would
     recompute for the local chunk."""
     if not isinstance(batch, dict) or KEY_VALID not in batch:
         return {}
@@ -134,8 +134,8 @@ def stage_cp_inputs(stage: nn.Module, batch: Batch) -> dict[str, torch.Tensor]:
     if not names:
         raise SchedulingError("", f"the pipeline stages of {type(stage).__name__} are not "
                               "built for context parallelism (cp > 1).", "use cp=1 with this "
-                              "model's pipeline, or pipeline a decoder LM (GPT-2, OPT, LLaMA, "
-                              "Mistral, Qwen2/3).")
+                              "model's pipeline (the decoder and encoder stages take the cp "
+                              "inputs: GPT-2, OPT, LLaMA, Mistral, Qwen2/3, BERT, RoBERTa).")
     return {k: batch[k] for k in names}
 
 

@@ -9,6 +9,7 @@ import torch
 import torch.nn as nn
 
 from ..errors import SchedulingError
+from ..op.context_parallel import KEY_VALID
 from .stages_decoder import FusedLossStage, graft, labels_cross_entropy, own_loss
 
 ENCODER_PREFIXES = ("", "bert.", "roberta.")
@@ -59,10 +60,14 @@ class BertStage(FusedLossStage, nn.Module):
     `token_type_ids` after `input_ids` when the batch has them (sentence pairs).
     `attention_mask` (the micro-batch's padding mask, handed to every stage by the runner)
     becomes the layers' bidirectional mask, as in the model's forward. With the fused loss and
-    `labels` the last stage returns the masked-LM loss instead (`FusedLossStage`)."""
+    `labels` the last stage returns the masked-LM loss instead (`FusedLossStage`). Under
+    context parallelism every stage takes the cp batch's `position_ids` (the embeddings look
+    them up: RoBERTa's own numbering, `context_parallel.position_rule`) and key flags, which
+    the layers' cp attention masks by (no mask is built for the local chunk)."""
 
     mask_inputs = ("attention_mask",)
     first_inputs = ("input_ids", "token_type_ids")  # what stage 0 takes, in order
+    cp_inputs = ("position_ids", KEY_VALID)  # what every stage takes under cp
 
     def __init__(self, root: nn.Module, prefix: str, lo: int, hi: int, first: bool, last: bool):
         super().__init__()
@@ -87,17 +92,21 @@ class BertStage(FusedLossStage, nn.Module):
 
     def forward(self, x: torch.Tensor, token_type_ids: torch.Tensor | None = None,
                 attention_mask: torch.Tensor | None = None,
-                labels: torch.Tensor | None = None):
+                labels: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
+                cp_key_valid: torch.Tensor | None = None):
         h = self.get_submodule(self.prefix + "embeddings")(
-            input_ids=x, token_type_ids=token_type_ids) if self.first else x
+            input_ids=x, token_type_ids=token_type_ids, position_ids=position_ids) \
+            if self.first else x
         mask = None
-        if attention_mask is not None:
+        cp = {} if cp_key_valid is None else {KEY_VALID: cp_key_valid}
+        if attention_mask is not None and not cp:
             from transformers import masking_utils
 
             mask = masking_utils.create_bidirectional_mask(
                 config=self.config, inputs_embeds=h, attention_mask=attention_mask)
         for i in range(self.lo, self.hi):
-            out = self.get_submodule(f"{self.prefix}encoder.layer.{i}")(h, attention_mask=mask)
+            out = self.get_submodule(f"{self.prefix}encoder.layer.{i}")(h, attention_mask=mask,
+                                                                        **cp)
             h = out[0] if isinstance(out, tuple) else out
         if not self.last:
             return h
