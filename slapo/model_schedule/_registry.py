@@ -203,8 +203,7 @@ def _apply_knobs(sch: Schedule, family: Family, *, tp: int | None, ckpt_ratio: f
                    sequence_parallel and tp > 1)
     cp = _cp.check_context_parallel(sch, family, layers_of(sch, family), attention=attention,
                                     tempo=tempo, fused_loss=fused_loss,
-                                    compile_blocks=compile_blocks,
-                                    cp_attention=cp_attention, tp=tp)
+                                    pp_stages=pp_stages, cp_attention=cp_attention, tp=tp)
     if attention is not None:
         _set_attention(sch, attention)
     sp = sequence_parallel and tp > 1  # one rank: nothing to split, SP is the identity

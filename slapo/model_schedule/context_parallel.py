@@ -23,11 +23,15 @@ everything else a decoder computes is per token. Which families Slapo splits exa
   without a plan.
 
 What cp does not compose with yet is refused too: `attention` (the cp core *is* the
-attention), `tempo` (its attention replaces the core), `fused_loss` (its loss does not take
-the pre-shifted labels) and `compile_blocks` (collectives inside compiled layers not
-verified). Pipelines compose (`pp_stages`, the decoder stages take the cp batch's positions and
-key flags: `runtime/stages_decoder.py`). Activation checkpointing (full or selective), `fuse` and `kernels` work
-(their recomputation repeats the core's collectives in the same order on every rank).
+attention), `tempo` (its attention replaces the core), and `fused_loss` with `pp_stages > 1`
+(a pipeline's last stage computes the fused loss from its micro-batch's labels alone, without
+the pre-shifted labels and the global token count). What composes, each equal to one process
+with the same knobs (tests/test_context_parallel.py): pipelines (`pp_stages`: the decoder and
+encoder stages take the cp batch's positions and key flags), the fused loss (the kernel takes
+`shift_labels` and `num_items_in_batch` as HF's loss does), compiled blocks (the core's
+collectives and the ring's autograd function run inside the compiled layers), activation
+checkpointing (full or selective: recomputation repeats the core's collectives in the same
+order on every rank), `fuse` and `kernels`.
 """
 
 from __future__ import annotations
@@ -51,7 +55,7 @@ def _refuse(sch: Schedule, cp: int, why: str, fix: str) -> SchedulingError:
 
 
 def check_context_parallel(sch: Schedule, family, layers: list[Schedule], *, attention,
-                           tempo: bool, fused_loss: bool, compile_blocks, cp_attention: str,
+                           tempo: bool, fused_loss: bool, pp_stages: int, cp_attention: str,
                            tp: int):
     """Every check of the mesh's cp against the model and the knobs, before anything changes.
     Returns the mesh's view (`runtime.mesh.MeshInfo`) when cp > 1, else None."""
@@ -70,13 +74,15 @@ def check_context_parallel(sch: Schedule, family, layers: list[Schedule], *, att
     _check_config(sch, cp, getattr(sch.mod, "config", None))
     if cp_attention == "ulysses":
         _check_ulysses(sch, cp, tp, getattr(sch.mod, "config", None))
-    conflicts = {"attention": attention is not None, "tempo": tempo, "fused_loss": fused_loss,
-                 "compile_blocks": bool(compile_blocks)}
+    # a pipeline's last stage computes the fused loss from its micro-batch's labels alone (no
+    # pre-shifted labels, no global token count: `stages_decoder.FusedLossStage`)
+    conflicts = {"attention": attention is not None, "tempo": tempo,
+                 "fused_loss with pp_stages > 1": fused_loss and pp_stages > 1}
     for knob, on in conflicts.items():
         if on:
             raise _refuse(sch, cp, f"{knob} does not compose with context parallelism yet "
                           "(module docstring of slapo/model_schedule/context_parallel.py)",
-                          f"leave {knob} at its default on a cp mesh.")
+                          f"leave {knob.split()[0]} at its default on a cp mesh.")
     for layer in layers:
         if rel not in layer or not is_hf_attention(layer[rel].mod):
             raise _refuse(sch, cp, f"{layer.path}.{rel} is not an HF attention module the "
