@@ -1,3 +1,4 @@
+import dataclasses
 import os
 
 import pytest
@@ -5,7 +6,22 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 pytest.importorskip("transformers")
 
-from slapo.tune.simulate import DEVICES, GPT_MODELS, LayerModel, main, simulate  # noqa: E402
+from slapo.tune import simulate as sim  # noqa: E402
+from slapo.tune.simulate import (  # noqa: E402
+    CP_ATTENTION,
+    DEVICES,
+    GPT_MODELS,
+    AttnShard,
+    GPTSpec,
+    LayerModel,
+    cp_attention_memory,
+    cp_attention_messages,
+    main,
+    message_time,
+    sent_bytes,
+    simulate,
+)
+from slapo.tune.timing import AlphaBeta  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -14,7 +30,8 @@ def gpt7b():
 
 
 def check_plan(p, spec, gpus, global_batch, dev):
-    assert p.dp * p.tp * p.pp == gpus
+    assert p.dp * p.tp * p.pp * p.cp == gpus
+    assert (p.cp == 1) == (p.cp_attention is None) and p.seq == spec.seq
     assert p.dp * p.micro_batch * p.num_microbatches == global_batch
     assert sum(p.layers) == spec.layers and len(p.layers) == p.pp
     assert all(0 <= c <= j for c, j in zip(p.ckpt, p.layers))
@@ -23,7 +40,8 @@ def check_plan(p, spec, gpus, global_batch, dev):
 
 def test_h100_plans_are_valid_and_pruning_is_exact(gpt7b):
     spec, dev = GPT_MODELS["gpt-7b"], DEVICES["h100"]
-    grid = dict(tps=(1, 2), pps=(1, 2, 4), micro_batches=(1, 2), zeros=(0, 1, 3))
+    grid = dict(tps=(1, 2), pps=(1, 2, 4), micro_batches=(1, 2), zeros=(0, 1, 3), cps=(1, 2),
+                cp_attentions=("ring",))  # every cp choice would cost 5 s more of exhaustive MILPs
     plans = simulate(spec, 16, 256, dev, gpt7b, top=3, **grid)
     assert len(plans) == 3 and plans[0].step_time <= plans[1].step_time <= plans[2].step_time
     for p in plans:
@@ -48,9 +66,133 @@ def test_memory_pressure_on_small_gpus_forces_sharding_and_uneven_ckpt(gpt7b):
 def test_cli_prints_a_plan(capsys):
     main(["--device", "h100", "--models", "gpt-1.3b", "--gpus", "8", "--top", "1"])
     out = capsys.readouterr().out
-    assert "gpt-1.3b" in out and "samples/s" in out and "layers=[" in out
+    assert "gpt-1.3b" in out and "samples/s" in out and "layers=[" in out and " cp1 " in out
 
 
-def test_bad_arguments():
+def test_bad_arguments(gpt7b):
     with pytest.raises(ValueError, match="gpus"):
         simulate(GPT_MODELS["gpt-1.3b"], 0, 8, DEVICES["h100"], layer_model=object())
+    with pytest.raises(ValueError, match="cp attention"):
+        simulate(GPT_MODELS["gpt-7b"], 8, 8, DEVICES["h100"], gpt7b, cp_attentions=("zigzag",))
+    with pytest.raises(ValueError, match="built for gpt-7b"):
+        simulate(GPT_MODELS["gpt-1.3b"], 8, 8, DEVICES["h100"], gpt7b)
+
+
+# ---- context parallelism ----
+
+LONG = 131072
+
+
+def test_cp_attention_choices_are_the_runtimes():
+    from slapo.op.context_parallel import CP_ATTENTION as RUNTIME
+
+    assert CP_ATTENTION == RUNTIME
+
+
+def test_cp_bytes_per_choice_match_hand_arithmetic():
+    """1 sample of 16 tokens, 4 query heads, 2 KV heads of dim 8, bf16."""
+    a = AttnShard(batch=1, seq=16, cp=2, heads=4, kv_heads=2, head_dim=8)
+    assert (a.q, a.kv) == (8 * 4 * 8 * 2, 8 * 2 * 8 * 2) == (512, 256)
+    sent = {m: {k: sent_bytes(v, 2) for k, v in cp_attention_messages(m, a).items()}
+            for m in CP_ATTENTION}
+    # allgather: K and V of all 16 tokens (512 B each) gathered, half of each received; the
+    # backward reduce-scatters dK, dV the same way
+    assert sent["allgather"] == {"fwd": 2 * 512 / 2, "bwd": 2 * 512 / 2}
+    # ring: cp-1 = 1 step with the local K+V; backward: K, V, dK, dV once, then dK, dV home
+    assert sent["ring"] == {"fwd": 512, "bwd": 1024 + 512}
+    # ulysses: q, k, v, o, half of each sent (2 KV heads divide over cp=2: no repeat)
+    assert sent["ulysses"] == {"fwd": (512 + 256 + 256 + 512) / 2, "bwd": 768}
+
+    b = AttnShard(batch=1, seq=16, cp=4, heads=4, kv_heads=2, head_dim=8)  # 4 tokens per rank
+    assert (b.q, b.kv) == (256, 128)
+    assert sent_bytes(cp_attention_messages("allgather", b)["fwd"], 4) == 2 * 512 * 3 / 4
+    ring = cp_attention_messages("ring", b)
+    assert sent_bytes(ring["fwd"], 4) == 3 * 256 and sent_bytes(ring["bwd"], 4) == 3 * 512 + 256
+    # 2 KV heads over cp=4: repeated to the 4 query heads, so k and v travel query-sized
+    assert sent_bytes(cp_attention_messages("ulysses", b)["fwd"], 4) == 4 * 256 * 3 / 4
+    with pytest.raises(ValueError, match="query heads"):
+        cp_attention_messages("ulysses", AttnShard(1, 16, 4, 6, 6, 8))
+    with pytest.raises(ValueError, match="unknown"):
+        cp_attention_messages("zigzag", a)
+    assert cp_attention_messages("ring", AttnShard(1, 16, 1, 4, 4, 8)) == {"fwd": [], "bwd": []}
+
+    # latency: every call (every ring step) pays alpha once
+    calls = AlphaBeta(alpha=1.0, beta=0.0)
+    n_calls = {m: [sum(message_time(x, 4, calls) for x in cp_attention_messages(m, b)[k])
+                   for k in ("fwd", "bwd")] for m in CP_ATTENTION}
+    assert n_calls == {"allgather": [2, 2], "ring": [3, 4], "ulysses": [4, 4]}
+
+    # memory (saved, transient): whole-sequence K+V; 3 local K/V pairs; q, k, v receive buffers
+    assert cp_attention_memory("allgather", a) == (2 * 512, 2 * 512)
+    assert cp_attention_memory("ring", a) == (0, 3 * 2 * 256)
+    assert cp_attention_memory("ulysses", a) == (0, 512 + 2 * 256)
+    assert cp_attention_memory("ulysses", b) == (2 * (256 - 128), 256 + 2 * 256)
+
+
+def _layout(lm, seq, cp, mode, tp=1):
+    spec = dataclasses.replace(GPT_MODELS["gpt-7b"], seq=seq)
+    return sim._Layout(spec, DEVICES["h100"], lm, tp, 1, 1, 1, 1, 0, cp, mode)
+
+
+def test_cp_divides_per_rank_compute_and_activations(gpt7b):
+    """The issue's bar: at cp=4 a rank's activation memory is <= 0.30x of cp=1's for the same
+    layer config, asserted as ratios so that a model ignoring cp in them fails."""
+    one = _layout(gpt7b, LONG, 1, None)
+    for f in ("fwd_flops", "bwd_flops"):  # attention 1/cp (zig-zag), GEMMs at seq/cp
+        assert gpt7b(f, 1, 1, LONG, 4) == pytest.approx(gpt7b(f, 1, 1, LONG, 1) / 4)
+    assert gpt7b("saved", 1, 1, LONG, 4) == pytest.approx(gpt7b("saved", 1, 1, LONG, 1) / 4)
+    for mode in ("ring", "ulysses"):
+        four = _layout(gpt7b, LONG, 4, mode)
+        assert four.saved / one.saved == pytest.approx(0.25)
+        for ckpt in (0, 16, 32):
+            ratio = four.stage_activation(0, 32, ckpt) / one.stage_activation(0, 32, ckpt)
+            assert ratio <= 0.30, (mode, ckpt, ratio)
+    # allgather saves the layer's whole-sequence K and V on top, 2 x 131072 x 4096 x 2 B: at
+    # tp=1 that is 0.07x of the cp=1 layer's saved set, so allgather misses the bar per layer
+    ag = _layout(gpt7b, LONG, 4, "allgather")
+    assert ag.saved == pytest.approx(one.saved / 4 + 2 * LONG * 4096 * 2)
+    assert 0.30 < ag.saved / one.saved < 0.33
+    # with tp=8 the K/V are 1/8 as large and allgather meets the bar too
+    ag8, one8 = _layout(gpt7b, LONG, 4, "allgather", tp=8), _layout(gpt7b, LONG, 1, None, tp=8)
+    assert ag8.stage_activation(0, 32, 0) / one8.stage_activation(0, 32, 0) <= 0.30
+
+    class IgnoresCP:  # the mutation: per-rank costs that forget the sequence is split
+        spec = gpt7b.spec
+
+        def __call__(self, name, batch, tp, seq=None, cp=1):
+            return gpt7b(name, batch, tp, seq, 1)
+
+    broken = _layout(IgnoresCP(), LONG, 4, "ring")
+    assert broken.stage_activation(0, 32, 0) / one.stage_activation(0, 32, 0) > 0.30
+
+
+def test_short_sequence_plans_no_cp(gpt7b):
+    """At 2048 tokens cp only adds communication: the same per-rank work as dp, plus exchanges."""
+    small = GPTSpec("gpt-4x4096", 4, 4096, 32)  # the 7B's block shape, 4 layers
+    dev = DEVICES["h100"]
+    best = simulate(small, 8, 128, dev, gpt7b, top=1)[0]
+    check_plan(best, small, 8, 128, dev)
+    assert best.cp == 1 and best.cp_attention is None
+    with_cp = simulate(small, 8, 128, dev, gpt7b, top=1, cps=(2,))[0]
+    assert with_cp.cp == 2 and with_cp.step_time > best.step_time
+
+
+def test_long_sequence_needs_cp(gpt7b):
+    """A 7B-shaped GPT at 131072 tokens on 8 x 40 GB: no layout without cp fits, nor with cp 2
+    or 4; cp=8 does and is chosen."""
+    spec, dev = dataclasses.replace(GPT_MODELS["gpt-7b"], seq=LONG), DEVICES["a100-40gb"]
+    grid = dict(micro_batches=(1,), zeros=(0, 3))
+    assert simulate(spec, 8, 8, dev, gpt7b, top=1, cps=(1, 2, 4), **grid) == []
+    plans = simulate(spec, 8, 8, dev, gpt7b, top=3, **grid)
+    assert plans and all(p.cp == 8 for p in plans)
+    for p in plans:
+        check_plan(p, spec, 8, 8, dev)
+    assert {p.cp_attention for p in plans} == set(CP_ATTENTION)
+
+
+def test_cli_long_sequence_prints_cp(gpt7b, monkeypatch, capsys):
+    monkeypatch.setattr(sim, "LayerModel", lambda spec: gpt7b)
+    main(["--device", "a100-40gb", "--models", "gpt-7b", "--gpus", "8", "--samples-per-gpu", "1",
+          "--seq", str(LONG), "--cp", "8", "--cp-attention", "ring", "--top", "1"])
+    out = capsys.readouterr().out
+    assert f"seq{LONG}" in out and "cp8 ring" in out and "layers=[32]" in out
