@@ -104,7 +104,10 @@ def _model(family: str, dtype=torch.float64):
     ~1e-4 of lr; in float64 what is left is the comparison itself."""
     import models
 
-    return getattr(models, family)(seed=0).to(dtype)
+    model = getattr(models, family)(seed=0).to(dtype)
+    if getattr(model.config, "output_router_logits", False):  # refused with cp (MoE below)
+        model.config.output_router_logits = False
+    return model
 
 
 def _batches(family: str = "llama") -> list[dict]:
@@ -293,11 +296,11 @@ def job_cp_equals_one_process(families=FAMILIES, modes=MODES, mutation=None, cp=
     elif mutation == "index_positions":
         build.position_rule = lambda model: None
     try:
+        every = pairs is None  # the fp32 runs join the full grid only
         pairs = pairs or [(f, m) for f in families for m in modes]
         out = {(f, m): _worst(f, m, mesh, _batches(f), data_parallel=data_parallel, pp=pp,
                               knobs=knobs) for f, m in pairs}
-        if mutation is None and cp == 2 and tp == 1 and pp == 1 and data_parallel == "ddp" \
-                and not knobs:  # float32: loss and gradients (AdamW amplifies fp32 noise: _model)
+        if every and mutation is None and cp == 2 and tp == 1 and data_parallel == "ddp":  # float32: loss and gradients (AdamW amplifies fp32 noise: _model)
             out.update({(f, m, "fp32"): _worst(f, m, mesh, _batches(), torch.float32)
                         for f in families[:1] for m in modes})
         return out
@@ -425,6 +428,21 @@ def test_cp2_with_compiled_blocks_equals_one_process(dist2):
     _check_equal(results)
 
 
+MOE = [("mixtral", "ring"), ("qwen3_moe", "ulysses"), ("deepseek_v3", "allgather"),
+       ("deepseek_v3", "ring")]
+
+
+@pytest.mark.dist
+def test_cp2_mixtures_of_experts_equal_one_process(dist2):
+    """MoE families under cp (experts replicated, ep=1): each rank routes its own tokens to
+    HF's experts; Mixtral (GQA), Qwen3-MoE, DeepSeek-V3 (multi-head latent attention: query
+    and key heads wider than the values, its own RoPE and scaling), without the
+    load-balancing loss (refused with cp: test_bad_input_is_refused)."""
+    results = dist2.run(job_cp_equals_one_process, pairs=MOE)
+    assert set(results[0]) == set(MOE)
+    _check_equal(results)
+
+
 def _check_equal(results: list[dict]) -> None:
     for rank, res in enumerate(results):
         for key, worst in res.items():
@@ -477,7 +495,8 @@ def job_bad_input_is_refused():
              "t5": (models.t5, {}), "dropout": (lambda seed: models.bert_mlm(seed, dropout=0.1), {}),
              "attention": (models.llama, {"attention": "sdpa"}),
              "fused_loss": (models.llama, {"fused_loss": True, "pp_stages": 2}),
-             "ulysses_heads": (_three_heads, {"cp_attention": "ulysses"})}
+             "ulysses_heads": (_three_heads, {"cp_attention": "ulysses"}),
+             "router_logits": (models.mixtral, {})}
     for name, (make, kw) in cases.items():
         model = make(seed=0)
         before = [(n, type(m)) for n, m in model.named_modules()]
@@ -519,6 +538,7 @@ def test_bad_input_is_refused(dist2):
     assert "fused_loss with pp_stages > 1 does not compose" in refused["fused_loss"], \
         refused["fused_loss"]
     assert "splits the 3 query heads" in refused["ulysses_heads"], refused["ulysses_heads"]
+    assert "output_router_logits=True" in refused["router_logits"], refused["router_logits"]
     assert "not made context-parallel" in refused["unscheduled"]
     assert "data_parallel='ddp'" in refused["no_ddp"]
     assert "language-modelling loss" in refused["loss_fn"]

@@ -19,8 +19,10 @@ everything else a decoder computes is per token. Which families Slapo splits exa
   (`runtime.context_parallel.position_rule`).
 - Refused, naming why (`WHY_NOT`): GPT-Neo (attention outside HF's registry,
   local layers), ALBERT (one shared layer; not wired yet), T5 (a learned relative position
-  bias over the whole sequence), the MoE families (not yet with experts), and any family
-  without a plan.
+  bias over the whole sequence), and any family without a plan.
+- Mixtral, Qwen3-MoE, DeepSeek-V3 (multi-head latent attention): the experts run per token
+  (each rank routes its own tokens; with ep=1, the mesh refuses cp with ep > 1); the
+  load-balancing loss is refused (`_check_config`).
 
 What cp does not compose with yet is refused too: `attention` (the cp core *is* the
 attention), `tempo` (its attention replaces the core), and `fused_loss` with `pp_stages > 1`
@@ -101,7 +103,15 @@ def _check_ulysses(sch: Schedule, cp: int, tp: int, cfg) -> None:
 
 
 def _check_config(sch: Schedule, cp: int, cfg) -> None:
-    """Attention dropout is not computed by the cp core."""
+    """Attention dropout is not computed by the cp core; an MoE load-balancing loss would be
+    computed from each cp rank's part of the sequences (HF's statistics per forward), not from
+    the sequences one process sees."""
+    if getattr(cfg, "output_router_logits", False):
+        raise _refuse(sch, cp, "output_router_logits=True adds the load-balancing loss, whose "
+                      "token fractions and mean router probabilities HF computes per forward: "
+                      "on a cp rank, from its part of each sequence only (not built: reducing "
+                      "them over the cp ranks)", "set output_router_logits=False (the router "
+                      "still trains through the loss), or use cp=1.")
     for name in ("attention_dropout", "attn_pdrop", "attention_probs_dropout_prob"):
         if getattr(cfg, name, 0.0):  # LLaMA's, GPT-2's, BERT's
             raise _refuse(sch, cp, f"{name}={getattr(cfg, name)} is not implemented by "

@@ -34,9 +34,11 @@ TP_PLAN = TPPlan(tuple(row for row in llama.TP_PLAN.entries if row[0].startswith
     ("mlp.down_proj?", Row()),
 ))
 
+# context_parallel: the attention module of a layer (the experts are per token: under cp each
+# rank routes its own tokens; the load-balancing loss is refused with cp, `context_parallel`)
 MIXTRAL = Family(name="mixtral", model_types=("mixtral",), layer_lists=("layers",),
-                 moe=MoEPlan("mlp.experts"), tp_plan=TP_PLAN)
+                 moe=MoEPlan("mlp.experts"), tp_plan=TP_PLAN, context_parallel="self_attn")
 QWEN3_MOE = Family(name="qwen3_moe", model_types=("qwen3_moe",), layer_lists=("layers",),
-                   moe=MoEPlan("mlp.experts"), tp_plan=TP_PLAN)
+                   moe=MoEPlan("mlp.experts"), tp_plan=TP_PLAN, context_parallel="self_attn")
 DEEPSEEK_V3 = Family(name="deepseek_v3", model_types=("deepseek_v3",), layer_lists=("layers",),
-                     moe=MoEPlan("mlp.experts"))
+                     moe=MoEPlan("mlp.experts"), context_parallel="self_attn")
