@@ -53,9 +53,10 @@ def test_cp_is_a_degree_checked_once():
     assert ParallelDims().cp == 1 and ParallelDims(cp=2).world == 2
     with pytest.raises(SchedulingError, match="must be a positive int"):
         ParallelDims(cp=0)
-    assert ParallelDims(cp=2, tp=2).world == 4  # cp composes with tp
-    with pytest.raises(SchedulingError, match="cp=2 with pipelines"):
-        ParallelDims(cp=2, pp=2)
+    assert ParallelDims(cp=2, tp=2).world == 4  # cp composes with tp and pp
+    assert ParallelDims(cp=2, pp=2).mesh_dims == ("dp", "pp", "cp", "tp")
+    with pytest.raises(SchedulingError, match="cp=2 with expert parallelism"):
+        ParallelDims(cp=2, dp_replicate=2, ep=2)
 
 
 def test_hybrid_data_parallelism_is_refused():
