@@ -326,12 +326,17 @@ COVER = [("llama", m) for m in MODES] + [("qwen2", "ring"), ("qwen3", "ulysses")
                                           ("roberta", "ring")]
 
 
+# cp=4 and FSDP2 act the same whatever the family's positions (tested at cp=2): each choice
+# with LLaMA, the mask rules that span ranks differently (a window, bidirectional) once each
+FOUR = [("llama", m) for m in MODES] + [("mistral", "ring"), ("bert_mlm", "allgather")]
+
+
 @pytest.mark.dist
 def test_cp4_equals_one_process(dist4):
     """Four ranks: a ring of four steps (each dK/dV travels three hops home), chunks of 2
     (Mistral's window of 4 spans three ranks' chunks)."""
-    results = dist4.run(job_cp_equals_one_process, cp=4, pairs=COVER)
-    assert set(results[0]) == set(COVER)
+    results = dist4.run(job_cp_equals_one_process, cp=4, pairs=FOUR)
+    assert set(results[0]) == set(FOUR)
     _check_equal(results)
 
 
@@ -350,9 +355,10 @@ def test_cp2_with_tp2_equals_one_process(dist4):
 @pytest.mark.dist
 def test_cp2_with_fsdp2_equals_one_process(dist2):
     """cp=2 with FSDP2: the parameters sharded over the dp x cp ranks (the cp ranks hold the
-    same parameters), reduce-scattered as DDP all-reduces; the clipped norm summed over them."""
-    results = dist2.run(job_cp_equals_one_process, data_parallel="fsdp", pairs=COVER)
-    assert set(results[0]) == set(COVER)
+    same parameters), reduce-scattered as DDP all-reduces; the clipped norm summed over them
+    (`FOUR`: sharding does not depend on the family)."""
+    results = dist2.run(job_cp_equals_one_process, data_parallel="fsdp", pairs=FOUR)
+    assert set(results[0]) == set(FOUR)
     assert all(w["split"] > 0 for r in results for w in r.values())
     _check_equal(results)
 
@@ -419,10 +425,9 @@ def test_cp2_with_fused_loss_and_checkpointing_equals_one_process(dist2):
 @pytest.mark.compile
 @pytest.mark.slow
 def test_cp2_with_compiled_blocks_equals_one_process(dist2):
-    """Compiled blocks under cp: the ring's autograd function (its point-to-point steps) and
-    Ulysses' all-to-alls inside inductor-compiled layers, equal to one process's compiled
-    model."""
-    pairs = [("llama", "ring"), ("gpt2", "ulysses")]
+    """Compiled blocks under cp: the ring's autograd function (its point-to-point steps)
+    inside inductor-compiled layers, equal to one process's compiled model."""
+    pairs = [("llama", "ring")]  # the ring's own autograd function: the riskiest to compile
     results = dist2.run(job_cp_equals_one_process, pairs=pairs, knobs={"compile_blocks": True})
     assert set(results[0]) == set(pairs)
     _check_equal(results)
