@@ -174,6 +174,15 @@ def _held(tm, pp: int) -> dict:
     return {n: p for stage in tm.stages for n, p in stage.named_parameters()}
 
 
+def _mine(value: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """One process's `value` of parameter `p` as this rank holds it: an expert-parallel
+    shard's experts (`op.moe.expert_shard`), anything else whole."""
+    from slapo.op.moe import expert_shard
+
+    s = expert_shard(p)
+    return value if s is None else value[s.first:s.first + s.count]
+
+
 def _one_rank():
     """A group of this rank alone (the one-process reference under an initialised world);
     every rank creates every rank's group, in order, as `new_group` requires, once."""
@@ -221,15 +230,17 @@ def _worst(family: str, mode: str, mesh, batches, dtype=torch.float64,
     want_norm = torch.stack([ref_grads[n].double().norm() for n in unique]).norm()
     biggest = max(g.abs().max().item() for g in ref_grads.values())
     return {"loss": max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)),
-            "grad": max(_rel(g, ref_grads[n], 1e-9 * biggest) for n, g in grads.items()),
+            "grad": max(_rel(g, _mine(ref_grads[n], params[n]), 1e-9 * biggest)
+                        for n, g in grads.items()),
             # a roundoff-only gradient (BERT's key bias, `_rel`) moves its parameter by +-lr
             # in AdamW whatever the noise's size: no comparison is defined for it
-            "param": max(_rel(_full(p.detach(), p), ref_params[n].detach())
+            "param": max(_rel(_full(p.detach(), p), _mine(ref_params[n].detach(), p))
                          for n, p in params.items()
                          if ref_grads[n].abs().max().item() > 1e-9 * biggest),
             "norm": _rel(norm.double(), want_norm),
             "split": sum(_full(p, p) is not p for p in params.values()),
             "held": sorted(params),
+            "experts": sum(_mine(p, p) is not p for p in params.values()),
             "cores": sorted({type(m).__name__ for m in tm.modules()
                              if type(m).__name__ == "ContextParallelAttention"})}
 
@@ -263,7 +274,7 @@ def _rule_broken(honest, mutation):
 
 
 def job_cp_equals_one_process(families=FAMILIES, modes=MODES, mutation=None, cp=2, tp=1,
-                              data_parallel="ddp", pairs=None, pp=1, knobs=None):
+                              data_parallel="ddp", pairs=None, pp=1, knobs=None, ep=1):
     """{(family, mode): the worst relative difference of loss, gradients, parameters, the
     clipped norm}, for every family with every mode, or for the (family, mode) `pairs`.
     `mutation`: "skip_step" or "no_lse", patched into the ring (`op/ring_attention.py`),
@@ -273,7 +284,8 @@ def job_cp_equals_one_process(families=FAMILIES, modes=MODES, mutation=None, cp=
     `tp`: tensor-parallel ranks
     per cp rank; `data_parallel`: "fsdp" shards over the dp x cp ranks; `pp`: pipeline stages
     (1F1B, 2 micro-batches; FSDP2 over the cp ranks of each stage); `knobs`: more
-    `model_schedule.apply` knobs (fused_loss, compile_blocks, ckpt_ratio)."""
+    `model_schedule.apply` knobs (fused_loss, compile_blocks, ckpt_ratio); `ep`: expert
+    parallelism over as many data-parallel ranks (dp = ep)."""
     import importlib
 
     import slapo.op.context_parallel as cpa
@@ -282,7 +294,8 @@ def job_cp_equals_one_process(families=FAMILIES, modes=MODES, mutation=None, cp=
 
     build = importlib.import_module("slapo.runtime.build")  # the module, not `slapo.build`
 
-    mesh = init_mesh(dims=ParallelDims(cp=cp, tp=tp, pp=pp, device="cpu"))
+    mesh = init_mesh(dims=ParallelDims(cp=cp, tp=tp, pp=pp, ep=ep, dp_replicate=ep,
+                                       device="cpu"))
     rule = build.position_rule
     honest = ring.ring_steps, ring.merge_partials, cpa._heads_to_seq, ring.visible
     if mutation == "skip_step":
@@ -448,6 +461,18 @@ def test_cp2_mixtures_of_experts_equal_one_process(dist2):
     _check_equal(results)
 
 
+@pytest.mark.dist
+def test_cp2_with_ep2_equals_one_process(dist4):
+    """cp=2 x ep=2 on 4 ranks (ep borrows the 2 data-parallel ranks): each rank's chunks of its
+    sample routed to the experts of its ep group (the ranks of its cp index) by all-to-all,
+    each expert's gradient averaged over the ranks holding it (dp_rest x cp), the rest over
+    dp x cp; every expert shard compared with one process's experts."""
+    results = dist4.run(job_cp_equals_one_process, pairs=MOE[:3], ep=2)
+    assert set(results[0]) == set(MOE[:3])
+    assert all(w["experts"] > 0 for r in results for w in r.values())
+    _check_equal(results)
+
+
 def _check_equal(results: list[dict]) -> None:
     for rank, res in enumerate(results):
         for key, worst in res.items():
@@ -607,7 +632,8 @@ def test_slapo_train_cp2_trains_like_one_process_and_resumes(dist2, tmp_path):
 @pytest.mark.dist
 def test_slapo_train_cp2_with_tp2_trains_like_one_process(dist4, tmp_path):
     """`slapo train --cp 2 --tp 2` on 4 ranks (each rank: its chunks, its heads) and `--cp 2
-    --pp-stages 2 --dp-shard` (each stage's ranks: their chunks) log one process's losses (the attention
+    --pp-stages 2 --dp-shard` (each stage's ranks: their chunks) and DeepSeek-V3 with `--cp 2
+    --ep 2` (ep borrows the two data-parallel ranks) log one process's losses (the attention
     choice travels from the command line too); float32, so to rel 1e-5 (tp's all-reduces and
     the cp split sum in another order)."""
     from slapo.train import TrainConfig, train
@@ -615,7 +641,8 @@ def test_slapo_train_cp2_with_tp2_trains_like_one_process(dist4, tmp_path):
     runs = [{"model": "llama", "cp": 2, "tp": 2, "cp_attention": "ulysses"},
             {"model": "llama", "cp": 2, "pp_stages": 2, "cp_attention": "ring",
              "dp_shard": True},
-            {"model": "gpt2", "cp": 2, "pp_stages": 2, "dp_shard": True}]
+            {"model": "gpt2", "cp": 2, "pp_stages": 2, "dp_shard": True},
+            {"model": "deepseek_v3", "cp": 2, "ep": 2}]
     ranks = dist4.run(job_train_cp, runs, str(tmp_path), timeout=600)
     assert all(r == ranks[0] for r in ranks), ranks
     for run, got in zip(runs, ranks[0], strict=True):

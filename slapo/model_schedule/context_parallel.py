@@ -21,7 +21,7 @@ everything else a decoder computes is per token. Which families Slapo splits exa
   local layers), ALBERT (one shared layer; not wired yet), T5 (a learned relative position
   bias over the whole sequence), and any family without a plan.
 - Mixtral, Qwen3-MoE, DeepSeek-V3 (multi-head latent attention): the experts run per token
-  (each rank routes its own tokens; with ep=1, the mesh refuses cp with ep > 1); the
+  (each rank routes its own tokens, to replicated experts or, with ep, to its ep group's); the
   load-balancing loss is refused (`_check_config`).
 
 What cp does not compose with yet is refused too: `attention` (the cp core *is* the

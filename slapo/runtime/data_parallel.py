@@ -149,8 +149,9 @@ class ExpertGradMean:
     process has G = sum_i S_i / dp. So each backward scales the incoming gradient by 1/ep
     (local, no communication), and the backward DDP synchronises (not those under `no_sync`,
     i.e. the last micro-batch of gradient accumulation) ends with one all-reduce *mean* of the
-    accumulated gradients over "dp_rest" (the dp/ep ranks holding the same experts):
-    mean_i(S_i / ep) = G. A mean, like DDP's, so re-averaging a part already averaged (a user
+    accumulated gradients over "dp_rest" (the dp/ep ranks holding the same experts; with cp,
+    "dp_rest" x "cp": the cp ranks hold them too, each ep group's S_i then the sum over its
+    ranks' chunks): mean_i(S_i / ep) = G. A mean, like DDP's, so re-averaging a part already averaged (a user
     loop that synchronises several backwards before a step) leaves it unchanged.
 
     Why not a per-parameter all-reduce in the gradient hook: that ran one unbucketed,
@@ -158,8 +159,8 @@ class ExpertGradMean:
 
     def __init__(self, params: list[nn.Parameter], info: MeshInfo):
         self.params = params
-        self.ep, self.group = info.ep, info.group("dp_rest")
-        self.replicas = info.dp // info.ep  # ranks holding the same experts
+        self.ep, self.group = info.ep, info.expert_replica_group()
+        self.replicas = info.expert_replicas  # ranks holding the same experts (x cp)
         self.ddp = None  # set by apply_ddp once the wrapper exists: its no_sync flag
         self.sync = True  # FSDP2's flag, set with its own (`set_expert_sync`)
         self._queued_for = None  # the backward (graph task) whose end reduces

@@ -26,7 +26,8 @@ the job; `ep` (experts) borrows ranks from the others and adds none.
   (torchtitan's). Parameters are **replicated over cp** (cp ranks compute different tokens of
   the same samples), so gradients are averaged over `dp x cp` ranks: `init_mesh` keeps that
   flattened ("dp_cp") view with the mesh, DDP runs over it, and the step's token count and
-  loss are reduced over it. With tp, pp and FSDP2 (over dp x cp); not yet with ep (refused here).
+  loss are reduced over it. With tp, pp, FSDP2 (over dp x cp) and ep (experts averaged over
+  dp_rest x cp).
 - `ep`: expert parallelism (MoE): each of `ep` ranks holds `E / ep` of every MoE layer's
   experts and tokens travel to their experts by all-to-all. It **borrows the data-parallel
   ranks** (torchtitan borrows dp_shard x cp): `ep` divides `dp`, so `dp_rest x ep x pp x tp`
@@ -75,10 +76,10 @@ _TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 DEVICES = ("auto", "cpu", "cuda")
 DEGREES = ("dp_replicate", "dp_shard", "cp", "tp", "pp", "ep")
 # Degrees that are fields but not yet implemented: > 1 is refused, naming what will bring them.
-# What cp > 1 does not compose with yet (each refused by name before any change).
-_CP_NOT_YET = (("ep", "expert parallelism (ep > 1)"),)
 _EP_MESH = "_slapo_ep_mesh"  # the ("dp_rest", "ep", "pp", "tp") view `init_mesh` keeps on a mesh
 _DP_CP_MESH = "_slapo_dp_cp_mesh"  # the flattened ("dp_cp",) view `init_mesh` keeps with cp > 1
+# with ep > 1 and cp > 1: the flattened ("dp_rest_cp",) view, the ranks holding the same experts
+_EXPERT_REPLICA_MESH = "_slapo_expert_replica_mesh"
 
 # torch.distributed.pipelining's schedules, by the names `slapo.build(pipeline=...)` and
 # `slapo train --pp-schedule` take. The multi-stage ones run 2 stages per rank by default
@@ -169,7 +170,6 @@ class ParallelDims:
     def __post_init__(self) -> None:
         for name in DEGREES:
             check_degree(name, getattr(self, name))
-        self._check_cp()
         self._check_ep()
         if self.dp_replicate > 1 and self.dp_shard > 1:
             raise SchedulingError("", f"dp_replicate={self.dp_replicate} x dp_shard="
@@ -177,15 +177,6 @@ class ParallelDims:
                                   "not supported yet.", "replicate (DDP) or shard (FSDP2) over "
                                   "all data-parallel ranks.")
         check_device(self.device)
-
-    def _check_cp(self) -> None:
-        """cp > 1 runs with DDP over dp x cp (module docstring); the rest is refused by name."""
-        for name, what in _CP_NOT_YET:
-            if self.cp > 1 and getattr(self, name) > 1:
-                raise SchedulingError("", f"cp={self.cp} with {what} is not supported yet.",
-                                      f"use {name}=1 with cp > 1 (context parallelism runs "
-                                      "with DDP or FSDP2 over the data-parallel x cp ranks, "
-                                      "with tp and with pipelines).")
 
     def _check_ep(self) -> None:
         """ep borrows data-parallel ranks (module docstring): it must divide dp, and the
@@ -364,8 +355,10 @@ _MESHES = _MeshCache()
 def _new_mesh(kind: str, dims: ParallelDims) -> DeviceMesh:
     mesh = init_device_mesh(kind, dims.shape, mesh_dim_names=dims.mesh_dims)
     if dims.ep > 1:  # the same ranks, "dp" seen as ("dp_rest", "ep"): kept with the mesh
-        setattr(mesh, _EP_MESH, mesh._unflatten("dp", (dims.dp_rest, dims.ep),
-                                                ("dp_rest", "ep")))
+        ep_mesh = mesh._unflatten("dp", (dims.dp_rest, dims.ep), ("dp_rest", "ep"))
+        setattr(mesh, _EP_MESH, ep_mesh)
+        if dims.cp > 1:  # the cp ranks hold the same experts too
+            setattr(mesh, _EXPERT_REPLICA_MESH, ep_mesh["dp_rest", "cp"]._flatten("dp_rest_cp"))
     if dims.cp > 1:  # the ranks that average gradients (parameters are replicated over cp)
         setattr(mesh, _DP_CP_MESH, mesh["dp", "cp"]._flatten("dp_cp"))
     return mesh
@@ -425,6 +418,18 @@ class MeshInfo:
         """Ranks holding the same parameters and averaging their gradients (`dp x cp`): the
         step's loss and token count are reduced over them (`group("dp_cp")`)."""
         return self.dp * self.cp
+
+    def expert_replica_group(self):
+        """The ranks holding the same experts (their gradients are averaged over them):
+        "dp_rest", or the flattened ("dp_rest", "cp") view with cp > 1."""
+        if self.cp == 1:
+            return self.group("dp_rest")
+        return getattr(self.mesh, _EXPERT_REPLICA_MESH).get_group()
+
+    @property
+    def expert_replicas(self) -> int:
+        """How many ranks hold the same experts: dp / ep x cp."""
+        return self.dp // self.ep * self.cp
 
     def replica_group(self):
         """The process group of the `replicas` ("dp", or "dp_cp" with cp > 1)."""
