@@ -21,7 +21,7 @@ import torch
 
 from slapo.errors import SchedulingError
 from slapo.runtime.context_parallel import cp_batch, padded_length, zigzag_index
-from slapo.runtime.mesh import ParallelDims
+from slapo.runtime.mesh import MeshInfo, ParallelDims
 
 LR = 1e-2
 REL = 1e-5
@@ -98,14 +98,15 @@ def test_batches_cp_cannot_split_are_refused(batch, match):
 
 
 # ---- cp=2 on two gloo ranks -------------------------------------------------------------------
-def _model(family: str, dtype=torch.float64):
+def _model(family: str, dtype=torch.float64, aux: bool | None = None):
     """In float64: AdamW's first steps divide each gradient by its own magnitude (+ eps
     1e-8), so fp32 summation-order noise on a gradient entry of ~1e-8 moves a parameter by
-    ~1e-4 of lr; in float64 what is left is the comparison itself."""
+    ~1e-4 of lr; in float64 what is left is the comparison itself. `aux=False`: an MoE
+    model without its load-balancing loss."""
     import models
 
     model = getattr(models, family)(seed=0).to(dtype)
-    if getattr(model.config, "output_router_logits", False):  # refused with cp (MoE below)
+    if aux is False:
         model.config.output_router_logits = False
     return model
 
@@ -204,7 +205,9 @@ def _worst(family: str, mode: str, mesh, batches, dtype=torch.float64,
     amplifies; what is under test is that cp changes nothing)."""
     import slapo
 
-    model = _model(family, dtype)
+    # with dp > 1 the load-balancing loss is per dp rank (its samples: docs/model_schedule.md),
+    # not the global batch's one process computes: compared without it there
+    model = _model(family, dtype, aux=False if MeshInfo.of(mesh).dp > 1 else None)
     ref = copy.deepcopy(model)
     if knobs:
         ref = slapo.model_schedule.apply(slapo.create_schedule(ref, group=_one_rank()),
@@ -280,7 +283,8 @@ def job_cp_equals_one_process(families=FAMILIES, modes=MODES, mutation=None, cp=
     `mutation`: "skip_step" or "no_lse", patched into the ring (`op/ring_attention.py`),
     "heads_reversed" into Ulysses' all-to-all back (`op/context_parallel.py`), "no_window"
     or "all_causal" into the mask rule (`visible`, both modules), "index_positions": the
-    tokens' indices as positions for every model (`runtime.context_parallel.position_rule`);
+    tokens' indices as positions for every model (`runtime.context_parallel.position_rule`),
+    "local_aux": the load-balancing loss without its sum over the cp ranks;
     `tp`: tensor-parallel ranks
     per cp rank; `data_parallel`: "fsdp" shards over the dp x cp ranks; `pp`: pipeline stages
     (1F1B, 2 micro-batches; FSDP2 over the cp ranks of each stage); `knobs`: more
@@ -290,13 +294,14 @@ def job_cp_equals_one_process(families=FAMILIES, modes=MODES, mutation=None, cp=
 
     import slapo.op.context_parallel as cpa
     import slapo.op.ring_attention as ring
+    import slapo.op.router_balance as rb
     from slapo.runtime.mesh import init_mesh
 
     build = importlib.import_module("slapo.runtime.build")  # the module, not `slapo.build`
 
     mesh = init_mesh(dims=ParallelDims(cp=cp, tp=tp, pp=pp, ep=ep, dp_replicate=ep,
                                        device="cpu"))
-    rule = build.position_rule
+    rule, balance = build.position_rule, rb.balance_loss
     honest = ring.ring_steps, ring.merge_partials, cpa._heads_to_seq, ring.visible
     if mutation == "skip_step":
         ring.ring_steps = _skip_last_step(honest[0])
@@ -308,6 +313,8 @@ def job_cp_equals_one_process(families=FAMILIES, modes=MODES, mutation=None, cp=
         ring.visible = cpa.visible = _rule_broken(honest[3], mutation)
     elif mutation == "index_positions":
         build.position_rule = lambda model: None
+    elif mutation == "local_aux":  # the load-balancing statistics of this rank's tokens only
+        rb.balance_loss = lambda *a: balance(*a[:-1], _one_rank())
     try:
         every = pairs is None  # the fp32 runs join the full grid only
         pairs = pairs or [(f, m) for f in families for m in modes]
@@ -320,7 +327,7 @@ def job_cp_equals_one_process(families=FAMILIES, modes=MODES, mutation=None, cp=
     finally:
         ring.ring_steps, ring.merge_partials, cpa._heads_to_seq, ring.visible = honest
         cpa.visible = honest[3]
-        build.position_rule = rule
+        build.position_rule, rb.balance_loss = rule, balance
 
 
 @pytest.mark.dist
@@ -453,9 +460,9 @@ MOE = [("mixtral", "ring"), ("qwen3_moe", "ulysses"), ("deepseek_v3", "allgather
 @pytest.mark.dist
 def test_cp2_mixtures_of_experts_equal_one_process(dist2):
     """MoE families under cp (experts replicated, ep=1): each rank routes its own tokens to
-    HF's experts; Mixtral (GQA), Qwen3-MoE, DeepSeek-V3 (multi-head latent attention: query
-    and key heads wider than the values, its own RoPE and scaling), without the
-    load-balancing loss (refused with cp: test_bad_input_is_refused)."""
+    HF's experts; Mixtral (GQA) and Qwen3-MoE with HF's load-balancing loss (its statistics
+    summed over the cp ranks: `op/router_balance.py`), DeepSeek-V3 (multi-head latent
+    attention: query and key heads wider than the values, its own RoPE and scaling)."""
     results = dist2.run(job_cp_equals_one_process, pairs=MOE)
     assert set(results[0]) == set(MOE)
     _check_equal(results)
@@ -485,7 +492,8 @@ def _check_equal(results: list[dict]) -> None:
 
 BROKEN = {"skip_step": ("llama", "ring"), "no_lse": ("llama", "ring"),
           "heads_reversed": ("llama", "ulysses"), "no_window": ("mistral", "allgather"),
-          "all_causal": ("bert_mlm", "ring"), "index_positions": ("opt", "allgather")}
+          "all_causal": ("bert_mlm", "ring"), "index_positions": ("opt", "allgather"),
+          "local_aux": ("mixtral", "allgather")}
 
 
 @pytest.mark.dist
@@ -493,8 +501,8 @@ def test_a_broken_ring_fails(dist2):
     """Each mutation (`job_cp_equals_one_process`) on the family and attention choice it
     breaks: a ring step skipped, blocks merged without the log-sum-exp, Ulysses' head groups
     returned in the wrong order, Mistral's window ignored, BERT's bidirectional layers masked
-    causally, OPT's positions taken as the tokens' indices: each moves the loss and the
-    gradients."""
+    causally, OPT's positions taken as the tokens' indices, Mixtral's load-balancing loss from
+    each rank's tokens alone: each moves the loss and the gradients."""
     results = {m: dist2.run(job_cp_equals_one_process, pairs=[pair], mutation=m)[0][pair]
                for m, pair in BROKEN.items()}
     for mutation, worst in results.items():  # 10x the tests' tolerance, at least
@@ -525,8 +533,7 @@ def job_bad_input_is_refused():
              "t5": (models.t5, {}), "dropout": (lambda seed: models.bert_mlm(seed, dropout=0.1), {}),
              "attention": (models.llama, {"attention": "sdpa"}),
              "fused_loss": (models.llama, {"fused_loss": True, "pp_stages": 2}),
-             "ulysses_heads": (_three_heads, {"cp_attention": "ulysses"}),
-             "router_logits": (models.mixtral, {})}
+             "ulysses_heads": (_three_heads, {"cp_attention": "ulysses"})}
     for name, (make, kw) in cases.items():
         model = make(seed=0)
         before = [(n, type(m)) for n, m in model.named_modules()]
@@ -568,7 +575,6 @@ def test_bad_input_is_refused(dist2):
     assert "fused_loss with pp_stages > 1 does not compose" in refused["fused_loss"], \
         refused["fused_loss"]
     assert "splits the 3 query heads" in refused["ulysses_heads"], refused["ulysses_heads"]
-    assert "output_router_logits=True" in refused["router_logits"], refused["router_logits"]
     assert "not made context-parallel" in refused["unscheduled"]
     assert "data_parallel='ddp'" in refused["no_ddp"]
     assert "language-modelling loss" in refused["loss_fn"]
@@ -604,7 +610,8 @@ def job_train_cp(runs: list[dict], out: str) -> list:
 def test_slapo_train_cp2_trains_like_one_process_and_resumes(dist2, tmp_path):
     """`slapo train --cp 2` (sequence 30: padded to 32 for the zig-zag split) logs one
     process's losses for LLaMA and GPT-2 with both attention choices, BERT and RoBERTa (masked
-    LMs, bidirectional), OPT (positions counting unpadded tokens) and LLaMA with `--dp-shard`
+    LMs, bidirectional), OPT (positions counting unpadded tokens), Mixtral (its load-balancing
+    loss over the cp ranks) and LLaMA with `--dp-shard`
     (FSDP2 sharding over the cp ranks); a run
     saved at step 2 and resumed logs the uninterrupted run's losses bit for bit; a family
     without a cp plan is refused by name."""
@@ -618,7 +625,7 @@ def test_slapo_train_cp2_trains_like_one_process_and_resumes(dist2, tmp_path):
              {"model": "albert", "cp": 2, "steps": 1},
              {"model": "llama", "cp": 2, "dp_shard": True},  # FSDP2 over the cp ranks
              {"model": "bert", "cp": 2}, {"model": "roberta", "cp": 2},
-             {"model": "opt", "cp": 2, "cp_attention": "ring"}]
+             {"model": "opt", "cp": 2, "cp_attention": "ring"}, {"model": "mixtral", "cp": 2}]
     ranks = dist2.run(job_train_cp, runs, str(tmp_path), timeout=600)
     assert ranks[0] == ranks[1], ranks
     got = ranks[0]

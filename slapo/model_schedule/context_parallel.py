@@ -22,7 +22,7 @@ everything else a decoder computes is per token. Which families Slapo splits exa
   bias over the whole sequence), and any family without a plan.
 - Mixtral, Qwen3-MoE, DeepSeek-V3 (multi-head latent attention): the experts run per token
   (each rank routes its own tokens, to replicated experts or, with ep, to its ep group's); the
-  load-balancing loss is refused (`_check_config`).
+  load-balancing loss takes its statistics over the cp ranks (`op/router_balance.py`).
 
 What cp does not compose with yet is refused too: `attention` (the cp core *is* the
 attention), `tempo` (its attention replaces the core), and `fused_loss` with `pp_stages > 1`
@@ -103,15 +103,15 @@ def _check_ulysses(sch: Schedule, cp: int, tp: int, cfg) -> None:
 
 
 def _check_config(sch: Schedule, cp: int, cfg) -> None:
-    """Attention dropout is not computed by the cp core; an MoE load-balancing loss would be
-    computed from each cp rank's part of the sequences (HF's statistics per forward), not from
-    the sequences one process sees."""
-    if getattr(cfg, "output_router_logits", False):
-        raise _refuse(sch, cp, "output_router_logits=True adds the load-balancing loss, whose "
-                      "token fractions and mean router probabilities HF computes per forward: "
-                      "on a cp rank, from its part of each sequence only (not built: reducing "
-                      "them over the cp ranks)", "set output_router_logits=False (the router "
-                      "still trains through the loss), or use cp=1.")
+    """Attention dropout is not computed by the cp core; an MoE load-balancing loss must be
+    one `op.router_balance` can take over the cp ranks."""
+    from ..op.router_balance import router_counts
+
+    if getattr(cfg, "output_router_logits", False) and router_counts(cfg) is None:
+        raise _refuse(sch, cp, "output_router_logits=True adds a load-balancing loss whose "
+                      "experts and top-k the config does not name (num_local_experts or "
+                      "num_experts, num_experts_per_tok)", "set output_router_logits=False, "
+                      "or use cp=1.")
     for name in ("attention_dropout", "attn_pdrop", "attention_probs_dropout_prob"):
         if getattr(cfg, name, 0.0):  # LLaMA's, GPT-2's, BERT's
             raise _refuse(sch, cp, f"{name}={getattr(cfg, name)} is not implemented by "
@@ -127,4 +127,12 @@ def context_parallel(sch: Schedule, family, layers: list[Schedule], info, mode: 
     for layer in layers:
         node = layer[family.context_parallel]
         node.replace(install(node.mod, group, mode, node.path))
+    cfg = getattr(sch.mod, "config", None)
+    if getattr(cfg, "output_router_logits", False):  # the aux loss over the cp ranks
+        from ..module_patch import add_wrapper
+        from ..op.router_balance import ContextParallelBalance, router_counts
+
+        experts, top_k = router_counts(cfg)
+        add_wrapper(sch.mod, ContextParallelBalance(group, info.replicas, experts, top_k,
+                                                    cfg.router_aux_loss_coef))
     module_meta(sch.mod, create=True)[CP_META] = info.cp
