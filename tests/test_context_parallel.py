@@ -36,8 +36,8 @@ SEQ = 14  # not a multiple of 2 * cp = 4: padded to 16
 
 # ---- one process: the placement and the split --------------------------------------------------
 @pytest.mark.parametrize("kw, match", [
-    ({"cp": 2, "dp_replicate": 2, "ep": 2}, "expert parallelism"),
     ({"cp": 0}, "must be a positive int"),
+    ({"cp": 2, "ep": 2}, "ep does not divide dp=1"),
 ])
 def test_bad_cp_placements_are_refused(kw, match):
     with pytest.raises(SchedulingError, match=match):

@@ -55,8 +55,7 @@ def test_cp_is_a_degree_checked_once():
         ParallelDims(cp=0)
     assert ParallelDims(cp=2, tp=2).world == 4  # cp composes with tp and pp
     assert ParallelDims(cp=2, pp=2).mesh_dims == ("dp", "pp", "cp", "tp")
-    with pytest.raises(SchedulingError, match="cp=2 with expert parallelism"):
-        ParallelDims(cp=2, dp_replicate=2, ep=2)
+    assert ParallelDims(cp=2, dp_replicate=2, ep=2).world == 4  # and with ep (from dp)
 
 
 def test_hybrid_data_parallelism_is_refused():

@@ -7,21 +7,27 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 pytest.importorskip("transformers")
 
 from slapo.tune import simulate as sim  # noqa: E402
+from slapo.tune.memory import model_state_bytes  # noqa: E402
 from slapo.tune.simulate import (  # noqa: E402
     CP_ATTENTION,
     DEVICES,
     GPT_MODELS,
+    MOE_MODELS,
     AttnShard,
+    ExpertShard,
     GPTSpec,
     LayerModel,
+    MoESpec,
     cp_attention_memory,
     cp_attention_messages,
+    expert_shard,
     main,
     message_time,
+    moe_messages,
     sent_bytes,
     simulate,
 )
-from slapo.tune.timing import AlphaBeta  # noqa: E402
+from slapo.tune.timing import AlphaBeta, collective_time  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -196,3 +202,130 @@ def test_cli_long_sequence_prints_cp(gpt7b, monkeypatch, capsys):
           "--seq", str(LONG), "--cp", "8", "--cp-attention", "ring", "--top", "1"])
     out = capsys.readouterr().out
     assert f"seq{LONG}" in out and "cp8 ring" in out and "layers=[32]" in out
+
+
+# ---- mixture of experts: expert parallelism ----
+
+
+@pytest.fixture(scope="module")
+def qwen():
+    return LayerModel(MOE_MODELS["qwen3-30b-a3b"])
+
+
+def test_moe_presets_are_shaped_like_the_models():
+    q, m = MOE_MODELS["qwen3-30b-a3b"], MOE_MODELS["mixtral-8x7b"]
+    assert q.expert_layer_params == 128 * 3 * 2048 * 768 and m.expert_layer_params == 8 * 3 * 4096 * 14336
+    assert 30.0e9 < q.params < 31e9 and 3.0e9 < q.active_params < 3.5e9  # "30B-A3B"
+    assert 46e9 < m.params < 48e9 and 12.5e9 < m.active_params < 14e9  # 46.7B, 12.9B active
+    assert GPT_MODELS["gpt-7b"].active_params == GPT_MODELS["gpt-7b"].params
+
+
+def test_ep_exchange_bytes_and_expert_costs_match_hand_arithmetic():
+    """16 tokens, top-2 of 4 experts, hidden 8, expert width 4, bf16."""
+    x = ExpertShard(tokens=16, hidden=8, intermediate=4, experts=4, top_k=2, ep=2)
+    assert (x.rows, x.routed) == (32, 32 * 8 * 2) == (32, 512)
+    msgs = moe_messages(x)  # dispatch + combine, and their reverses in backward
+    assert msgs == {"fwd": [("all_to_all", 512)] * 2, "bwd": [("all_to_all", 512)] * 2}
+    # each rank keeps 1/ep of its routed rows: sends half of the 512 B, twice each way
+    assert sent_bytes(msgs["fwd"], 2) == sent_bytes(msgs["bwd"], 2) == 2 * 512 / 2
+    x4 = dataclasses.replace(x, ep=4)
+    assert sent_bytes(moe_messages(x4)["fwd"], 4) == 2 * 512 * 3 / 4
+    assert [sum(message_time(m, 4, AlphaBeta(1.0, 0.0)) for m in moe_messages(x4)[k])
+            for k in ("fwd", "bwd")] == [2, 2]  # one latency per all-to-all
+    assert moe_messages(dataclasses.replace(x, ep=1)) == {"fwd": [], "bwd": []}
+    # FLOPs: router 2 x 16 x 8 x 4, experts 32 rows x 3 GEMMs x 2 x 8 x 4; backward twice
+    assert (x.fwd_flops, x.bwd_flops) == (1024 + 6144, 2 * 7168)
+    assert (x.local_params, x4.local_params) == (2 * 3 * 8 * 4, 1 * 3 * 8 * 4)
+    # saved: per row 2 H-rows + 4 I-rows in bf16, fp32 router logits
+    assert x.saved == 32 * (2 * 8 + 4 * 4) * 2 + 16 * 4 * 4 == x4.saved
+    q = MOE_MODELS["qwen3-30b-a3b"]
+    assert expert_shard(q, 2, 4, 8).tokens == 2 * 4096 // 4
+
+
+def _moe_layout(lm, ep, zero=0, dp=8, pp=1):
+    spec = MOE_MODELS["qwen3-30b-a3b"]
+    return sim._Layout(spec, DEVICES["h100"], lm, 1, pp, dp, 1, 16, zero, 1, None, ep)
+
+
+def test_ep_layer_time_adds_the_all_to_alls_and_sheds_weight_traffic(qwen):
+    dev = DEVICES["h100"]
+    one, two = _moe_layout(qwen, 1), _moe_layout(qwen, 2)
+    routed = 4096 * 8 * 2048 * 2
+    a2a = dev.intra.alpha + dev.intra.beta * routed / 2  # ep group of 2 ranks: NVLink
+    assert one.t_ep == 0 and two.t_ep == pytest.approx(4 * a2a)
+    # the rest differs by the expert weights streamed: 2W forward, 6W backward, W halved
+    shed = (one.expert_layer_params - two.expert_layer_params) * 2 / dev.mem_bandwidth
+    assert two.t_layer - one.t_layer == pytest.approx(4 * a2a - 4 * shed)
+    assert two.t_recompute - one.t_recompute == pytest.approx(2 * a2a - shed)  # forward again
+    assert two.saved == one.saved  # balanced routing: a rank computes T x k rows whatever ep
+
+
+def _expert_state_ratios(lm, zero):
+    layouts = {ep: _moe_layout(lm, ep, zero) for ep in (1, 2, 4, 8)}
+    experts = {ep: lay.stage_states(0, 48) - model_state_bytes(lay.stage_params(0, 48), dp=8, zero=zero,
+                                                               param_bytes=2).total
+               for ep, lay in layouts.items()}
+    return {ep: experts[ep] / experts[1] for ep in layouts}, experts
+
+
+def test_expert_memory_per_rank_scales_one_over_ep(qwen, monkeypatch):
+    spec = MOE_MODELS["qwen3-30b-a3b"]
+    ratios, experts = _expert_state_ratios(qwen, zero=0)
+    assert experts[1] == pytest.approx(48 * spec.expert_layer_params * 16)  # bf16 + grad + fp32 Adam
+    assert ratios == pytest.approx({1: 1, 2: 1 / 2, 4: 1 / 4, 8: 1 / 8})
+    # ZeRO shards the experts over dp_rest = dp / ep only: at ep 8 of dp 8 nothing shards them
+    ratios3, experts3 = _expert_state_ratios(qwen, zero=3)
+    assert experts3[8] == pytest.approx(experts[8])
+    assert experts3[2] == pytest.approx(experts[2] / 4)  # over dp_rest = 4
+    # gradient sync: non-experts over dp, experts over dp_rest
+    lay, link = _moe_layout(qwen, 2), DEVICES["h100"].intra
+    t_dp, _ = lay.after_pipeline([48])
+    assert t_dp == pytest.approx(collective_time("all_reduce", lay.stage_params(0, 48) * 2, 8, link)
+                                 + collective_time("all_reduce", lay.stage_expert_params(48) * 2, 4, link))
+
+    # the mutation: expert weights that forget they are split over ep
+    monkeypatch.setattr(sim.ExpertShard, "local_params",
+                        property(lambda x: x.experts * 3 * x.hidden * x.intermediate))
+    with pytest.raises(AssertionError):
+        assert _expert_state_ratios(qwen, zero=0)[0] == pytest.approx({1: 1, 2: 1 / 2, 4: 1 / 4, 8: 1 / 8})
+
+
+def test_qwen3_moe_on_8_h100_needs_ep(qwen):
+    """30.4B parameters x 16 B (bf16 weights and grads, fp32 master and Adam) = 487 GB: without
+    ZeRO-3 not even one 8th fits in 80 GB beside the replicated weights, so ep=1 needs ZeRO-3
+    (and the planner adds pp to shrink its per-micro-batch weight gathers); ep 8 holds 1/8 of
+    the experts whole and only exchanges tokens."""
+    spec, dev = MOE_MODELS["qwen3-30b-a3b"], DEVICES["h100"]
+    assert spec.seq == 4096 and spec.params * (2 + 14 / 8) > 0.9 * dev.memory_bytes  # ZeRO-2, dp 8
+    grid = dict(tps=(1,), micro_batches=(1,), cps=(1,), zeros=(2, 3))
+    # tp does not help: the experts are not split by tp
+    assert simulate(spec, 8, 64, dev, qwen, top=1, eps=(1,), pps=(1,), tps=(1, 8), micro_batches=(1,),
+                    cps=(1,), zeros=(0, 1, 2)) == []
+    best = simulate(spec, 8, 64, dev, qwen, top=1, eps=(1, 2, 4, 8), **grid)[0]
+    check_plan(best, spec, 8, 64, dev)
+    assert best.ep > 1 and best.experts == 128 and f" ep{best.ep} " in best.row()
+    assert best.breakdown["ep_per_layer"] > 0
+    no_ep = simulate(spec, 8, 64, dev, qwen, top=1, eps=(1,), **grid)
+    assert no_ep, "ep=1 fits with ZeRO-3 and pp"
+    assert no_ep[0].zero == 3 and no_ep[0].step_time > 1.15 * best.step_time
+
+
+def test_dense_specs_keep_ep_1(gpt7b, monkeypatch, capsys):
+    spec, dev = GPT_MODELS["gpt-7b"], DEVICES["h100"]
+    plans = simulate(spec, 8, 128, dev, gpt7b, top=3, tps=(1,), pps=(1, 2), eps=(2, 4, 8))
+    assert plans and all(p.ep == 1 and p.experts == 0 and " ep" not in p.row() for p in plans)
+    with pytest.raises(ValueError, match="dense block"):
+        simulate(MoESpec("moe-7b", 32, 4096, 32, experts=8, top_k=2, moe_intermediate=1024), 8, 8,
+                 dev, gpt7b)
+    with pytest.raises(ValueError, match="ep degrees"):
+        simulate(spec, 8, 8, dev, gpt7b, eps=(0,))
+    with pytest.raises(SystemExit):
+        main(["--models", "gpt-13b"])
+
+
+def test_cli_prints_ep(qwen, monkeypatch, capsys):
+    monkeypatch.setattr(sim, "LayerModel", lambda spec: qwen)
+    main(["--models", "qwen3-30b-a3b", "--gpus", "8", "--samples-per-gpu", "4", "--ep", "8",
+          "--cp", "1", "--top", "1"])
+    out = capsys.readouterr().out
+    assert "qwen3-30b-a3b" in out and "seq4096" in out and " cp1 ep8 " in out

@@ -18,6 +18,12 @@ holds 1/cp of every sequence (zig-zag chunks, so causal attention work is balanc
 are replicated over cp (gradients averaged and ZeRO shards over dp x cp), and one of three
 exchanges makes attention exact across the cp ranks (`CP_ATTENTION`; `cp_attention_messages`
 and `cp_attention_memory` give their bytes).
+
+Mixture-of-experts models (`MoESpec`, `MOE_MODELS`) add expert parallelism (ep), as Slapo's
+runtime builds it (`slapo/op/moe.py`, docs/runtime.md "Which ranks ep borrows"): ep borrows
+data-parallel ranks (dp = dp_rest x ep), each ep rank holds E/ep experts of every layer, and
+tokens travel to and from their top-k experts by all-to-all (`ExpertShard`, `moe_messages`).
+The attention share of a layer is the traced block's; the expert FFN is analytic.
 """
 
 from __future__ import annotations
@@ -29,6 +35,19 @@ from dataclasses import dataclass, field
 
 from .memory import model_state_bytes, stage_peak_bytes
 from .planner import plan_pipeline
+from .simulate_parallel import (  # noqa: F401 (re-exported: the tests and callers' names)
+    CP_ATTENTION,
+    AttnShard,
+    ExpertShard,
+    Message,
+    attn_shard,
+    cp_attention_memory,
+    cp_attention_messages,
+    expert_shard,
+    message_time,
+    moe_messages,
+    sent_bytes,
+)
 from .timing import AlphaBeta, DeviceConstants, collective_time, roofline_time
 
 
@@ -45,12 +64,75 @@ class GPTSpec:
     def params(self) -> float:
         return self.layers * 12 * self.hidden**2 + (self.vocab + self.seq) * self.hidden
 
+    @property
+    def active_params(self) -> float:
+        """Parameters one token runs through (the MFU's 6 FLOPs per parameter and token)."""
+        return self.params
+
 
 GPT_MODELS = {
     "gpt-1.3b": GPTSpec("gpt-1.3b", 24, 2048, 16),
     "gpt-2.7b": GPTSpec("gpt-2.7b", 32, 2560, 32),
     "gpt-7b": GPTSpec("gpt-7b", 32, 4096, 32),
 }
+
+
+@dataclass(frozen=True, kw_only=True)
+class MoESpec(GPTSpec):
+    """A GPT whose every layer's FFN is a mixture of `experts` SwiGLU experts of width
+    `moe_intermediate`, each token routed to `top_k` of them (Mixtral, Qwen3-MoE: no shared
+    expert, no dense layers), with untied input and output embeddings and rotary positions
+    (no position table).
+
+    Per layer (H = hidden, I = moe_intermediate, E = experts, k = top_k):
+
+    - attention share: GPT-2's block without its MLP (traced, `LayerModel`): 4H^2 + 4H weights
+      (multi-head, head_dim H/heads), two norms (4H), and the router H x E;
+    - experts: E x 3 x H x I weights (gate, up, down), E x 3 x H x I x 2 bytes in bf16;
+      forward FLOPs per token k x 3 x 2 x H x I (its k experts' three GEMMs).
+
+    `kv_heads` (GQA) enters only the bytes of cp's attention exchanges, as for dense models;
+    the traced attention is multi-head.
+    """
+
+    experts: int
+    top_k: int
+    moe_intermediate: int
+    kv_heads: int | None = None
+
+    @property
+    def expert_layer_params(self) -> int:
+        """E x 3 x H x I: one layer's experts (gate, up, down projections, no bias)."""
+        return self.experts * 3 * self.hidden * self.moe_intermediate
+
+    @property
+    def attention_layer_params(self) -> int:
+        """4H^2 + 4H (qkv and output projections with biases) + 4H (norms) + H x E (router)."""
+        h = self.hidden
+        return 4 * h * h + 8 * h + h * self.experts
+
+    @property
+    def params(self) -> float:
+        return (self.layers * (self.attention_layer_params + self.expert_layer_params)
+                + 2 * self.vocab * self.hidden + self.hidden)
+
+    @property
+    def active_params(self) -> float:
+        """The attention share, the top-k experts of every layer, the embeddings."""
+        return (self.layers * (self.attention_layer_params
+                               + self.expert_layer_params * self.top_k // self.experts)
+                + 2 * self.vocab * self.hidden + self.hidden)
+
+
+MOE_MODELS = {
+    # Qwen3-30B-A3B: 30.4B parameters here (30.5B: its attention has head_dim 128 and 4 KV heads)
+    "qwen3-30b-a3b": MoESpec("qwen3-30b-a3b", 48, 2048, 32, vocab=151936, seq=4096, experts=128,
+                             top_k=8, moe_intermediate=768, kv_heads=4),
+    # Mixtral-8x7B: 47.5B here (46.7B: its attention has 8 KV heads)
+    "mixtral-8x7b": MoESpec("mixtral-8x7b", 32, 4096, 32, vocab=32000, seq=4096, experts=8,
+                            top_k=2, moe_intermediate=14336, kv_heads=8),
+}
+MODELS: dict[str, GPTSpec] = {**GPT_MODELS, **MOE_MODELS}
 
 # Datasheet numbers scaled to what training kernels typically reach (GEMM ~70% of dense peak,
 # copies ~80% of HBM bandwidth); links are effective ring bus bandwidths.
@@ -87,10 +169,13 @@ class SimPlan:
     cp: int = 1
     cp_attention: str | None = None  # one of CP_ATTENTION when cp > 1
     seq: int = 2048
+    ep: int = 1  # expert-parallel ranks, borrowed from dp (dp = dp_rest x ep)
+    experts: int = 0  # experts per layer; 0: a dense model
 
     def row(self) -> str:
         mem = max(self.stage_memory) / 1e9
         cp = f"cp{self.cp}" + (f" {self.cp_attention}" if self.cp > 1 else "")
+        cp += f" ep{self.ep}" if self.experts else ""
         rate = self.samples_per_s
         rate_s = f"{rate:.1f}" if rate >= 1 else f"{rate:.3f}"  # long contexts: < 1 sample/s
         return (f"{self.model:9s} {self.gpus:3d}  seq{self.seq}  dp{self.dp:<2d} tp{self.tp} "
@@ -100,10 +185,19 @@ class SimPlan:
                 f"{rate_s} samples/s  MFU~{self.mfu:.0%}  peak {mem:.1f} GB")
 
 
+_ATTENTION_ONLY_INNER = 8  # the MLP width traced for an MoESpec's attention share (divides tp <= 8)
+
+
 class LayerModel:
     """Per-layer costs of one GPT block (per tp and cp rank), as numpy functions of (batch, tp,
     seq, cp). The block's shape (hidden, heads) is fixed; seq is a free variable of the fit, so
-    one model serves every sequence length."""
+    one model serves every sequence length.
+
+    For an `MoESpec` (`attention_only`) it is the layer's attention share: the GPT-2 block
+    traced with an MLP 8 features wide in place of its 4H one (attention, both norms, both
+    residual adds); what the 8-wide MLP costs stays in, < 1% of this share's FLOPs, bytes and
+    saved bytes at H = 2048. The experts are `ExpertShard`'s.
+    """
 
     def __init__(self, spec: GPTSpec):
         import sympy
@@ -113,9 +207,11 @@ class LayerModel:
 
         from .cost import CKPT, SEQ, block_cost
 
+        self.attention_only = isinstance(spec, MoESpec)
         cfg = GPT2Config(n_embd=spec.hidden, n_head=spec.heads, n_layer=1, vocab_size=spec.vocab,
                          n_positions=spec.seq, attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0,
-                         bos_token_id=0, eos_token_id=0)
+                         bos_token_id=0, eos_token_id=0,
+                         n_inner=_ATTENTION_ONLY_INNER if self.attention_only else None)
         cfg._attn_implementation = "sdpa"
         with torch.device("meta"):
             block = GPT2Block(cfg).train()
@@ -147,137 +243,17 @@ def _link(group_span: int, dev: DeviceConstants) -> AlphaBeta:
     return dev.intra if group_span <= dev.gpus_per_node else dev.inter
 
 
-# ---- context parallelism: what one layer's attention exchanges and holds on one cp rank ----
-
-CP_ATTENTION = ("allgather", "ring", "ulysses")  # slapo.op.context_parallel.CP_ATTENTION
-
-
-@dataclass(frozen=True)
-class AttnShard:
-    """One cp rank's attention tensors for one layer and micro-batch on one tp rank (bf16).
-
-    `heads` and `kv_heads` are this tp rank's; the rank holds `batch * seq / cp` tokens.
-    """
-
-    batch: int
-    seq: int  # the whole sequence
-    cp: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    dtype_bytes: int = 2
-
-    def _bytes(self, heads: int) -> int:
-        return self.batch * self.seq // self.cp * heads * self.head_dim * self.dtype_bytes
-
-    @property
-    def q(self) -> int:
-        """Local queries (and the attention output: same shape)."""
-        return self._bytes(self.heads)
-
-    @property
-    def kv(self) -> int:
-        """Local keys (values: the same again)."""
-        return self._bytes(self.kv_heads)
-
-    @property
-    def ulysses_kv(self) -> int:
-        """Keys as Ulysses exchanges them: KV heads that do not divide by cp are repeated to the
-        query heads first (HF's repeat_kv), so they travel query-sized."""
-        return self.kv if self.kv_heads % self.cp == 0 else self.q
-
-
-def attn_shard(spec: GPTSpec, batch: int, tp: int, cp: int, seq: int | None = None) -> AttnShard:
-    """`AttnShard` of a GPT (multi-head: as many KV heads as query heads) on a (tp, cp) rank."""
-    heads = spec.heads // tp
-    return AttnShard(batch, seq or spec.seq, cp, heads, heads, spec.hidden // spec.heads)
-
-
-Message = tuple[str, float]  # (collective, payload bytes): see cp_attention_messages
-
-
-def cp_attention_messages(mode: str, a: AttnShard) -> dict[str, list[Message]]:
-    """The exchanges of one layer's attention on one cp rank, {"fwd": [...], "bwd": [...]}.
-
-    One entry per call (each pays its latency), as (collective, payload bytes) with payloads in
-    `collective_time`'s convention: all-gather / reduce-scatter the whole gathered tensor (a rank
-    receives (cp-1)/cp of it), all-to-all the tensor each rank holds (it sends (cp-1)/cp of it),
-    p2p what is sent. Facts from slapo/op/context_parallel.py and ring_attention.py:
-    allgather gathers K and V (backward: reduce-scatters dK and dV); ring passes the K/V block
-    cp-1 times, and in backward K/V with their dK/dV accumulators cp-1 times plus one last pass
-    of the accumulators home; ulysses does 4 all-to-alls (q, k, v to heads, output back to
-    sequence) and the reverse 4 in backward.
-    """
-    if mode not in CP_ATTENTION:
-        raise ValueError(f"cp attention {mode!r} unknown; use one of {CP_ATTENTION}.")
-    cp = a.cp
-    if cp == 1:
-        return {"fwd": [], "bwd": []}
-    if mode == "allgather":
-        whole = a.kv * cp
-        return {"fwd": [("all_gather", whole)] * 2, "bwd": [("reduce_scatter", whole)] * 2}
-    if mode == "ring":
-        return {"fwd": [("p2p", 2 * a.kv)] * (cp - 1),
-                "bwd": [("p2p", 4 * a.kv)] * (cp - 1) + [("p2p", 2 * a.kv)]}
-    if a.heads % cp:
-        raise ValueError(f"ulysses splits the {a.heads} (per tp rank) query heads over cp={cp} "
-                         "ranks, which does not divide them.")
-    fwd = [("all_to_all", a.q), ("all_to_all", a.ulysses_kv), ("all_to_all", a.ulysses_kv),
-           ("all_to_all", a.q)]
-    return {"fwd": fwd, "bwd": list(fwd)}
-
-
-def message_time(msg: Message, n: int, link: AlphaBeta) -> float:
-    """Alpha-beta seconds of one exchange among `n` ranks. An all-to-all sends (n-1)/n of its
-    payload pairwise: one latency plus those bytes (as the ring collectives are charged)."""
-    op, nbytes = msg
-    if op == "all_to_all":
-        op, nbytes = "p2p", nbytes * (n - 1) / n
-    return float(collective_time(op, nbytes, n, link))
-
-
-def sent_bytes(msgs: list[Message], n: int) -> float:
-    """Bytes one rank sends (= receives) over `msgs` among `n` ranks."""
-    return sum(message_time(m, n, AlphaBeta(0.0, 1.0)) for m in msgs)
-
-
-def cp_attention_memory(mode: str, a: AttnShard) -> tuple[float, float]:
-    """(saved, transient) bytes one layer's cross-rank attention adds on a cp rank, on top of
-    the traced block's own saved set evaluated at seq/cp (which already holds the local q, k, v,
-    output and log-sum-exp that SDPA saves).
-
-    - allgather: SDPA saves the gathered K and V of the whole sequence for backward (the local
-      chunk stays saved too, with the fused qkv projection's output that q views), unless the
-      layer is checkpointed; transient: the whole sequence's dK/dV before the reduce-scatter.
-    - ring: saves what SDPA saves (local q, k, v, output, log-sum-exp): nothing added;
-      transient: two blocks in flight, at most in backward: the dK/dV accumulators plus the
-      arriving K, V, dK, dV (3 local K/V pairs).
-    - ulysses: SDPA saves the exchanged q, k, v (1/cp of the heads, whole sequence) instead of
-      the local ones: the same bytes, plus the growth of K/V repeated to the query heads;
-      transient: the receive buffers of the q, k, v exchange.
-    A flash-style kernel is assumed (no s x s scores held); the ring's reference implementation
-    materialises one block's scores, which is not counted.
-    """
-    cp_attention_messages(mode, a)  # validates the mode and ulysses' heads
-    if a.cp == 1:
-        return 0.0, 0.0
-    if mode == "allgather":
-        whole_kv = 2 * a.kv * a.cp
-        return float(whole_kv), float(whole_kv)
-    if mode == "ring":
-        return 0.0, float(3 * 2 * a.kv)
-    return float(2 * (a.ulysses_kv - a.kv)), float(a.q + 2 * a.ulysses_kv)
-
-
 @dataclass
 class _Layout:
-    """Costs of one (tp, pp, cp, dp, micro-batch, ZeRO, cp attention) layout; `stage_cost`
+    """Costs of one (tp, pp, cp, dp, micro-batch, ZeRO, cp attention, ep) layout; `stage_cost`
     feeds the planner.
 
     Rank layout: tp innermost (within a node), then cp (torchtitan's place for it, next to tp,
     so the per-layer attention exchanges stay on fast links when tp * cp fits a node), then dp,
     then pp. Parameters are replicated over cp: gradients sync, and ZeRO shards, over the
-    dp x cp `replicas`.
+    dp x cp `replicas`. ep borrows dp: an ep group is `ep` consecutive dp ranks of one stage
+    (span tp x cp x ep), and the experts (E/ep per rank) are replicated, synced and ZeRO-sharded
+    over the dp_rest x cp `expert_replicas` only; the rest of the model over all `replicas`.
     """
 
     spec: GPTSpec
@@ -291,24 +267,36 @@ class _Layout:
     zero: int
     cp: int = 1
     cp_attention: str | None = None
+    ep: int = 1
 
     @property
     def replicas(self) -> int:
         return self.dp * self.cp
 
+    @property
+    def expert_replicas(self) -> int:
+        """dp_rest x cp: the ranks holding the same experts."""
+        return self.dp // self.ep * self.cp
+
     def __post_init__(self) -> None:
         spec, dev, lm, tp, cp, b = self.spec, self.dev, self.lm, self.tp, self.cp, self.b
         h, s, v = spec.hidden, spec.seq, spec.vocab
         s_local = s // cp
+        self.moe = isinstance(spec, MoESpec)
         t_f = float(roofline_time(lm("fwd_flops", b, tp, s, cp), lm("fwd_bytes", b, tp, s, cp), dev))
         t_b = float(roofline_time(lm("bwd_flops", b, tp, s, cp), lm("bwd_bytes", b, tp, s, cp), dev))
         act_bytes = b * s_local * h * 2
         t_ar = float(collective_time("all_reduce", act_bytes, tp, _link(tp, dev)))
+        # Megatron: 2 all-reduces forward (attention, MLP), 2 backward; the experts run whole on
+        # every tp rank, so an MoE layer keeps the attention's 1 + 1
+        n_ar = 2 if self.moe else 4
         t_cp_f, t_cp_b, cp_saved, self.transient = self._cp_attention()
         self.t_cp = t_cp_f + t_cp_b
-        self.t_layer = t_f + t_b + 4 * t_ar + t_cp_f + t_cp_b  # Megatron: 2 all-reduces fwd, 2 bwd
-        self.t_recompute = t_f + 2 * t_ar + t_cp_f
-        self.saved = lm("saved", b, tp, s, cp) + cp_saved
+        t_e_f, t_e_b, e_saved, e_transient = self._experts()
+        self.t_layer = t_f + t_b + n_ar * t_ar + t_cp_f + t_cp_b + t_e_f + t_e_b
+        self.t_recompute = t_f + n_ar // 2 * t_ar + t_cp_f + t_e_f
+        self.saved = lm("saved", b, tp, s, cp) + cp_saved + e_saved
+        self.transient = max(self.transient, e_transient)  # at different times of the layer
         self.inp = lm("input_bytes", b, tp, s, cp)
         # Head + loss (analytic): logits GEMM fwd + 2x bwd, fp32 softmax traffic, saved logits.
         tokens = b * s_local
@@ -316,7 +304,12 @@ class _Layout:
         self.head_saved = 6 * b * s_local * v / tp
         span = tp * self.replicas * 2
         self.p2p = float(collective_time("p2p", act_bytes, 2, _link(span, dev))) if self.pp > 1 else 0.0
-        self.layer_params = (12 * h * h + 13 * h) / tp + 4 * h  # LN params / row biases replicated
+        if self.moe:  # attention, norms, router; the experts are `expert_layer_params`
+            self.layer_params = (4 * h * h + 4 * h) / tp + 4 * h + h * spec.experts
+            self.expert_layer_params = float(expert_shard(spec, b, cp, self.ep).local_params)
+        else:
+            self.layer_params = (12 * h * h + 13 * h) / tp + 4 * h  # LN params / row biases replicated
+            self.expert_layer_params = 0.0
 
     def _cp_attention(self) -> tuple[float, float, float, float]:
         """(forward s, backward s, saved bytes, transient bytes) of one layer's cp exchange."""
@@ -328,14 +321,33 @@ class _Layout:
         t = {k: sum(message_time(m, self.cp, link) for m in ms) for k, ms in msgs.items()}
         return (t["fwd"], t["bwd"], *cp_attention_memory(self.cp_attention, a))
 
+    def _experts(self) -> tuple[float, float, float, float]:
+        """(forward s, backward s, saved bytes, transient bytes) of one layer's experts: their
+        roofline compute and their all-to-alls over the ep group (`ExpertShard`)."""
+        self.t_ep = 0.0
+        if not self.moe:
+            return 0.0, 0.0, 0.0, 0.0
+        x = expert_shard(self.spec, self.b, self.cp, self.ep)
+        link = _link(self.tp * self.cp * self.ep, self.dev)
+        t = {k: sum(message_time(m, self.ep, link) for m in ms) for k, ms in moe_messages(x).items()}
+        self.t_ep = t["fwd"] + t["bwd"]
+        t_f = float(roofline_time(x.fwd_flops, x.fwd_bytes, self.dev)) + t["fwd"]
+        t_b = float(roofline_time(x.bwd_flops, x.bwd_bytes, self.dev)) + t["bwd"]
+        return t_f, t_b, x.saved, x.transient
+
     def stage_params(self, i: int, j: int) -> float:
+        """Parameters of stage i with j layers on one rank, the experts excepted."""
         h, s, v = self.spec.hidden, self.spec.seq, self.spec.vocab
         p = j * self.layer_params
         if i == 0:
-            p += v * h / self.tp + s * h
+            p += v * h / self.tp + (0 if self.moe else s * h)  # MoE specs: rotary, no position table
         if i == self.pp - 1:
-            p += v * h / self.tp + 2 * h  # Megatron keeps a copy of the tied embedding here
+            p += v * h / self.tp + 2 * h  # Megatron's copy of the tied embedding; an MoE spec's head
         return p
+
+    def stage_expert_params(self, j: int) -> float:
+        """Expert parameters of a stage with j layers on one rank: j x (E/ep) x 3HI."""
+        return j * self.expert_layer_params
 
     def stage_cost(self, i: int, j: int, c: int) -> tuple[float, float]:
         t = j * self.t_layer + c * self.t_recompute + 2 * self.p2p
@@ -344,13 +356,21 @@ class _Layout:
         if self.zero == 3:  # gather the stage's weights for forward and backward of every micro-batch
             t += 2 * float(collective_time("all_gather", self.stage_params(i, j) * 2, self.replicas,
                                            replica_link))
+            if self.moe:  # the experts' shards over dp_rest x cp (same span: every ep'th dp rank)
+                t += 2 * float(collective_time("all_gather", self.stage_expert_params(j) * 2,
+                                               self.expert_replicas, replica_link))
         mem = self.stage_states(i, j) + self.stage_activation(i, j, c)
         return t, float(mem)
 
     def stage_states(self, i: int, j: int) -> float:
-        """Weights, gradients and optimizer state of stage i with j layers (ZeRO over dp x cp)."""
-        return float(model_state_bytes(self.stage_params(i, j), dp=self.replicas, zero=self.zero,
-                                       param_bytes=2).total)
+        """Weights, gradients and optimizer state of stage i with j layers (ZeRO over dp x cp;
+        the experts' over dp_rest x cp)."""
+        states = float(model_state_bytes(self.stage_params(i, j), dp=self.replicas, zero=self.zero,
+                                         param_bytes=2).total)
+        if self.moe:
+            states += float(model_state_bytes(self.stage_expert_params(j), dp=self.expert_replicas,
+                                              zero=self.zero, param_bytes=2).total)
+        return states
 
     def stage_activation(self, i: int, j: int, c: int) -> float:
         """Peak activation bytes of stage i with j layers, c of them checkpointed (1F1B)."""
@@ -364,22 +384,36 @@ class _Layout:
         work = self.spec.layers * self.t_layer + self.t_head
         return (self.g - 1) * work / self.pp + work
 
-    def after_pipeline(self, layers: list[int]) -> tuple[float, float]:
-        """(gradient sync over dp x cp, optimizer step) seconds of the largest stage."""
-        params = max(self.stage_params(i, j) for i, j in enumerate(layers))
+    def _sync(self, params: float, replicas: int) -> tuple[float, float]:
+        """(gradient sync, optimizer step) seconds of `params` replicated over `replicas`."""
         link = _link(self.tp * self.replicas, self.dev)
         op = "all_reduce" if self.zero < 2 else "reduce_scatter"
-        t_dp = float(collective_time(op, params * 2, self.replicas, link))
+        t_dp = float(collective_time(op, params * 2, replicas, link))
         if self.zero in (1, 2):  # updated weight shards are all-gathered after the step
-            t_dp += float(collective_time("all_gather", params * 2, self.replicas, link))
-        shard = self.replicas if self.zero >= 1 else 1
+            t_dp += float(collective_time("all_gather", params * 2, replicas, link))
+        shard = replicas if self.zero >= 1 else 1
         return t_dp, params / shard * 36 / self.dev.mem_bandwidth  # r/w master, m, v, grad, weight
+
+    def after_pipeline(self, layers: list[int]) -> tuple[float, float]:
+        """(gradient sync, optimizer step) seconds of the largest stage: over dp x cp, and for
+        the experts over dp_rest x cp."""
+        per_stage = []
+        for i, j in enumerate(layers):
+            t_dp, t_opt = self._sync(self.stage_params(i, j), self.replicas)
+            if self.moe:
+                e_dp, e_opt = self._sync(self.stage_expert_params(j), self.expert_replicas)
+                t_dp, t_opt = t_dp + e_dp, t_opt + e_opt
+            per_stage.append((t_dp, t_opt))
+        return max(t for t, _ in per_stage), max(o for _, o in per_stage)
 
 
 def _layouts(spec: GPTSpec, gpus: int, global_batch: int, device: DeviceConstants, lm: LayerModel,
              grid: dict[str, tuple]) -> list[_Layout]:
-    """Every layout of the grid that divides the cluster, the batch, the heads and the sequence."""
+    """Every layout of the grid that divides the cluster, the batch, the heads and the sequence;
+    for an `MoESpec` with each ep of the grid that divides dp and the experts (with any cp:
+    the cp ranks hold the same experts); dense specs keep ep = 1."""
     out = []
+    eps = grid["eps"] if isinstance(spec, MoESpec) else (1,)
     axes = (grid[k] for k in ("tps", "pps", "cps", "mbs", "zeros"))
     for tp, pp, cp, b, zero in itertools.product(*axes):
         if gpus % (tp * pp * cp) or tp > device.gpus_per_node or pp > spec.layers or spec.heads % tp:
@@ -393,7 +427,9 @@ def _layouts(spec: GPTSpec, gpus: int, global_batch: int, device: DeviceConstant
             if mode == "ulysses" and (spec.heads // tp) % cp:
                 continue
             g = global_batch // (dp * b)
-            out.append(_Layout(spec, device, lm, tp, pp, dp, b, g, zero, cp, mode))
+            for ep in eps:
+                if ep == 1 or (dp % ep == 0 and spec.experts % ep == 0):
+                    out.append(_Layout(spec, device, lm, tp, pp, dp, b, g, zero, cp, mode, ep))
     return out
 
 
@@ -402,12 +438,15 @@ def simulate(spec: GPTSpec, gpus: int, global_batch: int, device: DeviceConstant
              pps: tuple[int, ...] = (1, 2, 4, 8), micro_batches: tuple[int, ...] = (1, 2, 4, 8),
              zeros: tuple[int, ...] = (0, 1, 2, 3), mem_fraction: float = 0.9,
              workspace_bytes: float = 2e9, top: int = 5, cps: tuple[int, ...] = (1, 2, 4, 8),
-             cp_attentions: tuple[str, ...] = CP_ATTENTION) -> list[SimPlan]:
+             cp_attentions: tuple[str, ...] = CP_ATTENTION,
+             eps: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)) -> list[SimPlan]:
     """Best `top` plans for `spec` (at `spec.seq` tokens per sample) on `gpus` devices, fastest
     first.
 
     Layout: tp innermost (within a node), then cp, then dp, then pp (`_Layout`); cp x tp x pp
-    x dp = gpus, and cp > 1 is tried with each of `cp_attentions`. `mem_fraction` of device
+    x dp = gpus, and cp > 1 is tried with each of `cp_attentions`. An `MoESpec` is tried with
+    each ep of `eps` dividing dp and its experts (ep borrows dp ranks: dp = dp_rest x ep; with
+    cp = 1 only); a dense spec with ep = 1 whatever `eps` says. `mem_fraction` of device
     memory minus `workspace_bytes` (allocator, kernels' workspaces, transient peaks) is the cap.
     Layouts are visited in order of a lower bound on their step time and skipped once the bound
     exceeds the `top`-th best plan found, so most MILPs are never built. `layer_model` may come
@@ -418,16 +457,22 @@ def simulate(spec: GPTSpec, gpus: int, global_batch: int, device: DeviceConstant
     bad = [m for m in cp_attentions if m not in CP_ATTENTION]
     if bad:
         raise ValueError(f"cp attention {bad} unknown; use some of {CP_ATTENTION}.")
+    if not eps or any(int(e) != e or e < 1 for e in eps):
+        raise ValueError(f"ep degrees must be positive integers, got {eps!r}.")
     lm = layer_model or LayerModel(spec)
-    if (lm.spec.hidden, lm.spec.heads, lm.spec.vocab) != (spec.hidden, spec.heads, spec.vocab):
+    if ((lm.spec.hidden, lm.spec.heads, lm.spec.vocab) != (spec.hidden, spec.heads, spec.vocab)
+            or lm.attention_only != isinstance(spec, MoESpec)):
+        kind = "an MoE layer's attention share" if lm.attention_only else "a dense block"
         raise ValueError(f"layer_model was built for {lm.spec.name} (hidden {lm.spec.hidden}, "
-                         f"heads {lm.spec.heads}), not {spec.name}'s shape.")
+                         f"heads {lm.spec.heads}, {kind}), not {spec.name}'s shape.")
     cap = device.memory_bytes * mem_fraction - workspace_bytes
     L = spec.layers
-    grid = dict(tps=tps, pps=pps, cps=cps, mbs=micro_batches, zeros=zeros, modes=cp_attentions)
+    grid = dict(tps=tps, pps=pps, cps=cps, mbs=micro_batches, zeros=zeros, modes=cp_attentions,
+                eps=eps)
     layouts = sorted(_layouts(spec, gpus, global_batch, device, lm, grid), key=lambda x: x.lower_bound())
     plans: list[SimPlan] = []
-    model_flops = (6 * spec.params + 12 * L * spec.hidden * spec.seq) * global_batch * spec.seq
+    model_flops = (6 * spec.active_params + 12 * L * spec.hidden * spec.seq) * global_batch * spec.seq
+    experts = spec.experts if isinstance(spec, MoESpec) else 0
     for lay in layouts:
         if len(plans) >= top and lay.lower_bound() >= plans[top - 1].step_time:
             break
@@ -438,11 +483,13 @@ def simulate(spec: GPTSpec, gpus: int, global_batch: int, device: DeviceConstant
         t_dp, t_opt = lay.after_pipeline(plan.layers)
         step = plan.objective + t_dp + t_opt
         mfu = model_flops / step / (gpus * device.peak_flops / 0.7)
+        breakdown = {"pipeline": plan.objective, "dp_sync": t_dp, "optimizer": t_opt,
+                     "cp_per_layer": lay.t_cp}  # one layer, one micro-batch, fwd + bwd
+        if experts:
+            breakdown["ep_per_layer"] = lay.t_ep  # the all-to-alls likewise
         plans.append(SimPlan(spec.name, gpus, lay.dp, lay.tp, lay.pp, lay.b, lay.g, lay.zero,
                              plan.layers, plan.ckpt, step, plan.stage_memory, global_batch / step, mfu,
-                             {"pipeline": plan.objective, "dp_sync": t_dp, "optimizer": t_opt,
-                              "cp_per_layer": lay.t_cp},  # one layer, one micro-batch, fwd + bwd
-                             lay.cp, lay.cp_attention, spec.seq))
+                             breakdown, lay.cp, lay.cp_attention, spec.seq, lay.ep, experts))
         plans.sort(key=lambda p: p.step_time)
     return plans[:top]
 
@@ -450,28 +497,37 @@ def simulate(spec: GPTSpec, gpus: int, global_batch: int, device: DeviceConstant
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description="Plan GPT training from device constants (no GPU needed).")
     ap.add_argument("--device", default="h100", choices=sorted(DEVICES))
-    ap.add_argument("--models", default="gpt-1.3b,gpt-2.7b,gpt-7b")
+    ap.add_argument("--models", default="gpt-1.3b,gpt-2.7b,gpt-7b",
+                    help=f"comma-separated, of {', '.join(MODELS)}")
     ap.add_argument("--gpus", default="8,16,32,64")
     ap.add_argument("--samples-per-gpu", type=int, default=16,
                     help="global batch = this x GPUs (Mist's artifact uses 16 samples per GPU)")
     ap.add_argument("--seq", type=int, default=None,
-                    help="tokens per sample (default: the model's 2048); long contexts bring in cp")
+                    help="tokens per sample (default: the model's, 2048 for GPTs, 4096 for the MoE "
+                         "models); long contexts bring in cp")
     ap.add_argument("--cp", default="1,2,4,8", help="context-parallel degrees to try")
     ap.add_argument("--cp-attention", default=",".join(CP_ATTENTION),
                     help=f"cp attention exchanges to try with cp > 1 (of {', '.join(CP_ATTENTION)})")
+    ap.add_argument("--ep", default="1,2,4,8,16,32,64",
+                    help="expert-parallel degrees to try for MoE models (borrowed from dp; dense "
+                         "models keep ep 1)")
     ap.add_argument("--top", type=int, default=3)
     args = ap.parse_args(argv)
     cps = tuple(int(x) for x in args.cp.split(","))
     modes = tuple(args.cp_attention.split(","))
+    eps = tuple(int(x) for x in args.ep.split(","))
+    unknown = [m for m in args.models.split(",") if m not in MODELS]
+    if unknown:
+        ap.error(f"unknown model(s) {', '.join(unknown)}; use some of {', '.join(MODELS)}")
     dev = DEVICES[args.device]
     print(f"device: {dev.name}  peak {dev.peak_flops / 1e12:.0f} TFLOP/s achievable, "
           f"HBM {dev.mem_bandwidth / 1e12:.2f} TB/s, {dev.memory_bytes / 1e9:.0f} GB")
     for name in args.models.split(","):
-        spec = dataclasses.replace(GPT_MODELS[name], seq=args.seq or GPT_MODELS[name].seq)
+        spec = dataclasses.replace(MODELS[name], seq=args.seq or MODELS[name].seq)
         lm = LayerModel(spec)
         for n in (int(x) for x in args.gpus.split(",")):
             plans = simulate(spec, n, args.samples_per_gpu * n, dev, lm, top=args.top, cps=cps,
-                             cp_attentions=modes)
+                             cp_attentions=modes, eps=eps)
             if not plans:
                 print(f"{name:9s} {n:3d}  seq{spec.seq}  no plan fits")
             for p in plans:
