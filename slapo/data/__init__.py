@@ -2,7 +2,8 @@
 offline default), or the user's text files / JSONL / saved HF dataset with any local
 AutoTokenizer (`make_data`), packed into blocks by a resumable seeded sampler; or a corpus
 larger than memory, tokenised once by `prepare` (`slapo prepare-data`) into memory-mapped token
-files that `make_data` maps instead of reading text.
+files that `make_data` maps instead of reading text. `sft`: prompt/response and chat rows with
+the loss on the responses only, padded or packed behind a document mask (library only).
 """
 
 from .dataset import (
@@ -23,6 +24,7 @@ from .loaders import Data, make_data
 from .prepare_tokens import prepare
 from .prepared import MappedTokens, Prepared, check_prepared, is_prepared, open_prepared
 from .prepared_format import tokenizer_identity
+from .sft import pack_documents, pad_batch, read_sft_rows, tokenize_row
 from .sources import Documents, DocumentStream, InputError, open_documents, read_documents
 from .tokenizer import ByteTokenizer, HFTokenizer, check_tokenizer_dir, load_tokenizer
 
@@ -51,10 +53,14 @@ __all__ = [
     "mask_tokens",
     "open_documents",
     "open_prepared",
+    "pack_documents",
+    "pad_batch",
     "prepare",
     "read_documents",
+    "read_sft_rows",
     "split_by_record",
     "split_by_tail",
     "split_tokens",
+    "tokenize_row",
     "tokenizer_identity",
 ]
