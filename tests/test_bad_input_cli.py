@@ -135,6 +135,8 @@ TRAIN_CASES: dict[str, CliCase] = {
     "seed_not_int": CliCase(["--seed", "1.5"], ("--seed",)),
     "val_fraction_one": CliCase(["--val-fraction", "1"], ("--val-fraction",)),
     "text_field_empty": CliCase(["--text-field", ""], ("--text-field",)),
+    "sft_unknown": CliCase(["--sft", "zip"], ("--sft", "'zip'")),
+    "sft_without_data": CliCase(["--sft", "pack"], ("--sft needs --data",)),
     "save_every_negative": CliCase(["--save-every", "-1"], ("--save-every must be >= 0",)),
     "keep_last_negative": CliCase(["--keep-last", "-1"], ("--keep-last must be >= 0",)),
     "dist_timeout_zero": CliCase(["--dist-timeout", "0"], ("--dist-timeout must be > 0",)),

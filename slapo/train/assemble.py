@@ -11,6 +11,7 @@ import torch
 import torch.nn as nn
 
 from ..data import Data, InputError, TokenLoader, make_data
+from ..data.sft_loader import check_packable
 from ..init import has_meta_tensors
 from ..runtime.trainer import Trainer
 from . import pretrained
@@ -76,13 +77,22 @@ def build(cfg: Any, env: Env, log=print) -> Run:
     tokenizer = cfg.tokenizer
     if tokenizer is None and source is not None and source.has_tokenizer():
         tokenizer = str(source.directory)  # the model's own tokenizer
-    data = make_data(task, cfg.seq_len, cfg.seed, data=cfg.data, text_field=cfg.text_field,
-                     tokenizer=tokenizer, val_fraction=cfg.val_fraction)
+    if cfg.sft is not None:
+        data = _sft_data(cfg, task, tokenizer)
+    else:
+        data = make_data(task, cfg.seq_len, cfg.seed, data=cfg.data, text_field=cfg.text_field,
+                         tokenizer=tokenizer, val_fraction=cfg.val_fraction)
     torch.manual_seed(cfg.seed)
     model = with_lora(_new_model(cfg, source, data), cfg)
+    if cfg.sft == "pack":
+        check_packable(getattr(getattr(hf_model(model), "config", None), "model_type", None))
     if cfg.lora_r:
         log(lora_note(model, cfg))
     model, sch, note = schedule(model, cfg, env)
+    if cfg.sft == "pack":  # a KV cache would make HF skip the packed documents' mask
+        from ..model_schedule.no_cache import training_without_cache
+
+        training_without_cache(sch)
     stages = None  # the pipeline, planned once: read by the loader, then built
     if source is not None:
         stages = pipeline_stages(sch, cfg, env)
@@ -94,6 +104,19 @@ def build(cfg: Any, env: Env, log=print) -> Run:
     seed_training_rng(cfg.seed, env)
     return Run(cfg, env, model, trainer, data.train, task, note, dataset=data,
                graph_breaks_before=breaks_before, experts=watch_experts(model, env.device))
+
+
+def _sft_data(cfg: Any, task: str, tokenizer: str | None):
+    """`--sft`: the rows as the run's loader (`slapo.data.sft_loader`); causal LMs only."""
+    from ..data import load_tokenizer
+    from ..data.sft_loader import make_sft_data
+
+    if task != "causal":
+        raise InputError(f"--sft with --model {cfg.model}", f"supervised fine-tuning rows train "
+                         f"a causal LM on its responses; this model's task is {task!r}.",
+                         "use a causal LM (gpt2, llama, or a *ForCausalLM directory).")
+    return make_sft_data(cfg.data, cfg.sft, cfg.seq_len, load_tokenizer(tokenizer), cfg.seed,
+                         cfg.val_fraction)
 
 
 def _new_model(cfg: Any, source, data: Data) -> nn.Module:

@@ -156,6 +156,12 @@ def _check_out(cfg: TrainConfig) -> None:
 def _check_engine(cfg: TrainConfig) -> None:
     if cfg.progressive and (cfg.data or cfg.tokenizer):
         raise ValueError(PROGRESSIVE_INPUTS)
+    if cfg.sft is not None and cfg.data is None:
+        raise ValueError("--sft needs --data ROWS (a JSONL file or saved dataset of "
+                         "prompt/response or chat messages rows)")
+    if cfg.sft == "pack" and (cfg.cp > 1 or (cfg.pp_stages or 1) > 1):
+        raise ValueError("--sft pack gives each row its documents' position_ids, which "
+                         "--cp and --pp-stages do not take yet: use --sft pad")
     if cfg.pp_schedule is not None and (cfg.pp_stages or 1) < 2:
         raise ValueError("--pp-schedule needs --pp-stages 2 or more (a pipeline)")
     if cfg.batch_size % cfg.grad_accum:

@@ -63,6 +63,10 @@ class CorpusOptions:
                                  "directory's tokenizer if it has one, else byte tokens)")
     val_fraction: float = _opt(0.1, "share of the data held out for the val loss (JSONL/"
                                "dataset: of the records; text files: each file's tail; 0: none)")
+    sft: str | None = _opt(None, "supervised fine-tuning: --data holds rows of prompt/response "
+                           "or chat messages (rendered with the tokenizer's chat template), the "
+                           "loss on the responses only; pack: documents packed behind a "
+                           "document mask, pad: one document per row", choices=("pack", "pad"))
 
 
 @dataclass

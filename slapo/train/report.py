@@ -143,7 +143,7 @@ def metrics(run: Any, val: float | None, peak: int) -> dict[str, Any]:
         "task": run.task,
         "data": run.dataset.source if run.dataset is not None else None,
         "tokenizer": run.dataset.tokenizer.name if run.dataset is not None else None,
-        "train_tokens": len(run.data.tokens),
+        "train_tokens": getattr(run.data, "num_tokens", None) or len(run.data.tokens),
         "precision": run.precision.name,
         "skipped_steps": run.precision.skipped_steps,
         "world_size": run.env.world,

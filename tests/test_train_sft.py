@@ -1,0 +1,127 @@
+"""`slapo train --data ROWS --sft pack|pad` (issue 35): supervised fine-tuning rows as the run's
+data. The run's first loss is the model's own loss on the first batch the loader draws, with
+the KV cache off (packed documents are kept apart by HF's mask, which a cache would skip:
+`slapo.data.sft`); only response tokens carry labels; a run saved and resumed draws the same
+rows; `--tp 2` trains like one process; bad combinations are refused before anything is built.
+The packing itself (packed == documents one by one) is tests/test_sft_data.py's."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+TRAIN = dict(model="llama", hidden_size=32, num_layers=2, num_heads=4, seq_len=128,
+             batch_size=4, steps=3, progress=False, plot=False, eval_batches=0, dropout=0.0,
+             lr=1e-2)
+
+
+def write_rows(path, n: int = 24) -> str:
+    """Prompt/response rows of varied lengths (the byte tokenizer: one token per byte)."""
+    rows = [{"prompt": f"Q{i}: what is {i} plus {i * 3}? ",
+             "response": f"It is {4 * i}." + " Yes." * (i % 4)} for i in range(n)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def _first_batch_loss(cfg) -> tuple[float, dict]:
+    """The model the run builds (same seed) on the first batch its loader draws, cache off."""
+    from slapo.data import load_tokenizer
+    from slapo.data.sft_loader import make_sft_data
+    from slapo.train.assemble import _new_model
+
+    data = make_sft_data(cfg.data, cfg.sft, cfg.seq_len, load_tokenizer(None), cfg.seed,
+                         cfg.val_fraction)
+    torch.manual_seed(cfg.seed)
+    model = _new_model(cfg, None, data)
+    batch = data.train.next_batch(cfg.batch_size)
+    with torch.no_grad():
+        return model(**batch, use_cache=False).loss.item(), batch
+
+
+@pytest.mark.parametrize("layout", ["pack", "pad"])
+def test_sft_run_trains_on_the_loaders_rows_with_the_cache_off(tmp_path, layout, one_thread):
+    from slapo.train import TrainConfig, train
+
+    cfg = TrainConfig(**TRAIN, data=write_rows(tmp_path / "rows.jsonl"), sft=layout)
+    losses = train(cfg)["losses"]
+    want, batch = _first_batch_loss(cfg)
+    assert losses[0] == pytest.approx(want, rel=1e-5), (losses, want)
+    assert (batch["labels"] != -100).any() and (batch["labels"] == -100).any()
+    if layout == "pack":  # several documents per row, positions restarting at each
+        starts = (batch["position_ids"] == 0).sum(1)
+        assert "attention_mask" not in batch and (starts >= 3).all(), starts
+    else:
+        assert "position_ids" not in batch and (batch["attention_mask"] == 0).any()
+
+
+def test_sft_labels_are_the_responses_only(tmp_path):
+    from slapo.data import load_tokenizer
+    from slapo.data.sft_loader import make_sft_data
+
+    path = tmp_path / "rows.jsonl"
+    path.write_text(json.dumps({"prompt": "ab", "response": "cd"}) + "\n" +
+                    json.dumps({"prompt": "efg", "response": "h"}) + "\n")
+    data = make_sft_data(str(path), "pad", 8, load_tokenizer(None), 0, 0.0)
+    tok = load_tokenizer(None)
+    labelled = [bytes(r[r != -100][:-1].tolist()).decode() for r in data.train.table["labels"]]
+    assert sorted(labelled) == ["cd", "h"]  # each response (and its EOS), no prompt byte
+    assert all(int(r[r != -100][-1]) == tok.eos_id for r in data.train.table["labels"])
+
+
+def test_sft_run_resumes_the_same_rows(tmp_path, one_thread):
+    from slapo.train import TrainConfig, train
+
+    data = write_rows(tmp_path / "rows.jsonl")
+    whole = train(TrainConfig(**{**TRAIN, "steps": 4}, data=data, sft="pack",
+                              out=str(tmp_path / "a"), save_every=2))["losses"]
+    step2 = tmp_path / "a" / "checkpoints" / "step_000002"
+    resumed = train(TrainConfig(**{**TRAIN, "steps": 4}, data=data, sft="pack",
+                                out=str(tmp_path / "b"), resume=str(step2)))["losses"]
+    assert resumed[-2:] == whole[-2:], (whole, resumed)
+
+
+def job_sft_tp(data: str) -> list[float]:
+    from slapo.train import TrainConfig, train
+
+    torch.set_num_threads(1)
+    return train(TrainConfig(**TRAIN, data=data, sft="pack", tp=2))["losses"]
+
+
+@pytest.mark.dist
+def test_sft_pack_under_tp2_trains_like_one_process(dist2, tmp_path):
+    from slapo.train import TrainConfig, train
+
+    data = write_rows(tmp_path / "rows.jsonl")
+    ranks = dist2.run(job_sft_tp, data)
+    one = train(TrainConfig(**TRAIN, data=data, sft="pack"))["losses"]
+    assert ranks[0] == ranks[1]
+    assert ranks[0] == pytest.approx(one, rel=1e-5, abs=1e-6), (ranks[0], one)
+
+
+@pytest.mark.parametrize("options, match", [
+    ({"sft": "pack", "data": None}, "--sft needs --data"),
+    ({"sft": "pack", "cp": 2}, "--cp and --pp-stages do not take"),
+    ({"sft": "zip"}, "--sft must be one of pack, pad"),
+    ({"sft": "pack", "model": "opt"}, "use --sft pad"),
+    ({"sft": "pad", "model": "bert"}, "task is 'masked'"),
+])
+def test_bad_sft_options_are_refused(tmp_path, options, match, one_thread):
+    from slapo.train import TrainConfig, train
+
+    data = write_rows(tmp_path / "rows.jsonl")
+    with pytest.raises((ValueError, SystemExit)) as err:
+        train(TrainConfig(**{**TRAIN, "data": data, **options}))
+    assert match in str(err.value), err.value
+    assert not (tmp_path / "runs").exists()
+
+
+def test_rows_that_are_not_sft_rows_are_refused(tmp_path, one_thread):
+    from slapo.data import InputError
+    from slapo.train import TrainConfig, train
+
+    path = tmp_path / "text.jsonl"
+    path.write_text(json.dumps({"text": "plain text, no prompt"}) + "\n")
+    with pytest.raises(InputError, match="text.jsonl"):
+        train(TrainConfig(**TRAIN, data=str(path), sft="pad"))
