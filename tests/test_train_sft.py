@@ -31,8 +31,8 @@ def _first_batch_loss(cfg) -> tuple[float, dict]:
     from slapo.data.sft_loader import make_sft_data
     from slapo.train.assemble import _new_model
 
-    data = make_sft_data(cfg.data, cfg.sft, cfg.seq_len, load_tokenizer(None), cfg.seed,
-                         cfg.val_fraction)
+    data = make_sft_data(cfg.data, cfg.sft, cfg.seq_len, load_tokenizer(cfg.tokenizer),
+                         cfg.seed, cfg.val_fraction)
     torch.manual_seed(cfg.seed)
     model = _new_model(cfg, None, data)
     batch = data.train.next_batch(cfg.batch_size)
@@ -125,3 +125,21 @@ def test_rows_that_are_not_sft_rows_are_refused(tmp_path, one_thread):
     path.write_text(json.dumps({"text": "plain text, no prompt"}) + "\n")
     with pytest.raises(InputError, match="text.jsonl"):
         train(TrainConfig(**TRAIN, data=str(path), sft="pad"))
+
+
+def test_chat_rows_train_with_the_tokenizers_template(tmp_path, one_thread):
+    """`--data chat.jsonl --tokenizer DIR --sft pack`: chat `messages` rendered with the
+    tokenizer's own template; the run's first loss is the model's on the first rows drawn."""
+    from test_sft_data import CHAT, CHATML, word_tokenizer
+
+    from slapo.train import TrainConfig, train
+
+    tok = word_tokenizer(tmp_path / "tok", CHATML)
+    rows = [{"messages": CHAT[:3 + 2 * (i % 2)]} for i in range(16)]
+    path = tmp_path / "chat.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = TrainConfig(**{**TRAIN, "seq_len": 64}, data=str(path), tokenizer=str(tok), sft="pack")
+    losses = train(cfg)["losses"]
+    want, batch = _first_batch_loss(cfg)
+    assert losses[0] == pytest.approx(want, rel=1e-5), (losses, want)
+    assert (batch["position_ids"] == 0).sum(1).min() >= 3  # several chats per row
