@@ -1,7 +1,8 @@
 """PEFT's LoRA through the ready schedules: a `PeftModel` under tp=2 (DDP, FSDP2 over dp=2) trains
 exactly as PEFT's LoRA does on one process, for GPT-2 (fused q|k|v Conv1D), LLaMA (GQA),
 Qwen3 (per-head norms), BERT (post-LN encoder) and OLMo-2 (no hand-written family: the plan its
-config declares).
+config declares); and through pipeline stages (pp=2, tp=2 x pp=2) for GPT-2, LLaMA, Qwen3 and
+RoBERTa.
 
 Compared per family: the first step's loss, every adapter gradient, every adapter after two
 AdamW steps at lr 1e-2 (relative error <= 1e-5), the frozen base bit-identical after training,
@@ -254,7 +255,7 @@ def job_refusals():
         "dora": (dict(use_dora=True), {}),
         "dropout": (dict(lora_dropout=0.1), {}),
         "embedding": (dict(target_modules=["q_proj", "embed_tokens"]), {}),
-        "pipeline": ({}, dict(pp_stages=2)),
+        "fuse": ({}, dict(fuse=True)),
         "kernels": ({}, dict(kernels=True)),
     }
     out = {}
@@ -273,7 +274,65 @@ def job_refusals():
     return out
 
 
+PIPED = ("gpt2", "llama", "qwen3", "roberta")  # decoder stages, and RoBERTa's encoder stages
+
+
+def job_pp_equals_peft(tp: int) -> dict:
+    """pp=2 (x tp) with FSDP2-free stages: each rank's adapters (the PEFT wrapper's names, held
+    by its stage) against PEFT on one process in float64; the frozen base untouched, the
+    optimizer holding adapters only."""
+    import slapo
+    from slapo.model_schedule import apply
+    from slapo.runtime import init_mesh
+
+    mesh = init_mesh(dp=1, pp=2, tp=tp)
+    out = {}
+    for family in PIPED:
+        pm = peft_model(family, torch.float64)
+        ref = copy.deepcopy(pm)
+        base0 = {n: p.detach().clone() for n, p in pm.named_parameters(remove_duplicate=False)
+                 if not p.requires_grad}  # a tied head: each stage holds it by its own name
+        sch = slapo.create_schedule(pm, mesh=mesh)
+        apply(sch, pp_stages=2)
+        model, opt = slapo.build(sch, optimizer=torch.optim.AdamW, optimizer_kwargs={"lr": LR},
+                                 pipeline="1F1B", num_microbatches=2)
+        batch = _batch(family)
+        held = {n: p for st in model.stages for n, p in st.named_parameters()}
+        losses = [model.train_step(batch)]
+        grads = {n: _full(p.grad, p) for n, p in held.items() if p.requires_grad}
+        losses.append(model.train_step(batch))
+        ref_losses, ref_grads = _reference(ref, family, batch)
+        trained = dict(ref.named_parameters())
+        assert set(grads) <= set(ref_grads), sorted(set(grads) - set(ref_grads))
+        for n, p in held.items():
+            if not p.requires_grad:
+                assert p.grad is None and torch.equal(_full(p.detach(), p), base0[n]), n
+        kept = [p for g in opt.param_groups for p in g["params"]]
+        assert all(p.requires_grad for p in kept)
+        out[family] = {
+            "loss": max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)),
+            "grad": max(_rel(g, ref_grads[n]) for n, g in grads.items()),
+            "adapter": max(_rel(_full(p.detach(), p), trained[n].detach())
+                           for n, p in held.items() if p.requires_grad),
+            "held": sorted(grads), "all": sorted(ref_grads)}
+    return out
+
+
 # ---- tests ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_pp2_lora_equals_peft_on_one_process(tp, dist2, dist4):
+    """LoRA through pipeline stages: the stages are the inner model's, carried under PEFT's
+    names (`runtime.partition.PrefixedStage`); pp=2 on 2 ranks and tp=2 x pp=2 on 4 ranks
+    equal PEFT's LoRA on one process, every adapter held by exactly one stage."""
+    res = (dist2 if tp == 1 else dist4).run(job_pp_equals_peft, tp)
+    for family in PIPED:
+        held = {n for r in res for n in r[family]["held"]}
+        assert held == set(res[0][family]["all"]), family
+        for r in res:
+            for what in ("loss", "grad", "adapter"):
+                assert r[family][what] <= TOL, (family, what, r[family])
+
 
 def test_tp2_lora_equals_peft_on_one_process(dist2):
     res = dist2.run(job_tp2_equals_peft, FAMILIES)
@@ -307,5 +366,5 @@ def test_bad_lora_input_is_refused_unchanged(dist2):
     res = dist2.run(job_refusals)
     msgs = res[0]
     assert "DoRA" in msgs["dora"] and "lora_dropout=0.1" in msgs["dropout"]
-    assert "vocab_parallel" in msgs["embedding"] and "pp_stages" in msgs["pipeline"]
+    assert "vocab_parallel" in msgs["embedding"] and "fuse" in msgs["fuse"]
     assert "kernels" in msgs["kernels"]

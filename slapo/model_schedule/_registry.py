@@ -195,7 +195,7 @@ def _apply_knobs(sch: Schedule, family: Family, *, tp: int | None, ckpt_ratio: f
     ws = sch.tp_size
     tp = ws if tp is None else tp
     _validate(sch, family, tp, ws, sequence_parallel, pp_stages, vocab_parallel, fused_loss)
-    _lora.check_knobs(sch, tp, pp_stages, fuse, kernels, vocab_parallel)
+    _lora.check_knobs(sch, tp, fuse, kernels, vocab_parallel)
     ep = _moe.check_expert_parallel(sch, family, layers_of(sch, family))
     if ep is not None:  # the experts are ep's: the tp plan leaves them whole
         family = _moe.without_experts(family)

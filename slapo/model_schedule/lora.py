@@ -295,17 +295,17 @@ class LoraRowKernel(module_patch.Kernel):
 
 
 
-def check_knobs(sch: Schedule, tp: int, pp_stages: int, fuse: bool, kernels: bool,
+def check_knobs(sch: Schedule, tp: int, fuse: bool, kernels: bool,
                 vocab_parallel: bool) -> None:
     """The knobs that do not compose with PEFT adapter layers yet, refused before any change:
-    pipelines (the stage split does not know the wrapper), `fuse` and `kernels` (they trace or
+    `fuse` and `kernels` (they trace or
     replace whole MLPs, which would drop or break the adapters inside), and under tp > 1 with
     `vocab_parallel` an adapter on the input embedding or the LM head (their vocabulary shard
     does not split an adapter)."""
     tuned = [name for name, mod in sch.mod.named_modules() if is_tuner_layer(mod)]
     if not tuned:
         return
-    for knob, on in (("pp_stages > 1", pp_stages > 1), ("fuse", fuse), ("kernels", kernels)):
+    for knob, on in (("fuse", fuse), ("kernels", kernels)):
         if on:
             raise SchedulingError(sch.path, f"{knob} is not supported on a model with PEFT "
                                   f"adapter layers ({len(tuned)}, e.g. {tuned[0]}).",

@@ -36,8 +36,63 @@ def cuts_of(sch) -> list[str]:
     return list(sch.pipeline_cuts)
 
 
+def peft_inner(model: nn.Module) -> str | None:
+    """The path of the HF model inside a PEFT `PeftModel` with tuner layers (LoRA:
+    `base_model.model`), None for any other module. The stages are built for the inner model
+    (its layout is the family's) and carry it under this prefix (`PrefixedStage`), so their
+    parameter names are the wrapper's."""
+    if type(model).__name__ not in ("PeftModel", "PeftModelForCausalLM",
+                                    "PeftModelForTokenClassification") or \
+            not hasattr(model, "base_model"):
+        return None
+    inner = getattr(model.base_model, "model", None)
+    return "base_model.model" if isinstance(inner, nn.Module) else None
+
+
+class PrefixedStage(nn.Module):
+    """A stage of the model inside a `PeftModel`, registered under `prefix` so its parameter
+    and state-dict names are the wrapper's (`base_model.model.model.layers.0...`), as one
+    process's optimizer, checkpoints and the adapters' export name them. Everything the
+    pipeline runtime asks of a stage (its inputs, loss, outputs) is the inner stage's."""
+
+    def __init__(self, stage: nn.Module, prefix: str):
+        super().__init__()
+        parent: nn.Module = self
+        *outer, last = prefix.split(".")
+        for name in outer:
+            child = nn.Module()
+            parent.add_module(name, child)
+            parent = child
+        parent.add_module(last, stage)
+        self.__dict__["_stage"] = stage
+
+    def forward(self, *args, **kwargs):
+        return self._stage(*args, **kwargs)
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if "_stage" not in self.__dict__:  # still in __init__
+                raise
+            return getattr(self.__dict__["_stage"], name)
+
+
+class _InnerSchedule:
+    """The schedule as the inner model's partition reads it: its module, its cuts relative to
+    it, the path for messages."""
+
+    def __init__(self, sch, prefix: str):
+        self.mod, self.path, self._root = sch.mod.get_submodule(prefix), sch.path, sch._root
+        self.pipeline_cuts = tuple(c[len(prefix) + 1:] for c in sch.pipeline_cuts
+                                   if c.startswith(prefix + "."))
+
+
 def check_partitionable(model: nn.Module) -> None:
     """Raise the error `partition` would raise for this model's kind, before anything is cut."""
+    inner = peft_inner(model)
+    if inner is not None:
+        model = model.get_submodule(inner)
     if resnet_prefix(model) is not None:
         return
     if is_seq2seq(model):
@@ -61,6 +116,9 @@ def partition(sch_or_model, num_stages: int | None = None) -> list[nn.Module]:
         raise SchedulingError(sch.path, "the schedule has no pipeline cuts.",
                               "call sch['<layers>.<i>'].cut_pipeline_stage() first.")
     model = sch.mod
+    inner = peft_inner(model)
+    if inner is not None:  # PEFT's wrapper: the inner model's stages, under its names
+        return [PrefixedStage(s, inner) for s in partition(_InnerSchedule(sch, inner), n)]
     if resnet_prefix(model) is not None:
         return resnet_partition(sch, n)
     if is_seq2seq(model):
