@@ -219,8 +219,6 @@ TRAIN_CASES: dict[str, CliCase] = {
     "lora_targets_match_nothing": CliCase(["--lora-r", "4", "--lora-targets", "c_attn,q_proj"],
                                           ("--lora-targets", "['q_proj'] match no module",
                                            "c_attn, c_fc, c_proj")),
-    "lora_with_pipeline": CliCase(["--lora-r", "4", "--pp-stages", "2"],
-                                  ("--lora-r does not compose with --pp-stages",)),
     "lora_with_fuse": CliCase(["--lora-r", "4", "--fuse"], ("--fuse does not compose with "
                                                             "--lora-r",)),
     "command_unknown": CliCase(["@trian"], ("invalid choice: 'trian'",)),

@@ -77,6 +77,23 @@ def test_lora_r_trains_adapters_only_and_tp2_equals_one_process(dist2):
     assert full["type"] == "LlamaForCausalLM" and full["frozen"] == 0
 
 
+def job_lora_losses(options: dict) -> list[float]:
+    from slapo.train import TrainConfig, train
+
+    torch.set_num_threads(1)
+    return train(TrainConfig(**options))["losses"]
+
+
+@pytest.mark.dist
+def test_lora_r_with_pp_stages_trains_like_one_process(dist2):
+    """`slapo train --lora-r 4 --pp-stages 2` on 2 ranks (the PEFT wrapper's stages:
+    `runtime.partition.PrefixedStage`) logs one process's losses."""
+    ranks = dist2.run(job_lora_losses, {**LORA, "pp_stages": 2})
+    one = job_lora_losses(LORA)
+    assert ranks[0] == ranks[1]
+    assert ranks[0] == pytest.approx(one, rel=1e-5), (ranks[0], one)
+
+
 def save_base(directory) -> str:
     """A tiny LLaMA saved with `save_pretrained`: the pretrained base of a `--model DIR` run."""
     import transformers

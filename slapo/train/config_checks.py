@@ -186,9 +186,6 @@ def _check_lora(cfg: TrainConfig) -> None:
         if given:
             raise ValueError(f"--{flag(given[0])} needs --lora-r N (LoRA is off)")
         return
-    if (cfg.pp_stages or 1) > 1:
-        raise ValueError("--lora-r does not compose with --pp-stages > 1 yet (the pipeline "
-                         "stages do not know PEFT's wrapper); drop one of them")
     if cfg.lora_dropout and (cfg.tp or 1) > 1:
         raise ValueError("--lora-dropout must be 0 with --tp > 1 (LoRA dropout is not yet "
                          "exact across tensor-parallel ranks)")
