@@ -159,3 +159,43 @@ def test_lora_export_refuses_bad_input_and_merges_a_registry_base(tmp_path, one_
     merged = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged"),
                                                                  local_files_only=True)
     assert _loss(merged) == pytest.approx(lora["probe"], rel=1e-5)
+
+
+@pytest.mark.dist
+def test_sft_chat_lora_tp2_run_exports_and_evaluates(dist2, tmp_path):
+    """Issue 35's chain: `slapo train --model DIR --lora-r 4 --tp 2 --data chat.jsonl --sft pack
+    --tokenizer TOK` (chat rows rendered with the tokenizer's template), `slapo export
+    --adapter` loads in `PeftModel.from_pretrained` with the trained loss, `--merge` in
+    `AutoModelForCausalLM`, and `slapo eval` of the run equals the merged model's val loss on
+    the same SFT rows."""
+    import peft
+    import transformers
+    from test_sft_data import CHAT, CHATML, word_tokenizer
+
+    from slapo.train.evaluate import eval_target
+    from slapo.train.export import export_run
+
+    base = save_base(tmp_path / "base")
+    tok = str(word_tokenizer(tmp_path / "tok", CHATML))
+    chat = tmp_path / "chat.jsonl"
+    chat.write_text("".join(json.dumps({"messages": CHAT[:3 + 2 * (i % 2)]}) + "\n"
+                            for i in range(24)))
+    sft = {"data": str(chat), "tokenizer": tok, "sft": "pack", "seq_len": 64,
+           "val_fraction": 0.25}
+    opts = {**LORA, **sft, "model": base, "tp": 2, "steps": 2, "save_every": 2,
+            "out": str(tmp_path / "a")}
+    ranks = dist2.run(job_lora_run, opts)
+    assert ranks[0] == ranks[1]
+    trained = ranks[0]["probe"]
+    export_run(tmp_path / "a", tmp_path / "adapter", adapter=True, log=_quiet)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(base, local_files_only=True)
+    assert _loss(peft.PeftModel.from_pretrained(hf, str(tmp_path / "adapter"))) == \
+        pytest.approx(trained, rel=1e-5)
+    export_run(tmp_path / "a", tmp_path / "merged", merge=True, log=_quiet)
+    merged = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged"),
+                                                                 local_files_only=True)
+    assert _loss(merged) == pytest.approx(trained, rel=1e-5)
+    run = eval_target(tmp_path / "a", eval_batches=2, log=_quiet)
+    hf_eval = eval_target(tmp_path / "merged", batch_size=LORA["batch_size"], eval_batches=2,
+                          log=_quiet, **sft)
+    assert run["val_loss"] == pytest.approx(hf_eval["val_loss"], rel=1e-5), (run, hf_eval)

@@ -23,8 +23,13 @@ def training_without_cache(sch: Schedule) -> None:
 
     The model's configs are left as the user made them: setting `config.use_cache = False`
     here (as before) was written to disk by `save_pretrained`, so a saved model generated
-    without a cache once loaded (issue 29). Installed once; `deepcopy` copies the hook."""
-    root = sch.mod
+    without a cache once loaded (issue 29). Installed once; `deepcopy` copies the hook. On a
+    PEFT `PeftModel` the hook goes on the Hugging Face model inside (the wrapper's forward
+    takes `**kwargs` and names no `use_cache`, so a hook there was never installed: a LoRA run
+    kept its cache, which also made HF skip the packed-documents mask of `--sft pack`)."""
+    from .lora import model_inside
+
+    root = model_inside(sch).mod
     if _use_cache_position(type(root)) is None:  # the root takes no `use_cache`: no cache
         return
     meta = module_meta(root, create=True)
