@@ -194,6 +194,15 @@ def job_dp2_equals_peft(family):
     return out
 
 
+def job_fsdp2_equals_peft(families):
+    """FSDP2 over dp=2 for more families (the frozen base sharded, gathered bit-identical)."""
+    import slapo.runtime
+
+    mesh = slapo.runtime.init_mesh(dp=2)
+    return {f: compare(f, torch.float64, mesh=mesh, data_parallel="fsdp", steps=2)
+            for f in families}
+
+
 def job_mutations():
     """Each broken rule of the LoRA styles makes GPT-2's comparison fail."""
     import contextlib
@@ -352,6 +361,14 @@ def test_ddp_and_fsdp2_lora_equal_peft_and_reduce_adapters_only(dist2):
             assert errs[what] <= TOL, (what, errs)
             assert errs["fsdp"][what] <= TOL, (what, errs["fsdp"])
         assert errs["reduced_per_step"] == errs["trainable"], errs
+
+
+def test_fsdp2_lora_equals_peft_for_gpt2_qwen3_and_bert(dist2):
+    res = dist2.run(job_fsdp2_equals_peft, ("gpt2", "qwen3", "bert"))
+    for rank_res in res:
+        for family, errs in rank_res.items():
+            for what in ("loss", "grad", "adapter"):
+                assert errs[what] <= TOL, (family, what, errs)
 
 
 def test_mutations_of_the_lora_styles_fail(dist2):
