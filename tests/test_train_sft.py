@@ -143,3 +143,14 @@ def test_chat_rows_train_with_the_tokenizers_template(tmp_path, one_thread):
     want, batch = _first_batch_loss(cfg)
     assert losses[0] == pytest.approx(want, rel=1e-5), (losses, want)
     assert (batch["position_ids"] == 0).sum(1).min() >= 3  # several chats per row
+
+
+def test_epochs_sets_the_steps_from_the_rows(tmp_path, one_thread, capsys):
+    """`--epochs 2` with 18 train rows (24, 6 held out) of batch 4: ceil(2 x 18 / 4) = 9 steps,
+    printed with the samples and steps per epoch."""
+    from slapo.train import TrainConfig, train
+
+    cfg = TrainConfig(**{**TRAIN, "steps": 50}, data=write_rows(tmp_path / "rows.jsonl"),
+                      sft="pad", val_fraction=0.25, epochs=2)
+    assert len(train(cfg)["losses"]) == 9
+    assert "18 samples per epoch, 5 steps per epoch; --epochs 2: 9 steps" in capsys.readouterr().out

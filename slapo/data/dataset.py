@@ -330,6 +330,10 @@ class TokenLoader:
         both = gather_blocks(self.tokens, starts, self.seq_len + self.target_len)
         return {"input_ids": both[:, :self.seq_len], "labels": both[:, self.seq_len:].clone()}
 
+    def samples_per_epoch(self) -> int:
+        """Blocks one pass over the train tokens draws (this epoch's grid)."""
+        return self.sampler.blocks_per_epoch()
+
     def state_dict(self) -> dict[str, int | str]:
         return {**self.sampler.state_dict(), "batches_drawn": self.batches_drawn,
                 "num_tokens": len(self.tokens), "fingerprint": self.fingerprint}

@@ -123,6 +123,9 @@ class SFTLoader:
     def __len__(self) -> int:
         return len(self.table["input_ids"])
 
+    def samples_per_epoch(self) -> int:
+        return len(self)
+
     def next_batch(self, batch_size: int) -> dict[str, torch.Tensor]:
         rows = self.sampler.next_rows(batch_size)
         self.batches_drawn += 1

@@ -4,6 +4,7 @@ precision, `train_step`, `eval_step`)."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -82,6 +83,7 @@ def build(cfg: Any, env: Env, log=print) -> Run:
     else:
         data = make_data(task, cfg.seq_len, cfg.seed, data=cfg.data, text_field=cfg.text_field,
                          tokenizer=tokenizer, val_fraction=cfg.val_fraction)
+    log(epoch_note(data.train, cfg))  # --epochs sets cfg.steps here
     torch.manual_seed(cfg.seed)
     model = with_lora(_new_model(cfg, source, data), cfg)
     if cfg.sft == "pack":
@@ -104,6 +106,18 @@ def build(cfg: Any, env: Env, log=print) -> Run:
     seed_training_rng(cfg.seed, env)
     return Run(cfg, env, model, trainer, data.train, task, note, dataset=data,
                graph_breaks_before=breaks_before, experts=watch_experts(model, env.device))
+
+
+def epoch_note(loader: Any, cfg: Any) -> str:
+    """The train data's size in samples per epoch and the steps an epoch takes; with
+    `--epochs`, `cfg.steps` set from them (before the LR schedule reads it)."""
+    samples = loader.samples_per_epoch()
+    per_epoch = -(-samples // cfg.batch_size)
+    note = f"data: {samples:,} samples per epoch, {per_epoch:,} steps per epoch"
+    if cfg.epochs is not None:
+        cfg.steps = max(1, math.ceil(cfg.epochs * samples / cfg.batch_size))
+        note += f"; --epochs {cfg.epochs:g}: {cfg.steps:,} steps"
+    return note
 
 
 def _sft_data(cfg: Any, task: str, tokenizer: str | None):

@@ -42,6 +42,8 @@ def _check_numbers(cfg: TrainConfig) -> None:
     for name in ("save_every", "warmup", "eval_batches", "eval_every", "keep_last"):
         if getattr(cfg, name) < 0:
             raise ValueError(f"--{flag(name)} must be >= 0, got {getattr(cfg, name)}")
+    if cfg.epochs is not None and not cfg.epochs > 0:
+        raise ValueError(f"--epochs must be > 0, got {cfg.epochs}")
     if not cfg.lr > 0:
         raise ValueError(f"--lr must be > 0, got {cfg.lr}")
     if not 0 <= cfg.min_lr_ratio <= 1:

@@ -74,6 +74,9 @@ class TrainingOptions:
     """The steps: how many, how big, in which precision, on which device."""
 
     steps: int = _opt(50, "total optimizer steps (a resumed run continues up to this)")
+    epochs: float | None = _opt(None, "passes over the train data instead of --steps: steps = "
+                                "epochs x samples per epoch / --batch-size, rounded up (the "
+                                "samples per epoch and steps per epoch are printed at start)")
     batch_size: int = _opt(8, "global batch size (samples per step, over all data-parallel "
                            "ranks)")
     seq_len: int = _opt(64, "tokens per sample")
