@@ -137,6 +137,7 @@ TRAIN_CASES: dict[str, CliCase] = {
     "text_field_empty": CliCase(["--text-field", ""], ("--text-field",)),
     "sft_unknown": CliCase(["--sft", "zip"], ("--sft", "'zip'")),
     "epochs_zero": CliCase(["--epochs", "0"], ("--epochs must be > 0",)),
+    "keep_best_without_out": CliCase(["--keep-best"], ("--keep-best needs --out",)),
     "sft_without_data": CliCase(["--sft", "pack"], ("--sft needs --data",)),
     "save_every_negative": CliCase(["--save-every", "-1"], ("--save-every must be >= 0",)),
     "keep_last_negative": CliCase(["--keep-last", "-1"], ("--keep-last must be >= 0",)),

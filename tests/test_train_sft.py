@@ -154,3 +154,25 @@ def test_epochs_sets_the_steps_from_the_rows(tmp_path, one_thread, capsys):
                       sft="pad", val_fraction=0.25, epochs=2)
     assert len(train(cfg)["losses"]) == 9
     assert "18 samples per epoch, 5 steps per epoch; --epochs 2: 9 steps" in capsys.readouterr().out
+
+
+def test_keep_best_keeps_the_lowest_val_loss_checkpoint(tmp_path, one_thread):
+    """`--keep-best --keep-last 1 --save-every 1`: every save is evaluated; the newest
+    checkpoint and the one of the lowest val loss survive, and best.json names it. A high
+    learning rate makes the val loss rise after a few steps, so the best is not the last."""
+    from slapo.train import TrainConfig, train
+    from slapo.train.checkpoints import candidates, step_of
+
+    out = tmp_path / "run"
+    metrics = train(TrainConfig(**{**TRAIN, "steps": 6, "lr": 0.3, "eval_batches": 1},
+                                data=write_rows(tmp_path / "rows.jsonl"), sft="pad",
+                                val_fraction=0.25, out=str(out), save_every=1, keep_last=1,
+                                keep_best=True))
+    evals = {e["step"]: e["val_loss"] for e in metrics["evals"]}
+    assert sorted(evals) == list(range(1, 7))  # evaluated at every save
+    best = min(evals, key=lambda s: (evals[s], s))
+    kept = sorted(step_of(p) for p in candidates(out))
+    assert kept == sorted({best, 6}), (kept, best, evals)
+    note = json.loads((out / "best.json").read_text())
+    assert note["step"] == best and note["val_loss"] == evals[best]
+    assert best != 6, evals  # the case the option exists for

@@ -142,6 +142,9 @@ def _check_logging(cfg: TrainConfig) -> None:
         if getattr(cfg, name) and cfg.out is None:
             raise ValueError(f"--{name} needs --out DIR (the run directory its log goes "
                              "to, beside metrics.jsonl)")
+    if cfg.keep_best and (cfg.out is None or not cfg.eval_batches):
+        raise ValueError("--keep-best needs --out DIR and --eval-batches >= 1 (the val loss "
+                         "that picks the checkpoint)")
     if cfg.eval_every and not cfg.eval_batches:
         raise ValueError("--eval-every needs --eval-batches >= 1 (the batches each "
                          "evaluation averages over)")

@@ -27,7 +27,8 @@ __all__ = ["eval_target"]
 
 # options a run's config may not carry into an evaluation: nothing is written or resumed
 _NO_RUN = {"out": None, "resume": None, "resume_or_start": False, "overwrite": False,
-           "save_every": 0, "keep_last": 0, "tensorboard": False, "wandb": None,
+           "save_every": 0, "keep_last": 0, "keep_best": False, "tensorboard": False,
+           "wandb": None,
            "progress": False, "plot": False, "eval_every": 0,
            # this job's layout: one process (or data parallel over torchrun's), whatever the
            # run's was (its checkpoint loads into any layout, as a resume on another does)

@@ -105,10 +105,14 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
                     evaluate(run, mlog)
                 log_step(run, bar, mlog)
                 if cfg.out and cfg.save_every and run.step % cfg.save_every == 0:
+                    if cfg.keep_best:  # the val loss that ranks this checkpoint
+                        evaluate(run, mlog)
                     save_noted(run)
             bar.close()
             if cfg.out and (run.resumed_from != run.step) and not (
                     cfg.save_every and run.step % cfg.save_every == 0):
+                if cfg.keep_best:
+                    evaluate(run, mlog)
                 save_noted(run)  # the final state, unless just saved (or nothing was trained)
             stop_signals.note_phase(f"after step {run.step} (computing the final metrics)")
             return finish(run, log, mlog)

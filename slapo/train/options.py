@@ -174,6 +174,9 @@ class CheckpointOptions:
     save_every: int = _opt(0, "checkpoint every N steps (0: only at the end); needs --out")
     keep_last: int = _opt(0, "keep only the N newest checkpoints (0: keep all; keep 2 or more "
                           "so a damaged newest one can fall back)")
+    keep_best: bool = _opt(False, "evaluate at every save and keep the checkpoint with the "
+                           "lowest val loss whatever --keep-last removes; OUT/best.json names "
+                           "it (step, val loss)")
 
 
 @dataclass

@@ -5,10 +5,12 @@ The checkpoint format itself (DCP files, marker, checksums, safe loaders) is `ru
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
 from .. import faultpoints
+from ..files import write_synced
 from ..model_schedule.knobs import ScheduleKnobs
 from ..model_schedule.knobs import names as knob_names
 from . import checkpoints
@@ -26,8 +28,28 @@ def save(run: Any) -> Path:
                "data": run.data.state_dict(), "config": run.cfg.options(),
                "precision": run.precision.state_dict(),  # fp16: the loss scale
                "evals": run.evals}
-    ckpt.save(path, run.model, run.optimizer, trainer, run.env.rank, keep_last=run.cfg.keep_last)
+    best = best_checkpoint(run) if run.cfg.keep_best else None
+    ckpt.save(path, run.model, run.optimizer, trainer, run.env.rank, keep_last=run.cfg.keep_last,
+              keep_step=None if best is None else best["step"])
+    if best is not None and run.env.is_main:
+        write_synced(Path(run.cfg.out) / BEST_FILE, json.dumps(
+            {**best, "checkpoint": str(checkpoints.checkpoint_dir(Path(run.cfg.out),
+                                                                  best["step"]))}))
     return path
+
+
+BEST_FILE = "best.json"  # --keep-best: the kept checkpoint with the lowest val loss
+
+
+def best_checkpoint(run: Any) -> dict[str, Any] | None:
+    """{step, val_loss} of the lowest val loss among the steps that have a checkpoint (this
+    save's included; the earlier of equal losses), or None when none was evaluated."""
+    saved = {checkpoints.step_of(p) for p in checkpoints.candidates(Path(run.cfg.out))}
+    scored = [e for e in run.evals if e["step"] in saved | {run.step}]
+    if not scored:
+        return None
+    best = min(scored, key=lambda e: (e["val_loss"], e["step"]))
+    return {"step": best["step"], "val_loss": best["val_loss"]}
 
 
 def pick_checkpoint(run: Any) -> Path | None:

@@ -236,11 +236,11 @@ def _publish(tmp: Path, path: Path) -> None:
         shutil.rmtree(old)
 
 
-def prune(out: Path, step: int, keep_last: int) -> list[Path]:
+def prune(out: Path, step: int, keep_last: int, keep_step: int | None = None) -> list[Path]:
     """Retention: keep the `keep_last` newest checkpoints up to `step` (0: keep all); remove
     older ones and stale `.tmp`/`.old` directories of earlier steps. Checkpoints of later steps
-    (from a run this one resumed behind) and other runs' checkpoints are left alone. Returns
-    what was removed."""
+    (from a run this one resumed behind) and other runs' checkpoints are left alone, and so is
+    the one of `keep_step` (`--keep-best`). Returns what was removed."""
     root = Path(out) / CHECKPOINTS
     removed = []
     for p in root.iterdir() if root.is_dir() else ():
@@ -249,13 +249,15 @@ def prune(out: Path, step: int, keep_last: int) -> list[Path]:
             removed.append(p)
     if keep_last > 0:
         removed += [p for p in own_candidates(out) if step_of(p) <= step][keep_last:]
+        removed = [p for p in removed if keep_step is None or step_of(p) != keep_step]
     for p in removed:
         shutil.rmtree(p, ignore_errors=True)
     return removed
 
 
 def save(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
-         trainer: dict[str, Any], rank: int, keep_last: int = 0) -> None:
+         trainer: dict[str, Any], rank: int, keep_last: int = 0,
+         keep_step: int | None = None) -> None:
     """Collective: every rank calls it. `trainer` (JSON-able) is written by rank 0.
 
     Write into `path.tmp`, hash, mark complete, rename: a crash at any point leaves either the
@@ -282,7 +284,7 @@ def save(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
                                                           for k, v in s.items()},
                       run=run_id(path.parent.parent))
         _publish(tmp, path)
-        prune(path.parent.parent, int(trainer["step"]), keep_last)
+        prune(path.parent.parent, int(trainer["step"]), keep_last, keep_step)
     _barrier()
 
 
