@@ -176,3 +176,26 @@ def test_keep_best_keeps_the_lowest_val_loss_checkpoint(tmp_path, one_thread):
     note = json.loads((out / "best.json").read_text())
     assert note["step"] == best and note["val_loss"] == evals[best]
     assert best != 6, evals  # the case the option exists for
+
+
+def test_fine_tuning_defaults_of_the_learning_rate(tmp_path):
+    """`--lr` unset: 1e-3 from an init (a registry model, a config without weights), 2e-5
+    fine-tuning a pretrained directory, 2e-4 with LoRA; given, it is kept."""
+    from test_train_lora import save_base
+
+    from slapo.train import TrainConfig
+
+    base = save_base(tmp_path / "base")
+    (tmp_path / "bare").mkdir()
+    (tmp_path / "bare" / "config.json").write_text((tmp_path / "base" / "config.json").read_text())
+
+    def lr(**options) -> float:
+        cfg = TrainConfig(**options)
+        cfg.check()
+        return cfg.lr
+
+    assert lr(model="llama") == 1e-3
+    assert lr(model=str(tmp_path / "bare")) == 1e-3
+    assert lr(model=base) == 2e-5
+    assert lr(model=base, lora_r=4) == 2e-4
+    assert lr(model=base, lr=5e-4) == 5e-4

@@ -166,9 +166,16 @@ class TrainConfig:
         """torch's default: one micro-batch per stage."""
         return (self.pp_stages or 1) * self.stages_per_rank() if self.pipeline_schedule() else 1
 
+    def peak_lr(self) -> float:
+        """`--lr`, or its default for this model (`config_checks.default_lr`: pre-training,
+        fine-tuning a pretrained directory, LoRA)."""
+        from .config_checks import default_lr
+
+        return self.lr if self.lr is not None else default_lr(self)
+
     def optimizer_kwargs(self) -> dict[str, Any]:
         """AdamW's arguments: the one definition `slapo train` and tune trials step with."""
-        return {"lr": self.lr, "weight_decay": self.weight_decay, "betas": (0.9, 0.95)}
+        return {"lr": self.peak_lr(), "weight_decay": self.weight_decay, "betas": (0.9, 0.95)}
 
     def knobs(self) -> dict[str, Any]:
         """The `model_schedule.apply` keyword arguments that were given, less the parallel

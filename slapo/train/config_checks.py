@@ -4,6 +4,7 @@ device or import is touched (those checks are `train/setup.py`'s `check_inputs`)
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..errors import SchedulingError
@@ -34,6 +35,23 @@ def check_values(cfg: TrainConfig) -> None:
     _check_lora(cfg)
 
 
+PRETRAIN_LR, FINETUNE_LR, LORA_LR = 1e-3, 2e-5, 2e-4
+
+
+def default_lr(cfg: TrainConfig) -> float:
+    """`--lr`'s default: a pre-training rate for a model from its init, the usual full
+    fine-tuning rate (HF Trainer's examples, TRL's SFT) for a pretrained directory, and LoRA's
+    usual rate with adapters (they start at zero and are small)."""
+    from .pretrained import SAFETENSORS, SAFETENSORS_INDEX, is_model_path
+
+    if cfg.lora_r:
+        return LORA_LR
+    path = Path(cfg.model)
+    weights = is_model_path(cfg.model) and path.is_dir() and any(
+        (path / f).is_file() for f in (SAFETENSORS, SAFETENSORS_INDEX))
+    return FINETUNE_LR if weights else PRETRAIN_LR
+
+
 def _check_numbers(cfg: TrainConfig) -> None:
     for name in ("steps", "batch_size", "seq_len", "hidden_size", "num_layers", "num_heads",
                  "grad_accum", "cp", "ep", "num_experts", "experts_per_token"):
@@ -44,6 +62,8 @@ def _check_numbers(cfg: TrainConfig) -> None:
             raise ValueError(f"--{flag(name)} must be >= 0, got {getattr(cfg, name)}")
     if cfg.epochs is not None and not cfg.epochs > 0:
         raise ValueError(f"--epochs must be > 0, got {cfg.epochs}")
+    if cfg.lr is None:
+        cfg.lr = default_lr(cfg)
     if not cfg.lr > 0:
         raise ValueError(f"--lr must be > 0, got {cfg.lr}")
     if not 0 <= cfg.min_lr_ratio <= 1:

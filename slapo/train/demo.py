@@ -87,7 +87,7 @@ def run_progressive(cfg: Any, log: Callable[..., None] = print) -> list[dict]:
             f"{cfg.seq_len} tokens, {steps} AdamW steps per variant, {env.world} process(es) "
             f"(tp={tp}, {env.world // tp} replica(s)), {env.device.type} {precision}")
         results = progressive.run(make, batches, train_steps=steps, warmup=min(2, steps - 1),
-                                  lr=cfg.lr, device=env.device, log=say,
+                                  lr=cfg.peak_lr(), device=env.device, log=say,
                                   budget_max_factor=BUDGET_MAX_FACTOR,
                                   budget_steps=BUDGET_TIMED_STEPS,
                                   make_batch=fresh.next_batch, mesh=env.mesh, **plan)

@@ -50,11 +50,11 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     """Linear warm-up, then cosine decay to lr * min_lr_ratio at cfg.steps (step is 0-based).
     A pure function of the step, so resuming needs no scheduler state."""
     if step < cfg.warmup:
-        return cfg.lr * (step + 1) / cfg.warmup
+        return cfg.peak_lr() * (step + 1) / cfg.warmup
     span = max(cfg.steps - cfg.warmup, 1)
     progress = min((step - cfg.warmup) / span, 1.0)
     ratio = cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-    return cfg.lr * ratio
+    return cfg.peak_lr() * ratio
 
 
 def train_one_step(run: Run) -> float:

@@ -101,7 +101,9 @@ class TrainingOptions:
 class OptimizerOptions:
     """AdamW and its learning-rate schedule (linear warm-up, cosine decay)."""
 
-    lr: float = _opt(1e-3, "peak learning rate (AdamW)")
+    lr: float | None = _opt(None, "peak learning rate (AdamW); default 1e-3 for a model "
+                            "trained from its init, 2e-5 for fine-tuning a pretrained "
+                            "directory (weights in it), 2e-4 with --lora-r")
     min_lr_ratio: float = _opt(0.1, "cosine decay to lr * this at the last step (1: constant "
                                "LR)")
     warmup: int = _opt(0, "linear warm-up steps")
