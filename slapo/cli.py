@@ -175,8 +175,8 @@ def _add_eval_parser(sub: Any) -> None:
                    "(default: the newest intact one)")
     p.add_argument("--batches", dest="eval_batches", type=int, default=None,
                    help="val batches to average (default: the run's --eval-batches, else 4)")
-    for name in ("data", "text_field", "tokenizer", "val_fraction", "seq_len", "batch_size",
-                 "device"):
+    for name in ("data", "text_field", "tokenizer", "val_fraction", "sft", "seq_len",
+                 "batch_size", "device"):
         kind = {"val_fraction": float, "seq_len": int, "batch_size": int}.get(name, str)
         p.add_argument("--" + name.replace("_", "-"), type=kind, default=None,
                        help=_option_help(name) + " (default: the run's)")

@@ -199,3 +199,22 @@ def test_fine_tuning_defaults_of_the_learning_rate(tmp_path):
     assert lr(model=base) == 2e-5
     assert lr(model=base, lora_r=4) == 2e-4
     assert lr(model=base, lr=5e-4) == 5e-4
+
+
+def test_slapo_eval_of_an_sft_run_gives_its_logged_val_loss(tmp_path, one_thread, capsys):
+    """`slapo train --sft pad` logs its val loss on the held-out rows; `slapo eval RUN` gives
+    the same number (the run's --sft comes with its config), and `--sft` on the eval command
+    line is checked like train's."""
+    from slapo.cli import main
+
+    run, rows = tmp_path / "run", write_rows(tmp_path / "rows.jsonl")
+    assert main(["train", "--model", "llama", "--hidden-size", "32", "--num-layers", "2",
+                 "--num-heads", "4", "--seq-len", "128", "--batch-size", "4", "--steps", "2",
+                 "--data", rows, "--sft", "pad", "--val-fraction", "0.25", "--eval-batches",
+                 "1", "--no-progress", "--no-plot", "--out", str(run)]) == 0
+    logged = json.loads((run / "metrics.json").read_text())["val_loss"]
+    capsys.readouterr()
+    assert main(["eval", str(run)]) == 0
+    assert f"{logged:.4f}" in capsys.readouterr().out
+    assert main(["eval", str(run), "--sft", "zip"]) == 2
+    assert "--sft must be one of pack, pad" in capsys.readouterr().err
