@@ -73,6 +73,8 @@ def build(cfg: Any, env: Env, log=print) -> Run:
     from .report import graph_break_counts
 
     breaks_before = graph_break_counts()
+    if cfg.lr is None:  # its default for this model, recorded in the run's config
+        cfg.lr = cfg.peak_lr()
     source = pretrained.model_source(cfg.model) if pretrained.is_model_path(cfg.model) else None
     task = source.task() if source is not None else get_model_spec(cfg.model).task
     tokenizer = cfg.tokenizer

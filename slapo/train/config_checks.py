@@ -62,9 +62,7 @@ def _check_numbers(cfg: TrainConfig) -> None:
             raise ValueError(f"--{flag(name)} must be >= 0, got {getattr(cfg, name)}")
     if cfg.epochs is not None and not cfg.epochs > 0:
         raise ValueError(f"--epochs must be > 0, got {cfg.epochs}")
-    if cfg.lr is None:
-        cfg.lr = default_lr(cfg)
-    if not cfg.lr > 0:
+    if cfg.lr is not None and not cfg.lr > 0:  # unset: `default_lr`, when the run is built
         raise ValueError(f"--lr must be > 0, got {cfg.lr}")
     if not 0 <= cfg.min_lr_ratio <= 1:
         raise ValueError(f"--min-lr-ratio must be in [0, 1], got {cfg.min_lr_ratio}")
