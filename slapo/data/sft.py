@@ -96,7 +96,7 @@ from typing import Any
 import torch
 
 from .dataset import IGNORE_INDEX
-from .sources import InputError, is_saved_dataset
+from .sources import InputError, is_saved_dataset, load_saved_dataset
 
 Doc = tuple[list[int], list[int]]  # (input_ids, labels) of one document
 Row = dict[str, Any]               # {"prompt", "response"} or {"messages"}
@@ -186,20 +186,10 @@ def _check_messages(messages: Any, where: str) -> list[dict]:
 
 def _dataset_rows(path: Path) -> list[Row]:
     """The rows of a saved dataset (a DatasetDict's `train` split), checked row by row."""
-    try:
-        import datasets
-    except ImportError:
-        raise InputError(str(path), "is a dataset saved with `datasets`, which is not "
-                         "installed.", "pip install 'slapo[hf]' (or datasets).") from None
-    try:
-        ds = datasets.load_from_disk(str(path))
-    except Exception as e:  # noqa: BLE001 - any loader failure is a bad input
-        raise InputError(str(path), f"cannot be loaded with datasets.load_from_disk: {e}",
-                         "pass the directory that save_to_disk wrote.") from None
+    import datasets
+
+    ds = load_saved_dataset(path)
     if isinstance(ds, datasets.DatasetDict):
-        if "train" not in ds:
-            raise InputError(str(path), f"the DatasetDict has no 'train' split (has: "
-                             f"{', '.join(ds)}).", "save the training split as 'train'.")
         ds = ds["train"]
     rows = [check_row(row, f"{path} row {i}") for i, row in enumerate(ds)]
     if not rows:

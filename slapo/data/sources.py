@@ -258,7 +258,10 @@ def _row_text(line: str, text_field: str, where: str) -> str:
     return row[text_field]
 
 
-def _open_saved_dataset(path: Path, text_field: str) -> DocumentStream:
+def load_saved_dataset(path: Path):
+    """`datasets.load_from_disk(path)` (a Dataset, or a DatasetDict with a 'train' split);
+    InputError when `datasets` is missing, the directory does not load, or 'train' is absent.
+    Text documents and SFT rows (`sft.read_sft_rows`) read saved datasets through it."""
     try:
         import datasets
     except ImportError:
@@ -269,11 +272,18 @@ def _open_saved_dataset(path: Path, text_field: str) -> DocumentStream:
     except Exception as e:  # noqa: BLE001 - any loader failure is a bad input
         raise InputError(str(path), f"cannot be loaded with datasets.load_from_disk: {e}",
                          "pass the directory that save_to_disk wrote.") from None
+    if isinstance(ds, datasets.DatasetDict) and "train" not in ds:
+        raise InputError(str(path), f"the DatasetDict has no 'train' split (has: "
+                         f"{', '.join(ds)}).", "save the training split as 'train'.")
+    return ds
+
+
+def _open_saved_dataset(path: Path, text_field: str) -> DocumentStream:
+    import datasets
+
+    ds = load_saved_dataset(path)
     val, val_where = None, ""
     if isinstance(ds, datasets.DatasetDict):
-        if "train" not in ds:
-            raise InputError(str(path), f"the DatasetDict has no 'train' split (has: "
-                             f"{', '.join(ds)}).", "save the training split as 'train'.")
         name = next((s for s in VAL_SPLITS if s in ds), None)
         if name:
             val, val_where = _check_column(ds[name], text_field, f"{path}[{name}]"), \
