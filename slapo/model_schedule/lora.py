@@ -31,7 +31,6 @@ PEFT layers was made by it.
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass
 
 import torch
@@ -40,28 +39,11 @@ import torch.nn as nn
 from .. import module_patch, sharding
 from ..distributed import collectives
 from ..errors import SchedulingError
+from ..runtime.peft_wrapper import is_peft_model, peft_inner_path, peft_module
 from ..schedule import Schedule
 from .plan import Column, EnterRegion, ReduceInputGrad, Row, Style, _check_split
 
-
-def _peft():
-    """The `peft` module when something imported it (a PEFT model cannot exist otherwise)."""
-    return sys.modules.get("peft")
-
-
-def is_peft_model(mod: nn.Module) -> bool:
-    peft = _peft()
-    return peft is not None and isinstance(mod, peft.PeftModel)
-
-
-def peft_inner_path(mod: nn.Module) -> str | None:
-    """The path of the wrapped Hugging Face model inside a `PeftModel` (`base_model.model` for
-    tuners such as LoRA, `base_model` for prompt learning), None for any other module."""
-    if not is_peft_model(mod):
-        return None
-    from peft.tuners.tuners_utils import BaseTuner
-
-    return "base_model.model" if isinstance(mod.base_model, BaseTuner) else "base_model"
+_peft = peft_module
 
 
 def model_inside(sch: Schedule) -> Schedule:

@@ -38,6 +38,7 @@ and attention sinks are refused at the first call.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -64,12 +65,19 @@ def zigzag_index(seq: int, cp: int, rank: int) -> torch.Tensor:
                       torch.arange(late * c, (late + 1) * c)])
 
 
+@functools.lru_cache(maxsize=64)
+def _rank_positions(s: int, cp: int, device: torch.device) -> torch.Tensor:
+    """(cp, s) every cp rank's positions, made once per (length, cp, device): every attention
+    layer of every step asks for it, and building it on the host and copying it to the device
+    each time put a host-to-device copy per layer in the step."""
+    return torch.stack([zigzag_index(s * cp, cp, r) for r in range(cp)]).to(device)
+
+
 def key_positions(b: int, s: int, group, device: torch.device) -> torch.Tensor:
     """(cp, b, s): every cp rank's token positions, by rank, from the split rule (each rank
     holds `s` tokens of every sequence of length `s * cp`)."""
     cp = dist.get_world_size(group)
-    every = torch.stack([zigzag_index(s * cp, cp, r) for r in range(cp)]).to(device)
-    return every[:, None, :].expand(cp, b, s)
+    return _rank_positions(s, cp, torch.device(device))[:, None, :].expand(cp, b, s)
 
 
 class ContextParallelAttention(AttentionCore):

@@ -23,6 +23,7 @@ import torch
 import torch.nn as nn
 
 from ..errors import SchedulingError
+from .peft_wrapper import peft_inner_path
 from .stages_decoder import DecoderLayout, HFDecoderStage, layer_bounds, layout_of
 from .stages_encoder import BertStage, check_encoder, encoder_prefix
 from .stages_resnet import partition as resnet_partition
@@ -40,13 +41,14 @@ def peft_inner(model: nn.Module) -> str | None:
     """The path of the HF model inside a PEFT `PeftModel` with tuner layers (LoRA:
     `base_model.model`), None for any other module. The stages are built for the inner model
     (its layout is the family's) and carry it under this prefix (`PrefixedStage`), so their
-    parameter names are the wrapper's."""
-    if type(model).__name__ not in ("PeftModel", "PeftModelForCausalLM",
-                                    "PeftModelForTokenClassification") or \
-            not hasattr(model, "base_model"):
-        return None
-    inner = getattr(model.base_model, "model", None)
-    return "base_model.model" if isinstance(inner, nn.Module) else None
+    parameter names are the wrapper's. Prompt learning (virtual tokens the wrapper's forward
+    adds before the model) is refused: the stages would skip them."""
+    inner = peft_inner_path(model)
+    if inner == "base_model":
+        raise SchedulingError("", f"pipeline stages of a prompt-learning {type(model).__name__}: "
+                              "its forward adds virtual tokens the stages would not.",
+                              "pipeline a LoRA (tuner) PeftModel, or train without pp_stages.")
+    return inner
 
 
 class PrefixedStage(nn.Module):
