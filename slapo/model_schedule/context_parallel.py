@@ -27,13 +27,13 @@ everything else a decoder computes is per token. Which families Slapo splits exa
 What cp does not compose with yet is refused too: `attention` (the cp core *is* the
 attention), `tempo` (its attention replaces the core), and `fused_loss` with `pp_stages > 1`
 (a pipeline's last stage computes the fused loss from its micro-batch's labels alone, without
-the pre-shifted labels and the global token count). What composes, each equal to one process
-with the same knobs (tests/test_context_parallel.py): pipelines (`pp_stages`: the decoder and
-encoder stages take the cp batch's positions and key flags), the fused loss (the kernel takes
-`shift_labels` and `num_items_in_batch` as HF's loss does), compiled blocks (the core's
-collectives and the ring's autograd function run inside the compiled layers), activation
-checkpointing (full or selective: recomputation repeats the core's collectives in the same
-order on every rank), `fuse` and `kernels`.
+the pre-shifted labels and the global token count). Equal to one process with the same knobs
+(tests/test_context_parallel.py): pipelines (`pp_stages`: the decoder and encoder stages take
+the cp batch's positions and key flags), the fused loss (the kernel takes `shift_labels` and
+`num_items_in_batch` as HF's loss does), full activation checkpointing (recomputation repeats
+the core's collectives in the same order on every rank) and compiled blocks with the ring
+(its autograd function inside inductor layers). Allowed but not tested with cp: selective
+checkpointing, compiled blocks with all-gather or Ulysses, `fuse` and `kernels`.
 """
 
 from __future__ import annotations
