@@ -125,18 +125,11 @@ def stage_masks(stage: nn.Module, batch: Batch) -> dict[str, torch.Tensor]:
 def stage_cp_inputs(stage: nn.Module, batch: Batch) -> dict[str, torch.Tensor]:
     """Under context parallelism, what every stage takes besides the hidden states (the cp
     batch's `position_ids` and key flags, `runtime/context_parallel.py`): each stage's layers
-    need them, as they would inside one model's forward. A stage kind without `cp_inputs`
-    (seq2seq, ResNet stages) is refused rather than run on positions it would
-    recompute for the local chunk."""
+    need them, as they would inside one model's forward. `build` refuses stage kinds without
+    `cp_inputs` on a cp mesh."""
     if not isinstance(batch, dict) or KEY_VALID not in batch:
         return {}
-    names = getattr(stage, "cp_inputs", ())
-    if not names:
-        raise SchedulingError("", f"the pipeline stages of {type(stage).__name__} are not "
-                              "built for context parallelism (cp > 1).", "use cp=1 with this "
-                              "model's pipeline (the decoder and encoder stages take the cp "
-                              "inputs: GPT-2, OPT, LLaMA, Mistral, Qwen2/3, BERT, RoBERTa).")
-    return {k: batch[k] for k in names}
+    return {k: batch[k] for k in stage.cp_inputs}
 
 
 def stage_loss_inputs(stage: nn.Module, batch: Batch, loss_fn: LossFn | None
