@@ -532,6 +532,7 @@ def job_bad_input_is_refused():
              "t5": (models.t5, {}), "dropout": (lambda seed: models.bert_mlm(seed, dropout=0.1), {}),
              "attention": (models.llama, {"attention": "sdpa"}),
              "fused_loss": (models.llama, {"fused_loss": True, "pp_stages": 2}),
+             "router_pp": (models.mixtral, {"pp_stages": 2}),
              "ulysses_heads": (_three_heads, {"cp_attention": "ulysses"})}
     for name, (make, kw) in cases.items():
         model = make(seed=0)
@@ -573,6 +574,7 @@ def test_bad_input_is_refused(dist2):
     assert "attention does not compose" in refused["attention"]
     assert "fused_loss with pp_stages > 1 does not compose" in refused["fused_loss"], \
         refused["fused_loss"]
+    assert "output_router_logits with pp_stages > 1" in refused["router_pp"], refused["router_pp"]
     assert "splits the 3 query heads" in refused["ulysses_heads"], refused["ulysses_heads"]
     assert "not made context-parallel" in refused["unscheduled"]
     assert "data_parallel='ddp'" in refused["no_ddp"]

@@ -248,3 +248,34 @@ def test_ep2_with_tp2_trains_and_exports_like_one_process(dist4, tmp_path):
     assert not bad, bad
     result = export_run(tmp_path / "ep2tp2", tmp_path / "hf", log=lambda *a: None)
     assert result.step == 2 and result.max_logit_diff is not None
+
+
+def job_pp_run(root: str) -> list[float]:
+    """Every rank of 2: `--model mixtral --pp-stages 2` (1F1B, 2 micro-batches), and with
+    `--ep 2 --dp-shard` on 4 ranks is the same code path (tests/test_moe.py proves it)."""
+    from slapo.train import TrainConfig, train
+
+    torch.set_num_threads(1)
+    return train(TrainConfig(**{**EP_RUN, "save_every": 0}, pp_stages=2,
+                             out=f"{root}/pp2"))["losses"]
+
+
+@pytest.mark.dist
+def test_pp2_trains_with_the_aux_loss_like_one_process(dist2, tmp_path):
+    """`slapo train --model mixtral --pp-stages 2` on 2 ranks: the stages carry the router's
+    statistics to the last one (`runtime/stage_router.py`), so the losses, the clipped norms,
+    the logged aux loss and tokens per expert (each stage counts its layers, summed over the
+    pipeline) and the parameters after 2 AdamW steps equal one process with `--grad-accum 2`
+    (one micro-batch per half, the aux loss per half in both)."""
+    from slapo.train import TrainConfig, train
+
+    ranks = dist2.run(job_pp_run, str(tmp_path))
+    one = train(TrainConfig(**{**EP_RUN, "save_every": 0}, grad_accum=2,
+                            out=str(tmp_path / "one")))["losses"]
+    assert max(abs(a - b) / b for a, b in zip(ranks[0], one)) < REL, (ranks, one)
+    logged, one_logged = _steps(tmp_path / "pp2"), _steps(tmp_path / "one")
+    for key in ("grad_norm", "aux_loss", "load_imbalance"):
+        assert max(abs(a[key] - b[key]) / b[key] for a, b in zip(logged, one_logged)) < REL, \
+            (key, logged, one_logged)
+    assert [r["tokens_per_expert"] for r in logged] == \
+        [r["tokens_per_expert"] for r in one_logged]

@@ -78,8 +78,12 @@ def check_context_parallel(sch: Schedule, family, layers: list[Schedule], *, att
         _check_ulysses(sch, cp, tp, getattr(sch.mod, "config", None))
     # a pipeline's last stage computes the fused loss from its micro-batch's labels alone (no
     # pre-shifted labels, no global token count: `stages_decoder.FusedLossStage`)
+    # the stages carry the router's statistics of their micro-batch's chunk only
+    # (`runtime/stage_router.py`); summing them over the cp ranks is not built
+    router = bool(getattr(getattr(sch.mod, "config", None), "output_router_logits", False))
     conflicts = {"attention": attention is not None, "tempo": tempo,
-                 "fused_loss with pp_stages > 1": fused_loss and pp_stages > 1}
+                 "fused_loss with pp_stages > 1": fused_loss and pp_stages > 1,
+                 "output_router_logits with pp_stages > 1": router and pp_stages > 1}
     for knob, on in conflicts.items():
         if on:
             raise _refuse(sch, cp, f"{knob} does not compose with context parallelism yet "

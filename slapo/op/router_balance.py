@@ -29,26 +29,43 @@ from ..module_patch import ForwardWrapper
 from .context_parallel import KEY_VALID
 
 
-def balance_loss(router_logits: tuple[torch.Tensor, ...], num_experts: int, top_k: int,
-                 valid: torch.Tensor, group) -> torch.Tensor:
-    """HF's `load_balancing_loss_func` over the rows of every rank of `group`: `router_logits`
-    one (rows, E) tensor per layer, `valid` (rows,) this rank's flags of the rows that count."""
+def router_stats(router_logits: tuple[torch.Tensor, ...] | list[torch.Tensor],
+                 num_experts: int, top_k: int, valid: torch.Tensor | None) -> torch.Tensor:
+    """The sums HF's `load_balancing_loss_func` divides, as one (2E + 1,) float32 tensor:
+    per expert the (token, top-k slot) pairs routed to it, per expert the summed router
+    probability (the differentiable part), and the number of rows counted, over every layer
+    of `router_logits` (one (rows, E) tensor per layer). `valid`: (rows,) flags of the rows
+    that count (HF's attention mask), None for all. Sums, so the statistics of disjoint
+    layer sets (pipeline stages) or token sets (cp ranks) add up to the whole's."""
     device = router_logits[0].device
-    mask = valid.reshape(-1).to(device=device, dtype=torch.float32)
     tokens = torch.zeros(num_experts, dtype=torch.float32, device=device)
     probs = torch.zeros(num_experts, dtype=torch.float32, device=device)
     rows = torch.zeros((), dtype=torch.float32, device=device)
     for logits in router_logits:
+        mask = torch.ones(logits.shape[0], dtype=torch.float32, device=device) if valid is None \
+            else valid.reshape(-1).to(device=device, dtype=torch.float32)
         weights = F.softmax(logits.to(device), dim=-1)
         chosen = torch.topk(weights, top_k, dim=-1).indices.reshape(-1)
         tokens = tokens + torch.zeros_like(tokens).scatter_add_(
             0, chosen, mask.repeat_interleave(top_k))
         probs = probs + (weights.float() * mask[:, None]).sum(0)
         rows = rows + mask.sum()
-    stats = torch.cat([tokens, probs, rows[None]])
-    stats = reduce_forward(reduce_backward(stats, group), group)  # sum; backward: sum too
+    return torch.cat([tokens, probs, rows[None]])
+
+
+def stats_loss(stats: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """HF's load-balancing loss from `router_stats` sums: `E * sum_e f_e * P_e`."""
     tokens, probs, rows = stats[:num_experts], stats[num_experts:-1], stats[-1]
     return (tokens / rows * (probs / rows)).sum() * num_experts
+
+
+def balance_loss(router_logits: tuple[torch.Tensor, ...], num_experts: int, top_k: int,
+                 valid: torch.Tensor, group) -> torch.Tensor:
+    """HF's `load_balancing_loss_func` over the rows of every rank of `group`: `router_logits`
+    one (rows, E) tensor per layer, `valid` (rows,) this rank's flags of the rows that count."""
+    stats = router_stats(router_logits, num_experts, top_k, valid)
+    stats = reduce_forward(reduce_backward(stats, group), group)  # sum; backward: sum too
+    return stats_loss(stats, num_experts)
 
 
 def router_counts(config) -> tuple[int, int] | None:
@@ -85,4 +102,4 @@ class ContextParallelBalance(ForwardWrapper):
         return out
 
 
-__all__ = ["ContextParallelBalance", "balance_loss", "router_counts"]
+__all__ = ["ContextParallelBalance", "balance_loss", "router_counts", "router_stats", "stats_loss"]

@@ -25,6 +25,15 @@ if TYPE_CHECKING:
 # The runner whose `schedule.step` is running in this thread: stage forwards report to it.
 ACTIVE: contextvars.ContextVar[PipelineRunner | None] = contextvars.ContextVar(
     "slapo_pipeline_runner", default=None)
+# Set while torch's first-step shape inference runs a stage's forward: counters of what the
+# step computed (`train/moe_metrics.py`) skip it, as it is not one of the step's micro-batches.
+INFERRING: contextvars.ContextVar[bool] = contextvars.ContextVar("slapo_pipeline_inferring",
+                                                                 default=False)
+
+
+def inferring() -> bool:
+    """Whether the forward running now is torch's shape inference (`INFERRING`)."""
+    return INFERRING.get()
 
 
 def forget_inferred_shapes(schedule) -> None:
@@ -82,10 +91,12 @@ def keep_state_through_shape_inference(stage) -> None:
         @functools.wraps(inner)
         def run(*args, _inner=inner, **kwargs):
             saved = [(b, b.detach().clone()) for b in stage.submod.buffers()]
+            token = INFERRING.set(True)
             try:
                 with rng.states_kept():
                     return _inner(*args, **kwargs)
             finally:
+                INFERRING.reset(token)
                 for b, value in saved:  # via .data: the inference's own backward pass (shapes
                     b.data.copy_(value)  # only) must not see a version bump of saved inputs
 

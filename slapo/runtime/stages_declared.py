@@ -83,6 +83,9 @@ class Between:
     softcap_float32: bool = False  # the soft-cap computed on the logits cast to float32 (Beam)
     # (config flag, what the forward does then): refused when the flag is set
     refuse_if: tuple[tuple[str, str], ...] = ()
+    # its loss adds HF's shared `load_balancing_loss_func` under `config.output_router_logits`,
+    # which the stages compute from statistics they carry (`stage_router.py`)
+    router: bool = False
 
     def __post_init__(self) -> None:
         assert self.masks in MASKS and self.rope in ROPES, self
@@ -95,12 +98,15 @@ TYPED_ROPE = Between(masks="layer_types", rope="per_type")
 GEMMA2 = Between(masks="layer_types", softcap="config.final_logit_softcapping")
 _BIDIRECTIONAL = ("use_bidirectional_attention",
                   "it attends both ways with its own mask overlays")
-_ROUTER = ("output_router_logits", "its loss adds the router's load-balancing loss, which "
-                                   "no pipeline stage computes")
+_ROUTER = ("output_router_logits", "its loss adds a router load-balancing loss of its own "
+                                   "(not HF's shared function), which no pipeline stage "
+                                   "computes")
 
 # The model types whose stages are proven equal to the model (tests/test_pipeline_declared.py).
-# A mixture of experts whose causal LM adds the router's load-balancing loss to its loss when
-# `output_router_logits` is set is refused then (`_ROUTER`); the others never add it.
+# A mixture of experts whose causal LM adds HF's shared load-balancing loss to its loss when
+# `output_router_logits` is set has `router=True`: the stages carry its statistics
+# (`stage_router.py`, proven by tests/test_pipeline_router.py); one with a loss of its own
+# (Doge) is refused then (`_ROUTER`).
 BETWEEN: dict[str, Between] = {
     **dict.fromkeys(("llama", "olmo", "olmo2", "glm", "glm4", "helium", "internlm3",
                      "iquestcoder", "apertus", "arcee", "exaone", "seed_oss", "youtu",
@@ -108,18 +114,21 @@ BETWEEN: dict[str, Between] = {
                      "deepseek_v2", "deepseek_v3", "glm4_moe", "glm4_moe_lite", "solar_open",
                      "aria_text", "axk1", "sarvam_mla", "sarvam_moe", "hy_v3"), LLAMA),
     **dict.fromkeys(("ernie4_5_moe", "flex_olmo", "minimax_m2", "minimax_m3_vl_text"),
-                    Between(refuse_if=(_ROUTER,))),
+                    Between(router=True)),
     **dict.fromkeys(("mistral", "ministral3", "phi3"), WINDOW),
-    **dict.fromkeys(("mixtral", "qwen3_moe"), Between(masks="window", refuse_if=(_ROUTER,))),
+    **dict.fromkeys(("mixtral", "qwen3_moe"), Between(masks="window", router=True)),
     "starcoder2": Between(masks="window", embed_dropout="base.embedding_dropout"),
     **dict.fromkeys(("qwen2", "qwen3", "smollm3", "ministral", "exaone4", "cwm", "kolibri1",
                      "exaone_moe", "dots1"), TYPED),
-    **dict.fromkeys(("qwen2_moe", "gpt_oss", "flint"),
-                    Between(masks="layer_types", refuse_if=(_ROUTER,))),
+    **dict.fromkeys(("qwen2_moe", "gpt_oss"), Between(masks="layer_types", router=True)),
+    # HF's own forward fails with output_router_logits (transformers 5.24: an IndexError in
+    # recording its router's outputs), so there is no loss to reproduce
+    "flint": Between(masks="layer_types", refuse_if=(
+        ("output_router_logits", "HF's own forward fails with it (transformers 5.24)"),)),
     "olmo3": TYPED_ROPE,
     "mimo_v2_flash": TYPED_ROPE,
     **dict.fromkeys(("laguna", "mellum"),
-                    Between(masks="layer_types", rope="per_type", refuse_if=(_ROUTER,))),
+                    Between(masks="layer_types", rope="per_type", router=True)),
     "gemma2": GEMMA2,
     "vaultgemma": GEMMA2,
     "gemma3_text": Between(masks="layer_types", rope="per_type",
@@ -138,12 +147,12 @@ BETWEEN: dict[str, Between] = {
     # hybrids of linear (recurrent) and full attention layers
     # (Kimi Linear has no rotary embedding, which the stages share: refused by that check)
     **dict.fromkeys(("olmo_hybrid", "bailing_hybrid"), TYPED),
-    **dict.fromkeys(("qwen3_next", "minimax"), Between(masks="layer_types", refuse_if=(_ROUTER,))),
+    **dict.fromkeys(("qwen3_next", "minimax"), Between(masks="layer_types", router=True)),
     # Qwen3.5 on text: its forward splits 4 position rows into the text positions (for the masks
     # and layers) and 3 multimodal rotary rows that equal them; its rotary embedding broadcasts
     # text positions to those rows itself (`position_ids.expand(3, -1, -1)`)
     "qwen3_5_text": TYPED,
-    "qwen3_5_moe_text": Between(masks="layer_types", refuse_if=(_ROUTER,)),
+    "qwen3_5_moe_text": Between(masks="layer_types", router=True),
     "apertus1p5_text": Between(refuse_if=(("output_vocab_size", "its LM head is pruned to "
                                            "config.output_vocab_size, the width its loss reads"),)),
     "afmoe": Between(masks="layer_types", refuse_if=(("mup_enabled", "its forward scales the "
@@ -154,7 +163,7 @@ BETWEEN: dict[str, Between] = {
                            logit_scale=("div", "config.logits_scaling")),
     # only the sliding layers are roped; the global ones are NoPE
     "lara_mini": Between(masks="layer_types", rope_types=("sliding_attention",),
-                         refuse_if=(_ROUTER,)),
+                         router=True),
     # NoPE layers (rope_parameters[type] None) get an attention scaling of the positions
     # and the logits are soft-capped in float32
     "beam": Between(masks="layer_types", rope="per_type",
@@ -273,6 +282,9 @@ def _check_shared(parts: DeclaredParts, where: str) -> None:
 def _check_config(model: nn.Module, parts: DeclaredParts, where: str) -> None:
     """The config values under which the forward is not the one the stages re-implement."""
     cfg = model.config
+    from .stage_router import router_aux
+
+    router_aux(model, parts.between.router)  # what the stages read for the router's loss
     for flag, why in parts.between.refuse_if:
         if getattr(cfg, flag, False):
             raise SchedulingError("", f"{where} with config.{flag} set: {why}.",

@@ -28,6 +28,7 @@ import torch.nn as nn
 from ..errors import SchedulingError
 from ..op.context_parallel import KEY_VALID
 from . import stages_declared as declared
+from .stage_router import RouterAux, record_router, router_aux, stage_stats
 from .stages_declared import BETWEEN, Between, declared_parts
 
 
@@ -227,9 +228,12 @@ def graft(container: nn.Module, root: nn.Module, path: str) -> None:
 class HFDecoderStage(FusedLossStage, nn.Module):
     """One pipeline stage of an HF decoder LM: layers [lo, hi), plus embeddings/head at the ends.
 
-    forward(x, attention_mask=None, labels=None, position_ids=None, cp_key_valid=None): x is
-    `input_ids` on the first stage, hidden states elsewhere; returns hidden states, or logits
-    on the last stage (the loss, with the fused loss and `labels`: `FusedLossStage`).
+    forward(x, *router, attention_mask=None, labels=None, position_ids=None,
+    cp_key_valid=None): x is `input_ids` on the first stage, hidden states elsewhere; returns
+    hidden states, or logits on the last stage (the loss, with the fused loss and `labels`:
+    `FusedLossStage`). A mixture of experts whose loss adds the router's load-balancing loss
+    (`self.router`, `stage_router.py`) returns `(that, stats)` instead, every stage after the
+    first taking the statistics so far as `router`.
     `attention_mask` (the micro-batch's padding mask, handed to every stage by the runner)
     goes into the masks as in the model's forward, and into OPT's positions.
 
@@ -251,6 +255,8 @@ class HFDecoderStage(FusedLossStage, nn.Module):
         self._root = (root,)  # a tuple: not registered, so its parameters stay out of the stage
         self.config = root.config
         self.input_names = self.first_inputs if first else ()
+        self.router: RouterAux | None = router_aux(
+            root, layout.between is not None and layout.between.router)
         self.init_fused_loss(root, last)
         if self.fused is not None and layout.between is not None and \
                 declared.has_tail(layout.between):
@@ -278,9 +284,21 @@ class HFDecoderStage(FusedLossStage, nn.Module):
             return None
         return self.get_submodule(path)
 
-    def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                labels: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
-                cp_key_valid: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, *router: torch.Tensor,
+                attention_mask: torch.Tensor | None = None, labels: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None,
+                cp_key_valid: torch.Tensor | None = None):
+        if self.router is None:
+            return self._forward(x, attention_mask, labels, position_ids, cp_key_valid)
+        assert cp_key_valid is None, "refused by check_context_parallel"
+        layers = [self._get(f"{self.layout.layers}.{i}") for i in range(self.lo, self.hi)]
+        with record_router(layers, self.router) as logits:
+            out = self._forward(x, attention_mask, labels, position_ids, cp_key_valid)
+        return out, stage_stats(self.router, logits, attention_mask, router, out.device)
+
+    def _forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None,
+                 labels: torch.Tensor | None, position_ids: torch.Tensor | None,
+                 cp_key_valid: torch.Tensor | None) -> torch.Tensor:
         lay = self.layout
         h = self._embed(x, attention_mask, position_ids) if self.first else x
         pos = torch.arange(h.shape[1], device=h.device).unsqueeze(0) if position_ids is None \
@@ -369,14 +387,29 @@ class HFDecoderStage(FusedLossStage, nn.Module):
             **kw, **declared.mask_kwargs(self.layout.between, k)) for k in kinds}
 
     # ---- what the pipeline runtime asks the last stage ----------------------------------------
-    def pipeline_outputs(self, logits: torch.Tensor):
+    def pipeline_outputs(self, logits):
         from transformers.modeling_outputs import CausalLMOutput
 
-        loss = self.wrap_loss(logits, "CausalLMOutput")
-        return loss if loss is not None else CausalLMOutput(logits=logits)
+        aux = None
+        if self.router is not None:  # (logits or fused loss, the router's statistics)
+            logits, stats = logits
+            aux = self.router.loss(stats)
+        out = self.wrap_loss(logits, "CausalLMOutput")
+        out = out if out is not None else CausalLMOutput(logits=logits)
+        if aux is not None:  # HF's MoE output type; `default_loss` adds coef * aux_loss
+            from transformers.modeling_outputs import MoeCausalLMOutputWithPast
+
+            out = MoeCausalLMOutputWithPast(loss=out.loss, logits=out.logits, aux_loss=aux)
+        return out
 
     def default_loss(self, outputs, batch) -> torch.Tensor:
-        """The HF model's own loss (shifted next-token cross-entropy) from `batch['labels']`."""
+        """The HF model's own loss (shifted next-token cross-entropy) from `batch['labels']`,
+        plus `router_aux_loss_coef` times the load-balancing loss when the model adds it."""
+        lm = self._lm_loss(outputs, batch)
+        aux = getattr(outputs, "aux_loss", None)
+        return lm if aux is None else lm + self.router.coef * aux.to(lm.device)
+
+    def _lm_loss(self, outputs, batch) -> torch.Tensor:
         if own_loss(outputs) is not None:
             return own_loss(outputs)
         labels = batch.get("labels") if isinstance(batch, dict) else None

@@ -107,7 +107,8 @@ def build(cfg: Any, env: Env, log=print) -> Run:
     trainer = make_trainer(sch, cfg, env, stages)
     seed_training_rng(cfg.seed, env)
     return Run(cfg, env, model, trainer, data.train, task, note, dataset=data,
-               graph_breaks_before=breaks_before, experts=watch_experts(model, env.device))
+               graph_breaks_before=breaks_before,
+               experts=watch_experts(model, env.device, getattr(trainer.runner, "last", None)))
 
 
 def epoch_note(loader: Any, cfg: Any) -> str:

@@ -122,6 +122,12 @@ def _check_experts(cfg: TrainConfig, spec) -> None:
     if cfg.experts_per_token > cfg.num_experts:
         raise ValueError(f"--experts-per-token {cfg.experts_per_token} is more than "
                          f"--num-experts {cfg.num_experts}")
+    if spec is not None and spec.moe and spec.name != "deepseek_v3" and cfg.cp > 1 and \
+            (cfg.pp_stages or 1) > 1:  # model_schedule.context_parallel refuses it too
+        raise ValueError(f"--cp {cfg.cp} with --pp-stages {cfg.pp_stages} on --model "
+                         f"{cfg.model}: its loss adds the router's auxiliary loss, whose "
+                         "statistics pipeline stages do not sum over the cp ranks yet; drop "
+                         "one (or use deepseek_v3, which has no auxiliary loss)")
     if cfg.ep > 1:
         _check_ep(cfg, spec)
 
@@ -131,10 +137,8 @@ def _check_ep(cfg: TrainConfig, spec) -> None:
     registry model must be a mixture of experts whose experts N divides (a model
     directory's experts are checked by `apply`, before any change); the degrees it does
     not compose with are the placement's one check (`ParallelDims`, here on the ep ranks
-    alone; the job's size is checked when the job runs). Pipelines: `apply` and `build` run
-    ep x pp, but `slapo train`'s mixtures of experts add the router's auxiliary loss to their
-    loss, which pipeline stages do not compute (`stages_declared._ROUTER`): refused here by
-    name rather than by the stages once the job runs."""
+    alone; the job's size is checked when the job runs). Pipelines compose: the stages carry
+    the router's statistics for its auxiliary loss (`runtime/stage_router.py`)."""
     if spec is not None and not spec.moe:
         raise ValueError(f"--ep {cfg.ep} splits the experts of a mixture of experts; "
                          f"--model {cfg.model} has none (use mixtral, qwen3_moe or deepseek_v3)")
@@ -143,11 +147,6 @@ def _check_ep(cfg: TrainConfig, spec) -> None:
                          f"(each ep rank holds num_experts / ep experts)")
     if cfg.lora_r:  # the experts' gradient hooks need trained experts
         raise ValueError(f"--ep {cfg.ep} with --lora-r is not supported yet; drop one")
-    if (cfg.pp_stages or 1) > 1:
-        raise ValueError(f"--ep {cfg.ep} with --pp-stages {cfg.pp_stages}: slapo train's "
-                         "mixtures of experts add the router's auxiliary loss, which pipelines "
-                         "do not compute yet; drop one (slapo.build runs ep with pipelines for "
-                         "a model without that loss)")
     try:
         ParallelDims(**{"dp_shard" if cfg.dp_shard else "dp_replicate": cfg.ep},
                      pp=cfg.pp_stages or 1, cp=cfg.cp, ep=cfg.ep)

@@ -64,8 +64,10 @@ def train_one_step(run: Run) -> float:
         group["lr"] = lr_at(run.step, run.cfg)
     t0 = time.perf_counter()
     loss = run.trainer.train_step(batch)
-    if run.experts is not None:  # one small all-reduce: the routing counts of the step
-        run.expert_stats = run.experts.step_stats(run.trainer.step_config.info.replica_group())
+    if run.experts is not None:  # one small all-reduce (two with pp): the step's routing
+        info = run.trainer.step_config.info
+        run.expert_stats = run.experts.step_stats(info.replica_group(),
+                                                  info.group("pp") if info.pp > 1 else None)
     run.step_times.append(time.perf_counter() - t0)
     run.step += 1
     run.losses.append(float(loss))

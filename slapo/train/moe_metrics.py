@@ -50,15 +50,18 @@ def _experts_modules(model: nn.Module) -> list[nn.Module]:
 
 
 def _in_backward() -> bool:
-    """A forward run inside the backward: activation checkpointing's recomputation."""
-    return torch._C._current_graph_task_id() != -1
+    """A forward run inside the backward (activation checkpointing's recomputation), or
+    torch's first-step shape inference of a pipeline stage: not the step's forwards."""
+    from ..runtime.pipeline_guards import inferring
+
+    return torch._C._current_graph_task_id() != -1 or inferring()
 
 
 class ExpertLoad:
     """The hooks and the step's counters (module docstring); `step_stats` reads and resets."""
 
     def __init__(self, model: nn.Module, experts: list[nn.Module], num_experts: int,
-                 device: torch.device):
+                 device: torch.device, last_stage: nn.Module | None = None):
         # one column more: HF's "no expert" index (E) some routers use, counted and dropped
         self.counts = torch.zeros(len(experts), num_experts + 1, dtype=torch.float64,
                                   device=device)
@@ -66,6 +69,8 @@ class ExpertLoad:
         self._handles = [m.register_forward_pre_hook(self._count(i), with_kwargs=True)
                          for i, m in enumerate(experts)]
         self._handles.append(model.register_forward_hook(self._add_aux))
+        if getattr(last_stage, "router", None) is not None:  # a pipeline's last stage
+            self._handles.append(last_stage.register_forward_hook(self._add_stage_aux))
 
     def _count(self, layer: int):
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
@@ -83,12 +88,24 @@ class ExpertLoad:
         self.aux[0] += aux.detach().double().to(self.aux.device)
         self.aux[1] += 1
 
-    def step_stats(self, group=None) -> dict[str, Any]:
+    def _add_stage_aux(self, module: nn.Module, args: tuple, output: Any) -> None:
+        """A pipeline's last stage returns (logits, the router's statistics summed over every
+        stage): the micro-batch's aux loss is HF's function of them (`stage_router.py`). Not
+        counted: torch's shape inference, evaluation, recomputation."""
+        if not module.training or _in_backward() or not isinstance(output, tuple):
+            return
+        self.aux[0] += module.router.loss(output[1].detach()).double().to(self.aux.device)
+        self.aux[1] += 1
+
+    def step_stats(self, group=None, pp_group=None) -> dict[str, Any]:
         """The step's numbers (module docstring), summed over `group` (the data-parallel
-        ranks; None: this process only) in one all-reduce, then reset."""
+        ranks; None: this process only) in one all-reduce, and over `pp_group` (a pipeline's
+        stages, each counting its own layers, the last the aux loss) in another; then reset."""
         flat = torch.cat([self.aux, self.counts.reshape(-1)])
         if group is not None and dist.is_initialized():
             dist.all_reduce(flat, group=group)
+        if pp_group is not None and dist.is_initialized():
+            dist.all_reduce(flat, group=pp_group)
         flat = flat.cpu()
         self.counts.zero_()
         self.aux.zero_()
@@ -105,9 +122,11 @@ class ExpertLoad:
             h.remove()
 
 
-def watch_experts(model: nn.Module, device: torch.device) -> ExpertLoad | None:
+def watch_experts(model: nn.Module, device: torch.device,
+                  last_stage: nn.Module | None = None) -> ExpertLoad | None:
     """An `ExpertLoad` on `model`'s MoE layers (the whole model's expert count, also where
-    `--ep` holds a share of them), or None for a model without experts."""
+    `--ep` holds a share of them), or None for a model without experts; `last_stage`: a
+    pipeline's last stage when this rank holds it (its outputs carry the aux loss)."""
     experts = _experts_modules(model)
     if not experts:
         return None
@@ -115,4 +134,4 @@ def watch_experts(model: nn.Module, device: torch.device) -> ExpertLoad | None:
     num = getattr(first, "num_experts", None)
     if not isinstance(num, int):
         return None
-    return ExpertLoad(model, experts, num, device)
+    return ExpertLoad(model, experts, num, device, last_stage)
