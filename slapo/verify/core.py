@@ -18,6 +18,15 @@ models on the inputs and compares
 and that every original parameter is still present (sharded or replicated). The scheduled model
 is left exactly as it was (parameters restored, gradients cleared).
 
+Expert parallelism (a mesh with ep > 1, `model_schedule.apply` swapping the experts for
+`op.moe.ExpertParallelExperts`): each rank may run its own inputs; its E/ep experts are the rows
+`[ep_rank * E/ep, (ep_rank + 1) * E/ep)` of the original's [E, ...] tensors
+(`op.moe.expert_shard_spec`), gathered over the ep group to compare, and their gradients are
+compared with the original's summed over the ep group (each rank's experts receive every ep
+rank's tokens). On entry the ep ranks must hold the same weights; the ranks of the tp and ep
+groups reach one verdict (`slapo.verify.experts`). A mismatch inside an experts module names the
+diverging experts by global index (docs/verify.md).
+
 A model on the meta device (`slapo.init_empty_weights()`) is verified on materialised copies:
 both are initialised like `build` would (`init_weights`, `init_seed`, on `device`), so the
 scheduled copy holds exactly the slices of the reference; the model itself stays on meta. A mismatch raises
@@ -69,6 +78,7 @@ from ..runtime.mesh import backend_device_type, local_device
 from ..runtime.precision import DTYPES, check_autocast, module_device_type, precision_arg
 from ..runtime.shape_errors import shape_errors_named
 from ..schedule import Schedule
+from . import experts as _experts
 from .localise import flatten as _flatten
 from .localise import localise
 from .pipeline_check import _EPS, PipelineChecks
@@ -117,6 +127,7 @@ class Verify(PipelineChecks):
         self.reference: nn.Module | None = None
         self.init_weights, self.init_seed, self.device = init_weights, init_seed, device
         self._meta = False
+        self._agree_groups: list = []
         self._failure: tuple[str, str] | None = None  # (tensor name, message) of this phase
 
     # ---------------------------------------------------------------------------------------
@@ -140,16 +151,37 @@ class Verify(PipelineChecks):
     def _group(self):
         return self.sch.group
 
+    def _mesh_ep_group(self):
+        """The mesh's ep group when it has ep > 1 (the ranks the experts will spread over),
+        else None."""
+        if self.sch.mesh is None:
+            return None
+        from ..runtime.mesh import MeshInfo
+
+        try:
+            info = MeshInfo.of(self.sch.mesh)
+        except SchedulingError:  # a mesh not made by init_mesh: no ep dimension
+            return None
+        return info.group("ep") if info.ep > 1 else None
+
     def _check_same_across_ranks(self) -> None:
-        group = self._group()
+        self._check_same_over(self._group(), inputs=True)
+        ep = self._mesh_ep_group()
+        if ep is not None:  # ep ranks are data-parallel ranks: their inputs may differ
+            self._check_same_over(ep, inputs=False)
+
+    def _check_same_over(self, group, inputs: bool) -> None:
         if _g.world_size(group) == 1:
             return
         named = [(f"input[{i}]", x) for i, x in enumerate(self.inputs)
-                 if isinstance(x, torch.Tensor)]
+                 if isinstance(x, torch.Tensor)] if inputs else []
         named += [(f"input {k!r}", v) for k, v in self.kwargs.items()
-                  if isinstance(v, torch.Tensor)]
+                  if isinstance(v, torch.Tensor)] if inputs else []
         n_inputs = len(named)
-        named += [(f"parameter {n!r}", p) for n, p in self.sch.mod.named_parameters()]
+        from ..op.moe import expert_shard
+
+        named += [(f"parameter {n!r}", p) for n, p in self.sch.mod.named_parameters()
+                  if inputs or expert_shard(p) is None]  # ep ranks' own experts differ
         # one (sum, sum|x|) fingerprint per tensor, gathered in one collective on the group's
         # device (NCCL needs CUDA tensors; gloo takes CPU ones)
         device = local_device(backend_device_type(dist.get_backend(group)))
@@ -163,8 +195,9 @@ class Verify(PipelineChecks):
             vals = torch.stack([g[i] for g in gathered])
             if not torch.allclose(vals, vals[0].expand_as(vals), rtol=1e-12, atol=0):
                 what = "inputs" if i < n_inputs else "weights"
+                kind = "tensor-parallel" if inputs else "expert-parallel (ep)"
                 raise VerificationError(
-                    f"{name} differs across the ranks of the tensor-parallel group; every rank "
+                    f"{name} differs across the ranks of the {kind} group; every rank "
                     f"must start from the same {what} (seed the model creation identically or "
                     "broadcast the inputs).")
 
@@ -223,13 +256,7 @@ class Verify(PipelineChecks):
         """This phase's first mismatch, agreed by every rank (the lowest failing rank's): a
         rank whose own tensors matched still stops, so no rank waits in a collective alone."""
         failure, self._failure = self._failure, None
-        group = self._group()
-        ws = _g.world_size(group)
-        if ws == 1:
-            return failure
-        everyone = [None] * ws
-        dist.all_gather_object(everyone, failure, group=group)
-        return next((f for f in everyone if f is not None), None)
+        return _experts.agree(failure, self._agree_groups)
 
     def _autocast(self, model: nn.Module, enabled: bool):
         """The forward/loss context of `model`: autocast under mixed precision, else nothing."""
@@ -281,6 +308,9 @@ class Verify(PipelineChecks):
         if self.reference is None:
             raise VerificationError("Verify.check() called before entering the context.")
         model, ref = self._copies()
+        # the ranks that decide together: the tp group, and the ep group whose all-to-alls
+        # couple the ranks' forwards (`slapo.verify.experts.agree`)
+        self._agree_groups = _experts.agree_groups(self._group(), model)
         # mixed precision: the original once more, in fp32, to measure its own roundoff
         base = sharding.deepcopy_model(ref) if self.precision != "fp32" else None
         modes = (model.training, ref.training)
@@ -299,6 +329,8 @@ class Verify(PipelineChecks):
                 self._backward(model, out)
                 if base is not None:
                     self._backward(base, out_base, amp=False)
+                # an ep rank's experts receive every ep rank's loss gradient
+                _experts.sum_expert_grads(model, ref, base)
                 failure = self._phase(self._compare_grads, model, ref, base) or \
                     self._phase(self._step_and_compare, model, ref, base)
         finally:
@@ -394,7 +426,7 @@ class Verify(PipelineChecks):
                            "in the scheduled model.")
                 continue
             if rp.grad is not None:
-                spec = sharding.shard_spec(p)
+                spec = _experts.expert_parallel_spec(p)
                 bp = base_params.get(name)
                 self._close(f"grad {name}", sharding.gather_full(p.grad, spec), rp.grad,
                             floor, bp.grad if bp is not None else None)
@@ -409,7 +441,9 @@ class Verify(PipelineChecks):
         floor = _EPS * max((rp.detach().abs().max().item() for rp in ref.parameters()
                             if rp.numel()), default=0.0)
         for name, rp in ref.named_parameters():
-            self._close(f"param after step {name}", sharding.gather_full(params[name]), rp,
+            p = params[name]
+            self._close(f"param after step {name}",
+                        sharding.gather_full(p, _experts.expert_parallel_spec(p)), rp,
                         floor, base_params.get(name))
 
     def _check_params_accounted(self, model: nn.Module, ref: nn.Module) -> None:
@@ -419,7 +453,7 @@ class Verify(PipelineChecks):
             if p is None:
                 raise VerificationError(f"parameter {name!r} of the original model is missing "
                                         "from the scheduled model (lost by a replace?).")
-            spec = sharding.shard_spec(p)
+            spec = _experts.expert_parallel_spec(p)  # a tp shard, or an ep rank's experts
             full = tuple(spec.orig_shape) if spec else tuple(p.shape)
             if full != tuple(rp.shape):
                 raise VerificationError(f"parameter {name!r} has full shape {full}, the original "

@@ -21,7 +21,14 @@ Records are matched by (module path, call number). What is comparable under tens
   gathered); a gradient that only matches summed over the ranks is accepted when the input is
   the output of a Slapo collective (a `bwd_post` all-reduce completes it), and reported
   otherwise (a column-parallel region entered without its backward all-reduce);
-- anything else (shapes that no shard explains, a module the original lacks) is skipped.
+- anything else (shapes that no shard explains, a module the original lacks) is skipped, and
+  so is everything inside an experts module (HF's loop calls its children once per expert,
+  Slapo's expert-parallel module once per (rank, expert): their call numbers do not match).
+
+When the first divergence is an MoE experts module (or the failed tensor is an expert tensor
+stacked [E, ...]), `slapo.verify.experts` names the experts that diverge, by global index: its
+weights, its forward output attributed to experts through the routing, else its gradients.
+With expert parallelism the finding and the text are agreed over the ep group too.
 
 The first diverging forward output is reported; when every output agrees, the first diverging
 input gradient in backward order. Every rank takes part in the same collectives and the
@@ -44,6 +51,7 @@ import torch.nn as nn
 from .. import module_patch, sharding
 from ..distributed import group as _g
 from ..schedule import Schedule
+from . import experts as _experts
 from .report import Finding, completed_above, report_text
 
 
@@ -76,6 +84,10 @@ class _Rec:
     synced: bool = False
 
 
+def _copy(v: Any) -> Any:
+    return v.detach().clone() if isinstance(v, torch.Tensor) else v
+
+
 def _from_collective(t: torch.Tensor) -> bool:
     fwd = getattr(t.grad_fn, "_forward_cls", None)
     return fwd is not None and fwd.__module__.endswith("distributed.collectives")
@@ -93,9 +105,18 @@ class _Recorder:
         self._count: dict[str, int] = {}
         self._stack: dict[str, list[int]] = {}
         self._handles: list = []
+        # experts modules: their calls' arguments (to attribute a divergence to experts); the
+        # modules inside them are not recorded (module doc)
+        self.experts = {p for p, m in model.named_modules() if _experts.experts_info(m)}
+        self.calls: dict[tuple[str, int], tuple[tuple, dict]] = {}
+
+    def _inside_experts(self, path: str) -> bool:
+        return any(path.startswith(e + ".") for e in self.experts)
 
     def __enter__(self) -> _Recorder:
         for path, mod in self.model.named_modules():
+            if self._inside_experts(path):
+                continue
             self._handles.append(mod.register_forward_pre_hook(
                 self._pre(path), prepend=True, with_kwargs=True))
             self._handles.append(mod.register_forward_hook(self._post(path)))
@@ -112,6 +133,9 @@ class _Recorder:
             idx = self._count.get(path, 0)
             self._count[path] = idx + 1
             self._stack.setdefault(path, []).append(idx)
+            if path in self.experts:
+                self.calls[(path, idx)] = (tuple(_copy(a) for a in args),
+                                           {k: _copy(v) for k, v in kwargs.items()})
             named = [(str(i), a) for i, a in enumerate(args)] + list(kwargs.items())
             for name, t in named:
                 if isinstance(t, torch.Tensor) and t.is_floating_point() and t.requires_grad:
@@ -263,7 +287,8 @@ def forward_divergence(model: nn.Module, got: _Recorder, ref: _Recorder,
         partial = rs <= 1
         if partial and completed_above(model, g.path):
             continue
-        return Finding(g.path, "forward output", err, partial, tensor=g.key[2])
+        return Finding(g.path, "forward output", err, partial, tensor=g.key[2],
+                       call=g.key[1])
     return None
 
 
@@ -304,6 +329,7 @@ def localise(sch: Schedule, model: nn.Module, ref: nn.Module,
     every rank of the schedule's group must call it; all get rank 0's text."""
     group = sch.group
     ws = _g.world_size(group)
+    groups = _experts.agree_groups(group, model)
     with _Recorder(ref) as rr:
         out = run(ref)
         rr.recording = False
@@ -318,8 +344,41 @@ def localise(sch: Schedule, model: nn.Module, ref: nn.Module,
     finding = forward_divergence(model, gr, rr, ctx)
     if finding is None and backward is not None:
         finding = backward_divergence(gr, rr, ctx)
-    text = report_text(sch, model, gr, rr, finding, ws, failed)
-    return _rank0(text, group, ws)
+    if _experts.ep_group(model) is not None:  # each ep rank ran its own tokens: one finding
+        finding = _experts.agree(finding, groups)
+    lines = _expert_lines(model, ref, rr, finding, failed, rtol, atol, groups)
+    text = report_text(sch, model, gr, rr, finding, ws, failed, lines)
+    return _experts.agree(text, groups)
+
+
+def _expert_lines(model: nn.Module, ref: nn.Module, rr: _Recorder, finding: Finding | None,
+                  failed: str, rtol: float, atol: float | None, groups: list) -> list[str]:
+    """The diverging experts (`slapo.verify.experts`) when the finding is an experts module,
+    or, with no finding, when the failed tensor is a stacked expert tensor."""
+    if finding is not None:
+        path, what = finding.path, finding.what
+    else:
+        for prefix in ("grad ", "param after step "):
+            if failed.startswith(prefix):
+                path, _, name = failed[len(prefix):].rpartition(".")
+                break
+        else:
+            return []
+        try:
+            info = _experts.experts_info(model.get_submodule(path))
+        except AttributeError:
+            return []
+        if info is None or name not in info.stacked:
+            return []
+        what = None
+    if path not in rr.experts:
+        return []
+    call = rr.calls.get((path, finding.call)) if finding is not None else None
+    lines = _experts.expert_lines(path, model, ref, what, call, rtol, atol, groups)
+    if not lines and failed.startswith("param after step "):
+        lines = [f"  every expert's weights and gradient agree with the original's (layer "
+                 f"{path}): the difference arises in the optimizer step"]
+    return lines
 
 
 def _same_on_every_rank(rec: _Recorder, group, ws: int) -> bool:
@@ -332,11 +391,3 @@ def _same_on_every_rank(rec: _Recorder, group, ws: int) -> bool:
     everyone = [None] * ws
     dist.all_gather_object(everyone, sig, group=group)
     return all(s == everyone[0] for s in everyone)
-
-
-def _rank0(text: str, group, ws: int) -> str:
-    if ws == 1:
-        return text
-    everyone = [None] * ws
-    dist.all_gather_object(everyone, text, group=group)
-    return everyone[0]

@@ -25,6 +25,7 @@ class Finding:
     partial: bool
     receivers: list[str] = field(default_factory=list)
     tensor: str = ""
+    call: int = 0  # the module's call number (forward outputs)
 
 
 def completed_above(model: nn.Module, path: str) -> bool:
@@ -110,12 +111,13 @@ def _diff_of(got: Any, ref: Any, f: Finding) -> torch.Tensor | None:
 
 
 def format_finding(sch: Schedule, model: nn.Module, f: Finding, ws: int,
-                   diff: torch.Tensor | None) -> str:
-    """The report lines for one finding."""
+                   diff: torch.Tensor | None, experts: list[str] = ()) -> str:
+    """The report lines for one finding (`experts`: the diverging experts' lines, when the
+    module is an experts module)."""
     where = f.path or "<root>"
     shared = f" (the same tensor is the input of {', '.join(f.receivers)})" if f.receivers \
         else ""
-    lines = [f"  {where}: {f.what} differs (max abs {f.err:.1e}){shared}"]
+    lines = [f"  {where}: {f.what} differs (max abs {f.err:.1e}){shared}", *experts]
     prims = applied_around(sch, f.path, below=True)
     lines.append("  primitives applied: " + ("; ".join(prims[:10]) if prims else "none here "
                                              "or above (an unscheduled module)"))
@@ -126,12 +128,13 @@ def format_finding(sch: Schedule, model: nn.Module, f: Finding, ws: int,
 
 
 def report_text(sch: Schedule, model: nn.Module, gr, rr, finding, ws: int,
-                failed: str) -> str:
-    """The localisation text: the finding, or (none) the owner of the failed tensor."""
+                failed: str, experts: list[str] = ()) -> str:
+    """The localisation text: the finding, or (none) the owner of the failed tensor; with
+    the diverging experts' lines (`slapo.verify.experts`) below the module's."""
     head = "Localisation (both models re-run with module hooks, fp32):"
     if finding is not None:
         diff = _diff_of(gr, rr, finding) if finding.what == "forward output" else None
-        return f"{head}\n{format_finding(sch, model, finding, ws, diff)}"
+        return f"{head}\n{format_finding(sch, model, finding, ws, diff, experts)}"
     owner = _owner_of(failed, model)
     lines = [f"{head}\n  no module's forward output or input gradient differs; the mismatch "
              f"arises in {failed or 'the compared tensor'} itself."]
@@ -139,7 +142,7 @@ def report_text(sch: Schedule, model: nn.Module, gr, rr, finding, ws: int,
         prims = applied_around(sch, owner)
         lines.append(f"  {owner or '<root>'} owns it; primitives applied: "
                      + ("; ".join(prims[:10]) if prims else "none"))
-    return "\n".join(lines)
+    return "\n".join([*lines, *experts])
 
 
 def _owner_of(failed: str, model: nn.Module) -> str | None:
