@@ -245,8 +245,8 @@ PRIMITIVE_CASES: dict[str, Case] = {
         "decompose", _prepared(lambda s: s[OUT].sync("fwd_post", "all_reduce")),
         lambda s: s[OUT].decompose(), OUT, ("row-parallel sync",)),
     # find
-    "find_untraced": Case("find", _base, lambda s: s[IM].find("act"), IM,
-                          ("needs a traced module", ".trace()")),
+    "find_untraced_no_match": Case("find", _base, lambda s: s[IM].find("softmax"), IM,
+                                   ("matches no node", "dense")),
     "find_bad_regex": Case("find", _traced, lambda s: s[IM].find("gelu("), IM,
                            ("not a valid regular expression",)),
     "find_no_match": Case("find", _traced, lambda s: s[IM].find("softmax"), IM,

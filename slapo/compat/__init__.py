@@ -12,7 +12,8 @@ Modules: `env` (setup/cleanup/execute), `logger` (get_logger with `ranks=`), `tu
 consolidate_model, init_target_engine, trace, generate_pipeline_partition), `primitives`
 (replace_all, find_node, trace_until, get_module, get_top_schedule; `register_primitive` for
 2023 primitive classes), `spellings` (the 2023 keywords of trace/fuse/shard and the
-`world_size`/`rank` names of a node).
+`world_size`/`rank` names of a node), `find` (2023's `find`: trace by need, and a layer
+decomposed before the trace gets its bias add in the graph).
 
 Nothing here changes a core object when imported. `install()`, which `slapo/__init__` calls
 explicitly, registers the 2023 primitives and spellings through the core's public seams

@@ -12,7 +12,11 @@ trace: `tracer="pytorch"|"huggingface"` -> "fx" (one tracer handles HF models no
 -> every direct child is a leaf; `config=` (the HF tracer's dummy-input config) is dropped with a
 notice; modules marked `traceable = False` (2023's leaf marker) are leaves. "dynamo" stays
 refused by the primitive, with its reason. 2023 returned False on failure (which hid errors,
-upstream issue #89); a failure now raises, and success returns the (truthy) GraphModule.
+upstream issue #89); a failure now raises, and success returns the (truthy) GraphModule. A
+layer decomposed before the trace gets its bias add in the new graph, as 2023's did
+(slapo/compat/find.py).
+
+find: an untraced node is traced first (trace by need, as 2023's `find` did; slapo/compat/find.py).
 
 fuse: `compiler="TorchInductor"` -> "inductor"; `compiler="TorchScript"` (deprecated by PyTorch)
 -> "inductor" with a one-time notice. `compiler=None` keeps today's meaning (no compilation).
@@ -36,6 +40,7 @@ from ..primitives.annotate import AnnotatePrimitive
 from ..primitives.base import MethodAdapter
 from ..schedule import Schedule
 from ..sharding import shard_spec
+from .find import decomposed_below, find_by_need, move_bias_adds_into_graph
 
 TRACERS_2023 = {"pytorch": "fx", "huggingface": "fx"}
 COMPILERS_2023 = {"TorchInductor": "inductor", "TorchScript": "inductor"}
@@ -73,7 +78,11 @@ def trace_kwargs(sch: Schedule, kwargs: dict) -> dict:
 
 
 def _trace(run: Callable[..., Any], sch: Schedule, kwargs: dict) -> Any:
-    return run(**trace_kwargs(sch, kwargs))
+    kw = trace_kwargs(sch, kwargs)
+    decomposed = decomposed_below(sch)
+    out = run(**kw)
+    move_bias_adds_into_graph(sch, decomposed)
+    return out
 
 
 # -------------------------------------------------------------------------------------- fuse
@@ -114,6 +123,7 @@ SPELLINGS: dict[str, MethodAdapter] = {
     "trace": MethodAdapter(_trace, keywords=("recursive", "leaf_modules", "config")),
     "fuse": MethodAdapter(_fuse),
     "shard": MethodAdapter(_shard),
+    "find": MethodAdapter(find_by_need),
 }
 
 ATTRIBUTES: dict[str, Callable[[Schedule], Any]] = {

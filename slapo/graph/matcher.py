@@ -5,7 +5,11 @@ model code and pattern code rarely spell an op the same way (`x + b`, `torch.add
 `F.silu(x)` against HF's `F.silu(x, inplace=False)`; `nn.GELU` against `F.gelu`), and
 SubgraphMatcher compares targets and keyword sets exactly. We compare canonical op names, let a
 pattern omit keyword arguments, match modules by class, and anchor each match at the pattern's
-output, walking inputs backwards. Like Slapo's, it does not try commuted operands.
+output, walking inputs backwards, with backtracking. As in Slapo 2023 a torch.nn module called
+as a leaf is the same op as its functional form (`nn.GELU` and `F.gelu`: only the input is
+compared), and, unlike 2023's matcher (which compared ops in graph order but not which value
+feeds which operand), operands are matched: `F.relu(x) - x` does not match `x - F.relu(x)`, while
+the operands of `+` and `*` are tried in both orders (`bias + x` matches `x + bias`).
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ from __future__ import annotations
 import inspect
 import keyword
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch.fx as fx
@@ -114,51 +118,111 @@ def _fn_module(fn: Callable) -> nn.Module:
 
 
 def match_pattern(gm: fx.GraphModule, pattern: Callable | nn.Module) -> list[Subgraph]:
+    """Every match of `pattern` in `gm`, in graph order of the node matching the pattern's
+    output; matches share no op (a node already matched is not matched again, as in Slapo)."""
     pat = trace_pattern(pattern)
     pnodes = [n for n in pat.graph.nodes if n.op not in ("placeholder", "output")]
     out_node = next(n for n in pat.graph.nodes if n.op == "output")
     anchor = out_node.args[0]
     if not isinstance(anchor, fx.Node) or anchor.op == "placeholder" or not pnodes:
         raise ValueError("a pattern must compute something from its inputs and return one value")
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
     matches, used = [], set()
     for gn in gm.graph.nodes:
-        mapping: dict[fx.Node, fx.Node] = {}
-        if _match(anchor, gn, mapping, pat, gm):
-            nodes = [mapping[p] for p in pnodes if p in mapping and p.op != "get_attr"]
+        for mapping in _match(anchor, gn, {}, pat, gm):
+            nodes = {mapping[p] for p in pnodes if p in mapping and p.op != "get_attr"}
             if used.isdisjoint(nodes):
                 used.update(nodes)
-                order = {n: i for i, n in enumerate(gm.graph.nodes)}
-                matches.append(Subgraph(gm, sorted(set(nodes), key=order.__getitem__)))
+                matches.append(Subgraph(gm, sorted(nodes, key=order.__getitem__)))
+                break
     return matches
 
 
-def _match(pn: fx.Node, gn: fx.Node, mapping: dict, pat: nn.Module, gm: nn.Module) -> bool:
+# Ops whose two tensor operands may be given in either order (`bias + x` matches `x + bias`).
+_COMMUTATIVE = {"add", "mul"}
+
+# A torch.nn module and its functional form compute the same op once traced (`nn.GELU` called as
+# a leaf and `F.gelu`); as in Slapo, only the input (the first argument) is compared, the module
+# holds the rest (sizes, weights, eps, p).
+_FUNCTIONAL_MODULES: dict[str, tuple[type[nn.Module], ...]] = {
+    "relu": (nn.ReLU,), "gelu": (nn.GELU,), "silu": (nn.SiLU,), "tanh": (nn.Tanh,),
+    "sigmoid": (nn.Sigmoid,), "softmax": (nn.Softmax,), "dropout": (nn.Dropout,),
+    "layer_norm": (nn.LayerNorm,), "group_norm": (nn.GroupNorm,), "linear": (nn.Linear,),
+    "conv1d": (nn.Conv1d,), "conv2d": (nn.Conv2d,), "conv3d": (nn.Conv3d,),
+    "embedding": (nn.Embedding,), "mse_loss": (nn.MSELoss,),
+    "cross_entropy": (nn.CrossEntropyLoss,),
+}
+
+
+def _match(pn: fx.Node, gn: fx.Node, mapping: dict, pat: nn.Module,
+           gm: nn.Module) -> Iterator[dict]:
+    """Each way pattern node `pn` matches graph node `gn` given `mapping` (pattern -> graph
+    nodes), as an extended copy of `mapping`; alternatives come from commutative operands."""
     if pn in mapping:
-        return mapping[pn] is gn
+        if mapping[pn] is gn:
+            yield mapping
+        return
     if pn.op == "placeholder":
-        mapping[pn] = gn
-        return True
+        yield {**mapping, pn: gn}
+        return
+    if gn.op in ("placeholder", "output"):
+        return
+    operands = _operands(pn, gn, pat, gm)
+    if operands is None:
+        return
+    pargs, gargs, kwargs = operands
+    if len(pargs) > len(gargs):
+        return
+    mapping = {**mapping, pn: gn}
+    orders = [list(zip(pargs, gargs))]
+    if _commutes(pn, gn, pat, pargs, gargs):
+        orders.append([(pargs[0], gargs[1]), (pargs[1], gargs[0])])
+    for pairs in orders:
+        yield from _match_all(pairs + kwargs, mapping, pat, gm)
+
+
+def _operands(pn: fx.Node, gn: fx.Node, pat: nn.Module, gm: nn.Module):
+    """(pattern args, graph args, keyword pairs) to compare if `pn` and `gn` are the same op,
+    else None."""
     regex = _module_regex(pn)
     if regex is not None:  # slapo.pattern.call_module: any submodule whose path matches
         if gn.op != "call_module" or not re.search(regex, str(gn.target)):
-            return False
-        pargs = pn.args[1:]
-    elif gn.op in ("placeholder", "output") or _canon(pn, pat) != _canon(gn, gm):
-        return False
+            return None
+        return pn.args[1:], gn.args, []
+    pc, gc = _canon(pn, pat), _canon(gn, gm)
+    if pc == gc:
+        return pn.args, gn.args, [(v, gn.kwargs.get(k, _MISSING)) for k, v in pn.kwargs.items()]
+    if _same_op_as_module(pc, pn, pat, gc, gn, gm):
+        return pn.args[:1], gn.args[:1], []
+    return None
+
+
+def _same_op_as_module(pc, pn, pat, gc, gn, gm) -> bool:
+    """One side calls a torch.nn module (with its own forward: no kernel), the other the
+    module's functional form."""
+    if pc[0] == "op" and gc[0] == "module":
+        fn, mod = pc[1], gm.get_submodule(gn.target)
+    elif pc[0] == "module" and gc[0] == "op":
+        fn, mod = gc[1], pat.get_submodule(pn.target)
     else:
-        pargs = pn.args
-    if len(pargs) > len(gn.args):
         return False
-    snapshot = dict(mapping)
-    mapping[pn] = gn
-    pairs = list(zip(pargs, gn.args)) + [(v, gn.kwargs.get(k, _MISSING))
-                                         for k, v in pn.kwargs.items()]
-    for pa, ga in pairs:
-        if not _match_arg(pa, ga, mapping, pat, gm):
-            mapping.clear()
-            mapping.update(snapshot)
-            return False
-    return True
+    return module_patch.kernel(mod) is None and \
+        issubclass(module_patch.original_class(mod), _FUNCTIONAL_MODULES.get(fn, ()))
+
+
+def _commutes(pn, gn, pat, pargs, gargs) -> bool:
+    return (_canon(pn, pat) in {("op", name) for name in _COMMUTATIVE}
+            and len(pargs) == len(gargs) == 2 and "alpha" not in pn.kwargs
+            and "alpha" not in gn.kwargs)
+
+
+def _match_all(pairs: list, mapping: dict, pat, gm) -> Iterator[dict]:
+    if not pairs:
+        yield mapping
+        return
+    (pa, ga), rest = pairs[0], pairs[1:]
+    for m in _match_arg(pa, ga, mapping, pat, gm):
+        yield from _match_all(rest, m, pat, gm)
 
 
 _MISSING = object()
@@ -171,13 +235,15 @@ def _module_regex(pn: fx.Node) -> str | None:
     return None
 
 
-def _match_arg(pa, ga, mapping, pat, gm) -> bool:
+def _match_arg(pa, ga, mapping, pat, gm) -> Iterator[dict]:
     if isinstance(pa, fx.Node):
-        return isinstance(ga, fx.Node) and _match(pa, ga, mapping, pat, gm)
-    if isinstance(pa, (tuple, list)):
-        return isinstance(ga, (tuple, list)) and len(pa) == len(ga) and \
-            all(_match_arg(a, b, mapping, pat, gm) for a, b in zip(pa, ga))
-    if isinstance(pa, float) and isinstance(ga, (int, float)):
-        return abs(pa - ga) <= 1e-12 * max(1.0, abs(pa))
-    return pa == ga
-
+        if isinstance(ga, fx.Node):
+            yield from _match(pa, ga, mapping, pat, gm)
+    elif isinstance(pa, (tuple, list)):
+        if isinstance(ga, (tuple, list)) and len(pa) == len(ga):
+            yield from _match_all(list(zip(pa, ga)), mapping, pat, gm)
+    elif isinstance(pa, float) and isinstance(ga, (int, float)):
+        if abs(pa - ga) <= 1e-12 * max(1.0, abs(pa)):
+            yield mapping
+    elif pa == ga:
+        yield mapping

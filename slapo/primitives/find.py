@@ -34,6 +34,12 @@ class FindPrimitive(Primitive):
         if not isinstance(sch.mod, fx.GraphModule):
             raise SchedulingError(sch.path, f"find needs a traced module, but this is a "
                                   f"{type(sch.mod).__name__}.", "call .trace() on it first.")
+        cls.validate_query(sch, pattern, kind)
+
+    @classmethod
+    def validate_query(cls, sch, pattern, kind=None):
+        """The checks of `pattern` and `kind` alone, which need no graph (the edge's trace by
+        need, slapo/compat/find.py, runs them before it traces the module)."""
         if kind not in (None, "regex", "predicate", "pattern"):
             raise SchedulingError(sch.path, f"unknown kind {kind!r}.",
                                   "use 'regex', 'predicate' or 'pattern'.")
