@@ -35,8 +35,10 @@ a module whose weight is tied to another's; names in `skip` are left out too.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -200,6 +202,29 @@ def convert(modules: list[nn.Module], root: nn.Module, config: Float8Config,
     return done
 
 
+@contextlib.contextmanager
+def converted(model: nn.Module, config: Float8Config, device_type: str) -> Iterator[list[str]]:
+    """`convert` for the duration of the block, then every touched module as it was (its
+    kernel and its `gemm` entry): `Verify(precision="fp8")` runs the user's scheduled model
+    with FP8 GEMMs without leaving them on it."""
+    before = {id(m): (m, module_patch.kernel(m), module_patch.module_meta(m).get("gemm", _NONE))
+              for m in model.modules()}
+    try:
+        yield convert([model], model, config, device_type)
+    finally:
+        for m, kernel, gemm in before.values():
+            meta = module_patch.module_meta(m)
+            if gemm is _NONE:
+                meta.pop("gemm", None)
+            else:
+                meta["gemm"] = gemm
+            if module_patch.kernel(m) is not kernel:
+                module_patch.set_kernel(m, kernel)
+
+
+_NONE = object()  # "no entry" (a `gemm` entry may hold None)
+
+
 def _gemm_module(mod: nn.Module) -> bool:
     """A plain Linear or HF Conv1D whose forward is (or is a kernel over) `local_gemm`."""
     cls = module_patch.original_class(mod)
@@ -241,4 +266,5 @@ def fp8_gemm(mod: nn.Module) -> Float8Gemm | None:
     return gemm if isinstance(gemm, Float8Gemm) else None
 
 
-__all__ = ["RECIPES", "Float8Config", "Float8Gemm", "check_fp8", "convert", "fp8_gemm"]
+__all__ = ["RECIPES", "Float8Config", "Float8Gemm", "check_fp8", "convert", "converted",
+           "fp8_gemm"]

@@ -56,6 +56,17 @@ roundings, which costs about one more `d`: measured on 2-rank TP of BERT, GPT-2 
 4 seeds, the worst tensor was at 2.5 d. A wrong one is far above it (BERT with the all-reduce of
 its row-parallel attention output removed: >= 93 d on the outputs, >= 158 d on some gradient),
 so it still fails, although bf16's roundoff is ~10^4 times fp32's.
+
+FP8 (`precision="fp8"`, `fp8=` a `runtime.fp8.Float8Config`): the same rule, with FP8 GEMMs
+(torchao, emulated on CPU) in both the scheduled model and the original, as `build` converts
+them; the third copy stays fp32, so `d` is the original's own FP8 error at each tensor. The
+scheduled model converts after its sharding (per-shard scales, as `build` does; the
+original's are whole-tensor scales), which is about one more FP8 rounding: measured on tiny
+LLaMA and GPT-2 under tp=2, tensorwise and rowwise scales, 4 seeds, the worst gradient or
+stepped parameter at 2.9 d; with the row-parallel all-reduce dropped, >= 24 d. A one-element
+tensor (the loss) has a floor of `FP8_SCALAR_FLOOR` relative (its own error can cancel: a
+correct schedule's loss reached 9 d). The FP8 GEMMs are removed from the scheduled model after
+the comparison; the localisation of a mismatch runs in fp32.
 """
 
 from __future__ import annotations
@@ -84,6 +95,11 @@ from .localise import localise
 from .pipeline_check import _EPS, PipelineChecks
 from .rng_check import check_rng
 
+# fp8: the least tolerance of a one-element tensor (the loss), relative to it: its own
+# fp8-vs-fp32 error can cancel to near zero (measured: a correct tp=2 LLaMA's loss at 9x it),
+# so mp_tolerance x this (2e-3 by default) is docs/runtime.md's fp8 loss bound
+FP8_SCALAR_FLOOR = 5e-4
+
 
 def _call(loss_fn: Callable, out, inputs, kwargs):
     try:
@@ -102,13 +118,16 @@ class Verify(PipelineChecks):
                  enable: bool = True, init_weights: Callable | None = None, init_seed: int = 0,
                  device: torch.device | str = "cpu", precision: str = "fp32",
                  mixed_precision: str | None = None, mp_tolerance: float = 4.0,
-                 localise: bool = True, check_rng: bool = True):
+                 localise: bool = True, check_rng: bool = True, fp8=None):
         self.precision = precision_arg(precision, mixed_precision)  # the earlier keyword too
-        if self.precision == "fp8":  # its baseline would be bf16's: not what fp8 computes
-            raise SchedulingError("", "Verify(precision='fp8') is not supported yet: Verify "
-                                  "measures bf16/fp16 roundoff, not FP8 GEMMs.",
-                                  "verify the schedule in 'bf16' (FP8's own tolerance is "
-                                  "docs/runtime.md, 'FP8').")
+        self.fp8 = None  # fp8: the checked Float8Config both models' GEMMs run with
+        if self.precision == "fp8":
+            from ..runtime.fp8 import check_fp8
+
+            self.fp8 = check_fp8(fp8, torch.device(device).type)
+        elif fp8 is not None:
+            raise SchedulingError("", f"fp8={fp8!r} given with precision={self.precision!r}.",
+                                  "pass precision='fp8' with it, or drop fp8=.")
         if not (isinstance(mp_tolerance, (int, float)) and mp_tolerance > 0):
             raise SchedulingError("", f"mp_tolerance={mp_tolerance!r} must be a positive "
                                   "number.", "pass e.g. mp_tolerance=4.0.")
@@ -238,6 +257,8 @@ class Verify(PipelineChecks):
         err = (got - ref).abs().max().item() if ref.numel() else 0.0
         scale = ref.abs().max().item() if ref.numel() else 0.0
         d = (ref - base).abs().max().item() if ref.numel() else 0.0
+        if self.precision == "fp8" and ref.numel() == 1:  # module doc: a scalar's fp8 error
+            floor = max(floor, FP8_SCALAR_FLOOR * scale)  # can cancel to near zero
         atol = self.atol if self.atol is not None else \
             self.mp_tolerance * max(d, floor, 1e-30)
         self.report[name], self.baseline[name], self.tolerance[name] = err, d, atol
@@ -316,6 +337,32 @@ class Verify(PipelineChecks):
         modes = (model.training, ref.training)
         saved = {n: p.detach().clone() for n, p in model.named_parameters()}
         failure = None
+        with self._fp8_gemms(model, ref):
+            failure = self._compare_all(model, ref, base, saved, modes)
+        if failure is not None:
+            self._raise(failure, model)
+        self._check_rng(model)
+        self._check_pipeline()
+        return self.report
+
+    def _fp8_gemms(self, model: nn.Module, ref: nn.Module):
+        """fp8: the scheduled model and the original (a copy) both with FP8 GEMMs, the
+        scheduled one's removed after the comparison (the localisation of a mismatch and the
+        RNG check run in fp32). The scheduled model converts after its sharding, so its scales
+        are per shard, as `build` does; the original's are the whole tensors'."""
+        if self.fp8 is None:
+            return contextlib.nullcontext()
+        from ..runtime.fp8 import convert, converted
+
+        device_type = module_device_type(ref, default=torch.device(self.device).type)
+        convert([ref], ref, self.fp8, device_type)
+        return converted(model, self.fp8, device_type)
+
+    def _compare_all(self, model: nn.Module, ref: nn.Module, base: nn.Module | None,
+                     saved: dict, modes: tuple[bool, bool]) -> tuple[str, str] | None:
+        """Outputs, then gradients and the optimizer step (with `loss_fn`): the first agreed
+        mismatch, or None."""
+        failure = None
         try:
             self._set_eval(model, ref, base)
             self._check_params_accounted(model, ref)
@@ -336,11 +383,7 @@ class Verify(PipelineChecks):
         finally:
             self._restore(model, saved, modes[0])
             ref.train(modes[1])
-        if failure is not None:
-            self._raise(failure, model)
-        self._check_rng(model)
-        self._check_pipeline()
-        return self.report
+        return failure
 
     def _set_eval(self, *models: nn.Module | None) -> None:
         if self.eval_mode:
