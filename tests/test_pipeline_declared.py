@@ -244,7 +244,7 @@ def test_declared_tp_and_pp_plans_together_equal_one_process(dist4):
     input) and Phi-3 (packed q|k|v and gate|up split per block) equal one process like the pp=2
     sweep, with at least one parameter split; GPT-OSS (its attention with biases and per-head
     sinks split by Slapo's supplement to a plan that declares only the embedding,
-    `plan_supplements.py`; sliding and full layers; its experts whole on every rank)."""
+    `plan_supplements.py`; sliding and full layers; its biased experts split by expert TP)."""
     import hf_tiny
     import transformers
 

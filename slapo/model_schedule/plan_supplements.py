@@ -11,9 +11,9 @@ own TP of them computes one rank's share of a gradient:
 
 Others declare only the input embedding, which splits nothing in the layers: HunYuan dense
 (LLaMA's attention and MLP, per-head query/key norms) and GPT-OSS (LLaMA's attention with
-biases and per-head attention sinks). For GPT-OSS only the attention is split: its experts have
-biases, which expert TP does not split exactly yet (`plan_experts.Experts` refuses them), so
-they stay whole on every rank (exact; `ep` is the way to split experts).
+biases and per-head attention sinks, and its biased experts as `moe_tp_experts`:
+`plan_experts.Experts` splits `gate_up_proj` and its bias by interleaved (gate, up) pairs and
+adds `down_proj_bias` once in the all-reduced sum).
 
 LFM2 and LFM3 also declare only the embedding; their short-convolution layers have no HF style
 (an input projection packing B|C|x, a depthwise convolution over the channels, an output
@@ -68,7 +68,8 @@ SUPPLEMENTS: dict[str, dict[str, str | tuple]] = {
     "apertus1p5_text": _XIELU,
     "sarvam_moe": _per_head("q_norm", "k_norm"),
     "hunyuan_v1_dense": {**_ATTENTION, **_MLP, **_per_head("query_layernorm", "key_layernorm")},
-    "gpt_oss": {**_ATTENTION, "layers.*.self_attn.sinks": "colwise"},
+    "gpt_oss": {**_ATTENTION, "layers.*.self_attn.sinks": "colwise",
+                "layers.*.mlp.experts": "moe_tp_experts"},
     "lfm2": {**_LFM2_ATTENTION, **_SHORT_CONV, **_LFM_FFN},
     "lfm3": {**_LFM3_ATTENTION, **_SHORT_CONV, **_LFM_FFN},
 }
