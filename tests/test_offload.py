@@ -206,3 +206,33 @@ def test_every_family_offloaded_computes_what_it_computed(family):
     assert len(got) == len(want)
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, rtol=0, atol=0)
+
+
+def test_backward_prefetches_the_next_layer_and_stays_exact(monkeypatch):
+    """Every layer offloaded (host-copy path forced): when backward reaches a layer it starts
+    bringing back the layer before it, so every offloaded tensor of layers 0..L-2 is served by
+    a prefetch and only the last layer's (where backward starts) are copied back on demand;
+    the gradients are the unscheduled model's exactly. A prefetch that copies the wrong
+    tensor (the mutation) changes them."""
+    ref = _llama(layers=3)
+    model = copy.deepcopy(ref)
+    model_schedule.apply(slapo.create_schedule(model), offload_ratio=1.0)
+    wrappers = [offload_wrapper(layer) for layer in model.model.layers]
+    _force_cpu_path(model)
+    x = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
+    want, got = _loss_and_grads(ref, x), _loss_and_grads(model, x)
+    assert got[0] == want[0]
+    for g, w in zip(got[1], want[1]):
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
+    served = [(w.stats.prefetched, w.stats.tensors) for w in wrappers]
+    assert all(p == t > 0 for p, t in served[:-1]) and served[-1][0] == 0, served
+
+    real = offload_mod._prefetch
+
+    def wrong(group):
+        real(group)
+        for packed in group.items:
+            packed.back = packed.back * 1.001
+    monkeypatch.setattr(offload_mod, "_prefetch", wrong)
+    bad = _loss_and_grads(model, x)
+    assert any(not torch.equal(g, w) for g, w in zip(bad[1], want[1]))

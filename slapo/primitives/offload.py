@@ -10,9 +10,18 @@ autograd saves for backward goes through `torch.autograd.graph.saved_tensors_hoo
   pinned host memory on a side stream (the copy overlaps the next ops; the caching allocator is
   told the side stream still reads the tensor, `record_stream`), and only the host copy is
   kept. Smaller tensors (a copy's fixed cost outweighs their bytes) are kept as they are.
-- **unpack** (backward): the compute stream waits for that copy's event, then copies back
-  (non-blocking). There is no prefetch yet: each tensor comes back when backward asks for it,
-  so the H2D copy is not overlapped with the previous layer's backward (GPU time to measure).
+- **unpack** (backward): the tensor comes back to the device. **Prefetch**: the offloaded
+  forwards form a chain in the order they ran (each forward's saved tensors are one `_Group`,
+  linked to the group created before it); when backward first unpacks a tensor of group k it
+  starts copying every tensor of group k-1 (the layer whose backward comes next) back to the
+  device on the offload stream, so that H2D copy overlaps group k's backward. An unpack whose
+  tensor was prefetched waits for its copy's event and takes it; one not prefetched (the first
+  group backward reaches) is copied back when asked. One group ahead at most: the device holds
+  at most two layers' offloaded activations during backward. A group already unpacked is not
+  prefetched (pipeline schedules interleave micro-batches' forwards: the chain is by creation,
+  so a group's predecessor may belong to another micro-batch; prefetching it early only
+  holds its bytes earlier, the numbers are the same). `OffloadStats.prefetched` counts the
+  unpacks served by a prefetch.
 
 The numbers are exactly the module's (a copy is a copy). The CUDA path (streams, events,
 pinned memory) has not run on a GPU yet: no device was lent when it was written. On CPU there
@@ -25,6 +34,7 @@ the same module (a checkpointed module saves only its inputs: choose one per lay
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -40,11 +50,13 @@ MIN_BYTES = 1 << 20  # below ~1 MiB a copy's launch and sync cost more than the 
 
 @dataclass
 class OffloadStats:
-    """What the last forward of an offloaded module moved (read by tests and reports)."""
+    """What the last forward of an offloaded module moved (read by tests and reports), and how
+    many of its tensors its backward found prefetched."""
 
     tensors: int = 0
     bytes: int = 0
     kept: int = 0
+    prefetched: int = 0
 
 
 @dataclass
@@ -52,6 +64,27 @@ class _OnHost:
     host: torch.Tensor
     device: torch.device
     event: object | None = None  # the D2H copy's CUDA event (None on CPU)
+    group: _Group | None = None
+    back: torch.Tensor | None = None  # the prefetched device copy
+    back_event: object | None = None  # its H2D copy's CUDA event (None on CPU)
+
+
+class _Group:
+    """The offloaded tensors of one forward of one module, linked to the group created just
+    before it (weakly: a finished step's groups are freed with their graph)."""
+
+    _last: weakref.ref | None = None  # the group created most recently (this process)
+
+    def __init__(self, stats: OffloadStats):
+        self.items: list[_OnHost] = []
+        self.stats = stats
+        self.started = False  # backward has unpacked one of its tensors
+        self.fetched = False  # its tensors were prefetched
+        self.prev = _Group._last
+        _Group._last = weakref.ref(self)
+
+    def previous(self) -> _Group | None:
+        return self.prev() if self.prev is not None else None
 
 
 @dataclass
@@ -65,12 +98,13 @@ class OffloadWrapper(module_patch.ForwardWrapper):
         if not torch.is_grad_enabled():
             return fn(*args, **kwargs)
         self.stats = OffloadStats()
+        group = _Group(self.stats)
         weights = {p.untyped_storage().data_ptr() for p in module.parameters()}
         with torch.autograd.graph.saved_tensors_hooks(
-                lambda t: self._pack(t, weights), _unpack):
+                lambda t: self._pack(t, weights, group), _unpack):
             return fn(*args, **kwargs)
 
-    def _pack(self, t: torch.Tensor, weights: set[int]):
+    def _pack(self, t: torch.Tensor, weights: set[int], group: _Group):
         nbytes = t.numel() * t.element_size()
         if (t.device.type not in self.devices or nbytes < self.min_bytes or t.is_sparse
                 or t.untyped_storage().data_ptr() in weights):
@@ -78,9 +112,11 @@ class OffloadWrapper(module_patch.ForwardWrapper):
             return t
         self.stats.tensors += 1
         self.stats.bytes += nbytes
-        if t.device.type == "cpu":
-            return _OnHost(t.detach().clone(), t.device)
-        return _to_host(t)
+        packed = _OnHost(t.detach().clone(), t.device) if t.device.type == "cpu" \
+            else _to_host(t)
+        packed.group = group
+        group.items.append(packed)
+        return packed
 
 
 def _to_host(t: torch.Tensor) -> _OnHost:
@@ -101,10 +137,46 @@ def _to_host(t: torch.Tensor) -> _OnHost:
 def _unpack(packed):
     if not isinstance(packed, _OnHost):
         return packed
+    group = packed.group
+    if group is not None and not group.started:
+        group.started = True
+        before = group.previous()
+        if before is not None and not before.started and not before.fetched:
+            _prefetch(before)
+    if packed.back is not None:
+        group.stats.prefetched += 1
+        if packed.back_event is not None:
+            torch.cuda.current_stream(packed.device).wait_event(packed.back_event)
+            packed.back.record_stream(torch.cuda.current_stream(packed.device))
+        return packed.back
+    return _to_device(packed)
+
+
+def _to_device(packed: _OnHost) -> torch.Tensor:
+    """The host copy back on its device (on CPU: the host copy itself)."""
     if packed.event is None:
         return packed.host
     torch.cuda.current_stream(packed.device).wait_event(packed.event)
     return packed.host.to(packed.device, non_blocking=True)
+
+
+def _prefetch(group: _Group) -> None:
+    """Start copying `group`'s tensors back to their device: on the offload stream, after
+    their D2H copies and after the work backward has queued so far; each copy's event is what
+    its unpack waits for. On CPU (tests) the "device copy" is a fresh copy of the host one, so
+    the same bookkeeping runs."""
+    group.fetched = True
+    for packed in group.items:
+        if packed.event is None:
+            packed.back = packed.host.clone()
+            continue
+        stream = _offload_stream(packed.device)
+        stream.wait_stream(torch.cuda.current_stream(packed.device))
+        with torch.cuda.stream(stream):
+            stream.wait_event(packed.event)
+            packed.back = packed.host.to(packed.device, non_blocking=True)
+            packed.back_event = torch.cuda.Event()
+            packed.back_event.record(stream)
 
 
 _STREAMS: dict[torch.device, object] = {}
