@@ -117,6 +117,26 @@ def test_checkpoint_per_stage_keeps_bn_statistics(one_thread):
     assert train_step_matches(model, ref, x, y) > 100
 
 
+def test_offload_per_stage_after_the_checkpointed_blocks_is_exact(one_thread):
+    """offload_ratio=0.5 with ckpt_ratio=0.25 offloads round-half-up(0.5 n_k) blocks of each
+    stage after its checkpointed ones (host-copy path forced on CPU); one train step equals
+    the unscheduled model's (outputs, gradients, parameters, BatchNorm statistics)."""
+    from slapo.primitives.offload import offload_wrapper
+
+    model, ref = vm.tiny(), vm.tiny()
+    sch = model_schedule.apply(model, ckpt_ratio=0.25, offload_ratio=0.5)
+    kinds = [[("ckpt" if any(w.name == "checkpoint" for w in wrappers(b.mod)) else
+               "off" if offload_wrapper(b.mod) else "-") for b in s]
+             for s in wideresnet.stage_nodes(sch)]
+    found = [w for s in wideresnet.stage_nodes(sch) for b in s
+             if (w := offload_wrapper(b.mod)) is not None]
+    for w in found:
+        w.devices, w.min_bytes = ("cpu",), 0
+    x, y = vm.images()
+    assert train_step_matches(model, ref, x, y) > 100
+    assert all("off" in k for k in kinds) and found and all(w.stats.tensors for w in found), kinds
+
+
 def test_plain_checkpoint_primitive_counts_bn_once():
     """The trap WideResNet's schedule used to guard itself is closed in the `checkpoint`
     primitive: a plain checkpointed block updates running stats once, like the original."""

@@ -32,6 +32,10 @@ which would update their running statistics a second time (plain torch.utils.che
 a known trap); the `checkpoint` primitive itself keeps them as the real forward left them, for
 any checkpointed module (`slapo.primitives.checkpoint.running_stats_kept`).
 
+**Offloading** (`offload_ratio` r) is per stage too: round-half-up(r * n_k) blocks of each
+stage, the ones after its checkpointed blocks, keep their saved activations in host memory
+(`offload` primitive); exact, BatchNorm untouched (nothing is recomputed).
+
 **Pipeline**: `pp_stages` cuts at evenly spaced block boundaries over the 4 stages' blocks; the
 2023 form `apply_schedule(..., pipeline_cuts=[[..], [..], [..], [..]])` cuts after
 `layer{k+1}[i]` for each i of list k. `partition(sch)` builds the stage modules (the stem with
@@ -109,6 +113,7 @@ def schedule(sch: Schedule, knobs: ScheduleKnobs) -> Schedule:
             TP_PLAN.apply(block, tp)
     checkpoint_stages(stages, knobs.ckpt_ratio,
                       None if knobs.ckpt_policy == "full" else knobs.ckpt_policy)
+    offload_stages(stages, knobs.ckpt_ratio, knobs.offload_ratio)
     if knobs.compile_blocks:
         compile_layers(sch, [b for s in stages for b in s], knobs.compile_blocks)
     if knobs.pp_stages > 1:
@@ -125,11 +130,6 @@ def check(sch: Schedule, knobs: ScheduleKnobs, tp: int) -> None:
                             "network (the WideResNet schedule has channel TP, per-stage "
                             "checkpointing and pipeline cuts).", f"leave {name} at its "
                             f"default ({default!r}).", sch.path)
-    if knobs.offload_ratio:
-        raise KnobError("offload_ratio", "activation offloading is not built for the "
-                        "WideResNet schedule yet (its blocks are scheduled per stage).",
-                        "use ckpt_ratio, or offload chosen blocks with sch[path].offload().",
-                        sch.path)
     if tp not in (1, sch.tp_size):
         raise SchedulingError(sch.path, f"tp={tp} but the schedule's tensor-parallel group has "
                               f"{sch.tp_size} rank(s).", "create the schedule on a group of "
@@ -166,6 +166,22 @@ def checkpoint_stages(stages: list[list[Schedule]], ratio: float, policy=None,
             sorted({math.floor(k * len(blocks) / n) for k in range(n)})
         for i in picked:
             _checkpoint(blocks[i], policy)
+        total += n
+    return total
+
+
+def offload_stages(stages: list[list[Schedule]], ckpt_ratio: float, ratio: float) -> int:
+    """Offload (`offload` primitive) round-half-up(ratio * n_k) blocks of each stage, the ones
+    after its checkpointed blocks (the first round-half-up(ckpt_ratio * n_k)): per stage, as
+    checkpointing, so every resolution offloads the same share; a block is checkpointed or
+    offloaded (the schema refuses ratios summing above 1). Offloading copies saved tensors only:
+    BatchNorm runs once, its statistics are untouched. Returns the number of offloaded blocks."""
+    total = 0
+    for blocks in stages:
+        first = n_checkpointed(len(blocks), ckpt_ratio)
+        n = min(n_checkpointed(len(blocks), ratio), len(blocks) - first)
+        for block in blocks[first:first + n]:
+            block.offload()
         total += n
     return total
 
