@@ -1,4 +1,4 @@
-"""DeepSeek-V3's auxiliary-loss-free balancing (`slapo/op/router_bias.py`): after each optimizer
+"""DeepSeek-V3's auxiliary-loss-free balancing (`slapo/runtime/router_bias.py`): after each optimizer
 step every router's `e_score_correction_bias` moves by `rate * sign(mean load - load)`
 (centred), the loads counted over the step's global batch.
 
@@ -18,7 +18,7 @@ import torch
 
 import slapo
 from slapo.errors import SchedulingError
-from slapo.op.router_bias import BIAS, RouterBiasBalance, bias_routers
+from slapo.runtime.router_bias import BIAS, RouterBiasBalance, bias_routers
 
 RATE = 0.01
 LR = 1e-2

@@ -40,7 +40,7 @@ BIAS = "e_score_correction_bias"
 
 
 def _in_backward_or_inference() -> bool:
-    from ..runtime.pipeline_guards import inferring
+    from .pipeline_guards import inferring
 
     return torch._C._current_graph_task_id() != -1 or inferring()
 
