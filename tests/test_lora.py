@@ -1,8 +1,8 @@
 """PEFT's LoRA through the ready schedules: a `PeftModel` under tp=2 (DDP, FSDP2 over dp=2) trains
 exactly as PEFT's LoRA does on one process, for GPT-2 (fused q|k|v Conv1D), LLaMA (GQA),
 Qwen3 (per-head norms), BERT (post-LN encoder) and OLMo-2 (no hand-written family: the plan its
-config declares); and through pipeline stages (pp=2, tp=2 x pp=2) for GPT-2, LLaMA, Qwen3 and
-RoBERTa.
+config declares); and through pipeline stages (pp=2, tp=2 x pp=2) for GPT-2, LLaMA, Qwen3,
+RoBERTa and BERT.
 
 Compared per family: the first step's loss, every adapter gradient, every adapter after two
 AdamW steps at lr 1e-2 (relative error <= 1e-5), the frozen base bit-identical after training,
@@ -283,7 +283,15 @@ def job_refusals():
     return out
 
 
-PIPED = ("gpt2", "llama", "qwen3", "roberta")  # decoder stages, and RoBERTa's encoder stages
+PIPED = ("gpt2", "llama", "qwen3", "roberta", "bert")  # decoder and encoder stages (BERT: no head)
+
+
+def _stage_loss_fn(family: str):
+    """`_loss_fn` on what the last stage returns: BERT's (no head) is the tuple
+    (last_hidden_state, pooler_output), the model's own output otherwise."""
+    if family == "bert":
+        return lambda out, batch: out[0].pow(2).mean() + out[1].pow(2).mean()
+    return _loss_fn(family)
 
 
 def job_pp_equals_peft(tp: int) -> dict:
@@ -304,7 +312,8 @@ def job_pp_equals_peft(tp: int) -> dict:
         sch = slapo.create_schedule(pm, mesh=mesh)
         apply(sch, pp_stages=2)
         model, opt = slapo.build(sch, optimizer=torch.optim.AdamW, optimizer_kwargs={"lr": LR},
-                                 pipeline="1F1B", num_microbatches=2)
+                                 pipeline="1F1B", num_microbatches=2,
+                                 loss_fn=_stage_loss_fn(family))
         batch = _batch(family)
         held = {n: p for st in model.stages for n, p in st.named_parameters()}
         losses = [model.train_step(batch)]

@@ -263,6 +263,13 @@ def check_fusable(sch: Schedule) -> LossPlan:
                               f"pass fused_loss=False (heads with a plan: "
                               f"{', '.join(sorted(PLANS))}).")
     head = root.get_submodule(plan.head)
+    from .lora import is_tuner_layer
+
+    if is_tuner_layer(head):  # the kernel reads head.weight/.bias: the adapter would be skipped
+        raise SchedulingError(sch.path, f"fused_loss computes the LM head from its weight, but "
+                              f"{plan.head} is a PEFT {type(head).__name__} layer whose "
+                              "adapter the fused loss would skip.", "leave the LM head out of "
+                              "the adapter's target_modules, or pass fused_loss=False.")
     if getattr(head.weight, "_slapo_shard", None) is not None:
         raise SchedulingError(sch.path, f"fused_loss needs an unsharded LM head, but "
                               f"{plan.head}.weight is sharded over the vocabulary.",
