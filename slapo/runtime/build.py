@@ -36,6 +36,7 @@ from .context_parallel import check_context_parallel, check_scheduled_for_cp, po
 from .data_parallel import apply_data_parallel, check_data_parallel, check_experts
 from .fp8 import Float8Config
 from .mesh import MeshInfo
+from .optimizer_offload import check_optimizer_offload, make_offloaded
 from .pipeline_guards import make_stages
 from .pipeline_plan import make_schedule
 from .pipeline_runner import PipelineRunner
@@ -174,9 +175,12 @@ def place_weights(model: nn.Module, device, info: MeshInfo, init_weights, seed: 
         model.to(device)
 
 
-def make_optimizer(optimizer, params: list[nn.Parameter], optimizer_kwargs: dict | None):
+def make_optimizer(optimizer, params: list[nn.Parameter], optimizer_kwargs: dict | None,
+                   offload: bool = False):
     if optimizer is None:
         return None
+    if offload:  # state and step in host memory (`optimizer_offload`)
+        return make_offloaded(optimizer, params, optimizer_kwargs)
     return optimizer(params, **(optimizer_kwargs or {}))
 
 
@@ -216,7 +220,8 @@ def build(sch: Schedule, *, optimizer: Callable | None = None,
           reshard_after_forward: bool | int = True, loss_fn: LossFn | None = None,
           grad_clip: float | None = None, grad_accum: int = 1, batch_is_global: bool = True,
           target: str | None = None, deepspeed_config: dict | None = None,
-          precision: PrecisionName = "fp32", fp8: Float8Config | None = None
+          precision: PrecisionName = "fp32", fp8: Float8Config | None = None,
+          optimizer_offload: bool = False
           ) -> tuple[nn.Module, torch.optim.Optimizer | None]:
     """Return `(model, optimizer)` for a schedule; `model.train_step(batch) -> float` trains.
 
@@ -274,6 +279,11 @@ def build(sch: Schedule, *, optimizer: Callable | None = None,
     sharding (scales per shard), emulated on CPU, refused on a GPU without FP8 or without
     torchao (`pip install slapo[fp8]`). `model.precision.fp8_modules` lists what was converted.
 
+    `optimizer_offload=True`: the optimizer's state and step in host memory (pinned with
+    CUDA): gradients copied to the host after clipping, the step there, the updated weights
+    copied back (`slapo.runtime.optimizer_offload.HostOffloadOptimizer`; `optimizer` must be a
+    `torch.optim.Optimizer` class; not with the DeepSpeed target, whose config offloads).
+
     `target="deepspeed"`: hand the model to a DeepSpeed engine instead (ZeRO stages 1-3 through
     `deepspeed_config`); see `slapo.runtime.deepspeed`.
 
@@ -299,7 +309,7 @@ def build_trainer(sch: Schedule, *, optimizer: Callable | None = None,
                   loss_fn: LossFn | None = None, grad_clip: float | None = None,
                   grad_accum: int = 1, batch_is_global: bool = True,
                   precision: PrecisionName = "fp32",
-                  fp8: Float8Config | None = None) -> Trainer:
+                  fp8: Float8Config | None = None, optimizer_offload: bool = False) -> Trainer:
     """The `Trainer` that `build` makes (same arguments, same composition, without the
     DeepSpeed target and the earlier spellings): `trainer.train_step(batch)`, `trainer.model`
     (what `build` returns), `trainer.optimizer`. For code that drives the step itself
@@ -315,7 +325,7 @@ def _compose(sch: Schedule, args: dict[str, Any]) -> Trainer:
         check_trainable(sch.mod)
     common = {k: args[k] for k in ("optimizer", "optimizer_kwargs", "loss_fn", "device",
                                    "init_weights", "seed", "data_parallel",
-                                   "reshard_after_forward")}
+                                   "reshard_after_forward", "optimizer_offload")}
     common["precision"] = make_precision(precision, device_type, info, args["fp8"])  # checked
     if args["pipeline"] is None:
         return _build_local(sch, info, config, **common)
@@ -331,6 +341,8 @@ def _checked(sch: Schedule, args: dict[str, Any]) -> tuple[str, MeshInfo, str, S
     _check_schedule(sch)
     _check_init_weights(sch, args["init_weights"])
     _check_optimizer(sch, args["optimizer"])
+    check_optimizer_offload(args.get("optimizer_offload", False), args["optimizer"],
+                            args["target"])
     _check_step_args(args["grad_accum"], args["grad_clip"], args["target"])
     precision = check_precision(args["precision"])  # the one check of the name
     _check_precision_target(precision, args["target"])
@@ -369,7 +381,8 @@ def _build_deepspeed(sch: Schedule, args: dict[str, Any]):
 
 def _build_local(sch: Schedule, info: MeshInfo, config: StepConfig, *, optimizer,
                  optimizer_kwargs, loss_fn, device, init_weights, seed, data_parallel,
-                 reshard_after_forward, precision: Precision) -> Trainer:
+                 reshard_after_forward, precision: Precision,
+                 optimizer_offload: bool = False) -> Trainer:
     """The whole model on every rank (optionally tensor-parallel), optionally data-parallel;
     the trainer is attached to the user's module itself (`built_model.attach`).
 
@@ -387,7 +400,7 @@ def _build_local(sch: Schedule, info: MeshInfo, config: StepConfig, *, optimizer
                                   reshard_after_forward=reshard_after_forward,
                                   mp_policy=precision.fsdp_policy())
     ddp = wrapped if isinstance(wrapped, DistributedDataParallel) else None
-    opt = make_optimizer(optimizer, _unique_params([model]), optimizer_kwargs)
+    opt = make_optimizer(optimizer, _unique_params([model]), optimizer_kwargs, optimizer_offload)
     runner = LocalRunner(model, loss_fn, precision, ddp=ddp)
     nw = norm_weights(model, table, dp_sharded=data_parallel == "fsdp")
     trainer = Trainer(model, [model], opt, runner, config, nw, precision)
@@ -399,7 +412,7 @@ def _build_pipeline(sch: Schedule, info: MeshInfo, config: StepConfig, *,
                     pipeline: str | PipelineStages,
                     num_microbatches, virtual_stages, optimizer, optimizer_kwargs, loss_fn,
                     device, init_weights, seed, data_parallel, reshard_after_forward,
-                    precision: Precision) -> Trainer:
+                    precision: Precision, optimizer_offload: bool = False) -> Trainer:
     """This rank's pipeline stages (each optionally data-parallel) driven by a torch schedule."""
     staged = pipeline if isinstance(pipeline, PipelineStages) else \
         _stages.plan(sch, info, pipeline, num_microbatches, virtual_stages)
@@ -420,7 +433,7 @@ def _build_pipeline(sch: Schedule, info: MeshInfo, config: StepConfig, *,
         m, data_parallel, info, reshard_after_forward=reshard_after_forward,
         mp_policy=precision.fsdp_policy())) for m in mine]
     dev = device or _stage_device(mine, info)
-    opt = make_optimizer(optimizer, _unique_params(wrapped), optimizer_kwargs)
+    opt = make_optimizer(optimizer, _unique_params(wrapped), optimizer_kwargs, optimizer_offload)
     runner = PipelineRunner(None, plan, info, ids, mine, loss_fn, tied, precision)
     pstages = make_stages(wrapped, ids, plan, info, torch.device(dev))
     runner.schedule = make_schedule(pstages, plan, runner.schedule_loss)

@@ -282,7 +282,8 @@ def make_trainer(sch: Any, cfg: Any, env: Env, stages=None) -> Trainer:
     taking its slice of the global batch), tensor parallelism (already in the schedule) and
     pipelines (`--pp-stages`, `--pp-schedule`, default 1F1B), `--grad-accum` slices per step,
     with gradient clipping over the whole mesh, in `--precision` (bf16/fp16: autocast on fp32
-    master weights; fp16 with a gradient scaler).
+    master weights; fp16 with a gradient scaler), `--optimizer-offload`: AdamW's state and step
+    in host memory.
     """
     from ..runtime.build import build_trainer
 
@@ -292,4 +293,5 @@ def make_trainer(sch: Any, cfg: Any, env: Env, stages=None) -> Trainer:
         sch, optimizer=torch.optim.AdamW, seed=cfg.seed, mesh=env.mesh,
         optimizer_kwargs=cfg.optimizer_kwargs(),
         grad_clip=cfg.grad_clip, data_parallel=data_parallel(cfg, env),
-        pipeline=stages, grad_accum=cfg.grad_accum, precision=cfg.precision)
+        pipeline=stages, grad_accum=cfg.grad_accum, precision=cfg.precision,
+        optimizer_offload=cfg.optimizer_offload)

@@ -184,6 +184,9 @@ def _check_engine(cfg: TrainConfig) -> None:
     if cfg.sft == "pack" and (cfg.cp > 1 or (cfg.pp_stages or 1) > 1):
         raise ValueError("--sft pack gives each row its documents' position_ids, which "
                          "--cp and --pp-stages do not take yet: use --sft pad")
+    if cfg.progressive and cfg.optimizer_offload:
+        raise ValueError("--optimizer-offload applies to a training run; --progressive "
+                         "compares schedules with their own optimizer: drop one of them")
     if cfg.pp_schedule is not None and (cfg.pp_stages or 1) < 2:
         raise ValueError("--pp-schedule needs --pp-stages 2 or more (a pipeline)")
     if cfg.batch_size % cfg.grad_accum:

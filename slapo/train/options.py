@@ -109,6 +109,11 @@ class OptimizerOptions:
     warmup: int = _opt(0, "linear warm-up steps")
     weight_decay: float = _opt(0.0, "AdamW weight decay")
     grad_clip: float | None = _opt(1.0, "clip the gradient norm to this (0: no clipping)")
+    optimizer_offload: bool = _opt(False, "keep AdamW's state in host memory and step it there "
+                                   "(gradients copied to the host after clipping, the updated "
+                                   "weights copied back): frees 2x the weights' bytes of GPU "
+                                   "memory for PCIe traffic each step; same numbers as without "
+                                   "it")
 
 
 @dataclass
