@@ -130,6 +130,10 @@ TRAIN_CASES: dict[str, CliCase] = {
     "min_lr_ratio_above_one": CliCase(["--min-lr-ratio", "2"], ("--min-lr-ratio",)),
     "warmup_negative": CliCase(["--warmup", "-1"], ("--warmup must be >= 0",)),
     "weight_decay_negative": CliCase(["--weight-decay", "-0.1"], ("--weight-decay",)),
+    "router_bias_rate_negative": CliCase(["--router-bias-rate", "-0.001"],
+                                         ("--router-bias-rate must be >= 0",)),
+    "router_bias_rate_without_bias": CliCase(["--model", "mixtral", "--router-bias-rate",
+                                              "0.001"], ("--router-bias-rate", "--model mixtral")),
     "grad_clip_negative": CliCase(["--grad-clip", "-1"], ("--grad-clip",)),
     "optimizer_offload_with_value": CliCase(["--optimizer-offload", "yes"],
                                             ("unrecognized arguments: yes",)),
@@ -280,8 +284,10 @@ TUNE_CASES: dict[str, CliCase] = {
     "mem_cap_gib_negative": CliCase(["--space", "gpu", "--mem-cap-gib", "-1"],
                                     ("--mem-cap-gib must be > 0",)),
     "precisions_unknown": CliCase(["--space", "gpu", "--precisions", "fp4"], ("--precisions",)),
-    "precisions_fp8": CliCase(["--space", "gpu", "--precisions", "bf16,fp8"],
-                              ("--precisions fp8", "cost model")),
+    "precisions_fp8_without_torchao": CliCase(["--space", "gpu", "--precisions", "bf16,fp8"],
+                                              ("--precisions fp8", "pip install slapo[fp8]"),
+                                              patch=lambda mp: _no_torchao(mp)),
+    "dry_run_cpu_space": CliCase(["--dry-run"], ("--dry-run", "--space gpu")),
     "device_unknown": CliCase(["--space", "gpu", "--device", "tpu"], ("--device", "'tpu'")),
     "efficiency_zero": CliCase(["--efficiency", "0"], ("--efficiency must be > 0",)),
     "algorithm_unknown": CliCase(["--algorithm", "magic"], ("--algorithm",)),
@@ -320,8 +326,10 @@ TUNE_CASES: dict[str, CliCase] = {
 
 
 @pytest.mark.parametrize("case", list(TUNE_CASES))
-def test_tune_bad_flag(case, tmp_path, capsys):
+def test_tune_bad_flag(case, tmp_path, capsys, monkeypatch):
     c = TUNE_CASES[case]
+    if c.patch is not None:
+        c.patch(monkeypatch)
     (tmp_path / "afile").write_text("not a directory, not a database\n")
     (tmp_path / "bad.json").write_text("{not json")
     argv = _argv(c.argv, tmp_path)

@@ -164,3 +164,27 @@ def test_bad_input_is_refused_before_anything_is_hooked():
     assert not any(m._forward_hooks for _, m in bias_routers(model))
     with pytest.raises(SchedulingError, match="no router with an `e_score_correction_bias`"):
         RouterBiasBalance(models.mixtral(seed=0), 1e-3)
+
+
+def test_slapo_train_router_bias_rate_updates_after_each_step(one_thread):
+    """`slapo train --model deepseek_v3 --router-bias-rate R`: after the first step every
+    sparse layer's bias moved by one step of the rule (nonzero, centred, within 2R); 0 (the
+    default) leaves HF's zeros. (The rule itself, and its sum over ranks: the tests above.)"""
+    from slapo.train import TrainConfig
+    from slapo.train.assemble import build
+    from slapo.train.loop import train_one_step
+    from slapo.train.setup import setup
+
+    biases = {}
+    for rate in (0.0, 0.05):
+        cfg = TrainConfig(model="deepseek_v3", hidden_size=64, num_layers=2, num_heads=4,
+                          seq_len=16, batch_size=4, steps=1, progress=False, plot=False,
+                          eval_batches=0, router_bias_rate=rate)
+        cfg.check()
+        run = build(cfg, setup(cfg), log=lambda *a, **k: None)
+        train_one_step(run)
+        biases[rate] = [m._buffers[BIAS].clone() for _, m in bias_routers(run.model)]
+    assert biases[0.0] and all(b.abs().max() == 0 for b in biases[0.0])
+    for b in biases[0.05]:
+        assert b.abs().max() > 0 and abs(b.sum().item()) < 1e-6, b  # moved, centred
+        assert b.abs().max() <= 2 * 0.05 + 1e-6, b  # one step of +-rate, minus the mean

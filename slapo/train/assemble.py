@@ -105,6 +105,11 @@ def build(cfg: Any, env: Env, log=print) -> Run:
         model.to(env.device)         # materialises and moves only this rank's stages
     model.train()
     trainer = make_trainer(sch, cfg, env, stages)
+    if cfg.router_bias_rate:  # DeepSeek-V3's bias balancing, after each optimizer step
+        from ..runtime.router_bias import RouterBiasBalance
+
+        RouterBiasBalance(model, cfg.router_bias_rate,
+                          trainer.step_config.info.replica_group()).attach(trainer.optimizer)
     seed_training_rng(cfg.seed, env)
     return Run(cfg, env, model, trainer, data.train, task, note, dataset=data,
                graph_breaks_before=breaks_before,

@@ -72,6 +72,8 @@ def _check_numbers(cfg: TrainConfig) -> None:
         raise ValueError(f"--dist-timeout must be > 0 seconds, got {cfg.dist_timeout}")
     if not cfg.weight_decay >= 0:
         raise ValueError(f"--weight-decay must be >= 0, got {cfg.weight_decay}")
+    if not cfg.router_bias_rate >= 0:
+        raise ValueError(f"--router-bias-rate must be >= 0, got {cfg.router_bias_rate}")
     if cfg.grad_clip is not None and not cfg.grad_clip >= 0:
         raise ValueError(f"--grad-clip must be > 0 (or 0: no clipping), got "
                          f"{cfg.grad_clip}")
@@ -122,6 +124,10 @@ def _check_experts(cfg: TrainConfig, spec) -> None:
     if cfg.experts_per_token > cfg.num_experts:
         raise ValueError(f"--experts-per-token {cfg.experts_per_token} is more than "
                          f"--num-experts {cfg.num_experts}")
+    if cfg.router_bias_rate and spec is not None and spec.name != "deepseek_v3":
+        raise ValueError(f"--router-bias-rate balances DeepSeek-V3's router biases; --model "
+                         f"{cfg.model} has none (use deepseek_v3, or a model directory whose "
+                         "routers have e_score_correction_bias)")
     if spec is not None and spec.moe and spec.name != "deepseek_v3" and cfg.cp > 1 and \
             (cfg.pp_stages or 1) > 1:  # model_schedule.context_parallel refuses it too
         raise ValueError(f"--cp {cfg.cp} with --pp-stages {cfg.pp_stages} on --model "

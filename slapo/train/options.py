@@ -114,6 +114,11 @@ class OptimizerOptions:
                                    "weights copied back): frees 2x the weights' bytes of GPU "
                                    "memory for PCIe traffic each step; same numbers as without "
                                    "it")
+    router_bias_rate: float = _opt(0.0, "DeepSeek-V3's auxiliary-loss-free balancing: after "
+                                   "each optimizer step move every router's score-correction "
+                                   "bias by this towards balance (the step's global token "
+                                   "counts; DeepSeek-V3 used 0.001); 0: off (HF's model never "
+                                   "updates it)")
 
 
 @dataclass
