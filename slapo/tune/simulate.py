@@ -23,7 +23,9 @@ Mixture-of-experts models (`MoESpec`, `MOE_MODELS`) add expert parallelism (ep),
 runtime builds it (`slapo/op/moe.py`, docs/runtime.md "Which ranks ep borrows"): ep borrows
 data-parallel ranks (dp = dp_rest x ep), each ep rank holds E/ep experts of every layer, and
 tokens travel to and from their top-k experts by all-to-all (`ExpertShard`, `moe_messages`).
-The attention share of a layer is the traced block's; the expert FFN is analytic.
+The attention share of a layer is the traced block's; the expert FFN is analytic. DeepSeek-V3
+(`MLAMoESpec`) has analytic MLA in place of the traced share, a tp-split shared expert and
+dense first layers (`simulate_moe.py`).
 """
 
 from __future__ import annotations
@@ -31,10 +33,21 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import itertools
+import math
 from dataclasses import dataclass, field
 
-from .memory import model_state_bytes, stage_peak_bytes
+from .memory import model_state_bytes, pipeline_inflight
 from .planner import plan_pipeline
+from .simulate_moe import (  # noqa: F401 (re-exported: the tests and callers' names)
+    GPT_MODELS,
+    MLA,
+    MOE_MODELS,
+    FFNShard,
+    GPTSpec,
+    MLALayerModel,
+    MLAMoESpec,
+    MoESpec,
+)
 from .simulate_parallel import (  # noqa: F401 (re-exported: the tests and callers' names)
     CP_ATTENTION,
     AttnShard,
@@ -50,88 +63,6 @@ from .simulate_parallel import (  # noqa: F401 (re-exported: the tests and calle
 )
 from .timing import AlphaBeta, DeviceConstants, collective_time, roofline_time
 
-
-@dataclass(frozen=True)
-class GPTSpec:
-    name: str
-    layers: int
-    hidden: int
-    heads: int
-    vocab: int = 51200  # GPT-2's 50257 padded to a multiple of 1024 (divisible by tp)
-    seq: int = 2048
-
-    @property
-    def params(self) -> float:
-        return self.layers * 12 * self.hidden**2 + (self.vocab + self.seq) * self.hidden
-
-    @property
-    def active_params(self) -> float:
-        """Parameters one token runs through (the MFU's 6 FLOPs per parameter and token)."""
-        return self.params
-
-
-GPT_MODELS = {
-    "gpt-1.3b": GPTSpec("gpt-1.3b", 24, 2048, 16),
-    "gpt-2.7b": GPTSpec("gpt-2.7b", 32, 2560, 32),
-    "gpt-7b": GPTSpec("gpt-7b", 32, 4096, 32),
-}
-
-
-@dataclass(frozen=True, kw_only=True)
-class MoESpec(GPTSpec):
-    """A GPT whose every layer's FFN is a mixture of `experts` SwiGLU experts of width
-    `moe_intermediate`, each token routed to `top_k` of them (Mixtral, Qwen3-MoE: no shared
-    expert, no dense layers), with untied input and output embeddings and rotary positions
-    (no position table).
-
-    Per layer (H = hidden, I = moe_intermediate, E = experts, k = top_k):
-
-    - attention share: GPT-2's block without its MLP (traced, `LayerModel`): 4H^2 + 4H weights
-      (multi-head, head_dim H/heads), two norms (4H), and the router H x E;
-    - experts: E x 3 x H x I weights (gate, up, down), E x 3 x H x I x 2 bytes in bf16;
-      forward FLOPs per token k x 3 x 2 x H x I (its k experts' three GEMMs).
-
-    `kv_heads` (GQA) enters only the bytes of cp's attention exchanges, as for dense models;
-    the traced attention is multi-head.
-    """
-
-    experts: int
-    top_k: int
-    moe_intermediate: int
-    kv_heads: int | None = None
-
-    @property
-    def expert_layer_params(self) -> int:
-        """E x 3 x H x I: one layer's experts (gate, up, down projections, no bias)."""
-        return self.experts * 3 * self.hidden * self.moe_intermediate
-
-    @property
-    def attention_layer_params(self) -> int:
-        """4H^2 + 4H (qkv and output projections with biases) + 4H (norms) + H x E (router)."""
-        h = self.hidden
-        return 4 * h * h + 8 * h + h * self.experts
-
-    @property
-    def params(self) -> float:
-        return (self.layers * (self.attention_layer_params + self.expert_layer_params)
-                + 2 * self.vocab * self.hidden + self.hidden)
-
-    @property
-    def active_params(self) -> float:
-        """The attention share, the top-k experts of every layer, the embeddings."""
-        return (self.layers * (self.attention_layer_params
-                               + self.expert_layer_params * self.top_k // self.experts)
-                + 2 * self.vocab * self.hidden + self.hidden)
-
-
-MOE_MODELS = {
-    # Qwen3-30B-A3B: 30.4B parameters here (30.5B: its attention has head_dim 128 and 4 KV heads)
-    "qwen3-30b-a3b": MoESpec("qwen3-30b-a3b", 48, 2048, 32, vocab=151936, seq=4096, experts=128,
-                             top_k=8, moe_intermediate=768, kv_heads=4),
-    # Mixtral-8x7B: 47.5B here (46.7B: its attention has 8 KV heads)
-    "mixtral-8x7b": MoESpec("mixtral-8x7b", 32, 4096, 32, vocab=32000, seq=4096, experts=8,
-                            top_k=2, moe_intermediate=14336, kv_heads=8),
-}
 MODELS: dict[str, GPTSpec] = {**GPT_MODELS, **MOE_MODELS}
 
 # Datasheet numbers scaled to what training kernels typically reach (GEMM ~70% of dense peak,
@@ -238,6 +169,24 @@ class LayerModel:
         attention_rest = self.quad[name](batch, s, tp, 0) * s * s * (1 / cp - 1 / cp**2)
         return float(local + attention_rest)
 
+    def rank_params(self, tp: int) -> float:
+        """The block's (the attention share's) parameters on a tp rank; norms and row biases
+        replicated."""
+        h = self.spec.hidden
+        return ((4 * h * h + 4 * h) if self.attention_only else (12 * h * h + 13 * h)) / tp + 4 * h
+
+    def all_reduces(self, batch: int, seq: int | None = None, cp: int = 1) -> tuple[list[float], list[float]]:
+        """Payload bytes of the tp all-reduces, (forward, backward): Megatron's attention and
+        MLP ones (b x s/cp x H x 2 each), the attention's alone in an MoE layer's share."""
+        act = batch * (self.spec.seq if seq is None else seq) // cp * self.spec.hidden * 2
+        n = 1 if self.attention_only else 2
+        return [act] * n, [act] * n
+
+
+def layer_model_for(spec: GPTSpec) -> LayerModel | MLALayerModel:
+    """The per-layer model of `spec`: analytic MLA for an `MLAMoESpec`, else the traced block."""
+    return MLALayerModel(spec) if isinstance(spec, MLAMoESpec) else LayerModel(spec)
+
 
 def _link(group_span: int, dev: DeviceConstants) -> AlphaBeta:
     return dev.intra if group_span <= dev.gpus_per_node else dev.inter
@@ -254,6 +203,14 @@ class _Layout:
     dp x cp `replicas`. ep borrows dp: an ep group is `ep` consecutive dp ranks of one stage
     (span tp x cp x ep), and the experts (E/ep per rank) are replicated, synced and ZeRO-sharded
     over the dp_rest x cp `expert_replicas` only; the rest of the model over all `replicas`.
+
+    Layers are of two kinds: the spec's own (a GPT block; an MoE layer: attention share, routed
+    experts, shared expert), with `t_layer`, `t_recompute`, `saved`, `layer_params` and
+    `expert_layer_params`, and an `MoESpec`'s first `dense_layers` (attention share and a dense
+    MLP), with the `dense_` ones. Stage 0 holds every dense layer (a stage 0 with fewer layers
+    is refused; with pp <= 8 and the planner's layer window it never arises for DeepSeek-V3's
+    3 of 61), and a stage checkpoints first the kind that frees more bytes per second of
+    recompute.
     """
 
     spec: GPTSpec
@@ -283,20 +240,30 @@ class _Layout:
         h, s, v = spec.hidden, spec.seq, spec.vocab
         s_local = s // cp
         self.moe = isinstance(spec, MoESpec)
+        self.dense_layers = spec.dense_layers if self.moe else 0
         t_f = float(roofline_time(lm("fwd_flops", b, tp, s, cp), lm("fwd_bytes", b, tp, s, cp), dev))
         t_b = float(roofline_time(lm("bwd_flops", b, tp, s, cp), lm("bwd_bytes", b, tp, s, cp), dev))
         act_bytes = b * s_local * h * 2
-        t_ar = float(collective_time("all_reduce", act_bytes, tp, _link(tp, dev)))
-        # Megatron: 2 all-reduces forward (attention, MLP), 2 backward; the experts run whole on
-        # every tp rank, so an MoE layer keeps the attention's 1 + 1
-        n_ar = 2 if self.moe else 4
-        t_cp_f, t_cp_b, cp_saved, self.transient = self._cp_attention()
+
+        def all_reduces(payloads: list[float]) -> float:
+            return sum(float(collective_time("all_reduce", x, tp, _link(tp, dev))) for x in payloads)
+
+        # Megatron: a dense block all-reduces after attention and MLP, forward and backward; an
+        # MoE layer's share after attention only (the routed experts run whole on every tp rank)
+        ar_f, ar_b = lm.all_reduces(b, s, cp)
+        t_cp_f, t_cp_b, cp_saved, cp_transient = self._cp_attention()
         self.t_cp = t_cp_f + t_cp_b
+        a_f, a_b = t_f + all_reduces(ar_f) + t_cp_f, t_b + all_reduces(ar_b) + t_cp_b
+        a_saved = lm("saved", b, tp, s, cp) + cp_saved
         t_e_f, t_e_b, e_saved, e_transient = self._experts()
-        self.t_layer = t_f + t_b + n_ar * t_ar + t_cp_f + t_cp_b + t_e_f + t_e_b
-        self.t_recompute = t_f + n_ar // 2 * t_ar + t_cp_f + t_e_f
-        self.saved = lm("saved", b, tp, s, cp) + cp_saved + e_saved
-        self.transient = max(self.transient, e_transient)  # at different times of the layer
+        sh_f, sh_b, sh_saved = self._ffn(spec.shared_intermediate if self.moe else 0)
+        self.t_layer = a_f + a_b + t_e_f + t_e_b + sh_f + sh_b
+        self.t_recompute = a_f + t_e_f + sh_f
+        self.saved = a_saved + e_saved + sh_saved
+        self.transient = max(cp_transient, e_transient)  # at different times of the layer
+        d_f, d_b, d_saved = self._ffn(spec.dense_intermediate if self.dense_layers else 0)
+        self.t_dense, self.t_dense_recompute = a_f + a_b + d_f + d_b, a_f + d_f
+        self.dense_saved, self.dense_transient = a_saved + d_saved, cp_transient
         self.inp = lm("input_bytes", b, tp, s, cp)
         # Head + loss (analytic): logits GEMM fwd + 2x bwd, fp32 softmax traffic, saved logits.
         tokens = b * s_local
@@ -304,12 +271,12 @@ class _Layout:
         self.head_saved = 6 * b * s_local * v / tp
         span = tp * self.replicas * 2
         self.p2p = float(collective_time("p2p", act_bytes, 2, _link(span, dev))) if self.pp > 1 else 0.0
-        if self.moe:  # attention, norms, router; the experts are `expert_layer_params`
-            self.layer_params = (4 * h * h + 4 * h) / tp + 4 * h + h * spec.experts
+        self.layer_params = lm.rank_params(tp)  # a GPT block; the attention share of an MoE layer
+        self.dense_layer_params = self.expert_layer_params = 0.0
+        if self.moe:  # + router (replicated), shared expert (1/tp); the experts are apart
+            self.dense_layer_params = self.layer_params + 3 * h * spec.dense_intermediate / tp
+            self.layer_params += h * spec.experts + spec.shared_layer_params / tp
             self.expert_layer_params = float(expert_shard(spec, b, cp, self.ep).local_params)
-        else:
-            self.layer_params = (12 * h * h + 13 * h) / tp + 4 * h  # LN params / row biases replicated
-            self.expert_layer_params = 0.0
 
     def _cp_attention(self) -> tuple[float, float, float, float]:
         """(forward s, backward s, saved bytes, transient bytes) of one layer's cp exchange."""
@@ -335,29 +302,64 @@ class _Layout:
         t_b = float(roofline_time(x.bwd_flops, x.bwd_bytes, self.dev)) + t["bwd"]
         return t_f, t_b, x.saved, x.transient
 
+    def _ffn(self, width: int) -> tuple[float, float, float]:
+        """(forward s, backward s, saved bytes) of a tp-split SwiGLU of `width` (`FFNShard`),
+        its output and input-gradient all-reduces included; zeros when width is 0."""
+        if not width:
+            return 0.0, 0.0, 0.0
+        x = FFNShard(self.b * self.spec.seq // self.cp, self.spec.hidden, width, self.tp)
+        t_ar = float(collective_time("all_reduce", x.all_reduce_bytes, self.tp, _link(self.tp, self.dev)))
+        return (float(roofline_time(x.fwd_flops, x.fwd_bytes, self.dev)) + t_ar,
+                float(roofline_time(x.bwd_flops, x.bwd_bytes, self.dev)) + t_ar, x.saved)
+
+    def stage_kinds(self, i: int, j: int) -> tuple[int, int] | None:
+        """(dense, other) layers of stage i with j layers; None when stage 0 cannot hold the
+        dense layers."""
+        d = self.dense_layers if i == 0 else 0
+        return None if j < d else (d, j - d)
+
+    def _kinds(self, i: int, j: int) -> tuple[int, int]:
+        kinds = self.stage_kinds(i, j)
+        if kinds is None:
+            raise ValueError(f"stage 0 must hold the {self.dense_layers} dense layers, not {j}.")
+        return kinds
+
+    def ckpt_kinds(self, d: int, m: int, c: int) -> tuple[int, int]:
+        """(dense, other) of c checkpointed layers among d dense and m other ones: first the
+        kind whose checkpointing frees more bytes per second of recompute."""
+        dense_first = d and ((self.dense_saved - self.inp) * self.t_recompute
+                             > (self.saved - self.inp) * self.t_dense_recompute)
+        cd = min(c, d) if dense_first else max(0, c - m)
+        return cd, c - cd
+
     def stage_params(self, i: int, j: int) -> float:
         """Parameters of stage i with j layers on one rank, the experts excepted."""
         h, s, v = self.spec.hidden, self.spec.seq, self.spec.vocab
-        p = j * self.layer_params
+        d, m = self._kinds(i, j)
+        p = m * self.layer_params + d * self.dense_layer_params
         if i == 0:
             p += v * h / self.tp + (0 if self.moe else s * h)  # MoE specs: rotary, no position table
         if i == self.pp - 1:
             p += v * h / self.tp + 2 * h  # Megatron's copy of the tied embedding; an MoE spec's head
         return p
 
-    def stage_expert_params(self, j: int) -> float:
-        """Expert parameters of a stage with j layers on one rank: j x (E/ep) x 3HI."""
-        return j * self.expert_layer_params
+    def stage_expert_params(self, i: int, j: int) -> float:
+        """Expert parameters of stage i with j layers on one rank: (its MoE layers) x (E/ep) x 3HI."""
+        return self._kinds(i, j)[1] * self.expert_layer_params
 
     def stage_cost(self, i: int, j: int, c: int) -> tuple[float, float]:
-        t = j * self.t_layer + c * self.t_recompute + 2 * self.p2p
-        t += self.t_head if i == self.pp - 1 else 0.0
+        kinds = self.stage_kinds(i, j)
+        if kinds is None:
+            return math.inf, math.inf
+        (d, m), (cd, cm) = kinds, self.ckpt_kinds(*kinds, c)
+        t = m * self.t_layer + d * self.t_dense + cm * self.t_recompute + cd * self.t_dense_recompute
+        t += 2 * self.p2p + (self.t_head if i == self.pp - 1 else 0.0)
         replica_link = _link(self.tp * self.replicas, self.dev)
         if self.zero == 3:  # gather the stage's weights for forward and backward of every micro-batch
             t += 2 * float(collective_time("all_gather", self.stage_params(i, j) * 2, self.replicas,
                                            replica_link))
             if self.moe:  # the experts' shards over dp_rest x cp (same span: every ep'th dp rank)
-                t += 2 * float(collective_time("all_gather", self.stage_expert_params(j) * 2,
+                t += 2 * float(collective_time("all_gather", self.stage_expert_params(i, j) * 2,
                                                self.expert_replicas, replica_link))
         mem = self.stage_states(i, j) + self.stage_activation(i, j, c)
         return t, float(mem)
@@ -368,20 +370,47 @@ class _Layout:
         states = float(model_state_bytes(self.stage_params(i, j), dp=self.replicas, zero=self.zero,
                                          param_bytes=2).total)
         if self.moe:
-            states += float(model_state_bytes(self.stage_expert_params(j), dp=self.expert_replicas,
+            states += float(model_state_bytes(self.stage_expert_params(i, j), dp=self.expert_replicas,
                                               zero=self.zero, param_bytes=2).total)
         return states
 
     def stage_activation(self, i: int, j: int, c: int) -> float:
-        """Peak activation bytes of stage i with j layers, c of them checkpointed (1F1B)."""
-        return float(stage_peak_bytes(states=0.0, layers=j, ckpt_layers=c, saved_per_layer=self.saved,
-                                      input_per_layer=self.inp, stage=i, pp=self.pp,
-                                      num_microbatches=self.g, transient=self.transient,
-                                      extra_activation=self.head_saved if i == self.pp - 1 else 0.0))
+        """Peak activation bytes of stage i with j layers, c of them checkpointed (1F1B, as
+        `stage_peak_bytes`: the micro-batches in flight, one checkpointed layer's saved set
+        re-materialised, the largest transient)."""
+        d, m = self._kinds(i, j)
+        cd, cm = self.ckpt_kinds(d, m, c)
+        per_mb = ((m - cm) * self.saved + (d - cd) * self.dense_saved + c * self.inp
+                  + (self.head_saved if i == self.pp - 1 else 0.0))
+        recompute = max(self.saved if cm else 0.0, self.dense_saved if cd else 0.0)
+        transient = max(self.transient, self.dense_transient if d else 0.0) + self.zero3_buffer(i, j)
+        return float(pipeline_inflight(i, self.pp, self.g) * per_mb + recompute + transient)
+
+    def zero3_buffer(self, i: int, j: int) -> float:
+        """Under ZeRO-3 (FSDP) the unit running holds its whole weights (gathered) and, in
+        backward, its whole gradients before their reduce-scatter: 4 B per parameter on this
+        rank of the stage's largest unit (a layer with its E/ep experts, the embedding, the
+        head); FSDP2's prefetch of the next unit is not counted. 0 without ZeRO-3."""
+        if self.zero != 3:
+            return 0.0
+        d, m = self._kinds(i, j)
+        h, v = self.spec.hidden, self.spec.vocab
+        units = [self.layer_params + self.expert_layer_params if m else 0.0,
+                 self.dense_layer_params if d else 0.0]
+        units += [v * h / self.tp + (0 if self.moe else self.spec.seq * h)] if i == 0 else []
+        units += [v * h / self.tp] if i == self.pp - 1 else []
+        return 4.0 * max(units)
+
+    def states_floor(self) -> float:
+        """The stages' model states on average, a floor of the largest stage's peak: their sum
+        is the same for every partition (linear in each stage's layers, dense ones in stage 0)."""
+        js = [self.spec.layers - self.pp + 1] + [1] * (self.pp - 1)
+        return sum(self.stage_states(i, j) for i, j in enumerate(js)) / self.pp
 
     def lower_bound(self) -> float:
         """Step time if layers split perfectly evenly with no checkpointing and no DP sync."""
-        work = self.spec.layers * self.t_layer + self.t_head
+        d = self.dense_layers
+        work = (self.spec.layers - d) * self.t_layer + d * self.t_dense + self.t_head
         return (self.g - 1) * work / self.pp + work
 
     def _sync(self, params: float, replicas: int) -> tuple[float, float]:
@@ -401,7 +430,7 @@ class _Layout:
         for i, j in enumerate(layers):
             t_dp, t_opt = self._sync(self.stage_params(i, j), self.replicas)
             if self.moe:
-                e_dp, e_opt = self._sync(self.stage_expert_params(j), self.expert_replicas)
+                e_dp, e_opt = self._sync(self.stage_expert_params(i, j), self.expert_replicas)
                 t_dp, t_opt = t_dp + e_dp, t_opt + e_opt
             per_stage.append((t_dp, t_opt))
         return max(t for t, _ in per_stage), max(o for _, o in per_stage)
@@ -434,7 +463,7 @@ def _layouts(spec: GPTSpec, gpus: int, global_batch: int, device: DeviceConstant
 
 
 def simulate(spec: GPTSpec, gpus: int, global_batch: int, device: DeviceConstants,
-             layer_model: LayerModel | None = None, tps: tuple[int, ...] = (1, 2, 4, 8),
+             layer_model: LayerModel | MLALayerModel | None = None, tps: tuple[int, ...] = (1, 2, 4, 8),
              pps: tuple[int, ...] = (1, 2, 4, 8), micro_batches: tuple[int, ...] = (1, 2, 4, 8),
              zeros: tuple[int, ...] = (0, 1, 2, 3), mem_fraction: float = 0.9,
              workspace_bytes: float = 2e9, top: int = 5, cps: tuple[int, ...] = (1, 2, 4, 8),
@@ -446,7 +475,7 @@ def simulate(spec: GPTSpec, gpus: int, global_batch: int, device: DeviceConstant
     Layout: tp innermost (within a node), then cp, then dp, then pp (`_Layout`); cp x tp x pp
     x dp = gpus, and cp > 1 is tried with each of `cp_attentions`. An `MoESpec` is tried with
     each ep of `eps` dividing dp and its experts (ep borrows dp ranks: dp = dp_rest x ep; with
-    cp = 1 only); a dense spec with ep = 1 whatever `eps` says. `mem_fraction` of device
+    any cp); a dense spec with ep = 1 whatever `eps` says. `mem_fraction` of device
     memory minus `workspace_bytes` (allocator, kernels' workspaces, transient peaks) is the cap.
     Layouts are visited in order of a lower bound on their step time and skipped once the bound
     exceeds the `top`-th best plan found, so most MILPs are never built. `layer_model` may come
@@ -459,10 +488,12 @@ def simulate(spec: GPTSpec, gpus: int, global_batch: int, device: DeviceConstant
         raise ValueError(f"cp attention {bad} unknown; use some of {CP_ATTENTION}.")
     if not eps or any(int(e) != e or e < 1 for e in eps):
         raise ValueError(f"ep degrees must be positive integers, got {eps!r}.")
-    lm = layer_model or LayerModel(spec)
+    lm = layer_model or layer_model_for(spec)
     if ((lm.spec.hidden, lm.spec.heads, lm.spec.vocab) != (spec.hidden, spec.heads, spec.vocab)
-            or lm.attention_only != isinstance(spec, MoESpec)):
-        kind = "an MoE layer's attention share" if lm.attention_only else "a dense block"
+            or lm.attention_only != isinstance(spec, MoESpec)
+            or getattr(lm.spec, "mla", None) != getattr(spec, "mla", None)):
+        kind = ("an MLA layer's attention share" if isinstance(lm, MLALayerModel) else
+                "an MoE layer's attention share" if lm.attention_only else "a dense block")
         raise ValueError(f"layer_model was built for {lm.spec.name} (hidden {lm.spec.hidden}, "
                          f"heads {lm.spec.heads}, {kind}), not {spec.name}'s shape.")
     cap = device.memory_bytes * mem_fraction - workspace_bytes
@@ -471,11 +502,13 @@ def simulate(spec: GPTSpec, gpus: int, global_batch: int, device: DeviceConstant
                 eps=eps)
     layouts = sorted(_layouts(spec, gpus, global_batch, device, lm, grid), key=lambda x: x.lower_bound())
     plans: list[SimPlan] = []
-    model_flops = (6 * spec.active_params + 12 * L * spec.hidden * spec.seq) * global_batch * spec.seq
+    model_flops = spec.model_flops_per_token * global_batch * spec.seq
     experts = spec.experts if isinstance(spec, MoESpec) else 0
     for lay in layouts:
         if len(plans) >= top and lay.lower_bound() >= plans[top - 1].step_time:
             break
+        if lay.states_floor() > cap:  # no partition fits: skip the MILP's options
+            continue
         window = (max(1, L // lay.pp - 3), L // lay.pp + 3) if lay.pp > 1 else None
         plan = plan_pipeline(lay.stage_cost, L, lay.pp, lay.g, cap, layer_range=window, max_options=12)
         if plan is None:
@@ -524,7 +557,7 @@ def main(argv: list[str] | None = None) -> None:
           f"HBM {dev.mem_bandwidth / 1e12:.2f} TB/s, {dev.memory_bytes / 1e9:.0f} GB")
     for name in args.models.split(","):
         spec = dataclasses.replace(MODELS[name], seq=args.seq or MODELS[name].seq)
-        lm = LayerModel(spec)
+        lm = layer_model_for(spec)
         for n in (int(x) for x in args.gpus.split(",")):
             plans = simulate(spec, n, args.samples_per_gpu * n, dev, lm, top=args.top, cps=cps,
                              cp_attentions=modes, eps=eps)

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 from .timing import AlphaBeta, collective_time
 
 if TYPE_CHECKING:
-    from .simulate import GPTSpec, MoESpec
+    from .simulate_moe import GPTSpec, MoESpec
 
 
 # ---- context parallelism: what one layer's attention exchanges and holds on one cp rank ----
@@ -57,11 +57,12 @@ class AttnShard:
 
 def attn_shard(spec: GPTSpec, batch: int, tp: int, cp: int, seq: int | None = None) -> AttnShard:
     """`AttnShard` of a GPT (multi-head: as many KV heads as query heads; an `MoESpec`'s
-    `kv_heads` when given, at least one per tp rank) on a (tp, cp) rank."""
+    `kv_heads` when given, at least one per tp rank) on a (tp, cp) rank, with the spec's
+    `cp_head_dim` (H / heads; MLA's mean of its q/k and v head dims)."""
     heads = spec.heads // tp
     kv_heads = getattr(spec, "kv_heads", None)
     kv = heads if kv_heads is None else max(1, kv_heads // tp)
-    return AttnShard(batch, seq or spec.seq, cp, heads, kv, spec.hidden // spec.heads)
+    return AttnShard(batch, seq or spec.seq, cp, heads, kv, spec.cp_head_dim)
 
 
 Message = tuple[str, float]  # (collective, payload bytes): see cp_attention_messages
