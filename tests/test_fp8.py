@@ -146,14 +146,30 @@ def test_fp8_refusals_change_nothing(monkeypatch):
     assert "pip install slapo[fp8]" in err.fix
 
 
-def test_tune_refuses_fp8():
-    """Not there yet (docs/runtime.md): the tuner's cost model knows bf16/fp16 only; it
-    refuses fp8 instead of measuring bf16 under its name. (Verify runs fp8:
-    tests/test_verify_fp8.py.)"""
-    from slapo.tune.cli import _check_precisions
+def test_tune_searches_fp8_and_refuses_it_without_torchao(monkeypatch):
+    """`slapo tune --precisions fp8` is searched (the GPU cost model knows FP8 GEMMs:
+    tests/test_tune_fp8.py); where torchao does not import it is refused up front with the
+    install hint, and so is a prediction of an fp8 config, instead of a bf16 step under fp8's
+    name."""
+    import sys
 
-    with pytest.raises(ValueError, match="fp8"):
+    from slapo.tune.cli import _check_precisions
+    from slapo.tune.predict_gpu import simulate_step
+
+    _check_precisions(("bf16", "fp8"))  # torchao imports here
+    with pytest.raises(ValueError, match="fp9"):
+        _check_precisions(("bf16", "fp9"))
+    monkeypatch.setitem(sys.modules, "torchao.float8", None)  # import torchao.float8 fails
+    with pytest.raises(ValueError, match=r"--precisions fp8: .*needs torchao.*slapo\[fp8\]"):
         _check_precisions(("bf16", "fp8"))
+    _check_precisions(("fp32", "bf16"))  # the others do not need it
+    from slapo.tune.model_spaces import GPUModelSpec
+
+    spec = GPUModelSpec("t", "LlamaConfig", "LlamaForCausalLM", dict(
+        hidden_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+        intermediate_size=64, vocab_size=128, max_position_embeddings=32), 2, 32)
+    with pytest.raises(SchedulingError, match="needs torchao"):
+        simulate_step(spec, {"batch_size": 2, "mixed_precision": "fp8", "attention": "sdpa"})
 
 
 def test_cli_trains_in_fp8(tmp_path, capsys, one_thread):

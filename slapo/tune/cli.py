@@ -90,7 +90,8 @@ def add_tune_parser(subparsers: Any) -> argparse.ArgumentParser:
       help="gpu space: peak allocated memory per trial; configs the cost model predicts above "
       "it are not enumerated, and trials above it count as oom")
     a("--precisions", type=_csv(str), default=("fp32", "bf16"), metavar="P,..",
-      help="gpu space: mixed_precision values (default: fp32,bf16)")
+      help="gpu space: mixed_precision values: fp32, bf16, fp16, fp8 (fp8: torchao's FP8 "
+      "GEMMs, needs torchao and a GPU with FP8 tensor cores; default: fp32,bf16)")
     a("--efficiency", type=float, default=1.0,
       help="gpu space: roofline efficiency of the time model (default: 1.0; see docs/tune.md "
       "for the values calibrated on the H100)")
@@ -136,6 +137,9 @@ def add_tune_parser(subparsers: Any) -> argparse.ArgumentParser:
     a("--top", type=int, default=10, help="rows of the final table (default: 10)")
     a("--calibration", default=None, help="device constants cache (default: OUT/calibration.json)")
     a("--progress", action=argparse.BooleanOptionalAction, default=True, help="progress bar")
+    a("--dry-run", action="store_true",
+      help="gpu space: print every config with the cost model's prediction, best predicted "
+      "first, and stop: nothing is measured or written (no GPU needed)")
     p.set_defaults(func=run_tune)
     return p
 
@@ -248,21 +252,31 @@ def _check_device(device: str) -> None:
                          "or cpu.") from None
 
 
-def _check_precisions(precisions: tuple) -> None:
+def _check_precisions(precisions: tuple, device: str = "cpu") -> None:
+    """Each name through `check_precision` (the one check of a precision name); fp8 also needs
+    torchao here (the cost model installs its FP8 GEMMs) and FP8 tensor cores on a CUDA
+    `device` that this machine has (`runtime.fp8.check_fp8`, as `build` checks it)."""
+    import torch
+
+    from ..errors import SchedulingError
+    from ..runtime.fp8 import check_fp8
     from ..runtime.precision import PRECISIONS, PrecisionError, check_precision
 
     try:
         for p in precisions:
-            check_precision(p)  # the one check of a precision name
+            check_precision(p)
         ok = bool(precisions)
     except PrecisionError:
         ok = False
     if not ok:
         raise ValueError(f"--precisions must name some of {', '.join(PRECISIONS)}, got "
                          f"{','.join(precisions) or 'nothing'}.")
-    if "fp8" in precisions:  # the GPU cost model has no FP8 GEMM time yet (issue 36, item 4)
-        raise ValueError("--precisions fp8 is not searched yet: the cost model does not know "
-                         "FP8 GEMMs; use fp32,bf16 (slapo train --precision fp8 trains in it).")
+    if "fp8" in precisions:
+        kind = torch.device(device).type
+        try:  # a CUDA device this machine lacks (predicting elsewhere): torchao only
+            check_fp8(None, kind if kind != "cuda" or torch.cuda.is_available() else "cpu")
+        except SchedulingError as e:
+            raise ValueError(f"--precisions fp8: {e.problem} Fix: {e.fix}") from None
 
 
 def _gpu_setup(args: argparse.Namespace) -> tuple[Space, Any, Any, dict]:
@@ -292,6 +306,10 @@ def run_tune(args: argparse.Namespace) -> int:
     """`slapo tune`: returns the exit status (0 ok, 1 nothing measured, 2 bad options, 130 ^C)."""
     if args.space == "gpu":
         return _run_gpu(args)
+    if getattr(args, "dry_run", False):
+        print("slapo tune: error: --dry-run lists the gpu space (--space gpu); the cpu space's "
+              "cost model measures this machine first.", file=sys.stderr)
+        return 2
     args.model = args.model or "gpt2"
     from rich.console import Console
 
@@ -352,8 +370,8 @@ def _run_gpu(args: argparse.Namespace) -> int:
     console = Console(stderr=True)
     try:
         _check_numbers(args)
-        _check_precisions(args.precisions)
         _check_device(args.device)
+        _check_precisions(args.precisions, args.device)
         _preflight(args)
         space, predict, evaluate, meta = _gpu_setup(args)
         console.log("predicting every config with the GPU cost model (one fake step each)")
@@ -361,10 +379,31 @@ def _run_gpu(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"slapo tune: error: {e}", file=sys.stderr)
         return 2
+    if getattr(args, "dry_run", False):
+        return _dry_run(space, predict)
     db = Database(args.db or Path(args.out) / "tune.db")
     console.log(f"space: {n} configs of {', '.join(space.names())}; db: {db.path}")
     return _search(args, console, space, evaluate, predict, db,
                    meta["settings"]["mem_cap_bytes"], meta)
+
+
+def _dry_run(space: Space, predict: Any) -> int:
+    """`--dry-run`: every config of the space and its prediction, best predicted first."""
+    from rich.console import Console
+    from rich.table import Table
+
+    rows = sorted(((c, predict(c)) for c in space), key=lambda r: -r[1][OBJECTIVE])
+    knobs = list(dict.fromkeys(k for c, _ in rows for k in c))
+    table = Table(title=f"slapo tune --dry-run: {len(rows)} configs, best predicted first "
+                  "(predictions, nothing measured)")
+    for col in ("#", *knobs, "pred tokens/s", "pred mem", "pred ms"):
+        table.add_column(col, justify="right" if col.startswith(("#", "pred")) else "left")
+    for i, (c, p) in enumerate(rows):
+        table.add_row(str(i + 1), *[str(c.get(k, "-")) for k in knobs],
+                      f"{p[OBJECTIVE]:,.0f}", _fmt_bytes(p.get("memory")),
+                      f"{1e3 * p['step_time_s']:.1f}")
+    Console(width=None if sys.stdout.isatty() else 200).print(table)
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -130,7 +130,7 @@ class GPUSpaceArgs:
     model_class: str = "LlamaForCausalLM"
     model_type: str = "llama"
     batch_sizes: tuple[int, ...] = (4, 8, 16)
-    mixed_precision: tuple[str, ...] = ("fp32", "bf16")
+    mixed_precision: tuple[str, ...] = ("fp32", "bf16")  # of runtime.precision.PRECISIONS
     attention: tuple[str, ...] = ("sdpa",)
     ckpt_ratios: tuple[float, ...] = field(default_factory=_tune("ckpt_ratio"))
     ckpt_policies: tuple[str, ...] = field(default_factory=_tune("ckpt_policy"))
@@ -156,7 +156,8 @@ def _has_kernels(model_type: str) -> bool:
 
 def update_space_gpu(args: GPUSpaceArgs, space: Space) -> Space:
     """One GPU: precision x compiled layers x fused loss x kernels x checkpointing x attention x
-    batch. Names are `model_schedule.apply`'s (and build's `mixed_precision`).
+    batch. Names are `model_schedule.apply`'s (and build's `mixed_precision`: "fp8" is bf16 with
+    torchao's FP8 GEMMs, which the trials' `build` and the cost model's fake step install).
 
     `ckpt_policy` exists only when some layer is checkpointed; `fused_loss` and `kernels`
     only where the family has a plan (otherwise apply would refuse the config).

@@ -1,5 +1,6 @@
 """What the ops of one traced call cost: matmul FLOPs (torch's flop registry plus CPU flash
-attention), bytes moved by the other ops, and kernel launches (`_CostCounter`, a dispatch mode)."""
+attention; those of FP8 GEMMs also apart), bytes moved by the other ops, and kernel launches
+(`_CostCounter`, a dispatch mode)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 
 _MM_FLOPS: dict[str, Callable[..., int]] = {}
@@ -34,11 +35,30 @@ _NO_KERNEL = {getattr(torch.ops.aten, n) for n in (
     if hasattr(torch.ops.aten, n)}
 
 
+FP8_DTYPES = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz",
+                                                "float8_e5m2fnuz") if hasattr(torch, n))
+
+
+def is_fp8(t: Any) -> bool:
+    """An FP8 tensor: its dtype, or (a wrapper subclass such as torchao's
+    Float8TrainingTensor, whose dtype is the high-precision one) its inner data's."""
+    if not isinstance(t, torch.Tensor):
+        return False
+    if t.dtype in FP8_DTYPES:
+        return True
+    return is_traceable_wrapper_subclass(t) and any(
+        is_fp8(getattr(t, name)) for name in t.__tensor_flatten__()[0])
+
+
 class _CostCounter(TorchDispatchMode):
     """Matmul FLOPs (torch's flop registry + CPU flash attention) and bytes moved by other ops.
 
     Bytes moved = bytes read + written by every non-matmul op whose outputs are new storage
     (views and in-place ops move nothing new). This is the memory-bound half of a roofline.
+    `fp8_flops`: the part of `flops` whose operands are FP8 (`torch._scaled_mm`). An op on a
+    tensor subclass (torchao's Float8TrainingTensor) is not counted itself: the counter
+    returns NotImplemented, the subclass runs it as plain ops (`_scaled_mm`, the layout copies
+    of the FP8 data, the scale reciprocals), and those are counted as they launch.
     """
 
     def __init__(self) -> None:
@@ -47,17 +67,23 @@ class _CostCounter(TorchDispatchMode):
 
         self.registry = flop_registry
         self.flops = 0
+        self.fp8_flops = 0
         self.bytes = 0
         self.kernels = 0  # ops that launch a kernel: everything but views and allocations
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if any(is_traceable_wrapper_subclass(t) for t in tree_flatten((args, kwargs))[0]):
+            return NotImplemented  # the subclass's own ops are counted
         out = func(*args, **kwargs)
         name = str(func)
         if not func.is_view and func.overloadpacket not in _NO_KERNEL:
             self.kernels += 1
         if func.overloadpacket in self.registry:
-            self.flops += int(self.registry[func.overloadpacket](*args, **kwargs, out_val=out))
+            flops = int(self.registry[func.overloadpacket](*args, **kwargs, out_val=out))
+            self.flops += flops
+            if any(is_fp8(a) for a in args[:2]):
+                self.fp8_flops += flops
         elif name in _MM_FLOPS:
             self.flops += int(_MM_FLOPS[name](args, out))
         else:

@@ -16,7 +16,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
 from ..errors import TraceError
-from .op_costs import _MM_FLOPS, is_matmul
+from .op_costs import _MM_FLOPS, is_fp8, is_matmul
 
 
 @dataclass
@@ -40,6 +40,8 @@ class PartitionPlan:
     fwd_peak: int  # most bytes the forward graph's own buffers hold at once (outputs included)
     bwd_peak: int  # the backward graph's: its buffers + the saved tensors not yet read last
     graphs: int = 1
+    fwd_fp8_flops: int = 0  # the part of fwd_flops / bwd_flops in FP8 GEMMs (`_scaled_mm`)
+    bwd_fp8_flops: int = 0
 
     @property
     def kernels(self) -> int:
@@ -48,7 +50,7 @@ class PartitionPlan:
 
 _VIEW_TARGETS = ("_unsafe_view", "alias", "lift_fresh")
 _EXTERN_NAMES = ("scaled_dot_product", "flash_attention", "efficient_attention", "convolution",
-                 "cudnn_attention")
+                 "cudnn_attention", "_scaled_mm")
 
 
 def _target(node: Any) -> tuple[Any, tuple, dict, Any]:
@@ -84,6 +86,15 @@ def _node_kind(node: Any) -> str:
     return "fused"
 
 
+def _to_one(node: Any) -> bool:
+    """A node whose output is one value computed from a tensor of many (a full reduction)."""
+    def numel(n: Any) -> int:
+        val = n.meta.get("val")
+        return _int(val.numel()) if isinstance(val, torch.Tensor) else 0
+
+    return numel(node) == 1 and any(numel(a) > 1 for a in node.all_input_nodes)
+
+
 def _val_bytes(val: Any) -> int:
     return sum(_int(v.numel()) * v.element_size() for v in tree_flatten(val)[0]
                if isinstance(v, torch.Tensor))
@@ -116,7 +127,11 @@ def _int(n: Any) -> int:
 
 class _Groups:
     """Fused kernels of one graph: a union of producer-consumer pairs of fused nodes at the same
-    matmul depth (inductor does not fuse across a matmul: the matmul sits between them)."""
+    matmul depth (inductor does not fuse across a matmul: the matmul sits between them) and in
+    the same phase. A reduction of a whole tensor to one value (FP8's tensorwise amax) starts a
+    new phase for its readers: they run after the whole reduction, in another kernel that reads
+    the tensor again (a row reduction, as a norm's, fuses with its readers). A pointwise node
+    read only in a later phase is computed there (inductor inlines it into its reader)."""
 
     def __init__(self, gm: Any) -> None:
         self.nodes = [n for n in gm.graph.nodes if n.op == "call_function"]
@@ -127,14 +142,31 @@ class _Groups:
                 self.kind[n] = "fused" if self.kind.get(src) == "fused" else "buffer"
         self.parent = {n: n for n in self.nodes}
         depth: dict = {}
+        phase: dict = {}
         for n in gm.graph.nodes:
             ins = [self.base(a) for a in n.all_input_nodes]
             d = max((depth.get(a, 0) for a in ins), default=0)
             depth[n] = d + (1 if self.kind.get(n) == "extern" else 0)
-            if self.kind.get(n) == "fused":
-                for a in ins:
-                    if self.kind.get(a) == "fused" and depth[a] == d:
+            phase[n] = max((phase.get(a, 0) + (self.kind.get(a) == "fused" and _to_one(a))
+                            for a in ins), default=0)
+        for n in reversed(self.nodes):  # sink pointwise nodes read only in a later phase
+            readers = self._readers(n)
+            if self.kind[n] == "fused" and not _to_one(n) and readers and all(
+                    self.kind.get(r) == "fused" and depth[r] == depth[n] for r in readers):
+                phase[n] = max(phase[n], min(phase[r] for r in readers))
+        for n in self.nodes:
+            if self.kind[n] == "fused":
+                for a in (self.base(a) for a in n.all_input_nodes):
+                    if self.kind.get(a) == "fused" and (depth[a], phase[a]) == \
+                            (depth[n], phase[n]):
                         self._union(a, n)
+
+    def _readers(self, n: Any) -> list:
+        """The nodes that read `n` (through views)."""
+        out = []
+        for u in n.users:
+            out += self._readers(u) if self.kind.get(u) == "view" else [u]
+        return out
 
     def base(self, n: Any) -> Any:
         while self.kind.get(n) == "view" and n.args:
@@ -178,6 +210,8 @@ def graph_costs(gm: Any, saved: dict[str, tuple[str, int]] | None = None) -> dic
             if g.kind.get(b) != "const":
                 last[b] = max(last.get(b, 0), order[n])
     flops = sum(_node_flops(n) for n in g.nodes if g.kind[n] == "extern")
+    fp8_flops = sum(_node_flops(n) for n in g.nodes if g.kind[n] == "extern" and any(
+        is_fp8(getattr(a, "meta", {}).get("val")) for a in _target(n)[1][:2]))
     buffers = {}
     moved = 0
     for b, who in readers.items():
@@ -201,7 +235,7 @@ def graph_costs(gm: Any, saved: dict[str, tuple[str, int]] | None = None) -> dic
             buffers[n] = _val_bytes(n.meta.get("val")) if g.kind[n] == "buffer" else 0
     kernels = len({g.group(n) for n in g.nodes if g.kind[n] == "fused"})
     kernels += sum(1 for n in g.nodes if g.kind[n] == "extern")
-    return {"flops": flops, "bytes": moved, "kernels": kernels,
+    return {"flops": flops, "fp8_flops": fp8_flops, "bytes": moved, "kernels": kernels,
             **_liveness(gm, buffers, last, outputs, order),
             "held_peak": _held_peak(gm, g, buffers, last, outputs, order, saved or {})}
 
@@ -358,4 +392,6 @@ def _plan(pairs: list) -> PartitionPlan:
         fwd_kernels=sum(f["kernels"] for f, _ in costs),
         bwd_kernels=sum(b["kernels"] for _, b in costs),
         fwd_peak=max(f["made_peak"] for f, _ in costs),
-        bwd_peak=max(b["held_peak"] for _, b in costs), graphs=len(pairs))
+        bwd_peak=max(b["held_peak"] for _, b in costs), graphs=len(pairs),
+        fwd_fp8_flops=sum(f["fp8_flops"] for f, _ in costs),
+        bwd_fp8_flops=sum(b["fp8_flops"] for _, b in costs))

@@ -28,6 +28,8 @@ class StepCost:
     mm_flops: float  # matmul and attention FLOPs: forward, recomputation, backward
     mem_bytes: float  # bytes moved by every other op, a compiled layer's fused kernels as such
     kernels: int = 0  # kernels launched: eager ops, and a compiled layer's fused + extern kernels
+    fp8_flops: float = 0.0  # the part of mm_flops in FP8 GEMMs (precision "fp8")
+    fp8_gemms: int = 0  # modules whose GEMM is FP8 (`runtime.fp8.convert`)
 
     def memory(self) -> float:
         """Peak allocated bytes of a steady step: AdamW's fp32 moments exist from step 2 on; the
@@ -58,13 +60,18 @@ class GPUCostModel:
     launched kernel (eager ops one each; a compiled layer its fused and matmul kernels), and
     the fused AdamW step; times `1 / efficiency`. `efficiency` is the one constant fitted to a
     measurement (`calibrate`, on one configuration per model family).
+
+    **FP8** (`mixed_precision="fp8"`): the fake step installs `build`'s FP8 GEMMs (`fp8`, default
+    `Float8Config()`) on torchao's GPU path (`_scaled_mm`), so MemTracker counts what torchao
+    saves, the counter its casts; `_scaled_mm` FLOPs run at `device.fp8_peak_flops` (docs/tune.md).
     """
 
     def __init__(self, spec: Any, device: DeviceConstants | None = None,
-                 efficiency: float = 1.0):
+                 efficiency: float = 1.0, fp8: Any = None):
         self.spec = spec
         self.device = device or H100
         self.efficiency = efficiency
+        self.fp8 = fp8  # a runtime.fp8.Float8Config for "fp8" configs (None: the default)
         self._cache: dict[str, StepCost] = {}
 
     def step_cost(self, config: Config, schedule: bool = True) -> StepCost:
@@ -72,14 +79,16 @@ class GPUCostModel:
 
         key = config_key({**config, "__schedule": schedule})
         if key not in self._cache:
-            self._cache[key] = simulate_step(self.spec, config, schedule=schedule)
+            self._cache[key] = simulate_step(self.spec, config, schedule, self.fp8)
         return self._cache[key]
 
     def roofline_s(self, cost: StepCost) -> float:
-        """Matmul FLOPs + bytes of the other ops + one launch per kernel + the AdamW step."""
+        """Matmul FLOPs (FP8 GEMMs' at the FP8 peak) + bytes of the other ops + one launch per
+        kernel + the AdamW step."""
         opt = _FUSED_ADAMW_TRAFFIC * cost.params / self.device.mem_bandwidth
         launches = cost.kernels * self.device.kernel_launch_s
-        return float(roofline_time(cost.mm_flops, cost.mem_bytes, self.device)) + launches + opt
+        return float(roofline_time(cost.mm_flops - cost.fp8_flops, cost.mem_bytes, self.device,
+                                   fp8_flops=cost.fp8_flops)) + launches + opt
 
     def calibrate(self, config: Config, step_time_s: float, schedule: bool = True) -> float:
         """Set `efficiency` so that `config` is predicted at the measured step time."""
@@ -92,7 +101,8 @@ class GPUCostModel:
         tokens = int(config["batch_size"]) * self.spec.seq
         return {"throughput": tokens / step, "step_time_s": step, "memory": cost.memory(),
                 "mm_flops": cost.mm_flops, "mem_bytes": cost.mem_bytes,
-                "kernels": float(cost.kernels)}
+                "kernels": float(cost.kernels), "fp8_flops": cost.fp8_flops,
+                "fp8_gemms": float(cost.fp8_gemms)}
 
     __call__ = predict
 
@@ -102,8 +112,11 @@ class GPUCostModel:
 # One kernel launch costs 5 us: the middle of the 4-6 us an eager PyTorch op takes on an H100
 # host from Python through the dispatcher to cudaLaunchKernel (CUDA's own launch latency is
 # 2-4 us of it). A device property, not fitted to any measured row (docs/tune.md).
+# FP8: NVIDIA's H100 SXM datasheet gives dense FP8 at 2x dense BF16 (1979 vs 989 TFLOP/s); the
+# measured bf16 matmul times that ratio. Assumed, not measured here (the GPU check is owed).
 H100 = DeviceConstants("H100-SXM-80GB (measured matmul)", peak_flops=780e12,
-                       mem_bandwidth=3.0e12, memory_bytes=80 * 2**30, kernel_launch_s=5e-6)
+                       mem_bandwidth=3.0e12, memory_bytes=80 * 2**30, kernel_launch_s=5e-6,
+                       fp8_peak_flops=2 * 780e12)
 
 
 _ATTN_DROPOUT = ("attn_pdrop", "attention_probs_dropout_prob", "attention_dropout")
@@ -242,22 +255,27 @@ def _labelled_rows(spec: Any, config: Config) -> Any:
     return assume_labelled(MLM_LABELLED)
 
 
-def simulate_step(spec: Any, config: Config, schedule: bool = True) -> StepCost:
+def simulate_step(spec: Any, config: Config, schedule: bool = True,
+                  fp8: Any = None) -> StepCost:
     """One fake forward + backward of `spec` under `config` (see `GPUCostModel`).
 
-    `schedule=False` runs the HF model as loaded (the benchmark's HF baselines).
+    `schedule=False` runs the HF model as loaded (the benchmark's HF baselines). `fp8`: the
+    `Float8Config` of an "fp8" config (None: the default; refused without torchao).
     """
     from torch.distributed._tools.mem_tracker import MemTracker
     from torch.utils.checkpoint import set_checkpoint_early_stop
 
+    from ..runtime.precision import check_fp8_config, check_precision
+
     knobs = schedule_knobs(config)
     compiled = bool(knobs.pop("compile_blocks", False)) and schedule
     counter = _StepCounter()
+    prec = check_precision(config.get("mixed_precision"))  # fp8: torchao imports here, not
+    fp8 = check_fp8_config(prec, fp8 if prec == "fp8" else None, "cpu")  # under fake tensors
     with cuda_autocast_lists(config), fake_mode():
         model = _fake_model(spec)
         data = _fake_batch(model, int(config["batch_size"]), spec.seq)
-        if schedule:
-            _schedule(model, knobs, compiled, config, data, counter)
+        fp8_gemms = _schedule(model, knobs, compiled, config, data, counter, fp8, schedule)
         tracker = MemTracker()
         tracker.track_external(model)
         # (a dispatch mode active while a layer is recorded would make dynamo skip it)
@@ -269,26 +287,30 @@ def simulate_step(spec: Any, config: Config, schedule: bool = True) -> StepCost:
         total = sum(v.get("Total", 0) for v in peak.values())
         params = sum(p.numel() for p in model.parameters())
     return StepCost(float(total), params, float(counter.flops), float(counter.bytes),
-                    int(counter.kernels))
+                    int(counter.kernels), float(counter.fp8_flops), len(fp8_gemms))
 
 
 def _schedule(model: Any, knobs: dict, compiled: bool, config: Config, data: dict,
-              counter: _StepCounter) -> None:
-    """Apply the config's schedule. Compiled layers become stand-ins of their recorded
+              counter: _StepCounter, fp8: Any, schedule: bool = True) -> list[str]:
+    """Apply the config's schedule (if `schedule`), then `fp8`'s GEMMs as `build` does (on
+    torchao's GPU path, not the emulation). Compiled layers become stand-ins of their recorded
     partition (`_install_standins`), each with its checkpoint mode (none, full, selective)."""
     from .. import model_schedule
     from ..model_schedule._registry import detect, layers_of
+    from ..runtime.fp8 import convert
 
     ratio, policy = float(knobs.get("ckpt_ratio", 0.0)), knobs.get("ckpt_policy", "full")
     if compiled:  # the checkpoint wrapper goes into the recorded (compiled) call instead
         knobs = {**knobs, "ckpt_ratio": 0.0}
-    sch = model_schedule.apply(model, **knobs)
+    sch = model_schedule.apply(model, **knobs) if schedule else None
+    done = convert([model], model, fp8, "cuda") if fp8 is not None else []
     if not compiled:
-        return
+        return done
     layers = [node.mod for node in layers_of(sch, detect(model))]
     n = int(ratio * len(layers) + 0.5)  # as model_schedule.apply rounds
     modes = [(policy if i < n else "none") for i in range(len(layers))]
     _install_standins(model, layers, modes, config, data, counter)
+    return done
 
 
 def _install_standins(model: Any, layers: list, modes: list[str], config: Config, data: dict,
@@ -402,6 +424,7 @@ class _StepCounter(_CostCounter):
 
     def add_plan(self, plan: PartitionPlan) -> None:
         self.flops += plan.fwd_flops + plan.bwd_flops
+        self.fp8_flops += plan.fwd_fp8_flops + plan.bwd_fp8_flops
         self.bytes += plan.fwd_bytes + plan.bwd_bytes
         self.kernels += plan.kernels
 

@@ -47,6 +47,7 @@ class DeviceConstants:
     inter: AlphaBeta = field(default_factory=lambda: AlphaBeta(2e-5, 1 / 25e9))
     gpus_per_node: int = 8
     kernel_launch_s: float = 0.0  # per launched kernel (launch + dispatch); 0: not modelled
+    fp8_peak_flops: float = 0.0  # dense FP8 matmul FLOP/s (torch._scaled_mm); 0: no FP8
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -58,13 +59,22 @@ class DeviceConstants:
         return cls(**d)
 
 
-def roofline_time(flops: Any, bytes_moved: Any, device: DeviceConstants) -> Any:
-    """Seconds for `flops` of matmul plus `bytes_moved` of memory-bound work.
+def roofline_time(flops: Any, bytes_moved: Any, device: DeviceConstants,
+                  fp8_flops: Any = 0) -> Any:
+    """Seconds for `flops` of matmul (at `device.peak_flops`) plus `fp8_flops` of FP8 matmul
+    (at `device.fp8_peak_flops`) plus `bytes_moved` of memory-bound work.
 
     Additive rather than max(): a transformer block alternates GEMMs and elementwise kernels that
     run one after the other, not overlapped.
     """
-    return np.asarray(flops) / device.peak_flops + np.asarray(bytes_moved) / device.mem_bandwidth
+    fp8 = np.asarray(fp8_flops, dtype=float)
+    if np.any(fp8 > 0) and not device.fp8_peak_flops > 0:
+        raise ValueError(f"device {device.name!r} has no FP8 matmul peak (fp8_peak_flops=0): "
+                         "it cannot time FP8 GEMMs. Fix: set DeviceConstants(fp8_peak_flops=...) "
+                         "for a GPU with FP8 tensor cores, or search bf16.")
+    fp8_s = fp8 / device.fp8_peak_flops if device.fp8_peak_flops > 0 else 0.0
+    return (np.asarray(flops) / device.peak_flops + fp8_s
+            + np.asarray(bytes_moved) / device.mem_bandwidth)
 
 
 def _factor(op: str, n: Any) -> Any:
