@@ -96,6 +96,27 @@ def test_fp8_is_within_its_tolerance_of_fp32(one_thread, family, recipe):
     assert gemm.emulate and gemm.recipe == recipe
 
 
+@pytest.mark.compile
+@pytest.mark.slow
+def test_fp8_inside_compiled_blocks(one_thread):
+    """`compile_blocks` with FP8 GEMMs (torchao's matmul is `allow_in_graph`): the compiled
+    layers run the FP8 casts (the error is FP8's, above bf16's 0.006) and stay within the
+    tolerance of fp32, and dynamo breaks no graph in them."""
+    import torch._dynamo
+
+    ref_loss, ref = fp32_reference("llama")
+    model = models.llama(seed=0)
+    sch = slapo.create_schedule(model)
+    slapo.model_schedule.apply(sch, compile_blocks=True)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    loss, tm = fp8_step(sch, fp8=SMALL)
+    err = rel_error(full_grads(tm), ref)
+    assert abs(loss - ref_loss) / ref_loss < LOSS_TOL and 0.01 < err < GRAD_TOL, (loss, err)
+    assert not torch._dynamo.utils.counters["graph_break"], \
+        dict(torch._dynamo.utils.counters["graph_break"])
+
+
 def test_fp8_module_filter():
     """Multiples of 16 and >= min_dim (this rank's shard), not the LM head, not a tied weight,
     not a `skip` path; the default min_dim (64) leaves LLaMA's 32-wide k/v projections out."""
