@@ -209,3 +209,17 @@ def deepseek_v3(seed: int = 0, layers: int = 2, experts: int = 4):
                   n_group=2, topk_group=1, first_k_dense_replace=1, vocab_size=128,
                   max_position_embeddings=64, experts_implementation="eager",
                   bos_token_id=0, eos_token_id=0, pad_token_id=0)
+
+
+def causal_loss_as_is(logits, labels, vocab_size, num_items_in_batch=None, ignore_index=-100,
+                      shift_labels=None, **kw):
+    """HF's `ForCausalLMLoss` without its `logits.float()`: the reference's loss in the model's
+    own dtype (float64 here), as the fused loss computes it."""
+    import torch.nn.functional as F
+
+    if shift_labels is None:
+        shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+    reduction = "mean" if num_items_in_batch is None else "sum"
+    loss = F.cross_entropy(logits.reshape(-1, vocab_size), shift_labels.reshape(-1),
+                           ignore_index=ignore_index, reduction=reduction)
+    return loss if num_items_in_batch is None else loss / num_items_in_batch

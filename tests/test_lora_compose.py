@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 
+import models
 import pytest
 import torch
 from test_lora import LR, TOL, _batch, _full, _loss_fn, _reference, _rel, peft_model
@@ -28,20 +29,6 @@ def _whole(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     from torch.distributed.tensor import DTensor
 
     return _full(t.full_tensor(), like) if isinstance(t, DTensor) else _full(t, like)
-
-
-def _causal_loss_as_is(logits, labels, vocab_size, num_items_in_batch=None, ignore_index=-100,
-                       shift_labels=None, **kw):
-    """HF's `ForCausalLMLoss` without its `logits.float()`: the reference's loss in the model's
-    own dtype (float64 here), as the fused loss computes it."""
-    import torch.nn.functional as F
-
-    if shift_labels is None:
-        shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
-    reduction = "mean" if num_items_in_batch is None else "sum"
-    loss = F.cross_entropy(logits.reshape(-1, vocab_size), shift_labels.reshape(-1),
-                           ignore_index=ignore_index, reduction=reduction)
-    return loss if num_items_in_batch is None else loss / num_items_in_batch
 
 
 def _causal(pm) -> bool:
@@ -63,7 +50,7 @@ def compare_composed(family: str, dtype=torch.float64, *, knobs: dict | None = N
     pm = peft_model(family, dtype)
     ref, ref32 = copy.deepcopy(pm), copy.deepcopy(pm)
     if (knobs or {}).get("fused_loss") and _causal(ref):  # masked LMs: HF keeps the dtype
-        ref.get_base_model().loss_function = _causal_loss_as_is
+        ref.get_base_model().loss_function = models.causal_loss_as_is
     base0 = {n: p.detach().clone() for n, p in pm.named_parameters() if not p.requires_grad}
     sch = slapo.create_schedule(pm, mesh=mesh)
     apply(sch, **(knobs or {}))

@@ -102,6 +102,9 @@ class LossPlan:
     # None (then the original forward runs), instead of `base`'s last hidden state
     hidden: Callable | None = None
     scale: float = 1.0  # filled in by `fuse_loss` for a plan with `hidden`
+    # a mixture of experts whose loss adds `router_aux_loss_coef` x its modeling module's
+    # `load_balancing_loss_func` when `output_router_logits` is on (`_router_aux`)
+    router: bool = False
 
 
 # HF head class name -> plan. A table, so a new head is one line.
@@ -120,6 +123,12 @@ PLANS: dict[str, LossPlan] = {
                                    "MaskedLMOutput"),
     "AlbertForMaskedLM": LossPlan("albert", "predictions.decoder", _albert_transform, False,
                                   "MaskedLMOutput"),
+    "MixtralForCausalLM": LossPlan("model", "lm_head", _identity, True,
+                                   "MoeCausalLMOutputWithPast", router=True),
+    "Qwen3MoeForCausalLM": LossPlan("model", "lm_head", _identity, True,
+                                    "MoeCausalLMOutputWithPast", router=True),
+    "DeepseekV3ForCausalLM": LossPlan("model", "lm_head", _identity, True,
+                                      "MoeCausalLMOutputWithPast"),  # no aux loss in HF's
     "T5ForConditionalGeneration": LossPlan("", "lm_head", _identity, False, "Seq2SeqLMOutput",
                                            hidden=_t5_decoder_hidden),
     "MT5ForConditionalGeneration": LossPlan("", "lm_head", _identity, False, "Seq2SeqLMOutput",
@@ -165,11 +174,18 @@ class FusedLossKernel(module_patch.Kernel):
                 return self.original_forward(root, **params)
             hidden, fields = got
         else:
+            router = plan.router and _router_on(root, params)
+            if router:
+                inputs["output_router_logits"] = True
             out = getattr(root, plan.base)(**inputs, return_dict=True)
             hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
             fields = {k: getattr(out, k, None) for k in ("past_key_values", "hidden_states",
                                                           "attentions", "cross_attentions")}
         loss = head_loss(plan, root, hidden, labels, shift, num_items)
+        if plan.hidden is None and router:  # as the MoE head's forward adds it
+            aux = _router_aux(root, out.router_logits, inputs.get("attention_mask"))
+            loss = loss + root.router_aux_loss_coef * aux.to(loss.device)
+            fields.update(aux_loss=aux, router_logits=out.router_logits)
         return _output(plan, fields, loss)
 
     # ---- what a pipeline's last stage asks (`runtime.stages_decoder.FusedLossStage`, which
@@ -184,6 +200,22 @@ class FusedLossKernel(module_patch.Kernel):
         """The model's own loss from the hidden state before the head, on a stage holding
         the head under the model's names (`head_loss`)."""
         return head_loss(self.plan, stage, hidden, labels)
+
+
+def _router_on(root: nn.Module, params: dict) -> bool:
+    """Whether the MoE head's forward would add the load-balancing loss: its
+    `output_router_logits` argument, else the config's."""
+    asked = params.get("output_router_logits")
+    return bool(getattr(root.config, "output_router_logits", False) if asked is None else asked)
+
+
+def _router_aux(root: nn.Module, router_logits, attention_mask) -> torch.Tensor:
+    """The head's own load-balancing loss: its modeling module's `load_balancing_loss_func`
+    on the router logits the base model recorded, as its forward calls it."""
+    import sys
+
+    fn = sys.modules[module_patch.original_class(root).__module__].load_balancing_loss_func
+    return fn(router_logits, root.num_experts, root.num_experts_per_tok, attention_mask)
 
 
 def head_loss(plan: LossPlan, root: nn.Module, hidden: torch.Tensor, labels: torch.Tensor,
