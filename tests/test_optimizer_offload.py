@@ -194,6 +194,27 @@ def test_bad_input_is_refused_before_anything_changes(case):
         assert after[n] is p and torch.equal(p.detach(), v)
 
 
+def test_a_host_without_room_for_the_state_is_refused(monkeypatch):
+    """The host state (16 B per parameter element, times the ranks sharing the host) against
+    the host's available memory: refused with the numbers before any host buffer exists, and
+    the user's weights unchanged."""
+    import slapo
+    import slapo.runtime.optimizer_offload as oo
+
+    sch = _sch()
+    params = [p for p in sch.mod.parameters()]
+    need = oo.check_host_budget(params, available=10**15)
+    assert need == 16 * sum(p.numel() for p in params)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    with pytest.raises(SchedulingError, match="2 rank\\(s\\) on this host"):
+        oo.check_host_budget(params, available=need + 1)  # one rank fits, two do not
+    before = {n: p.detach().clone() for n, p in sch.mod.named_parameters()}
+    monkeypatch.setattr(oo, "host_memory_available", lambda: need)
+    with pytest.raises(SchedulingError, match="GiB is available"):
+        slapo.build(sch, optimizer=torch.optim.AdamW, optimizer_offload=True)
+    assert all(torch.equal(p.detach(), before[n]) for n, p in sch.mod.named_parameters())
+
+
 # ---- slapo train: checkpoints -------------------------------------------------------------------
 TINY = dict(hidden_size=64, num_layers=2, num_heads=4, seq_len=32, batch_size=8, steps=4,
             progress=False, plot=False, eval_batches=0, lr=1e-2, warmup=2, grad_accum=2,

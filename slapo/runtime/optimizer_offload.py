@@ -270,10 +270,52 @@ def _as_dtensor_like(value, m: _Mirror):
     return DTensor(value, m.param._spec, requires_grad=False)
 
 
+# host bytes per parameter element held by the offload: the fp32 copy and gradient buffer,
+# and two fp32 moments (AdamW's; an optimizer with less state needs less)
+HOST_BYTES_PER_ELEMENT = 16
+
+
+def host_memory_available() -> int | None:
+    """`MemAvailable` of /proc/meminfo in bytes (Linux), None where it cannot be read."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def check_host_budget(params: list[nn.Parameter], available: int | None = None) -> int:
+    """Refuse an offload whose host state does not fit: this rank's parameter elements x
+    `HOST_BYTES_PER_ELEMENT`, times the ranks of this host (`LOCAL_WORLD_SIZE`, as torchrun
+    sets it: they share its memory), against the host's available memory. Checked before any
+    host buffer is allocated (the alternative is the kernel's OOM killer mid-run). Returns the
+    bytes this rank needs."""
+    import os
+
+    need = sum(_local(p).numel() for p in params) * HOST_BYTES_PER_ELEMENT
+    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+    available = host_memory_available() if available is None else available
+    if available is not None and need * ranks > available:
+        raise SchedulingError("", f"optimizer_offload needs {need * ranks / 2**30:.2f} GiB of "
+                              f"host memory ({need / 2**30:.2f} GiB per rank x {ranks} rank(s) "
+                              f"on this host: a host copy, a gradient buffer and the optimizer "
+                              f"state per parameter), but {available / 2**30:.2f} GiB is "
+                              "available.", "shard the model over more ranks or hosts "
+                              "(FSDP2: --dp-shard), free host memory, or train without "
+                              "optimizer_offload.")
+    return need
+
+
 def make_offloaded(optimizer_cls: type[torch.optim.Optimizer], params: list[nn.Parameter],
                    optimizer_kwargs: dict | None) -> HostOffloadOptimizer:
-    """`build`'s optimizer with `optimizer_offload=True`."""
+    """`build`'s optimizer with `optimizer_offload=True` (its host state checked to fit:
+    `check_host_budget`)."""
+    check_host_budget(params)
     return HostOffloadOptimizer(params, optimizer_cls, **(optimizer_kwargs or {}))
 
 
-__all__ = ["HostOffloadOptimizer", "check_optimizer_offload", "make_offloaded"]
+__all__ = ["HostOffloadOptimizer", "check_host_budget", "check_optimizer_offload",
+           "host_memory_available", "make_offloaded"]
