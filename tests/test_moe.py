@@ -257,6 +257,8 @@ def job_ep2_equals_one_process(families=FAMILIES, misroute=False, dp=2, grad_acc
                           for n, p in params.items()},
                 "tp_split": sum(_full(p, p) is not p for p in params.values()
                                 if not hasattr(p, "full_tensor")),
+                "mla_split": any(_full(p, p) is not p for n, p in params.items()
+                                 if "kv_b_proj" in n and not hasattr(p, "full_tensor")),
                 "fsdp": sum(hasattr(p, "full_tensor") for p in params.values()),
                 # the clipped norm (with `grad_clip`): each expert once, tp replicas once
                 "norm": None if tm.__dict__.get("first_norm") is None else _rel(
@@ -443,6 +445,8 @@ def test_ep2_with_tp2_equals_one_process(dist4):
         assert [r[family]["held"][0] for r in results] == [0, 0, 2, 2]  # ep over dp ranks
         assert all(r[family]["held"][2] == (2, 64, 64) for r in results)  # experts whole
         assert all(r[family]["tp_split"] > 0 for r in results)  # tp split something
+        # DeepSeek-V3's MLA heads too (plan_supplements: DeepSeek-V2's declared MLA rows)
+        assert all(r[family]["mla_split"] == (family == "deepseek_v3") for r in results)
         assert all(r[family]["norm"] < REL for r in results), [r[family]["norm"] for r in results]
         assert not _mismatches(results, family), (family, _mismatches(results, family))
 

@@ -9,8 +9,9 @@ Tensor parallelism (Mixtral, Qwen3-MoE): LLaMA's attention rows and expert TP
 (`plan_experts.Experts`: each expert's FFN split over the ranks, the router replicated);
 Qwen3-MoE's dense layers split their MLP per projection (an MoE layer has no such modules,
 so those rows are optional). DeepSeek-V3 takes the plan derived from its declared one
-(`_registry._with_declared_tp_plan`): HF declares no attention rows for its multi-head latent
-attention, so tp splits its dense MLPs, shared expert and experts and keeps MLA whole.
+(`_registry._with_declared_tp_plan`) with Slapo's supplement for its multi-head latent
+attention (HF declares no attention rows for it; DeepSeek-V2's declared MLA rows serve:
+`plan_supplements.py`), so tp splits its MLA heads, dense MLPs, shared expert and experts.
 With ep > 1 as well, the tp plan leaves the experts to ep (`moe.without_experts`).
 """
 

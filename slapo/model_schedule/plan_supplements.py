@@ -9,6 +9,11 @@ own TP of them computes one rank's share of a gradient:
 - Sarvam-MoE: the per-head `q_norm`/`k_norm` (width head_dim) see this rank's heads only
   (Qwen3-MoE's plan, the same attention, declares them).
 
+DeepSeek-V3 declares its MLP, shared-expert and expert rows but no attention rows: its
+multi-head latent attention gets DeepSeek-V2's declared rows (the same module), so tp splits
+its heads (`q_b_proj`, `kv_b_proj` column, `o_proj` row, the kv_a projection's shared rotary
+key reduced: `hf_plan._mla_rows`).
+
 Others declare only the input embedding, which splits nothing in the layers: HunYuan dense
 (LLaMA's attention and MLP, per-head query/key norms) and GPT-OSS (LLaMA's attention with
 biases and per-head attention sinks, and its biased experts as `moe_tp_experts`:
@@ -62,6 +67,12 @@ _LFM2_ATTENTION = {**{k: v for k, v in _ATTENTION.items() if not k.endswith("o_p
 _LFM3_ATTENTION = {**_ATTENTION, "layers.*.self_attn.g_proj": "colwise",
                    **_per_head("q_norm", "k_norm")}
 
+# multi-head latent attention as DeepSeek-V2's config declares it (DeepSeek-V3's declares no
+# attention rows, so HF's own TP of it, and Slapo's before this row, kept MLA whole)
+_MLA = {"layers.*.self_attn.q_proj": "colwise", "layers.*.self_attn.q_b_proj": "colwise",
+        "layers.*.self_attn.kv_a_proj_with_mqa": "mla_kv_a_proj",
+        "layers.*.self_attn.kv_b_proj": "colwise", "layers.*.self_attn.o_proj": "rowwise"}
+
 # model type -> {plan key: HF style, or a tuple of Slapo styles} added to its declared plan
 SUPPLEMENTS: dict[str, dict[str, str | tuple]] = {
     "apertus": _XIELU,
@@ -70,6 +81,7 @@ SUPPLEMENTS: dict[str, dict[str, str | tuple]] = {
     "hunyuan_v1_dense": {**_ATTENTION, **_MLP, **_per_head("query_layernorm", "key_layernorm")},
     "gpt_oss": {**_ATTENTION, "layers.*.self_attn.sinks": "colwise",
                 "layers.*.mlp.experts": "moe_tp_experts"},
+    "deepseek_v3": _MLA,
     "lfm2": {**_LFM2_ATTENTION, **_SHORT_CONV, **_LFM_FFN},
     "lfm3": {**_LFM3_ATTENTION, **_SHORT_CONV, **_LFM_FFN},
 }
