@@ -92,6 +92,38 @@ def register_attribute(name: str, get: Callable[[Schedule], Any]) -> None:
     _ATTRIBUTES[name] = get
 
 
+# The same seam for a node's metadata: `node.metadata.<name>` (the metadata is a dict; names are
+# not items) is `_METADATA_ATTRIBUTES[name](node)`. Filled by `slapo.compat.install` (2023's
+# `sch.metadata.param_tags`).
+_METADATA_ATTRIBUTES: dict[str, Callable[[Schedule], Any]] = {}
+
+
+def register_metadata_attribute(name: str, get: Callable[[Schedule], Any]) -> None:
+    """Serve `node.metadata.<name>` as `get(node)` (a dict method's name cannot be taken)."""
+    if _METADATA_ATTRIBUTES.get(name) is get:
+        return
+    if hasattr(dict, name) or name.startswith("_") or name in _METADATA_ATTRIBUTES:
+        raise ValueError(f"{name!r} is already a metadata attribute or dict method.")
+    _METADATA_ATTRIBUTES[name] = get
+
+
+class NodeMetadata(dict):
+    """A node's metadata: what primitives record (a plain dict); the names the edge registers
+    (`register_metadata_attribute`) read as attributes."""
+
+    def __init__(self, node: Schedule):
+        super().__init__()
+        self._node = weakref.ref(node)
+
+    def __getattr__(self, name: str):
+        get = _METADATA_ATTRIBUTES.get(name)
+        node = self.__dict__.get("_node")
+        node = node() if node is not None else None
+        if get is None or node is None:
+            raise AttributeError(name)
+        return get(node)
+
+
 class Schedule(PrimitiveMethods):
     """A node of the schedule tree. Create the tree with `slapo.create_schedule(model)`.
 
@@ -105,7 +137,7 @@ class Schedule(PrimitiveMethods):
         self.path = path
         self.parent = parent
         self.history: list[AppliedPrimitive] = []
-        self.metadata: dict[str, Any] = {}
+        self.metadata: dict[str, Any] = NodeMetadata(self)
         self.child: dict[str, Schedule] = {}
         self._build_children()
 

@@ -344,3 +344,48 @@ def rule_for(mod: nn.Module) -> ShardRule:
 
 def has_known_layout(mod: nn.Module) -> bool:
     return type(rule_for(mod)) is not ShardRule
+
+
+# ------------------------------------------------------------------------------------------------
+# Slapo 2023's names of the collectives (its `slapo/sharding/sync_ops.py`, re-exported by
+# `slapo.sharding`): the autograd collectives of `slapo.distributed.collectives` under their 2023
+# names and signatures. `group=None` is the world, as in 2023. 2023's all-reduce ran in place on
+# its input; these return a new tensor. `from slapo.sharding import sync_ops` gets them as attributes.
+# ------------------------------------------------------------------------------------------------
+def reduce_backward_grad(inp: torch.Tensor, group=None) -> torch.Tensor:
+    """Identity forward, all-reduce of the gradient backward (`collectives.reduce_backward`)."""
+    return collectives.reduce_backward(inp, group)
+
+
+def reduce_forward_output(inp: torch.Tensor, group=None) -> torch.Tensor:
+    """All-reduce forward, identity backward (`collectives.reduce_forward`)."""
+    return collectives.reduce_forward(inp, group)
+
+
+def all_gather_forward_output(inp: torch.Tensor, dim: int, group=None,
+                              tensor_parallel_output_grad: bool = True) -> torch.Tensor:
+    """All-gather along `dim`; backward reduce-scatters (`tensor_parallel_output_grad=True`, the
+    gathered tensor feeds sharded ops) or keeps this rank's slice (`collectives.all_gather`
+    with `partial_grad=tensor_parallel_output_grad`)."""
+    return collectives.all_gather(inp, dim, group, partial_grad=tensor_parallel_output_grad)
+
+
+def reduce_scatter_forward_output(inp: torch.Tensor, dim: int, group=None) -> torch.Tensor:
+    """Reduce-scatter along `dim`; backward all-gathers (`collectives.reduce_scatter`)."""
+    return collectives.reduce_scatter(inp, dim, group)
+
+
+def scatter_forward_output(inp: torch.Tensor, dim: int, group=None) -> torch.Tensor:
+    """Keep this rank's chunk along `dim`; backward all-gathers (`collectives.scatter`)."""
+    return collectives.scatter(inp, dim, group)
+
+
+class sync_ops:  # noqa: N801 - 2023's module name
+    """2023's `slapo.sharding.sync_ops` (`from slapo.sharding import sync_ops`): its five
+    collectives, the functions above."""
+
+    reduce_backward_grad = staticmethod(reduce_backward_grad)
+    reduce_forward_output = staticmethod(reduce_forward_output)
+    all_gather_forward_output = staticmethod(all_gather_forward_output)
+    reduce_scatter_forward_output = staticmethod(reduce_scatter_forward_output)
+    scatter_forward_output = staticmethod(scatter_forward_output)

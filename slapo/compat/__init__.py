@@ -12,8 +12,10 @@ Modules: `env` (setup/cleanup/execute), `logger` (get_logger with `ranks=`), `tu
 consolidate_model, init_target_engine, trace, generate_pipeline_partition), `primitives`
 (replace_all, find_node, trace_until, get_module, get_top_schedule; `register_primitive` for
 2023 primitive classes), `spellings` (the 2023 keywords of trace/fuse/shard and the
-`world_size`/`rank` names of a node), `find` (2023's `find`: trace by need, and a layer
-decomposed before the trace gets its bias add in the graph).
+`world_size`/`rank` names of a node, and `metadata.param_tags`/`tie_weights`), `find` (2023's
+`find`: trace by need, and a layer decomposed before the trace gets its bias add in the graph),
+`pipeline` (`analyze_tie_weights`, DeepSpeed's `analyze_tie_ranks`, and the stages of a traced
+model of any structure, cut from its graph).
 
 Nothing here changes a core object when imported. `install()`, which `slapo/__init__` calls
 explicitly, registers the 2023 primitives and spellings through the core's public seams
@@ -28,7 +30,7 @@ from __future__ import annotations
 
 from ..notices import Slapo2023Notice, notice_once
 from ..primitives.base import register_method_adapter
-from ..schedule import register_attribute
+from ..schedule import register_attribute, register_metadata_attribute
 from .build import (
     build,
     consolidate_model,
@@ -40,12 +42,13 @@ from .build import (
 from .env import cleanup, execute, setup
 from .logger import get_logger
 from .primitives import PRIMITIVES_2023, register_primitive
-from .spellings import ATTRIBUTES, SPELLINGS
+from .spellings import ATTRIBUTES, METADATA_ATTRIBUTES, SPELLINGS
 from .tune import Database, Space, Symbol
 
 
 def install() -> None:
-    """Register the 2023 primitives, keyword spellings and attribute names with the core's
+    """Register the 2023 primitives, keyword spellings and attribute names (of nodes and of
+    their metadata) with the core's
     seams (idempotent; `slapo/__init__` calls it once, explicitly: that call is the edge)."""
     for cls in PRIMITIVES_2023:
         register_primitive(cls)
@@ -53,6 +56,8 @@ def install() -> None:
         register_method_adapter(name, adapter)
     for name, get in ATTRIBUTES.items():
         register_attribute(name, get)
+    for name, get in METADATA_ATTRIBUTES.items():
+        register_metadata_attribute(name, get)
 
 
 __all__ = ["Database", "Slapo2023Notice", "Space", "Symbol", "build", "cleanup",

@@ -75,18 +75,44 @@ def init_target_engine(model: nn.Module, target: str | None = None,
 def trace(model: nn.Module, **kwargs: Any) -> nn.Module:
     """2023 `slapo.trace(model, tracer=, recursive=, flatten=, leaf_modules=, concrete_args=)`:
     the GraphModule of `model` (through the `trace` primitive, 2023 spellings accepted)."""
+    from .spellings import TRACING_2023
+
     sch = create_schedule(model)
-    return sch.trace(**kwargs)
+    token = TRACING_2023.set(True)  # 2023's rule: a submodule it cannot trace stays a leaf
+    try:
+        return sch.trace(**kwargs)
+    finally:
+        TRACING_2023.reset(token)
 
 
 def generate_pipeline_partition(sch: Schedule, num_stages: int | None = None) -> list[nn.Module]:
     """2023's partition step: the stage modules at the schedule's `cut_pipeline_stage` cuts.
 
     2023 split one traced GraphModule into `submod_i` children; today a stage is a module that
-    shares the model's layers (slapo.pipeline.partition), so this returns the list of stages."""
-    from ..runtime.partition import partition
+    shares the model's layers (slapo.pipeline.partition), so this returns the list of stages.
+    A traced model of no family `partition` knows is cut from its graph, as 2023 cut it
+    (`slapo.compat.pipeline.graph_stages`)."""
+    import torch.fx as fx
 
-    return partition(sch, num_stages)
+    from ..runtime.partition import check_partitionable, partition
+    from .pipeline import graph_stages
+
+    if not isinstance(sch.mod, fx.GraphModule) or _family_known(check_partitionable, sch.mod):
+        return partition(sch, num_stages)
+    if num_stages is not None and num_stages != len(sch.pipeline_cuts) + 1:
+        raise SchedulingError(sch.path, f"num_stages={num_stages}, but the "
+                              f"{len(sch.pipeline_cuts)} cuts make "
+                              f"{len(sch.pipeline_cuts) + 1} stages.",
+                              "drop num_stages (the cuts decide).")
+    return graph_stages(sch)
+
+
+def _family_known(check: Callable[[nn.Module], None], model: nn.Module) -> bool:
+    try:
+        check(model)
+    except SchedulingError:
+        return False
+    return True
 
 
 # ------------------------------------------------------------------------------------------------
@@ -160,8 +186,11 @@ def _target(target: Any) -> str | None:
         return "deepspeed"
     if name == "megatron":
         raise SchedulingError("", "target='megatron': Slapo 2023's Megatron dialect only parsed "
-                              "Megatron-LM logs; it never built a model.",
-                              "use target=None (torch's DDP / FSDP2 / pipelines) or "
+                              "Megatron-LM logs; its build(target='megatron') returned the "
+                              "model as target=None does (one TP group, no pipeline), and "
+                              "Megatron-LM's own loop trained it (docs/migrating.md, "
+                              "'Megatron-LM').",
+                              "use target=None (and hand the model to Megatron's loop), or "
                               "target='deepspeed'.")
     raise SchedulingError("", f"target={target!r} is not a Slapo target.",
                           "use None (the native runtime) or 'deepspeed'.")

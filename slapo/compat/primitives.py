@@ -92,7 +92,9 @@ class FindNodePrimitive(Primitive):
 class TraceUntilPrimitive(Primitive):
     """2023 `sch.trace_until(paths, **trace_kw)` on the top schedule: trace from the top down
     to the module(s) at `paths`, which stay leaves (their insides untraced); each traced level
-    keeps its own GraphModule, as 2023 did for pipeline cutting."""
+    keeps its own GraphModule, as 2023 did for pipeline cutting. A module below whose own
+    forward fx cannot trace (control flow on a shape, say) stays an untraced leaf, with a
+    notice, as in 2023 (slapo.compat.spellings.untraceable_children)."""
 
     name = "trace_until"
 
@@ -106,8 +108,14 @@ class TraceUntilPrimitive(Primitive):
 
     @classmethod
     def apply(cls, sch, paths, **kwargs):
+        from .spellings import TRACING_2023
+
         leaves = [paths] if isinstance(paths, str) else list(paths)
-        return sch.trace(leaves=leaves, flatten=False, **kwargs)
+        token = TRACING_2023.set(True)  # 2023's rule: a module it cannot trace stays a leaf
+        try:
+            return sch.trace(leaves=leaves, flatten=False, **kwargs)
+        finally:
+            TRACING_2023.reset(token)
 
 
 class GetModulePrimitive(Primitive):

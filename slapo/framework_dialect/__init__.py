@@ -7,13 +7,20 @@ benchmark scripts a "log_parser". Today `build(target="deepspeed")` holds its De
 integration itself (`slapo.runtime.deepspeed`), and pipelines run on torch's pipelining, so
 nothing is pre-registered: a 2023 program that registers its own dialect classes and reads
 them back works as before; asking for one nobody registered is an error naming the
-replacement (never a None the caller would call later)."""
+replacement (never a None the caller would call later).
+
+`deepspeed.pipeline.analyze_tie_ranks(tie_weights, topology)`: 2023's helper computing the rank
+groups of tied weights from a DeepSpeed topology (`slapo.compat.pipeline`), reachable by that
+attribute path (2023's `slapo.framework_dialect.deepspeed.pipeline` module is not importable as
+a module: the rest of 2023's DeepSpeed dialect is `build(target="deepspeed")` today)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from types import SimpleNamespace
 from typing import Any
 
+from ..compat import pipeline as _pipeline
 from ..errors import SchedulingError
 
 _DIALECTS: dict[tuple[str, str], Any] = {}
@@ -46,4 +53,7 @@ def get_dialect_cls(cls_type: str, target: str, allow_none: bool = False) -> Any
                           "(Slapo no longer keeps framework dialects in a registry).", fix + ".")
 
 
-__all__ = ["get_dialect_cls", "register_framework_dialect"]
+# 2023's `slapo.framework_dialect.deepspeed.pipeline.analyze_tie_ranks`
+deepspeed = SimpleNamespace(pipeline=SimpleNamespace(analyze_tie_ranks=_pipeline.analyze_tie_ranks))
+
+__all__ = ["deepspeed", "get_dialect_cls", "register_framework_dialect"]

@@ -279,9 +279,10 @@ class ParallelCrossEntropy(nn.Module):
 
 
 class Print(nn.Module):
-    """Debugging op: prints its inputs' shapes (or values with `values=True`) and returns them
-    unchanged (one input: the input itself). Stays a leaf in traced graphs, so it can be
-    inserted with `replace` after a node to watch it."""
+    """Debugging op: prints its inputs' shapes (or values with `values=True`) and returns its
+    first input unchanged, as 2023's `Print.forward(x, *args)` did (the other inputs are only
+    shown). Stays a leaf in traced graphs, so it can be inserted with `replace` after a node to
+    watch it."""
 
     traceable = False
     _slapo_leaf = True
@@ -294,7 +295,7 @@ class Print(nn.Module):
         shown = [a if self.values or not isinstance(a, torch.Tensor) else
                  f"Tensor{tuple(a.shape)}:{a.dtype}" for a in args]
         print(self.msg, *shown)
-        return args[0] if len(args) == 1 else args
+        return args[0]
 
 
 __all__ = ["ATTN_OP_NAMES", "FlashAttention", "FlashAttentionOp", "FusedMLP", "FusedQKV",
