@@ -223,4 +223,25 @@ def _broadcast_hook(group):
     return hook
 
 
-__all__ = ["CHECKPOINT_METHODS", "KEYS_2023", "apply_schedule"]
+def gen_embedding_hooks(sch: Schedule, vocab_size: int):
+    """2023's `slapo.model_schedule.gpt2.gen_embedding_hooks(sch, vocab_size)`: the forward
+    pre- and post-hook of a word embedding sharded over the vocabulary
+    (`sch["wte"].shard("weight", axis=0)`), for `sync(mode="fwd_pre" / "fwd_post")`. Today's
+    `shard` of an Embedding already maps the token ids to this rank's rows and zeroes the rows
+    of ids it does not hold, which 2023's pre-hook and the first line of its post-hook did; so
+    here the pre-hook changes nothing and the post-hook is the all-reduce of the ranks' partial
+    embeddings (2023's `reduce_forward_output`). `vocab_size` is accepted for the 2023 call."""
+    from ..distributed.collectives import reduce_forward
+
+    group = sch.group
+
+    def fwd_pre_hook(_module, _input):
+        return None
+
+    def fwd_post_hook(_module, _input, output):
+        return reduce_forward(output, group)
+
+    return fwd_pre_hook, fwd_post_hook
+
+
+__all__ = ["CHECKPOINT_METHODS", "KEYS_2023", "apply_schedule", "gen_embedding_hooks"]

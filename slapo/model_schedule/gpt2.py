@@ -32,3 +32,13 @@ FAMILY = Family(
                                norms=("ln_1", "ln_2", "/transformer.ln_f"),
                                dropouts=("/transformer.drop", "attn.resid_dropout",
                                          "mlp.dropout")))
+
+
+def __getattr__(name: str):
+    """2023's names here, from the compatibility edge (`model_schedule/compat.py`), imported on
+    first use (compat imports the registry, which imports this family)."""
+    if name == "gen_embedding_hooks":
+        from .compat import gen_embedding_hooks
+
+        return gen_embedding_hooks
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
