@@ -143,15 +143,17 @@ def test_offload_and_checkpoint_on_one_module_are_refused_both_ways():
         sch["model.layers.1"].offload()
 
 
-def test_wideresnet_refuses_offload_ratio_untouched():
+def test_wideresnet_refuses_more_than_every_block_untouched():
+    """WideResNet offloads per stage (tests/test_wideresnet.py); ratios that ask for more than
+    every block (checkpointed and offloaded) are refused before any change."""
     import vision_models
 
     model = vision_models.tiny()
     sch = slapo.create_schedule(model)
     before = _state(model)
-    with pytest.raises(SchedulingError, match="not built for the WideResNet"):
-        model_schedule.apply(sch, offload_ratio=0.5)
-    assert _same(before, _state(model))
+    with pytest.raises(SchedulingError, match="more than every layer"):
+        model_schedule.apply(sch, ckpt_ratio=0.75, offload_ratio=0.5)
+    assert _same(before, _state(model)) and not list(sch.applied())
 
 
 def job_tp2_offload() -> list:
