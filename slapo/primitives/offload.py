@@ -94,6 +94,11 @@ class OffloadWrapper(module_patch.ForwardWrapper):
     stats: OffloadStats = field(default_factory=OffloadStats)
     name = "offload"
 
+    # Under compiled blocks dynamo would trace into this wrapper and break its graph at the
+    # weight-storage set (`UntypedStorage.data_ptr`: 5 breaks per layer, measured); this frame
+    # runs eager instead, and the layer it calls (`fn`) is still compiled as its own frame, its
+    # saved tensors going through the hooks set here (`recursive=False`).
+    @torch.compiler.disable(recursive=False)
     def __call__(self, module, fn, args, kwargs):
         if not torch.is_grad_enabled():
             return fn(*args, **kwargs)
