@@ -1,6 +1,6 @@
 """Training throughput on one GPU: Slapo schedules against what a user would run instead.
 
-    python benchmarks/gpu_train.py --deadline-s 540 --out $OUT/gpu     # the table, one device call
+    python benchmarks/gpu_train.py --deadline-s 300 --out $OUT/gpu     # time-boxed (gpu_session.sh)
     python benchmarks/gpu_train.py --models llama-1b --variants hf_liger,slapo_gpu_sac \
         --cap-gib 24 --cap-batches 2,4,8                               # what fits a 24 GiB card
     python benchmarks/gpu_train.py --tiny --variants hf_sdpa,slapo_gpu  # CPU smoke run
@@ -43,7 +43,18 @@ Variants:
 - slapo_gpu_nocudnn: slapo_gpu with cuDNN's SDPA backend off
   (`torch.backends.cuda.enable_cudnn_sdp(False)`; `--no-cudnn-sdp` turns it off for every
   variant of a run);
-- slapo_tuned: the best schedule `slapo tune` finds, measured like every other variant (below).
+- slapo_tuned: the best schedule `slapo tune` finds, measured like every other variant (below);
+- slapo_fp8, slapo_offload, slapo_optim_offload (issue 36): the GPU schedule with FP8 GEMMs
+  (`precision="fp8"`, `Float8Config(min_dim=1024)`), with half the layers selectively
+  checkpointed and half offloaded, with the optimizer on the host (`benchmarks/gpu_train_rows.py`
+  says what each changes and reports). A row that cannot run here (fp8 without torchao or on a
+  GPU below compute capability 8.9) is `skipped: <why>`, not a crash; the table's
+  "vs slapo_gpu" column is their ratio to this run's bf16 Slapo row.
+
+Models: the three of the table, and `llama3-8b-8l`: LLaMA-3-8B's shapes (hidden 4096, SwiGLU
+14336, 32/8 heads, vocab 128256, rope theta 5e5) with 8 layers, 4 x 2048, about 2.8B
+parameters (45 GiB of fp32 weights, gradients and AdamW; the FP8 target of issue 36).
+`--tiny` maps every model to its tiny twin (`tiny-llama3` for it).
 
 slapo_tuned, in its own process: the GPU space of `slapo tune --space gpu` (bf16, SDPA;
 uncapped: compile_blocks x fused_loss x kernels at the table's batch; under `--cap-gib`:
@@ -64,29 +75,16 @@ variant; a winner that is one of this run's rows (a seeded config) is that row, 
 `--tune-efficiency`), `tune_s` (predictions waited for + search) and `tune` (every trial,
 predicted vs measured). Its `compile_s` is warm: the trials compiled the same graphs.
 
-Budget of the default table on one H100 (`--deadline-s 540`), from the per-process wall times of
-`benchmarks/results/gpu_train_h100.jsonl` (each includes ~12 s of process start, imports, model
-build and matmul peak): hf_sdpa 14-18 s x 3 = 50 s; hf_compile 60 + 71..111 + 97 s = 228-268 s;
-hf_liger 22 s (LLaMA only; GPT-2/BERT rows need no process); slapo_gpu 29 + 25..39 + 30 s =
-84-98 s. Total 384-438 s, which leaves 100-155 s for three slapo_tuned rows: each is ~12 s of
-start, ~12-25 s per trial (compile 3-10 s, warm when a trial shares graphs with slapo_gpu), and
-a final measurement only when a new config wins (~20 s). Hence `--tune-trials 2` and
-`--tune-budget-s 45` by default; slapo_tuned runs last so that the baselines are never cut,
-and a row the deadline reaches is `skipped`. slapo_gpu_sac left the default list (its rows are
-in the capped table of the second call, where it matters).
-
-If time remains (a second device call; `benchmarks/gpu_session.sh 2` runs all of it, in the
-order below, then the kernels row and `benchmarks/kernels.py`; under the cap hf_compile comes
-second because it is GPT-2's best baseline, and its sweep recompiles per batch size, so the
-deadline may leave slapo_gpu_ckpt out):
-
-    python benchmarks/gpu_train.py --models gpt2-medium \
-        --variants hf_sdpa,hf_sdpa_nocudnn,slapo_gpu --out $OUT/nocudnn
-    python benchmarks/gpu_train.py --models gpt2-medium --dropout 0 \
-        --variants hf_sdpa,slapo_gpu --out $OUT/dropout0
-    python benchmarks/gpu_train.py --models gpt2-medium,bert-large --cap-gib 24 \
-        --cap-batches 8,16,32,64 --variants slapo_gpu_sac,hf_compile,hf_sdpa,slapo_tuned,slapo_gpu_ckpt \
-        --deadline-s 250 --out $OUT/cap
+Budget (one H100/H200, from the per-process wall times of
+`benchmarks/results/gpu_train_h100.jsonl`; each includes ~12 s of process start, imports, model
+build and matmul peak): hf_sdpa 14-18 s per model; hf_compile 60 (LLaMA) + 71..111 (GPT-2) +
+97 s (BERT); hf_liger 22 s (LLaMA only; GPT-2/BERT rows need no process); slapo_gpu 29 + 25..39
++ 30 s; slapo_tuned ~12 s + 12-25 s per trial. The whole default list is ~450-540 s, more
+than one 8-minute run holds with anything else: `benchmarks/gpu_session.sh` splits the work
+into time-boxed invocations, most important first (its header has the plan), using `--skip
+MODEL:VARIANT` (a row left to a later invocation) and `--deadline-s` (no variant started with
+less than `--min-child-s` left, 60 s for hf_compile and slapo_tuned; a row the deadline
+reaches is `skipped: --deadline-s`, a child past it is killed and its row says `timeout`).
 
 `--cap-gib C` limits each process to C GiB (`torch.cuda.set_per_process_memory_fraction`) and
 tries batch sizes upward from `--cap-batches` until one does not fit: the row reports the
@@ -110,6 +108,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # import must not initialise the CUDA driver there (NVML answers it without that).
 os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout: slapo
+# the helper module beside this file (also when the file is loaded by path, as the tests do)
+sys.path.append(str(Path(__file__).resolve().parent))
+import gpu_train_rows as rows  # noqa: E402
 
 MODELS = {
     # name: (HF config class, model class, config kwargs, batch, seq)
@@ -124,6 +125,13 @@ MODELS = {
                    dict(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16,
                         intermediate_size=4096, vocab_size=30522, max_position_embeddings=512),
                    32, 512),
+    # LLaMA-3-8B's layer shapes (hidden 4096, SwiGLU 14336, 32 query / 8 KV heads, vocab
+    # 128256, rope theta 5e5) with 8 of its 32 layers (issue 36: the GEMMs where FP8 pays)
+    "llama3-8b-8l": ("LlamaConfig", "LlamaForCausalLM",
+                     dict(hidden_size=4096, num_hidden_layers=8, num_attention_heads=32,
+                          num_key_value_heads=8, intermediate_size=14336, vocab_size=128256,
+                          max_position_embeddings=8192, rope_theta=500000.0, rms_norm_eps=1e-5,
+                          tie_word_embeddings=False), 4, 2048),
     # tiny twins for a CPU smoke run of this script (--tiny): same code paths, small shapes
     "tiny-gpt2": ("GPT2Config", "GPT2LMHeadModel",
                   dict(n_embd=64, n_layer=2, n_head=4, vocab_size=512, n_positions=64), 2, 64),
@@ -131,6 +139,11 @@ MODELS = {
                    dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                         num_key_value_heads=2, intermediate_size=128, vocab_size=512,
                         max_position_embeddings=64), 2, 64),
+    "tiny-llama3": ("LlamaConfig", "LlamaForCausalLM",
+                    dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=1, intermediate_size=224, vocab_size=1024,
+                         max_position_embeddings=64, rope_theta=500000.0, rms_norm_eps=1e-5,
+                         tie_word_embeddings=False), 2, 64),
     "tiny-bert": ("BertConfig", "BertForMaskedLM",
                   dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                        intermediate_size=128, vocab_size=512, max_position_embeddings=64), 2, 64),
@@ -147,6 +160,7 @@ SLAPO_KNOBS = {
                            ckpt_ratio=1.0),
     "slapo_gpu_nocudnn": dict(attention="sdpa", compile_blocks=True, fused_loss=True),
 }
+SLAPO_KNOBS.update(rows.KNOBS)  # slapo_fp8, slapo_offload, slapo_optim_offload (issue 36)
 NOCUDNN_VARIANTS = ("slapo_gpu_nocudnn", "hf_sdpa_nocudnn")
 TUNED = "slapo_tuned"
 HF_VARIANTS = ("hf_eager", "hf_sdpa", "hf_sdpa_nocudnn", "hf_compile", "hf_liger")
@@ -169,7 +183,10 @@ TUNE_SPACE = {"compile_blocks": (False, True), "fused_loss": (False, True),
 TUNE_SPACE_CAPPED = {"compile_blocks": (True,), "fused_loss": (True,), "kernels": (False,),
                      "ckpt_ratio": (0.0, 0.5, 1.0), "ckpt_policy": ("full", "selective")}
 # Rows slapo_tuned may take as measured configs (same knobs, same protocol).
-SEED_VARIANTS = tuple(v for v in SLAPO_KNOBS if v not in NOCUDNN_VARIANTS)
+# Not the issue-36 rows: another precision, offload knobs the space lacks, another optimizer.
+SEED_VARIANTS = tuple(v for v in SLAPO_KNOBS if v not in NOCUDNN_VARIANTS + tuple(rows.KNOBS))
+# A child started with less time left than this would be killed before its row: skipped.
+MIN_LEFT_S = {"hf_compile": 60.0, TUNED: 60.0}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -277,9 +294,11 @@ def hf_step_fn(model, variant: str, lr: float = 1e-4):
     return step
 
 
-def slapo_step_fn(model, variant: str, lr: float = 1e-4, knobs: dict | None = None):
+def slapo_step_fn(model, variant: str, lr: float = 1e-4, knobs: dict | None = None,
+                  opts: dict | None = None):
     """The variant's knobs (or `knobs`: slapo_tuned's winner) through `model_schedule.apply`
-    and `slapo.build(mixed_precision="bf16")`."""
+    and `slapo.build(mixed_precision="bf16")`; `opts`: `--knob` overrides and the issue-36
+    rows' build arguments (`gpu_train_rows`)."""
     import inspect
 
     import torch
@@ -287,12 +306,17 @@ def slapo_step_fn(model, variant: str, lr: float = 1e-4, knobs: dict | None = No
     import slapo
     from slapo import model_schedule
 
-    sch = model_schedule.apply(model, **(knobs if knobs is not None else SLAPO_KNOBS[variant]))
+    opts = opts or {}
+    if knobs is None:
+        knobs = {**SLAPO_KNOBS[variant], **opts.get("knob", {})}
+    sch = model_schedule.apply(model, **knobs)
+    rows.prepare(model, variant)
     kwargs = dict(optimizer=torch.optim.AdamW, optimizer_kwargs=dict(lr=lr, fused=True))
+    extra = rows.build_kwargs(variant, opts.get("fp8_min_dim", rows.FP8_MIN_DIM))
     native = "mixed_precision" in inspect.signature(slapo.build).parameters
-    if native:
+    if native and "precision" not in extra:
         kwargs["mixed_precision"] = "bf16"
-    trained, _ = slapo.build(sch, **kwargs)
+    trained, _ = slapo.build(sch, **kwargs, **extra)
 
     def step(batch) -> float:
         if native:
@@ -332,15 +356,15 @@ def _profile(step, data, path: str) -> None:
 
 def measure(name: str, variant: str, batch: int, seq: int, steps: int, warmup: int,
             profile_to: str | None = None, knobs: dict | None = None,
-            dropout: float | None = None) -> dict:
+            dropout: float | None = None, opts: dict | None = None) -> dict:
     """Build, warm up and time one variant at one batch size (in this process). `knobs`
-    replaces a Slapo variant's knob set (slapo_tuned's winner)."""
+    replaces a Slapo variant's knob set (slapo_tuned's winner); `opts` as `slapo_step_fn`."""
     import torch
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model, cfg = make_model(name, variant, device, dropout)
     step = hf_step_fn(model, variant) if variant in HF_VARIANTS else \
-        slapo_step_fn(model, variant, knobs=knobs)
+        slapo_step_fn(model, variant, knobs=knobs, opts=opts)
     data = make_batch(name, cfg, batch, seq, device)
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     if device == "cuda":
@@ -367,6 +391,8 @@ def measure(name: str, variant: str, batch: int, seq: int, steps: int, warmup: i
                graphs=counters["stats"]["unique_graphs"])
     if device == "cuda":
         row["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    if variant in rows.KNOBS:
+        row.update(rows.report(model, variant, (opts or {}).get("fp8_min_dim", 0)))
     return row
 
 
@@ -629,15 +655,25 @@ def child(args) -> None:
         row = tuned_row(args.models, seq, args, best, tune_s, cal)
         print(json.dumps(_stamp(row, args, cudnn, peak)), flush=True)
         return
+    from slapo.errors import SchedulingError
+
     _cap_process(args)
     batches = list(_cap_batches(args)) if args.cap_gib else [batch]
     peak = matmul_tflops() if torch.cuda.is_available() and not args.tiny else None
+    opts = dict(knob=dict(args.knob), fp8_min_dim=args.fp8_min_dim)
     for b in batches:
         try:
             prof = (str(Path(args.out) / f"profile.{args.models}.{args.variants}.txt")
                     if args.profile else None)
             row = measure(args.models, args.variants, b, seq, args.steps, args.warmup, prof,
-                          dropout=args.dropout)
+                          dropout=args.dropout, opts=opts)
+        except SchedulingError as e:  # fp8 refused here (torchao, the GPU): a clear row
+            if args.variants not in rows.FP8:
+                raise
+            print(json.dumps(_stamp(dict(model=args.models, variant=args.variants, batch=b,
+                                         seq=seq, status=f"skipped: {e}"[:300]),
+                                    args, cudnn, None)), flush=True)
+            break
         except torch.OutOfMemoryError:
             print(json.dumps(_stamp(dict(model=args.models, variant=args.variants, batch=b,
                                          seq=seq, status="OOM"), args, cudnn, None)),
@@ -692,12 +728,17 @@ def run_all(args) -> list[dict]:
 def _run_one(args, name: str, variant: str, out: Path, left: float | None) -> list[dict]:
     """The rows of one (model, variant): a child process, or a row that needs none (deadline
     reached, Liger without kernels for the family)."""
-    if left is not None and left < 30:
+    if f"{name}:{variant}" in args.skip.split(","):
+        return [dict(model=name, variant=variant, status="skipped: --skip")]
+    if left is not None and left < max(args.min_child_s, MIN_LEFT_S.get(variant, 0.0)):
         return [dict(model=name, variant=variant, status="skipped: --deadline-s")]
     if variant == "hf_liger":
         why = liger_problem(name)
         if why:
             return [dict(model=name, variant=variant, status=f"failed: {why}")]
+    why = rows.problem(variant)
+    if why:
+        return [dict(model=name, variant=variant, status=f"skipped: {why}")]
     timeout = args.timeout if left is None else min(args.timeout, int(left))
     t0 = time.perf_counter()
     got = _run_child(args, name, variant, out, timeout, left)
@@ -737,6 +778,9 @@ def _shared_flags(args, models: str, variant: str) -> list[str]:
            "--tune-start-method", args.tune_start_method]
     for k, vals in args.tune_knob:
         cmd += ["--tune-knob", f"{k}={','.join(str(v).lower() for v in vals)}"]
+    for k, v in args.knob:
+        cmd += ["--knob", f"{k}={str(v).lower()}"]
+    cmd += ["--fp8-min-dim", str(args.fp8_min_dim)]
     if args.dropout is not None:
         cmd += ["--dropout", str(args.dropout)]
     for flag in ("profile", "tiny", "no_cudnn_sdp"):
@@ -772,6 +816,13 @@ def _line(r: dict) -> str:
             f"{r['tokens_per_s'] / 1e3:8.1f}k tok/s  MFU {100 * r['mfu']:5.1f}%  "
             f"peak {r.get('peak_gib') or 0:5.1f} GiB  compile {r['compile_s']:5.1f}s  "
             f"loss {r['loss_first']:.4f}->{r['loss_last']:.4f}")
+    if "fp8_gemms" in r:
+        line += f"  fp8 GEMMs {r['fp8_gemms']}{' (emulated)' if r['fp8_emulated'] else ''}"
+    if "offloaded_layers" in r:
+        line += (f"  offload {r['offloaded_layers']} layers {r['offload_tensors']} tensors "
+                 f"{r['offload_gib']:.2f} GiB")
+    if r.get("optimizer_offload"):
+        line += "  optimizer on host"
     if r["variant"] == TUNED:
         line += f"\n{'':12s} {'':18s} {_tuned_summary(r)}"
     return line
@@ -798,25 +849,28 @@ def print_table(rows: list[dict]) -> None:
     from rich.table import Table
 
     table = Table(title="training throughput, one process per variant (bf16 autocast)")
-    for col in ("model", "variant", "batch", "tokens/s", "vs best HF", "MFU", "peak GiB",
-                "compile s", "graphs/breaks", "loss", "status"):
+    for col in ("model", "variant", "batch", "tokens/s", "vs best HF", "vs slapo_gpu", "MFU",
+                "peak GiB", "compile s", "graphs/breaks", "loss", "status"):
         table.add_column(col)
     for name in dict.fromkeys(r["model"] for r in rows):
         mine = [r for r in rows if r["model"] == name]
         ok = [r for r in mine if r.get("status") == "ok"]
         best_hf = max((r["tokens_per_s"] for r in ok if r["variant"] in HF_VARIANTS), default=0)
+        gpu = {r["batch"]: r["tokens_per_s"] for r in ok if r["variant"] == "slapo_gpu"}
         for r in mine:
             if r.get("status") != "ok":
                 table.add_row(name, r["variant"], str(r.get("batch", "")), "", "", "", "", "",
-                              "", "", r["status"])
+                              "", "", "", r["status"])
                 continue
             ratio = f"{r['tokens_per_s'] / best_hf:.2f}x" if best_hf else ""
+            vs_gpu = (f"{r['tokens_per_s'] / gpu[r['batch']]:.2f}x"
+                      if r["batch"] in gpu and r["variant"] != "slapo_gpu" else "")
             table.add_row(name, r["variant"], str(r["batch"]), f"{r['tokens_per_s']:,.0f}",
-                          ratio, f"{100 * r['mfu']:.1f}%", f"{r.get('peak_gib') or 0:.1f}",
+                          ratio, vs_gpu, f"{100 * r['mfu']:.1f}%", f"{r.get('peak_gib') or 0:.1f}",
                           f"{r['compile_s']:.1f}",
                           f"{r.get('graphs', '-')}/{r.get('graph_breaks', '-')}",
                           f"{r['loss_last']:.4f}", "ok")
-    Console(width=150).print(table)
+    Console(width=170).print(table)
     for r in rows:
         if r.get("variant") == TUNED and r.get("status") == "ok":
             print(f"{r['model']}: {_tuned_summary(r)}")
@@ -829,6 +883,13 @@ def _knob_option(text: str) -> tuple[str, tuple]:
         return parse_knob_option(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _one_knob(text: str) -> tuple[str, object]:
+    name, vals = _knob_option(text)
+    if len(vals) != 1:
+        raise argparse.ArgumentTypeError(f"--knob {text!r}: one value (NAME=VALUE)")
+    return name, vals[0]
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -870,6 +931,20 @@ def parse_args(argv=None) -> argparse.Namespace:
       "the CLI's, ~10 s more per trial)")
     a("--tune-predict-ahead", action=argparse.BooleanOptionalAction, default=True,
       help="slapo_tuned: predict in the background from the start of the run")
+    a("--knob", action="append", type=_one_knob, default=[], metavar="NAME=VALUE",
+      help="replace a schedule knob of every Slapo row but slapo_tuned (e.g. offload_ratio=0.25, "
+      "compile_blocks=false)")
+    a("--fp8-min-dim", type=int, default=None,
+      help=f"slapo_fp8: Float8Config.min_dim (default {rows.FP8_MIN_DIM}; "
+      f"{rows.TINY_FP8_MIN_DIM} with --tiny)")
+    a("--skip", default="", metavar="MODEL:VARIANT,...",
+      help="rows not to run in this invocation (a 'skipped: --skip' row each; e.g. "
+      "bert-large:hf_compile)")
+    a("--min-child-s", type=float, default=30.0,
+      help="with --deadline-s: start no variant with less time left (hf_compile and "
+      "slapo_tuned: at least 60 s)")
+    a("--table-from", metavar="JSONL", default=None,
+      help="only print the table of the rows in JSONL (gpu_session.sh's results.N.jsonl)")
     a("--child", action="store_true", help=argparse.SUPPRESS)
     a("--predict-child", action="store_true", help=argparse.SUPPRESS)
     a("--run-id", default=None, help=argparse.SUPPRESS)
@@ -901,18 +976,43 @@ def _check(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         _cap_batches(args)
     except ValueError:
         p.error(f"--cap-batches must be comma-separated integers, got {args.cap_batches!r}")
+    if args.fp8_min_dim is None:
+        args.fp8_min_dim = rows.TINY_FP8_MIN_DIM if args.tiny else rows.FP8_MIN_DIM
+    if args.fp8_min_dim < 16:
+        p.error(f"--fp8-min-dim must be >= 16, got {args.fp8_min_dim}")
+    bad = [s for s in args.skip.split(",") if s and s.partition(":")[2] not in ALL_VARIANTS]
+    if bad:
+        p.error(f"--skip takes MODEL:VARIANT pairs, got {', '.join(bad)}")
     if args.tune_workers is None:
         args.tune_workers = 1 if args.tiny else max(1, min(8, (os.cpu_count() or 2) // 2))
 
 
+def table_from(path: str) -> None:
+    """The table of rows gathered from several invocations (`gpu_session.sh`'s results.N.jsonl:
+    one device call), ratios per model, cap and dropout setting."""
+    got = [json.loads(ln) for ln in Path(path).read_text().splitlines() if ln.strip()]
+    table = []
+    for r in got:
+        if "model" not in r:
+            continue
+        tag = (f" cap {r['cap_gib']:g}" if r.get("cap_gib") else "") + \
+            (f" p={r['dropout']:g}" if r.get("dropout") is not None else "")
+        table.append({**r, "model": r["model"] + tag})
+    print_table(table)
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
+    if args.table_from:
+        return table_from(args.table_from)
     if args.child:
         return child(args)
     if args.predict_child:
         return predict_child(args)
     if args.tiny:
         args.models = ",".join(f"tiny-{m.split('-')[0]}" for m in args.models.split(","))
+        args.skip = ",".join(f"tiny-{s.split('-')[0]}:{s.partition(':')[2]}"
+                             for s in args.skip.split(",") if s)
     args.run_id = args.run_id or f"{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}"
     rows = run_all(args)
     print_table(rows)

@@ -1,5 +1,7 @@
 """`benchmarks/gpu_train.py` plumbing on CPU (tiny configs): children, rows, table, deadline,
-the `slapo_tuned` row (`slapo.tune.best`) and the device-session plan (`gpu_session.sh`).
+the `slapo_tuned` row (`slapo.tune.best`), the issue-36 rows (slapo_fp8 emulated, slapo_offload
+through forced host copies, slapo_optim_offload), the LLaMA-3-8B-shaped model and the
+device-session plan (`gpu_session.sh`).
 
 The numbers it prints on CPU mean nothing; what is checked is that every requested (variant,
 model) yields a row, that a variant that cannot run (Liger absent) is a failed row rather than a
@@ -49,6 +51,114 @@ def test_unknown_variant_is_a_usage_error(tmp_path):
 def test_deadline_skips_instead_of_overrunning(tmp_path):
     rows = _run(tmp_path, "--variants", "hf_sdpa,hf_eager", "--deadline-s", "1")
     assert [r["status"] for r in rows] == ["skipped: --deadline-s"] * 2
+
+
+# ------------------------------------------------------------------------------------------------
+# issue 36: slapo_fp8, slapo_offload, slapo_optim_offload and the LLaMA-3-8B-shaped model
+# ------------------------------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_issue36_rows_on_the_tiny_llama3(tmp_path):
+    """Each new row builds, trains and reports what it changed, on the 8B model's tiny twin:
+    fp8 through torchao's emulation (the GEMMs of at least --fp8-min-dim 64: q, o, gate, up,
+    down of both layers; k/v at 16 rows and the LM head stay bf16), offload through the
+    forced host-copy path (layer 1 offloaded, layer 0 selectively checkpointed), the optimizer
+    on the host. Same init and batch: the first losses agree (fp8 within its roundoff).
+    Eager blocks (`--knob compile_blocks=false`) to keep CPU time short; the compiled form
+    runs in `gpu_session.sh 1 --tiny`."""
+    pytest.importorskip("torchao")
+    rows = _run(tmp_path, "--variants", "slapo_gpu,slapo_fp8,slapo_offload,slapo_optim_offload",
+                "--knob", "compile_blocks=false", models="llama3-8b-8l")
+    by = {r["variant"]: r for r in rows}
+    assert all(r["status"] == "ok" and r["model"] == "tiny-llama3" for r in rows), rows
+    fp8 = by["slapo_fp8"]
+    assert fp8["fp8_gemms"] == 10 and fp8["fp8_emulated"] and fp8["fp8_min_dim"] == 64
+    off = by["slapo_offload"]
+    assert off["offloaded_layers"] == 1 and off["offload_tensors"] > 10
+    assert off["offload_gib"] > 0 and "forced" in off["offload_path"]
+    assert by["slapo_optim_offload"]["optimizer_offload"] is True
+    base = by["slapo_gpu"]
+    assert "fp8_gemms" not in base and "offloaded_layers" not in base
+    for v in ("slapo_offload", "slapo_optim_offload"):  # exact schedules: same losses
+        assert by[v]["loss_first"] == base["loss_first"]
+        assert abs(by[v]["loss_last"] - base["loss_last"]) < 1e-3
+    assert abs(fp8["loss_first"] - base["loss_first"]) < 2e-2
+
+
+def test_fp8_row_is_skipped_where_it_cannot_run(tmp_path, monkeypatch):
+    """No torchao, or a GPU below compute capability 8.9: the parent writes a `skipped: <why>`
+    row and starts no process; other rows are not affected."""
+    import importlib.util
+
+    gt = _gpu_train()
+    rows = gt.rows
+    assert rows.problem("slapo_fp8", capability=lambda: (8, 0)) == (
+        "fp8 needs FP8 tensor cores (compute capability 8.9+); this GPU is 8.0")
+    assert rows.problem("slapo_offload", capability=lambda: (8, 0)) is None
+    if importlib.util.find_spec("torchao") is not None:
+        assert rows.problem("slapo_fp8", capability=lambda: (9, 0)) is None
+        assert rows.problem("slapo_fp8", capability=lambda: None) is None  # CPU: emulated
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "torchao" else real(name, *a))
+    assert "torchao" in rows.problem("slapo_fp8")
+
+    def no_child(*a, **k):
+        raise AssertionError("no process for a row that cannot run")
+
+    monkeypatch.setattr(gt, "_run_child", no_child)
+    args = gt.parse_args(["--out", str(tmp_path), "--skip", "llama-1b:hf_compile"])
+    [row] = gt._run_one(args, "llama3-8b-8l", "slapo_fp8", tmp_path, None)
+    assert row["status"].startswith("skipped: fp8 needs torchao"), row
+    # --skip, and a compile row with less than its 60 s left, start nothing either
+    assert gt._run_one(args, "llama-1b", "hf_compile", tmp_path, None)[0]["status"] == \
+        "skipped: --skip"
+    assert gt._run_one(args, "gpt2-medium", "hf_compile", tmp_path, 45.0)[0]["status"] == \
+        "skipped: --deadline-s"
+
+
+@pytest.mark.slow
+def test_fp8_refused_in_the_child_is_a_skipped_row(tmp_path):
+    """A torchao that is found but lacks the float8 training API (an old or partial install):
+    the child's `slapo.build` refuses fp8, and the row says skipped with the reason, no crash.
+    (Its metadata says 0.0.1, below transformers' minimum, so transformers leaves it alone, as
+    it does with a real old torchao.)"""
+    fake = tmp_path / "fake"
+    (fake / "torchao").mkdir(parents=True)
+    (fake / "torchao" / "__init__.py").write_text("")
+    (fake / "torchao-0.0.1.dist-info").mkdir()
+    (fake / "torchao-0.0.1.dist-info" / "METADATA").write_text(
+        "Metadata-Version: 2.1\nName: torchao\nVersion: 0.0.1\n")
+    out = tmp_path / "out"
+    env = {**os.environ, "PYTHONPATH": f"{fake}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    subprocess.run([sys.executable, str(SCRIPT), "--tiny", "--models", "llama3-8b-8l",
+                    "--variants", "slapo_fp8", "--knob", "compile_blocks=false", "--steps", "1",
+                    "--warmup", "1", "--out", str(out)], check=True, capture_output=True,
+                   text=True, timeout=300, env=env)
+    [row] = json.loads((out / "results.json").read_text())
+    assert row["status"].startswith("skipped: ") and "torchao" in row["status"], row
+
+
+def test_llama3_8b_shaped_model_in_the_list():
+    """LLaMA-3-8B's layer shapes with 8 layers (issue 36), its tiny twin for --tiny, and the
+    FLOPs the MFU column counts for it."""
+    import transformers
+
+    gt = _gpu_train()
+    cfg_cls, model_cls, kw, batch, seq = gt.MODELS["llama3-8b-8l"]
+    assert (cfg_cls, model_cls, batch, seq) == ("LlamaConfig", "LlamaForCausalLM", 4, 2048)
+    cfg = transformers.LlamaConfig(**kw)
+    assert (cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers) == (4096, 14336, 8)
+    assert (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.vocab_size) == (32, 8, 128256)
+    theta = getattr(cfg, "rope_theta", None) or cfg.rope_parameters["rope_theta"]
+    assert theta == 500000.0 and not cfg.tie_word_embeddings
+    layers = 8 * (2 * 4096**2 + 2 * 4096 * 128 * 8 + 3 * 4096 * 14336)  # 1.74B
+    assert gt._non_embedding_params(cfg) == layers
+    assert gt.model_flops_per_token(cfg, seq) == 6 * layers + 6 * 4096 * 128256 \
+        + 12 * 8 * 4096 * 2048  # 14.4 GFLOP per token
+    assert gt.parse_args(["--models", "llama3-8b-8l"]).models == "llama3-8b-8l"
+    assert "tiny-llama3" in gt.MODELS
+    assert "slapo_fp8" in gt.ALL_VARIANTS and "slapo_offload" in gt.ALL_VARIANTS
 
 
 # ------------------------------------------------------------------------------------------------
@@ -103,7 +213,9 @@ def test_seed_rows_take_only_this_runs_comparable_rows(tmp_path):
     rows = [dict(ok, variant="slapo_gpu"), dict(ok, variant="slapo_gpu", run_id="B"),
             dict(ok, variant="slapo_gpu_nocudnn"), dict(ok, variant="slapo_gpu", cap_gib=24.0),
             dict(ok, variant="hf_sdpa"), dict(ok, variant="slapo_gpu_sac", status="OOM"),
-            dict(ok, variant="slapo_gpu", model="gpt2-medium")]
+            dict(ok, variant="slapo_gpu", model="gpt2-medium"),
+            dict(ok, variant="slapo_fp8"), dict(ok, variant="slapo_optim_offload"),
+            dict(ok, variant="slapo_offload")]
     (tmp_path / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     args = gt.parse_args(["--out", str(tmp_path), "--run-id", "A"])
     seeds = gt.seed_rows("llama-1b", args)
@@ -188,7 +300,11 @@ def test_tune_best_budget_and_seeds():
     (["--tune-knob", "warp_speed=true"], "warp_speed"),
     (["--dropout", "1.5"], "--dropout must be in [0, 1)"),
     (["--tune-trials", "0"], "--tune-trials must be >= 1"),
-    (["--cap-batches", "8,sixteen"], "--cap-batches must be comma-separated integers")])
+    (["--cap-batches", "8,sixteen"], "--cap-batches must be comma-separated integers"),
+    (["--knob", "compile_blocks=true,false"], "one value (NAME=VALUE)"),
+    (["--knob", "offload_ratio=2"], "offload_ratio"),
+    (["--skip", "llama-1b"], "--skip takes MODEL:VARIANT pairs"),
+    (["--fp8-min-dim", "8"], "--fp8-min-dim must be >= 16")])
 def test_bad_options_are_usage_errors(argv, text, capsys):
     """Checked when the options are parsed, before the first child or file (exit 2)."""
     with pytest.raises(SystemExit) as e:
@@ -196,41 +312,69 @@ def test_bad_options_are_usage_errors(argv, text, capsys):
     assert e.value.code == 2 and text in capsys.readouterr().err
 
 
-def test_session_plan_dry_form(tmp_path):
-    """`gpu_session.sh N --tiny`: every planned gpu_train.py command parses and runs (each
-    variant skipped by a 1 s deadline), and $OUT gets at most 8 files (the device's limit)."""
+def _session(tmp_path, mode: str, form: str, **env) -> tuple[Path, list[dict], str]:
     script = SCRIPT.parent / "gpu_session.sh"
     out = tmp_path / "out"
+    env = {**os.environ, "OUT": str(out), "WORK": str(tmp_path / f"work{mode}"),
+           "PYTHON": sys.executable, **env}
+    proc = subprocess.run(["bash", str(script), mode, form], env=env, capture_output=True,
+                          text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    rows = [json.loads(x) for x in (out / f"results.{mode}.jsonl").read_text().splitlines()]
+    log = (out / f"call.{mode}.log").read_text()
+    assert "Traceback" not in log and "error:" not in log, log[-2000:]
+    return out, rows, log
+
+
+def _four_files(mode: str) -> list[str]:
+    return [f"{k}.{mode}.{e}" for k, e in (("call", "log"), ("env", "txt"), ("results", "jsonl"),
+                                           ("work", "tar.gz"))]
+
+
+def test_session_plan_dry_form(tmp_path):
+    """`gpu_session.sh N --plan`: every planned gpu_train.py command parses and runs (each
+    variant skipped by a 1 s deadline, BERT's compile row of the table by --skip), the
+    call's summary table is printed, and $OUT gets at most 8 files (the device's limit)."""
+    runs = {"1": {"table", "llama3_8b", "fp8_offload_1b", "bert_compile"},
+            "2": {"cap24_offload", "sac_tuned", "gpt2_cudnn", "gpt2_dropout0", "cap24",
+                  "kernels"}}
     for mode in ("1", "2"):
-        env = {**os.environ, "OUT": str(out), "WORK": str(tmp_path / f"work{mode}"),
-               "PYTHON": sys.executable}
-        proc = subprocess.run(["bash", str(script), mode, "--tiny"], env=env,
-                              capture_output=True, text=True, timeout=240)
-        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-        rows = [json.loads(x) for x in (out / f"results.{mode}.jsonl").read_text().splitlines()]
-        assert rows and all(r["status"] == "skipped: --deadline-s" for r in rows)
-        log = (out / f"call.{mode}.log").read_text()
-        assert "Traceback" not in log and "error:" not in log, log[-2000:]
-    assert {r["run"] for r in rows} == {"gpt2_cudnn", "gpt2_dropout0", "cap24", "kernels"}
-    assert sorted(p.name for p in out.iterdir()) == sorted(
-        f"{k}.{m}.{e}" for m in "12" for k, e in (("call", "log"), ("env", "txt"),
-                                                    ("results", "jsonl"), ("work", "tar.gz")))
+        out, rows, log = _session(tmp_path, mode, "--plan")
+        assert rows and all(r["status"].startswith("skipped: --") for r in rows), rows
+        assert {r["run"] for r in rows} == runs[mode]
+        assert f"== summary of call {mode}" in log
+    assert sorted(p.name for p in out.iterdir()) == sorted(_four_files("1") + _four_files("2"))
+
+
+def test_session_plan_mode_1_order_and_rows(tmp_path):
+    """Call 1's plan (issue 37's order): the three models' table first (BERT's compile row
+    left to the last step), then the 8B-shaped model's bf16 / fp8 / HF + compile rows."""
+    _, rows, _ = _session(tmp_path, "1", "--plan")
+    got = [(r["run"], r["model"], r["variant"], r["status"]) for r in rows]
+    assert got[:3] == [("table", m, "slapo_gpu", "skipped: --deadline-s")
+                       for m in ("tiny-llama", "tiny-gpt2", "tiny-bert")]
+    assert ("table", "tiny-bert", "hf_compile", "skipped: --skip") in got
+    assert [g[1:3] for g in got if g[0] == "llama3_8b"] == [
+        ("tiny-llama3", "slapo_gpu"), ("tiny-llama3", "slapo_fp8"), ("tiny-llama3", "hf_compile")]
+    assert [g[0] for g in got][-1] == "bert_compile"
+
+
+def test_session_with_no_time_left_writes_a_row_per_step(tmp_path):
+    """The session's time box: with no time left (SESSION_S=5) no step starts, each is one
+    row saying so, and the call still ends with its four files."""
+    out, rows, log = _session(tmp_path, "1", "--tiny", SESSION_S="5")
+    assert rows == [{"run": r, "status": "skipped: no time left in the session"}
+                    for r in ("table", "llama3_8b", "fp8_offload_1b", "bert_compile")]
+    assert "== table: skipped (no time left" in log
+    assert sorted(p.name for p in out.iterdir()) == sorted(_four_files("1"))
 
 
 def test_session_plan_call_3_dry_form(tmp_path):
     """`gpu_session.sh 3 --tiny`: the owed checks are listed and skipped, 4 files in $OUT."""
-    script = SCRIPT.parent / "gpu_session.sh"
-    out = tmp_path / "out"
-    env = {**os.environ, "OUT": str(out), "WORK": str(tmp_path / "work3"),
-           "PYTHON": sys.executable}
-    proc = subprocess.run(["bash", str(script), "3", "--tiny"], env=env, capture_output=True,
-                          text=True, timeout=120)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    log = (out / "call.3.log").read_text()
+    out, _, log = _session(tmp_path, "3", "--tiny")
     for name in ("graph_breaks", "partition", "tempo", "tempo_eager", "rnn", "wideresnet"):
-        assert f"== {name}: skipped (dry form)" in log, log[-2000:]
-    assert sorted(p.name for p in out.iterdir()) == sorted(
-        ["call.3.log", "env.3.txt", "results.3.jsonl", "work.3.tar.gz"])
+        assert f"== {name}: skipped (dry form" in log, log[-2000:]
+    assert sorted(p.name for p in out.iterdir()) == sorted(_four_files("3"))
 
 
 def test_a_seeded_winner_is_that_row(tmp_path):
