@@ -15,7 +15,7 @@ from ..data import Data, InputError, TokenLoader, make_data
 from ..data.sft_loader import check_packable
 from ..init import has_meta_tensors
 from ..runtime.trainer import Trainer
-from . import pretrained
+from . import pretrained, qlora
 from .models import build_model, get_model_spec
 from .moe_metrics import ExpertLoad, watch_experts
 from .setup import Env, data_parallel, seed_training_rng
@@ -76,6 +76,8 @@ def build(cfg: Any, env: Env, log=print) -> Run:
     if cfg.lr is None:  # its default for this model, recorded in the run's config
         cfg.lr = cfg.peak_lr()
     source = pretrained.model_source(cfg.model) if pretrained.is_model_path(cfg.model) else None
+    if cfg.lora_4bit:  # the directory's weights and bitsandbytes, before anything is built
+        qlora.check_source(cfg, source)
     task = source.task() if source is not None else get_model_spec(cfg.model).task
     tokenizer = cfg.tokenizer
     if tokenizer is None and source is not None and source.has_tokenizer():
@@ -87,9 +89,11 @@ def build(cfg: Any, env: Env, log=print) -> Run:
                          tokenizer=tokenizer, val_fraction=cfg.val_fraction)
     log(epoch_note(data.train, cfg))  # --epochs sets cfg.steps here
     torch.manual_seed(cfg.seed)
-    model = with_lora(_new_model(cfg, source, data), cfg)
+    model = with_lora(_new_model(cfg, source, data, env), cfg)
     if cfg.sft == "pack":
         check_packable(getattr(getattr(hf_model(model), "config", None), "model_type", None))
+    if cfg.lora_4bit:
+        log(qlora.note(model, source, cfg))
     if cfg.lora_r:
         log(lora_note(model, cfg))
     model, sch, note = schedule(model, cfg, env)
@@ -98,11 +102,13 @@ def build(cfg: Any, env: Env, log=print) -> Run:
 
         training_without_cache(sch)
     stages = None  # the pipeline, planned once: read by the loader, then built
-    if source is not None:
+    if source is not None and not cfg.lora_4bit:  # a 4-bit base: read by from_pretrained
         stages = pipeline_stages(sch, cfg, env)
-        _load_pretrained(hf_model(sch.mod), source, cfg, env, log, stages)
-    if not has_meta_tensors(model):  # a pipeline rank's other stages stay on meta: build
-        model.to(env.device)         # materialises and moves only this rank's stages
+        _load_pretrained(hf_model(sch.mod), source, cfg, env, log, stages,
+                         _inner_prefix(sch.mod))
+    if not has_meta_tensors(model) and not cfg.lora_4bit:  # a pipeline rank's other stages
+        model.to(env.device)  # stay on meta: build materialises and moves only its own
+    # (a 4-bit base and its adapters were made on the device)
     model.train()
     trainer = make_trainer(sch, cfg, env, stages)
     if cfg.router_bias_rate:  # DeepSeek-V3's bias balancing, after each optimizer step
@@ -141,11 +147,15 @@ def _sft_data(cfg: Any, task: str, tokenizer: str | None):
                          cfg.val_fraction)
 
 
-def _new_model(cfg: Any, source, data: Data) -> nn.Module:
-    """The registry model at `cfg`'s size, or the source's architecture on the meta device."""
+def _new_model(cfg: Any, source, data: Data, env: Env | None = None) -> nn.Module:
+    """The registry model at `cfg`'s size, or the source's architecture on the meta device;
+    with `--lora-4bit` the source's pretrained model, quantized to 4-bit on the run's device
+    (`qlora.load_4bit`)."""
     if source is None:
         return build_model(cfg.model, cfg.size(data.tokenizer))[0]
     _check_fits(cfg, source, data)
+    if cfg.lora_4bit:
+        return qlora.load_4bit(source, cfg, (env or Env()).device)
     return source.build_empty(dropout=cfg.dropout)
 
 
@@ -173,9 +183,16 @@ def lora_note(model: nn.Module, cfg: Any) -> str:
 
     layers = sum(1 for m in model.modules() if is_tuner_layer(m))
     trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
+    frozen = sum(_numel(p) for p in model.parameters() if not p.requires_grad)
     return (f"LoRA r={cfg.lora_r}: adapters on {layers} modules, {trained:,} trained "
             f"parameters; the base's {frozen:,} are frozen")
+
+
+def _numel(p: torch.Tensor) -> int:
+    """A parameter's element count; a bitsandbytes 4-bit weight's (two per stored byte) from
+    the shape it quantized."""
+    shape = getattr(getattr(p, "quant_state", None), "shape", None)
+    return math.prod(shape) if shape is not None else p.numel()
 
 
 def hf_model(model: nn.Module) -> nn.Module:
@@ -203,14 +220,29 @@ def _check_fits(cfg: Any, source, data: Data) -> None:
                          f"pass --seq-len {limit} or less.")
 
 
-def _load_pretrained(model: nn.Module, source, cfg: Any, env: Env, log, stages=None) -> None:
+def _inner_prefix(model: nn.Module) -> str:
+    """The prefix (with its dot) of the HF model's names in `model`'s: PEFT's
+    `base_model.model.` for a LoRA-wrapped model, "" otherwise."""
+    from ..model_schedule.lora import peft_inner_path
+
+    path = peft_inner_path(model)
+    return "" if path is None else path + "."
+
+
+def _load_pretrained(model: nn.Module, source, cfg: Any, env: Env, log, stages=None,
+                     prefix: str = "") -> None:
     """Fill the (scheduled, maybe sharded) meta model from the source's safetensors; a source
     without weights gets the model's own init (seeded per module, identical on every rank).
     A pipeline rank reads only its own stages' tensors (the others stay on meta: `build`
-    materialises only this rank's stages)."""
+    materialises only this rank's stages). The stages name their tensors as the whole
+    (wrapped) model does; `prefix` is what those names carry before `model`'s (a PEFT
+    wrapper's `base_model.model.`): without removing it a LoRA run's stages matched no
+    tensor, and the pretrained base of a pipelined LoRA run was silently a fresh init."""
     from ..init import materialize
 
-    only = _stage_names(stages) if stages is not None else None
+    only = None
+    if stages is not None:
+        only = {n[len(prefix):] for n in _stage_names(stages) if n.startswith(prefix)}
     counts = pretrained.load_weights(model, source, only=only)
     if counts:
         log(f"loaded {counts['loaded']} tensors from {source.path}"

@@ -63,7 +63,7 @@ __all__ = ["CKPT_POLICIES", "DEVICES", "DIST_TIMEOUT_S", "MULTI_STAGE", "PP_SCHE
 RUN_IDENTITY = ("model", "batch_size", "seq_len", "seed", "hidden_size", "num_layers",
                 "num_heads", "dropout", "num_experts", "experts_per_token", "data", "text_field",
                 "tokenizer", "val_fraction", "sft", "lora_r", "lora_alpha", "lora_dropout",
-                "lora_targets")
+                "lora_targets", "lora_4bit")
 # How the run is laid out on the ranks (with the number of processes): a resume may change
 # them (the loader reads each tensor into this job's layout), but then the per-rank random
 # streams restart (`slapo.train.resume`), so only an equal layout resumes bit for bit.

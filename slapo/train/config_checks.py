@@ -213,6 +213,7 @@ def _check_lora(cfg: TrainConfig) -> None:
         raise ValueError("--lora-targets names no module (give e.g. q_proj,v_proj)")
     given = [n for n in ("lora_alpha", "lora_targets") if getattr(cfg, n) is not None]
     given += ["lora_dropout"] if cfg.lora_dropout else []
+    given += ["lora_4bit"] if cfg.lora_4bit else []
     if not cfg.lora_r:
         if given:
             raise ValueError(f"--{flag(given[0])} needs --lora-r N (LoRA is off)")
@@ -224,6 +225,40 @@ def _check_lora(cfg: TrainConfig) -> None:
         if getattr(cfg, knob):
             raise ValueError(f"--{knob} does not compose with --lora-r yet (it would "
                              "replace the MLPs holding the adapters); drop one of them")
+    if cfg.lora_4bit:
+        _check_qlora(cfg)
+
+
+# What --lora-4bit does not compose with: (flag, given?, why). The splits of tp, pp, cp and
+# FSDP2 act on float weights; a 4-bit base weight is a packed uint8 tensor with its
+# quantization state beside it (`slapo/train/qlora.py`).
+_QLORA_DEGREES = (
+    ("tp", lambda c: (c.tp or 1) > 1, "tensor parallelism would split the packed 4-bit "
+     "weights"),
+    ("pp-stages", lambda c: (c.pp_stages or 1) > 1, "pipeline stages are cut from a model "
+     "built on the meta device, and the 4-bit base is loaded whole by from_pretrained"),
+    ("cp", lambda c: c.cp > 1, "context parallelism is not tested with the 4-bit base"),
+    ("dp-shard", lambda c: c.dp_shard, "FSDP2 would shard the packed 4-bit weights"),
+)
+
+
+def _check_qlora(cfg: TrainConfig) -> None:
+    """`--lora-4bit`'s values (the model directory and bitsandbytes are checked by
+    `qlora.check_source` when the run is built, before anything is written)."""
+    if cfg.model.lower().replace("-", "_") in REGISTRY:
+        raise ValueError(f"--lora-4bit quantizes a pretrained model's weights; --model "
+                         f"{cfg.model} is a registry model trained from its init (nothing to "
+                         "quantize): pass --model DIR (a save_pretrained directory with "
+                         "model.safetensors), or drop --lora-4bit")
+    for name, given, why in _QLORA_DEGREES:
+        if given(cfg):
+            raise ValueError(f"--lora-4bit with --{name}: {why}; QLoRA runs in one process "
+                             f"or DDP (several processes without --tp / --pp-stages / --cp / "
+                             f"--dp-shard): drop --{name}")
+    if cfg.precision in ("fp16", "fp8"):
+        raise ValueError(f"--lora-4bit with --precision {cfg.precision}: the 4-bit base "
+                         "computes in bf16 or fp32 (fp8 would replace its Linear4bit layers, "
+                         "fp16 is not tested with it): use --precision bf16 or fp32")
 
 
 def _check_resume(cfg: TrainConfig) -> None:

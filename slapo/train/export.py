@@ -254,6 +254,10 @@ def export_run(run_dir: str | Path, out: str | Path, *, step: int | None = None,
                 "bytes; 256 pad, 257 bos, 258 eos, 259 mask)"}
         if cfg.lora_r:
             info["lora"] = export_lora.lora_info(cfg, adapter)
+        if cfg.lora_4bit:  # a QLoRA run: what the export is relative to its 4-bit base
+            from .qlora import export_info
+
+            info["lora"]["qlora"] = export_info(cfg, adapter)
         if merge:
             model, info["lora"]["merge_max_logit_diff"] = export_lora.merged(model, task)
         diff = _write(tmp, model, task, tok_dir, info, check, adapter_of=cfg if adapter else None)

@@ -136,6 +136,10 @@ class LoraOptions:
                                     "names or path suffixes (q_proj,v_proj); default: the "
                                     "projections the family's tensor-parallel plan splits "
                                     "(attention q/k/v/o and the MLP linears)")
+    lora_4bit: bool = _opt(False, "QLoRA: load the --model directory's base quantized to 4-bit "
+                           "NF4 by bitsandbytes (double quantization; compute in bf16 under "
+                           "--precision bf16, else fp32) and train the --lora-r adapters on "
+                           "it; one process or DDP; needs pip install slapo[qlora]")
 
     def targets(self) -> list[str] | None:
         """`--lora-targets` as a list (None: the family's default)."""
