@@ -81,11 +81,28 @@ class CliCase(NamedTuple):
 
 def _no_torchao(monkeypatch) -> None:
     """Make `import torchao` fail, as where the fp8 extra is not installed."""
+    _no_module(monkeypatch, "torchao")
+
+
+def _no_module(monkeypatch, top: str) -> None:
+    """Make `import <top>` fail, as where the extra that installs it is not installed."""
     import sys
 
-    for name in [m for m in sys.modules if m == "torchao" or m.startswith("torchao.")]:
+    for name in [m for m in sys.modules if m == top or m.startswith(top + ".")]:
         monkeypatch.delitem(sys.modules, name)
-    monkeypatch.setitem(sys.modules, "torchao", None)
+    monkeypatch.setitem(sys.modules, top, None)
+
+
+def _stand_in(monkeypatch, top: str) -> None:
+    """An empty module in place of `top`: its import succeeds (nothing of it is used)."""
+    import sys
+    import types
+
+    _no_module(monkeypatch, top)
+    monkeypatch.setitem(sys.modules, top, types.ModuleType(top))
+
+
+QLORA_DIR = ["--model", "{tmp}/llama", "--lora-r", "4", "--lora-4bit"]
 
 
 # ---- slapo train: every flag --------------------------------------------------------------------
@@ -232,6 +249,29 @@ TRAIN_CASES: dict[str, CliCase] = {
                                            "c_attn, c_fc, c_proj")),
     "lora_with_fuse": CliCase(["--lora-r", "4", "--fuse"], ("--fuse does not compose with "
                                                             "--lora-r",)),
+    # QLoRA (--lora-4bit: the --model directory's base quantized by bitsandbytes)
+    "lora_4bit_without_r": CliCase(["--lora-4bit"], ("--lora-4bit needs --lora-r",)),
+    "lora_4bit_registry_model": CliCase(["--lora-r", "4", "--lora-4bit"],
+                                        ("--lora-4bit quantizes", "--model gpt2",
+                                         "pass --model DIR")),
+    "lora_4bit_with_tp": CliCase([*QLORA_DIR, "--tp", "2"], ("--lora-4bit with --tp",
+                                                             "drop --tp")),
+    "lora_4bit_with_pp_stages": CliCase([*QLORA_DIR, "--pp-stages", "2"],
+                                        ("--lora-4bit with --pp-stages",)),
+    "lora_4bit_with_cp": CliCase([*QLORA_DIR, "--cp", "2"], ("--lora-4bit with --cp",)),
+    "lora_4bit_with_dp_shard": CliCase([*QLORA_DIR, "--dp-shard"],
+                                       ("--lora-4bit with --dp-shard",)),
+    "lora_4bit_with_fp16": CliCase([*QLORA_DIR, "--precision", "fp16"],
+                                   ("--lora-4bit with --precision fp16",
+                                    "use --precision bf16 or fp32")),
+    # found when the run is built, before anything is written ({tmp}/llama: config.json only;
+    # a stand-in bitsandbytes module, so that the case runs where the extra is not installed)
+    "lora_4bit_model_without_weights": CliCase(QLORA_DIR, ("--lora-4bit quantizes",
+                                                           "no model.safetensors"),
+                                               patch=lambda mp: _stand_in(mp, "bitsandbytes")),
+    "lora_4bit_without_bitsandbytes": CliCase(QLORA_DIR, ("--lora-4bit", "bitsandbytes",
+                                                          "pip install slapo[qlora]"),
+                                              patch=lambda mp: _no_module(mp, "bitsandbytes")),
     "command_unknown": CliCase(["@trian"], ("invalid choice: 'trian'",)),
 }
 
@@ -300,6 +340,8 @@ TUNE_CASES: dict[str, CliCase] = {
     "batch_sizes_zero": CliCase(["--batch-sizes", "0,2"], ("--batch-sizes",)),
     "ckpt_ratios_out_of_range": CliCase(["--ckpt-ratios", "0,2"], ("--ckpt-ratios",
                                                                   "ckpt_ratio")),
+    "offload_ratios_out_of_range": CliCase(["--space", "gpu", "--offload-ratios", "0,1.5"],
+                                           ("--offload-ratios", "offload_ratio")),
     "attention_unknown": CliCase(["--attention", "fast"], ("--attention",)),
     "fuse_unknown": CliCase(["--fuse", "maybe"], ("--fuse",)),
     "tempo_unknown": CliCase(["--tempo", "maybe"], ("--tempo",)),

@@ -69,6 +69,9 @@ def _knob_help(name: str) -> str:
 
 
 _ONOFF = {"both": (False, True), "on": (True,), "off": (False,)}
+GPU_OFFLOAD_RATIOS = (0.0,)  # `--space gpu`'s offload_ratio candidates: not searched unless
+# asked (each candidate multiplies the fake steps to predict; docs/tune.md: on a PCIe host the
+# cost model predicts offload slower than recomputation for the benchmark models)
 
 
 def add_tune_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -81,8 +84,8 @@ def add_tune_parser(subparsers: Any) -> argparse.ArgumentParser:
     a = p.add_argument
     a("--space", choices=("cpu", "gpu"), default="cpu",
       help="cpu: the CPU space (batch x attention x ckpt x fuse x Tempo on a small model); gpu: "
-      "precision x compile_blocks x fused_loss x kernels x ckpt_ratio/ckpt_policy x attention x "
-      "batch of a benchmark model, trained through slapo.build(...).train_step (default: cpu)")
+      "precision x compile_blocks x fused_loss x kernels x ckpt_ratio/ckpt_policy x offload_ratio "
+      "x attention x batch of a benchmark model, trained through slapo.build(...).train_step (default: cpu)")
     a("--model", default=None, help="cpu space: model family (default: gpt2); gpu space: "
       "a model of slapo.tune.model_spaces.GPU_MODELS (default: llama-1b)")
     a("--device", default="cuda", help="gpu space: trial device (default: cuda)")
@@ -108,6 +111,12 @@ def add_tune_parser(subparsers: Any) -> argparse.ArgumentParser:
       help="batch sizes (default: 2,4,8)")
     a("--ckpt-ratios", type=_knob_values("ckpt_ratio"), metavar="R,..",
       default=_schema.tune_candidates("ckpt_ratio"), help=_knob_help("ckpt_ratio"))
+    a("--offload-ratios", type=_knob_values("offload_ratio"), metavar="R,..",
+      default=GPU_OFFLOAD_RATIOS, help="gpu space: offload_ratio candidates, the share of layers "
+      "after the checkpointed ones whose saved activations (1 MiB or more) wait in pinned host "
+      "memory (the offload primitive); ckpt_ratio + offload_ratio <= 1: recompute the first "
+      "layers, offload the next, keep the rest; e.g. 0,0.25,0.5 (default: 0, offload not "
+      "searched)")
     a("--attention", type=_knob_values("attention"), metavar="A,..",
       default=_schema.tune_candidates("attention"),
       help=_knob_help("attention") + "; gpu space default: sdpa")
@@ -295,7 +304,8 @@ def _gpu_setup(args: argparse.Namespace) -> tuple[Space, Any, Any, dict]:
     given = tuple(args.attention) != _schema.tune_candidates("attention")
     attention = tuple(args.attention) if given else ("sdpa",)
     space_args = GPUSpaceArgs(batch_sizes=batches, mixed_precision=tuple(args.precisions),
-                              attention=attention, ckpt_ratios=tuple(args.ckpt_ratios))
+                              attention=attention, ckpt_ratios=tuple(args.ckpt_ratios),
+                              offload_ratios=tuple(args.offload_ratios))
     found = gpu_search_setup(spec, space_args, device=args.device, steps=args.steps,
                              warmup=args.warmup, mem_cap_bytes=cap, seed=args.seed,
                              trial_timeout=args.trial_timeout, efficiency=args.efficiency)

@@ -134,6 +134,7 @@ class GPUSpaceArgs:
     attention: tuple[str, ...] = ("sdpa",)
     ckpt_ratios: tuple[float, ...] = field(default_factory=_tune("ckpt_ratio"))
     ckpt_policies: tuple[str, ...] = field(default_factory=_tune("ckpt_policy"))
+    offload_ratios: tuple[float, ...] = (0.0,)  # (0.0,): not searched (e.g. 0, 0.25, 0.5)
     num_layers: int = 16
     fits: Callable[[Config], bool] | None = None
     extra: tuple[tuple[str, tuple], ...] = ()
@@ -154,12 +155,34 @@ def _has_kernels(model_type: str) -> bool:
     return any(model_type in types for name, types in supported().items() if name in PLANS)
 
 
-def update_space_gpu(args: GPUSpaceArgs, space: Space) -> Space:
-    """One GPU: precision x compiled layers x fused loss x kernels x checkpointing x attention x
-    batch. Names are `model_schedule.apply`'s (and build's `mixed_precision`: "fp8" is bf16 with
-    torchao's FP8 GEMMs, which the trials' `build` and the cost model's fake step install).
+def _offload_candidates(args: GPUSpaceArgs, ckpt_ratio: float) -> list[float]:
+    """Offload ratios that fit beside `ckpt_ratio` (the knob schema's rule: ckpt_ratio +
+    offload_ratio <= 1, a layer is recomputed or offloaded) and offload distinct layer counts:
+    `apply` offloads round-half-up(ratio * L) layers after the checkpointed ones, at most the
+    layers left."""
+    left = args.num_layers - int(ckpt_ratio * args.num_layers + 0.5)
+    seen: dict[int, float] = {}
+    for r in sorted(args.offload_ratios):
+        if not 0.0 <= r <= 1.0:
+            raise ValueError(f"offload ratio {r} is not in [0, 1].")
+        if ckpt_ratio + r <= 1.0 + 1e-9:
+            seen.setdefault(min(int(r * args.num_layers + 0.5), left), float(r))
+    return list(seen.values())
 
-    `ckpt_policy` exists only when some layer is checkpointed; `fused_loss` and `kernels`
+
+def _within_layers(config: Config) -> bool:
+    return config.get("ckpt_ratio", 0.0) + config.get("offload_ratio", 0.0) <= 1.0 + 1e-9
+
+
+def update_space_gpu(args: GPUSpaceArgs, space: Space) -> Space:
+    """One GPU: precision x compiled layers x fused loss x kernels x checkpointing x offload x
+    attention x batch. Names are `model_schedule.apply`'s (and build's `mixed_precision`: "fp8"
+    is bf16 with torchao's FP8 GEMMs, which the trials' `build` and the cost model's fake step
+    install).
+
+    `ckpt_policy` exists only when some layer is checkpointed; `offload_ratio` only when
+    `args.offload_ratios` offers a ratio above 0 and some fits beside the checkpoint ratio
+    (recompute the first layers, offload the next, keep the rest); `fused_loss` and `kernels`
     only where the family has a plan (otherwise apply would refuse the config).
     """
     space.create_symbol("mixed_precision", list(args.mixed_precision))
@@ -173,8 +196,12 @@ def update_space_gpu(args: GPUSpaceArgs, space: Space) -> Space:
         ckpt_ratios=args.ckpt_ratios, num_layers=args.num_layers)))
     space.create_symbol("ckpt_policy", list(args.ckpt_policies),
                         condition=lambda c: c["ckpt_ratio"] > 0)
+    if any(r > 0 for r in args.offload_ratios):
+        space.create_symbol("offload_ratio", lambda c: _offload_candidates(args, c["ckpt_ratio"]),
+                            condition=lambda c: bool(_offload_candidates(args, c["ckpt_ratio"])))
     space.create_symbol("batch_size", list(args.batch_sizes))
     add_extra_knobs(space, args.extra)
+    space.add_constraint(_within_layers, "ckpt_ratio + offload_ratio <= 1")
     if args.fits is not None:
         space.add_constraint(args.fits, "fits the memory cap (cost model)")
     return space

@@ -109,3 +109,45 @@ def is_matmul(func: Any) -> bool:
     from ..primitives.checkpoint import _SAVE_OPS
 
     return func in _SAVE_OPS
+
+
+class StepCounter(_CostCounter):
+    """FLOPs, bytes and kernels of a step. Compiled layers (stand-ins) pause it and add their
+    recorded partition's costs instead (`add_plan`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._paused = 0
+
+    def add_plan(self, plan: Any, part: str = "both") -> None:
+        """Add a recorded partition's (`partition_plan.PartitionPlan`) costs: its forward
+        graph's ("fwd"), its backward graph's ("bwd") or both, at the point of the step
+        where they run (offload events read the counter as a clock)."""
+        if part in ("fwd", "both"):
+            self.flops += plan.fwd_flops
+            self.fp8_flops += plan.fwd_fp8_flops
+            self.bytes += plan.fwd_bytes
+            self.kernels += plan.fwd_kernels
+        if part in ("bwd", "both"):
+            self.flops += plan.bwd_flops
+            self.fp8_flops += plan.bwd_fp8_flops
+            self.bytes += plan.bwd_bytes
+            self.kernels += plan.bwd_kernels
+
+    def paused(self) -> Any:
+        import contextlib
+
+        @contextlib.contextmanager
+        def off() -> Any:
+            self._paused += 1
+            try:
+                yield
+            finally:
+                self._paused -= 1
+
+        return off()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if self._paused:
+            return func(*args, **(kwargs or {}))
+        return super().__torch_dispatch__(func, types, args, kwargs)

@@ -9,9 +9,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from . import predict_offload as _off
 from .model_spaces import schedule_knobs
-from .op_costs import _CostCounter
-from .partition_plan import PartitionPlan, record_partition
+from .op_costs import StepCounter as _StepCounter
+from .partition_plan import PartitionPlan
 from .space import Config
 from .timing import DeviceConstants, roofline_time
 
@@ -30,6 +31,7 @@ class StepCost:
     kernels: int = 0  # kernels launched: eager ops, and a compiled layer's fused + extern kernels
     fp8_flops: float = 0.0  # the part of mm_flops in FP8 GEMMs (precision "fp8")
     fp8_gemms: int = 0  # modules whose GEMM is FP8 (`runtime.fp8.convert`)
+    offload: tuple = ()  # offloaded layers' copies (`predict_offload.OffloadEvent`), in order
 
     def memory(self) -> float:
         """Peak allocated bytes of a steady step: AdamW's fp32 moments exist from step 2 on; the
@@ -64,6 +66,9 @@ class GPUCostModel:
     **FP8** (`mixed_precision="fp8"`): the fake step installs `build`'s FP8 GEMMs (`fp8`, default
     `Float8Config()`) on torchao's GPU path (`_scaled_mm`), so MemTracker counts what torchao
     saves, the counter its casts; `_scaled_mm` FLOPs run at `device.fp8_peak_flops` (docs/tune.md).
+
+    **Offload** (`offload_ratio`): `predict_offload` runs the primitive's hooks with simulated
+    copies (memory) and adds the time compute waits for them at `device.host_bandwidth`.
     """
 
     def __init__(self, spec: Any, device: DeviceConstants | None = None,
@@ -96,13 +101,17 @@ class GPUCostModel:
         return self.efficiency
 
     def predict(self, config: Config, schedule: bool = True) -> dict[str, float]:
+        """Step time: the roofline over `efficiency`, plus the time compute waits for
+        activation-offload copies (`predict_offload.offload_wait_s`; 0 without offload)."""
         cost = self.step_cost(config, schedule)
-        step = self.roofline_s(cost) / self.efficiency
+        wait = _off.offload_wait_s(cost.offload, self.device, self.efficiency)
+        step = self.roofline_s(cost) / self.efficiency + wait
         tokens = int(config["batch_size"]) * self.spec.seq
         return {"throughput": tokens / step, "step_time_s": step, "memory": cost.memory(),
                 "mm_flops": cost.mm_flops, "mem_bytes": cost.mem_bytes,
                 "kernels": float(cost.kernels), "fp8_flops": cost.fp8_flops,
-                "fp8_gemms": float(cost.fp8_gemms)}
+                "fp8_gemms": float(cost.fp8_gemms), "offload_wait_s": wait,
+                "offload_bytes": float(_off.offloaded_bytes(cost.offload))}
 
     __call__ = predict
 
@@ -114,9 +123,12 @@ class GPUCostModel:
 # 2-4 us of it). A device property, not fitted to any measured row (docs/tune.md).
 # FP8: NVIDIA's H100 SXM datasheet gives dense FP8 at 2x dense BF16 (1979 vs 989 TFLOP/s); the
 # measured bf16 matmul times that ratio. Assumed, not measured here (the GPU check is owed).
+# Host link: PCIe Gen5 x16 carries 63 GB/s per direction raw (32 GT/s x 16 lanes x 128/130);
+# NVIDIA's nvbandwidth on H100 hosts measured 52.8 GB/s device-to-host (NVIDIA/nvbandwidth#24;
+# host-to-device was 35 GB/s there, a host-dependent shortfall). 50 GB/s, assumed: not measured.
 H100 = DeviceConstants("H100-SXM-80GB (measured matmul)", peak_flops=780e12,
                        mem_bandwidth=3.0e12, memory_bytes=80 * 2**30, kernel_launch_s=5e-6,
-                       fp8_peak_flops=2 * 780e12)
+                       fp8_peak_flops=2 * 780e12, host_bandwidth=50e9)
 
 
 _ATTN_DROPOUT = ("attn_pdrop", "attention_probs_dropout_prob", "attention_dropout")
@@ -270,16 +282,19 @@ def simulate_step(spec: Any, config: Config, schedule: bool = True,
     knobs = schedule_knobs(config)
     compiled = bool(knobs.pop("compile_blocks", False)) and schedule
     counter = _StepCounter()
+    sim = _off.OffloadSim(counter)  # offloaded layers' copies (predict_offload)
     prec = check_precision(config.get("mixed_precision"))  # fp8: torchao imports here, not
     fp8 = check_fp8_config(prec, fp8 if prec == "fp8" else None, "cpu")  # under fake tensors
     with cuda_autocast_lists(config), fake_mode():
         model = _fake_model(spec)
         data = _fake_batch(model, int(config["batch_size"]), spec.seq)
-        fp8_gemms = _schedule(model, knobs, compiled, config, data, counter, fp8, schedule)
+        fp8_gemms = _schedule(model, knobs, compiled, config, data, counter, fp8, schedule,
+                              sim)
         tracker = MemTracker()
         tracker.track_external(model)
         # (a dispatch mode active while a layer is recorded would make dynamo skip it)
-        with _labelled_rows(spec, config), tracker, counter, set_checkpoint_early_stop(False):
+        with _labelled_rows(spec, config), tracker, counter, set_checkpoint_early_stop(False), \
+                sim.installed(model):
             with _autocast(config):
                 loss = model(**data).loss
             loss.float().backward()
@@ -287,21 +302,26 @@ def simulate_step(spec: Any, config: Config, schedule: bool = True,
         total = sum(v.get("Total", 0) for v in peak.values())
         params = sum(p.numel() for p in model.parameters())
     return StepCost(float(total), params, float(counter.flops), float(counter.bytes),
-                    int(counter.kernels), float(counter.fp8_flops), len(fp8_gemms))
+                    int(counter.kernels), float(counter.fp8_flops), len(fp8_gemms),
+                    tuple(sim.events))
 
 
 def _schedule(model: Any, knobs: dict, compiled: bool, config: Config, data: dict,
-              counter: _StepCounter, fp8: Any, schedule: bool = True) -> list[str]:
+              counter: _StepCounter, fp8: Any, schedule: bool = True,
+              sim: _off.OffloadSim | None = None) -> list[str]:
     """Apply the config's schedule (if `schedule`), then `fp8`'s GEMMs as `build` does (on
     torchao's GPU path, not the emulation). Compiled layers become stand-ins of their recorded
-    partition (`_install_standins`), each with its checkpoint mode (none, full, selective)."""
+    partition (`_install_standins`), each with its checkpoint mode (none, full, selective),
+    and the layers after the checkpointed ones are offloaded as `apply` offloads them."""
     from .. import model_schedule
+    from ..model_schedule._common import offload_layers
     from ..model_schedule._registry import detect, layers_of
     from ..runtime.fp8 import convert
 
     ratio, policy = float(knobs.get("ckpt_ratio", 0.0)), knobs.get("ckpt_policy", "full")
-    if compiled:  # the checkpoint wrapper goes into the recorded (compiled) call instead
-        knobs = {**knobs, "ckpt_ratio": 0.0}
+    offload = float(knobs.get("offload_ratio", 0.0))
+    if compiled:  # the checkpoint wrapper goes into the recorded (compiled) call instead,
+        knobs = {**knobs, "ckpt_ratio": 0.0, "offload_ratio": 0.0}  # offload after recording
     sch = model_schedule.apply(model, **knobs) if schedule else None
     done = convert([model], model, fp8, "cuda") if fp8 is not None else []
     if not compiled:
@@ -309,12 +329,13 @@ def _schedule(model: Any, knobs: dict, compiled: bool, config: Config, data: dic
     layers = [node.mod for node in layers_of(sch, detect(model))]
     n = int(ratio * len(layers) + 0.5)  # as model_schedule.apply rounds
     modes = [(policy if i < n else "none") for i in range(len(layers))]
-    _install_standins(model, layers, modes, config, data, counter)
+    _install_standins(model, layers, modes, config, data, counter, sim)
+    offload_layers(layers_of(sch, detect(model)), offload, after=n)
     return done
 
 
 def _install_standins(model: Any, layers: list, modes: list[str], config: Config, data: dict,
-                      counter: _StepCounter) -> None:
+                      counter: _StepCounter, sim: _off.OffloadSim | None = None) -> None:
     """Record the partition of the first layer once per checkpoint mode (`record_partition`:
     torch.compile with inductor's partitioner, at the step's full shapes, on fake tensors) and
     make every compiled layer a stand-in that holds exactly what that partition keeps."""
@@ -322,10 +343,10 @@ def _install_standins(model: Any, layers: list, modes: list[str], config: Config
     plans = {}
     for mode in dict.fromkeys(modes):
         with _autocast(config):
-            plans[mode] = record_partition(_layer_fn(layers[0], mode), args, kwargs)
+            plans[mode] = _off.record_with_saved(_layer_fn(layers[0], mode), args, kwargs)
     for layer, mode in zip(layers, modes):
-        layer.forward = functools.partial(_standin_forward, layer, layer.forward, plans[mode],
-                                          counter, config)
+        layer.forward = functools.partial(_standin_forward, layer, layer.forward, *plans[mode],
+                                          counter, config, sim)
 
 
 def _layer_fn(layer: Any, mode: str) -> Callable:
@@ -369,22 +390,28 @@ def _layer_call(model: Any, layer: Any, config: Config, data: dict,
     return tuple(lift(a) for a in args), {k: lift(v) for k, v in kwargs.items()}
 
 
-def _standin_forward(layer: Any, forward: Callable, plan: PartitionPlan,
-                     counter: _StepCounter, config: Config, *args: Any, **kwargs: Any) -> Any:
+def _standin_forward(layer: Any, forward: Callable, plan: PartitionPlan, saved: list,
+                     counter: _StepCounter, config: Config, sim: _off.OffloadSim | None,
+                     *args: Any, **kwargs: Any) -> Any:
     """A compiled layer in the fake step: its outputs come from the eager forward (without
     autograd), and autograd holds what the recorded partition keeps (`plan.saved_bytes`, one
     buffer) until backward, which allocates the backward graph's own peak and returns
     gradients of every input and parameter; the saved buffer is released as the backward's
     peak (saved tensors until their last reader + its own buffers) is allocated. Its costs are
-    the partition's, not the eager ops'."""
+    the partition's, not the eager ops'. Offloaded (`sim`): the saved tensors the primitive
+    would copy out leave the buffer at the end of forward and come back at the start of
+    backward (`predict_offload.pack_saved`), held through the backward graph's peak."""
     import torch
     from torch.utils._pytree import tree_flatten, tree_unflatten
+
+    from ..primitives.offload import offload_wrapper
 
     params = [p for p in layer.parameters() if p.requires_grad]
     flat, spec = tree_flatten((args, kwargs))
     grad_in = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
-    counter.add_plan(plan)
+    counter.add_plan(plan, "fwd")
     shapes: dict = {}
+    offloaded = offload_wrapper(layer) if sim is not None else None
 
     class StandIn(torch.autograd.Function):
         @staticmethod
@@ -394,54 +421,28 @@ def _standin_forward(layer: Any, forward: Callable, plan: PartitionPlan,
                 out = forward(*a, **k)
             leaves, ospec = tree_flatten(out)
             shapes["out"] = (leaves, ospec)
-            ctx.keep = torch.empty(plan.saved_bytes, dtype=torch.uint8)
+            ctx.packed, freed = _off.pack_saved(sim, offloaded, saved) if offloaded else ([], 0)
+            with counter.paused():
+                ctx.keep = torch.empty(plan.saved_bytes - freed, dtype=torch.uint8)
+            counter.bytes += plan.saved_bytes  # (the counter has always counted this buffer)
             return tuple(t for t in leaves if isinstance(t, torch.Tensor))
 
         @staticmethod
         def backward(ctx: Any, *grads: Any) -> Any:
+            back = [sim.unpack(p) for p in ctx.packed]  # offloaded: copied back, held
+            held = sum(p.host.nbytes for p in ctx.packed)
             ctx.keep = None  # bwd_peak counts the saved tensors while the graph still reads them
+            counter.add_plan(plan, "bwd")
             with counter.paused():
                 ins = [torch.empty_like(flat[i]) for i in grad_in]
                 ps = [torch.empty_like(p) for p in params]
                 made = sum(t.numel() * t.element_size() for t in ins + ps)
-                transient = torch.empty(max(plan.bwd_peak - made, 0), dtype=torch.uint8)
-                del transient
+                transient = torch.empty(max(plan.bwd_peak - made - held, 0), dtype=torch.uint8)
+                del transient, back
+            ctx.packed = None
             return (*ins, *ps)
 
     outs = StandIn.apply(*[flat[i] for i in grad_in], *params)
     leaves, ospec = shapes["out"]
     it = iter(outs)
     return tree_unflatten([next(it) if isinstance(t, torch.Tensor) else t for t in leaves], ospec)
-
-
-class _StepCounter(_CostCounter):
-    """FLOPs, bytes and kernels of a step. Compiled layers (stand-ins) pause it and add their
-    recorded partition's costs instead (`add_plan`)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self._paused = 0
-
-    def add_plan(self, plan: PartitionPlan) -> None:
-        self.flops += plan.fwd_flops + plan.bwd_flops
-        self.fp8_flops += plan.fwd_fp8_flops + plan.bwd_fp8_flops
-        self.bytes += plan.fwd_bytes + plan.bwd_bytes
-        self.kernels += plan.kernels
-
-    def paused(self) -> Any:
-        import contextlib
-
-        @contextlib.contextmanager
-        def off() -> Any:
-            self._paused += 1
-            try:
-                yield
-            finally:
-                self._paused -= 1
-
-        return off()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if self._paused:
-            return func(*args, **(kwargs or {}))
-        return super().__torch_dispatch__(func, types, args, kwargs)

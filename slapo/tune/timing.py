@@ -48,6 +48,8 @@ class DeviceConstants:
     gpus_per_node: int = 8
     kernel_launch_s: float = 0.0  # per launched kernel (launch + dispatch); 0: not modelled
     fp8_peak_flops: float = 0.0  # dense FP8 matmul FLOP/s (torch._scaled_mm); 0: no FP8
+    host_bandwidth: float = 0.0  # bytes/s per direction, pinned host <-> device (activation
+    # offload's copies; PCIe Gen5 x16: ~50e9); 0: not modelled, offload cannot be timed
 
     def to_json(self) -> dict:
         return asdict(self)
