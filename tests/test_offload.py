@@ -233,8 +233,37 @@ def test_backward_prefetches_the_next_layer_and_stays_exact(monkeypatch):
 
     def wrong(group):
         real(group)
-        for packed in group.items:
-            packed.back = packed.back * 1.001
+        for ref in group.items:
+            if (packed := ref()) is not None:
+                packed.back = packed.back * 1.001
     monkeypatch.setattr(offload_mod, "_prefetch", wrong)
     bad = _loss_and_grads(model, x)
     assert any(not torch.equal(g, w) for g, w in zip(bad[1], want[1]))
+
+
+def test_host_copies_are_freed_after_backward_without_the_garbage_collector(monkeypatch):
+    """A packed tensor holds its group and the group only weak references to its tensors: no
+    reference cycle, so every host copy (pinned memory on a GPU) and every prefetched device
+    copy is freed when autograd frees the graph, not whenever Python's collector runs."""
+    import gc
+    import weakref
+
+    model = _llama(layers=3)
+    model_schedule.apply(slapo.create_schedule(model), offload_ratio=1.0)
+    _force_cpu_path(model)
+    groups = []
+    real_init = offload_mod._Group.__init__
+
+    def recording(self, stats):
+        real_init(self, stats)
+        groups.append(weakref.ref(self))
+    monkeypatch.setattr(offload_mod._Group, "__init__", recording)
+    x = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
+    gc.collect()
+    gc.disable()
+    try:
+        model(input_ids=x, labels=x).loss.backward()
+        assert len(groups) == 3
+        assert all(g() is None for g in groups), [g() for g in groups]
+    finally:
+        gc.enable()

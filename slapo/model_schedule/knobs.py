@@ -75,7 +75,7 @@ class ScheduleKnobs:
     offload_ratio: float = _knob(
         0.0, "share of layers (the round(ratio * L) after the checkpointed ones) whose saved "
         "activations of 1 MiB or more wait in pinned host memory from forward to backward "
-        "(CUDA; no prefetch yet; its GPU path not yet measured)", "float", low=0.0, high=1.0)
+        "(CUDA; backward prefetches one layer ahead; its GPU path not yet measured)", "float", low=0.0, high=1.0)
     attention: str | None = _knob(
         None, "attention: eager (HF's eager math attention, forced), sdpa (Slapo's SDPA core), "
         "flash (flash-attn on CUDA); not given: the model's own implementation (HF's default, "

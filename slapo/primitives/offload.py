@@ -76,7 +76,10 @@ class _Group:
     _last: weakref.ref | None = None  # the group created most recently (this process)
 
     def __init__(self, stats: OffloadStats):
-        self.items: list[_OnHost] = []
+        # weakly: the autograd graph owns the packed tensors, each of which holds its group;
+        # a strong list here would make a cycle that keeps every host (pinned) copy, and any
+        # prefetched device copy, alive after backward until Python's garbage collector runs
+        self.items: list[weakref.ref] = []
         self.stats = stats
         self.started = False  # backward has unpacked one of its tensors
         self.fetched = False  # its tensors were prefetched
@@ -120,7 +123,7 @@ class OffloadWrapper(module_patch.ForwardWrapper):
         packed = _OnHost(t.detach().clone(), t.device) if t.device.type == "cpu" \
             else _to_host(t)
         packed.group = group
-        group.items.append(packed)
+        group.items.append(weakref.ref(packed))
         return packed
 
 
@@ -148,12 +151,13 @@ def _unpack(packed):
         before = group.previous()
         if before is not None and not before.started and not before.fetched:
             _prefetch(before)
-    if packed.back is not None:
+    if packed.back is not None:  # handed over once: backward owns it from here
         group.stats.prefetched += 1
+        back, packed.back = packed.back, None
         if packed.back_event is not None:
             torch.cuda.current_stream(packed.device).wait_event(packed.back_event)
-            packed.back.record_stream(torch.cuda.current_stream(packed.device))
-        return packed.back
+            back.record_stream(torch.cuda.current_stream(packed.device))
+        return back
     return _to_device(packed)
 
 
@@ -171,7 +175,10 @@ def _prefetch(group: _Group) -> None:
     its unpack waits for. On CPU (tests) the "device copy" is a fresh copy of the host one, so
     the same bookkeeping runs."""
     group.fetched = True
-    for packed in group.items:
+    for ref in group.items:
+        packed = ref()
+        if packed is None:  # already read and freed by backward
+            continue
         if packed.event is None:
             packed.back = packed.host.clone()
             continue

@@ -10,9 +10,8 @@ does not see instead of the tensor, so the device tensor is freed as soon as not
 it; the primitive's own `_unpack` (its one-group-ahead prefetch) runs unchanged, with
 `_prefetch` and `_to_device` allocating the device copies that MemTracker does see (a
 prefetch when backward first reads the next layer, a demand copy when read). A prefetched
-copy is freed with the backward node that read it, as the primitive intends (today a
-reference cycle, `_OnHost.group` <-> `_Group.items`, keeps it until Python's cyclic GC:
-docs/tune.md). A compiled layer (a stand-in) packs the saved tensors of its recorded partition
+copy is freed with the backward node that read it, as the primitive does (its groups hold their
+tensors weakly, and an unpack hands the prefetched copy over). A compiled layer (a stand-in) packs the saved tensors of its recorded partition
 (`record_with_saved`) at the end of its forward and unpacks them all at the start of its
 backward, as AOTAutograd's `save_for_backward` does under the hooks.
 
@@ -26,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import weakref
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -96,10 +96,10 @@ class OffloadSim:
                 return fn(*args, **kwargs)
 
         def unpack(packed: Any) -> Any:
-            out = original_unpack(packed)
-            if isinstance(packed, offload._OnHost) and out is packed.back:
+            prefetched = isinstance(packed, offload._OnHost) and packed.back is not None
+            out = original_unpack(packed)  # hands the prefetched copy over (freed with its reader)
+            if prefetched:
                 self._log("use", packed.host)
-                packed.back = None  # freed with its reader (see the module docstring)
             return out
 
         with contextlib.ExitStack() as stack:
@@ -134,7 +134,7 @@ class OffloadSim:
         pinned = _Pinned(next(self._keys), tuple(shape), dtype, nbytes)
         packed = offload._OnHost(pinned, None)
         packed.group = group
-        group.items.append(packed)
+        group.items.append(weakref.ref(packed))
         self._log("d2h", pinned)
         return packed
 
@@ -150,7 +150,10 @@ class OffloadSim:
 
     def _prefetch(self, group: Any) -> None:
         group.fetched = True
-        for packed in group.items:
+        for ref in group.items:
+            packed = ref()
+            if packed is None:
+                continue
             self._log("prefetch", packed.host)
             packed.back = self._device_copy(packed.host)
 
