@@ -255,7 +255,9 @@ def _check_qlora(cfg: TrainConfig) -> None:
             raise ValueError(f"--lora-4bit with --{name}: {why}; QLoRA runs in one process "
                              f"or DDP (several processes without --tp / --pp-stages / --cp / "
                              f"--dp-shard): drop --{name}")
-    if cfg.precision in ("fp16", "fp8"):
+    # not a validation of the name (`check_precision` does that): two valid precisions that
+    # do not compose with a 4-bit base
+    if cfg.precision == "fp16" or cfg.precision == "fp8":
         raise ValueError(f"--lora-4bit with --precision {cfg.precision}: the 4-bit base "
                          "computes in bf16 or fp32 (fp8 would replace its Linear4bit layers, "
                          "fp16 is not tested with it): use --precision bf16 or fp32")
