@@ -130,14 +130,21 @@ def compare(family: str, dtype=torch.float32, mesh=None, data_parallel=None, mut
                           for n, p in model.named_parameters() if p.requires_grad),
            "n_adapters": len(ref_grads)}
 
+    check_adapters_only(model, opt, grads, ref_grads, base0, _full)
+    return out
+
+
+def check_adapters_only(model, opt, grads: dict, ref_grads: dict, base0: dict, whole) -> None:
+    """Gradients for exactly PEFT's adapters; the frozen base untouched (no gradient, values
+    bit-identical to `base0`, gathered whole by `whole(t, p)`); the optimizer holds adapters
+    only."""
     assert set(grads) == set(ref_grads), sorted(set(grads) ^ set(ref_grads))
     for n, p in model.named_parameters():
         if not p.requires_grad:  # frozen: untouched, no gradient, no optimizer state
             assert p.grad is None, n
-            assert torch.equal(_full(p.detach(), p), base0[n]), n
+            assert torch.equal(whole(p.detach(), p), base0[n]), n
     held = [p for g in opt.param_groups for p in g["params"]]
     assert len(held) == len(ref_grads) and all(p.requires_grad for p in held)
-    return out
 
 
 class _nothing:

@@ -18,7 +18,17 @@ import copy
 import models
 import pytest
 import torch
-from test_lora import LR, TOL, _batch, _full, _loss_fn, _reference, _rel, peft_model
+from test_lora import (
+    LR,
+    TOL,
+    _batch,
+    _full,
+    _loss_fn,
+    _reference,
+    _rel,
+    check_adapters_only,
+    peft_model,
+)
 
 pytest.importorskip("peft")
 pytestmark = pytest.mark.dist
@@ -65,13 +75,7 @@ def compare_composed(family: str, dtype=torch.float64, *, knobs: dict | None = N
         ref_losses, ref_grads = _reference(ref, family, batch, steps)
     trained = dict(ref.named_parameters())
 
-    assert set(grads) == set(ref_grads), sorted(set(grads) ^ set(ref_grads))
-    for n, p in model.named_parameters():
-        if not p.requires_grad:  # frozen: untouched, no gradient, no optimizer state
-            assert p.grad is None, n
-            assert torch.equal(_whole(p.detach(), p), base0[n]), n
-    held = [p for g in opt.param_groups for p in g["params"]]
-    assert len(held) == len(ref_grads) and all(p.requires_grad for p in held)
+    check_adapters_only(model, opt, grads, ref_grads, base0, _whole)
     out = _errors(losses, grads, {n: _whole(p.detach(), p) for n, p in model.named_parameters()
                                   if p.requires_grad}, ref_losses, ref_grads, trained)
     if precision == "bf16":  # the scale of bf16 roundoff: PEFT's own bf16 run against fp32

@@ -35,13 +35,12 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ..errors import SchedulingError
+from .pipeline_guards import inferring
 
 BIAS = "e_score_correction_bias"
 
 
 def _in_backward_or_inference() -> bool:
-    from .pipeline_guards import inferring
-
     return torch._C._current_graph_task_id() != -1 or inferring()
 
 

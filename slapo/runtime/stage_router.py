@@ -79,9 +79,16 @@ def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
+def router_modules(modules: list[nn.Module], aux: RouterAux) -> list[nn.Module]:
+    """The routers HF records below `modules` (found once, when the stage is built)."""
+    return [m for top in modules for name, m in top.named_modules()
+            if isinstance(m, aux.target) and (aux.layer_name is None or
+                                               name.endswith(aux.layer_name))]
+
+
 @contextmanager
-def record_router(modules: list[nn.Module], aux: RouterAux) -> Iterator[list[torch.Tensor]]:
-    """The router logits of every recorded router below `modules`, in call order."""
+def record_router(routers: list[nn.Module], aux: RouterAux) -> Iterator[list[torch.Tensor]]:
+    """The router logits of `routers`' forwards inside the block, in call order."""
     seen: list[torch.Tensor] = []
 
     def hook(module: nn.Module, args: tuple, output) -> None:
@@ -89,12 +96,7 @@ def record_router(modules: list[nn.Module], aux: RouterAux) -> Iterator[list[tor
             return
         seen.append(output[aux.index] if isinstance(output, (tuple, list)) else output)
 
-    handles = []
-    for top in modules:
-        for name, m in top.named_modules():
-            if isinstance(m, aux.target) and (aux.layer_name is None or
-                                              name.endswith(aux.layer_name)):
-                handles.append(m.register_forward_hook(hook))
+    handles = [m.register_forward_hook(hook) for m in routers]
     try:
         yield seen
     finally:
@@ -114,4 +116,4 @@ def stage_stats(aux: RouterAux, logits: list[torch.Tensor], attention_mask: torc
     return own
 
 
-__all__ = ["RouterAux", "record_router", "router_aux", "stage_stats"]
+__all__ = ["RouterAux", "record_router", "router_aux", "router_modules", "stage_stats"]

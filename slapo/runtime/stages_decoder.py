@@ -28,7 +28,7 @@ import torch.nn as nn
 from ..errors import SchedulingError
 from ..op.context_parallel import KEY_VALID
 from . import stages_declared as declared
-from .stage_router import RouterAux, record_router, router_aux, stage_stats
+from .stage_router import RouterAux, record_router, router_aux, router_modules, stage_stats
 from .stages_declared import BETWEEN, Between, declared_parts
 
 
@@ -265,6 +265,8 @@ class HFDecoderStage(FusedLossStage, nn.Module):
                                   "pass fused_loss=False.")
         for path in self.paths():
             graft(self, root, path)
+        self._routers = [] if self.router is None else router_modules(  # found once
+            [self._get(f"{layout.layers}.{i}") for i in range(lo, hi)], self.router)
 
     def paths(self) -> list[str]:
         lay = self.layout
@@ -291,8 +293,7 @@ class HFDecoderStage(FusedLossStage, nn.Module):
         if self.router is None:
             return self._forward(x, attention_mask, labels, position_ids, cp_key_valid)
         assert cp_key_valid is None, "refused by check_context_parallel"
-        layers = [self._get(f"{self.layout.layers}.{i}") for i in range(self.lo, self.hi)]
-        with record_router(layers, self.router) as logits:
+        with record_router(self._routers, self.router) as logits:
             out = self._forward(x, attention_mask, labels, position_ids, cp_key_valid)
         return out, stage_stats(self.router, logits, attention_mask, router, out.device)
 

@@ -31,6 +31,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ..errors import SlapoError
+from ..runtime.pipeline_guards import inferring
 
 __all__ = ["ExpertLoad", "watch_experts"]
 
@@ -52,8 +53,6 @@ def _experts_modules(model: nn.Module) -> list[nn.Module]:
 def _in_backward() -> bool:
     """A forward run inside the backward (activation checkpointing's recomputation), or
     torch's first-step shape inference of a pipeline stage: not the step's forwards."""
-    from ..runtime.pipeline_guards import inferring
-
     return torch._C._current_graph_task_id() != -1 or inferring()
 
 
