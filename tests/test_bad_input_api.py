@@ -378,6 +378,14 @@ PRIMITIVE_CASES: dict[str, Case] = {
     "sync_twice": Case("sync", _prepared(lambda s: s[OUT].sync("fwd_post", "all_reduce")),
                        lambda s: s[OUT].sync("fwd_post", "all_reduce"), OUT,
                        ("already applied",)),
+    "sync_input_grad_reduced_twice": Case(
+        "sync", _prepared(lambda s: s[Q].sync("fwd_pre", "all_gather", axis=1)),
+        lambda s: s[Q].sync("bwd_post", "all_reduce"), Q, ("sum it a second time",
+                                                            "tensor_parallel_output_grad=False")),
+    "sync_gather_after_input_grad_reduce": Case(
+        "sync", _prepared(lambda s: s[Q].sync("bwd_post", "all_reduce", arg="input")),
+        lambda s: s[Q].sync("fwd_pre", "all_gather", axis=1, arg=0), Q,
+        ("already sums this input's gradient",)),
     # sync_batchnorm
     "sync_bn_no_batchnorm": Case("sync_batchnorm", _base, lambda s: s[LN].sync_batchnorm(
         group=dist.group.WORLD), LN, ("has no BatchNorm",)),

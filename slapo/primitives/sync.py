@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 from functools import partial
+from typing import Any
 
 from .. import module_patch, sharding
 from ..distributed import collectives as C
@@ -74,6 +75,7 @@ class SyncPrimitive(Primitive):
             raise SchedulingError(sch.path, f"sync({mode!r}, {op!r}) was already applied to this "
                                   "module; applying it twice would reduce/gather twice.",
                                   "remove the second call.")
+        _refuse_second_input_grad_reduction(sch, mode, op, kwargs)
         axis = kwargs.get("axis")
         if mode != "fwd_post":
             if op in ("all_gather", "reduce_scatter", "scatter") and axis is None:
@@ -133,11 +135,15 @@ class SyncPrimitive(Primitive):
             axis = layout[1]
         if mode == "bwd_post":
             fn = partial(C.reduce_backward, group=group)
+            if op == "all_reduce":
+                meta.setdefault("grad_reduced_inputs", []).append(_input_key(mod, arg))
         elif op == "all_reduce":
             fn = partial(C.reduce_forward, group=group)
         elif op == "all_gather":
             partial_grad = (mode == "fwd_pre") if tpog is None else bool(tpog)
             fn = partial(C.all_gather, dim=axis, group=group, partial_grad=partial_grad)
+            if mode == "fwd_pre" and partial_grad:
+                meta.setdefault("grad_reduced_inputs", []).append(_input_key(mod, arg))
         elif op == "reduce_scatter":
             fn = partial(C.reduce_scatter, dim=axis, group=group)
         else:
@@ -168,6 +174,40 @@ def _record(mode: str, op, arg) -> tuple:
     """What `meta["syncs"]` keeps of one sync (plans compare their effects with it): the input a
     sync on a chosen `arg` acts on is part of it, so two inputs' gradients can each be reduced."""
     return (mode, op) if arg is None else (mode, op, arg)
+
+
+def _input_key(mod, arg) -> Any:
+    """Which input a fwd_pre/bwd_post sync acts on: a name is its position when the signature
+    has it, so `arg="x"` and `arg=0` are the same input."""
+    if isinstance(arg, str):
+        where = _position(mod, arg)
+        return arg if where is None else where
+    return arg
+
+
+def _refuse_second_input_grad_reduction(sch, mode: str, op, kwargs: dict) -> None:
+    """An input's gradient may be summed over the group once. A "fwd_pre" all_gather that
+    reduce-scatters its gradient (`tensor_parallel_output_grad`, the default there) and a
+    "bwd_post" all_reduce on the same input each sum it, in either order: the gradient that
+    reaches the layer before comes out world-size times too large, with no error (2023's
+    sequence-parallel test schedule did this; its test never checked the input's gradient)."""
+    if mode == "fwd_pre" and op == "all_gather":
+        tpog = kwargs.get("tensor_parallel_output_grad")
+        if tpog is False:
+            return
+        other = "sync('bwd_post', 'all_reduce')"
+    elif mode == "bwd_post" and op == "all_reduce":
+        other = "sync('fwd_pre', 'all_gather') with tensor_parallel_output_grad=True"
+    else:
+        return
+    done = module_patch.module_meta(sch.mod).get("grad_reduced_inputs", [])
+    if _input_key(sch.mod, kwargs.get("arg")) in done:
+        raise SchedulingError(
+            sch.path, f"{other} already sums this input's gradient over the group; "
+            f"sync({mode!r}, {op!r}) would sum it a second time (world-size times too large).",
+            "keep one of them: sequence parallelism needs only the all_gather (its backward "
+            "reduce-scatters); to keep the bwd_post all_reduce, pass "
+            "tensor_parallel_output_grad=False to the all_gather.")
 
 
 def _position(mod, name: str) -> int | None:
