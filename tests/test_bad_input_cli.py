@@ -239,8 +239,6 @@ TRAIN_CASES: dict[str, CliCase] = {
                                ("--lora-alpha must be > 0",)),
     "lora_dropout_one": CliCase(["--lora-r", "4", "--lora-dropout", "1"],
                                 ("--lora-dropout must be in [0, 1)",)),
-    "lora_dropout_with_tp": CliCase(["--lora-r", "4", "--lora-dropout", "0.1", "--tp", "2"],
-                                    ("--lora-dropout must be 0 with --tp > 1",)),
     "lora_targets_empty": CliCase(["--lora-r", "4", "--lora-targets", ","],
                                   ("--lora-targets names no module",)),
     # found when the model is built, before anything is written (gpt2: the default --model)

@@ -31,10 +31,20 @@ def _restore(state: tuple[torch.Tensor, torch.Tensor | None]) -> None:
 
 
 class RNGStatesTracker:
-    """Holds one (cpu, cuda) generator state per named stream."""
+    """Holds one (cpu, cuda) generator state per named stream.
+
+    `fork(name)` runs a block in a stream; `shared()` runs a block in the default (shared)
+    stream even inside a fork: a LoRA dropout on the replicated input of a column-parallel
+    projection inside a per-rank region must draw the same mask on every rank. While a stream
+    is forked its live state is in the generators, so the active forks are kept on a stack:
+    `shared()` writes the live state back and restores the state the fork saved, and the fork
+    then leaves with the default stream as `shared()` advanced it. A fork of the stream that is
+    already live is a no-op (restoring its saved state there would draw the same numbers again).
+    """
 
     def __init__(self) -> None:
         self._states: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = {}
+        self._active: list[list] = []  # [stream name or None (shared), outer state]
 
     def reset(self) -> None:
         self._states.clear()
@@ -57,17 +67,44 @@ class RNGStatesTracker:
     def set_states(self, states: dict) -> None:
         self._states = dict(states)
 
+    def live(self) -> str | None:
+        """The stream the generators hold now (None: the default one)."""
+        return self._active[-1][0] if self._active else None
+
     @contextlib.contextmanager
     def fork(self, name: str = TP_STREAM):
         if name not in self._states:
             raise KeyError(name)
-        outer = default_states()
+        if self.live() == name:
+            yield
+            return
+        entry = [name, default_states()]
+        self._active.append(entry)
         _restore(self._states[name])
         try:
             yield
         finally:
             self._states[name] = default_states()
-            _restore(outer)
+            self._active.pop()
+            _restore(entry[1])
+
+    @contextlib.contextmanager
+    def shared(self):
+        """Run the block in the default stream, also inside a fork."""
+        name = self.live()
+        if name is None:
+            yield
+            return
+        fork_entry = self._active[-1]
+        self._states[name] = default_states()
+        self._active.append([None, None])
+        _restore(fork_entry[1])
+        try:
+            yield
+        finally:
+            fork_entry[1] = default_states()
+            self._active.pop()
+            _restore(self._states[name])
 
 
 _TRACKER = RNGStatesTracker()

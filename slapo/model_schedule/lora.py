@@ -22,10 +22,15 @@ row applies to base, A and B so the sum stays exact under tp ranks:
 
 Refused before any change (`SchedulingError`): a PEFT layer other than LoRA's `Linear` over an
 `nn.Linear` or HF `Conv1D` under a plan row, a LoRA variant (DoRA), `lora_bias`, merged
-adapters, LoRA dropout under tp > 1 (the replicated input of a column LoRA would need identical
-masks on every rank and the feature-sharded input of a row LoRA per-rank ones; until that rule
-is implemented and tested the exact case, dropout 0, is the one accepted), and any other plan
-style on a LoRA layer. `peft` is imported only when it is already loaded: a model that holds
+adapters, and any other plan style on a LoRA layer.
+
+LoRA dropout under tp > 1 follows the input's layout: a column LoRA's input is whole on every
+rank (replicated, or gathered under sequence parallelism), so its dropout draws from the shared
+stream, one mask for all ranks, even inside a per-rank region such as LLaMA's `self_attn`
+(`fork_rng(stream="shared")`); a row LoRA's input holds this rank's features, so its dropout
+draws from the per-rank stream (`fork_rng()`; a no-op where the region is already per-rank).
+Each rank then computes its part of exactly what one process computes with the mask that is
+the concatenation of the ranks' masks (`tests/test_lora_dropout_tp.py`). `peft` is imported only when it is already loaded: a model that holds
 PEFT layers was made by it.
 """
 
@@ -122,11 +127,16 @@ def check_lora_layer(node: Schedule, style: Style, tp: int) -> None:
                                   "tensor-parallel LoRA B has no bias.",
                                   "use lora_bias=False, or tp=1.")
         drop = mod.lora_dropout[name]
-        if tp > 1 and isinstance(drop, nn.Dropout) and drop.p > 0:
-            raise SchedulingError(node.path, f"adapter {name!r} has lora_dropout={drop.p}; under "
-                                  "tensor parallelism LoRA dropout is not yet exact (module "
-                                  "doc of slapo.model_schedule.lora).",
-                                  "use lora_dropout=0.0 with tp > 1.")
+        if tp > 1 and not isinstance(drop, (nn.Dropout, nn.Identity)):
+            raise SchedulingError(node.path, f"adapter {name!r} has a {type(drop).__name__} as "
+                                  "its LoRA dropout; under tensor parallelism only nn.Dropout "
+                                  "gets its stream rule.", "use plain lora_dropout, or tp=1.")
+
+
+def _dropouts(node: Schedule) -> list[Schedule]:
+    """The adapters' dropout modules that can draw (p > 0)."""
+    return [_part(node, "lora_dropout", n) for n in _adapters(node)
+            if isinstance(node.mod.lora_dropout[n], nn.Dropout) and node.mod.lora_dropout[n].p > 0]
 
 
 def _part(node: Schedule, what: str, name: str) -> Schedule:
@@ -159,6 +169,8 @@ class LoraColumn(Style):
         for n in _adapters(node):
             _part(node, "lora_B", n).shard("weight", axis=0, blocks=self.inner.blocks)
             _part(node, "lora_A", n).reduce_param_grads("weight")
+        for drop in _dropouts(node):  # the input is whole on every rank: one mask for all
+            drop.fork_rng(draws="dropout", stream="shared")
         node.set_attr("out_features", node.mod.out_features // tp)
         module_patch.module_meta(node.mod, create=True)["output_layout"] = \
             (sharding.PARTITION, -1)
@@ -189,6 +201,8 @@ class LoraRow(Style):
         for n in _adapters(node):
             _part(node, "lora_A", n).shard("weight", axis=1)
             _part(node, "lora_B", n).reduce_param_grads("weight")
+        for drop in _dropouts(node):  # each rank holds other input features: its own mask
+            drop.fork_rng(draws="dropout")
         node.set_attr("in_features", node.mod.in_features // tp)
         scatter = self.inner.token_axis if sp else None
         module_patch.set_kernel(node.mod, LoraRowKernel(node.group, scatter))

@@ -13,6 +13,7 @@ from ..errors import SchedulingError
 from .base import Primitive, register_primitive
 
 DRAWS = ("any", "dropout")
+STREAMS = ("tp", "shared")
 
 
 class ForkRNGWrapper(module_patch.ForwardWrapper):
@@ -25,9 +26,10 @@ class ForkRNGWrapper(module_patch.ForwardWrapper):
 
     name = "fork_rng"
 
-    def __init__(self, seed_offset: int, draws: str = "any"):
+    def __init__(self, seed_offset: int, draws: str = "any", stream: str = "tp"):
         self.seed_offset = seed_offset
         self.draws = draws
+        self.stream = stream
 
     def __call__(self, module, fn, args, kwargs):
         if self.draws == "dropout" and not may_drop(module, args, kwargs):
@@ -35,6 +37,9 @@ class ForkRNGWrapper(module_patch.ForwardWrapper):
                 return fn(*args, **kwargs)
             return _without_draws(module, fn, args, kwargs)
         tracker = get_rng_tracker()
+        if self.stream == "shared":
+            with tracker.shared():
+                return fn(*args, **kwargs)
         if not tracker.has(TP_STREAM):  # not seeded by set_random_seed: derive deterministically
             tracker.add(TP_STREAM, torch.initial_seed() + self.seed_offset)
         with tracker.fork(TP_STREAM):
@@ -136,21 +141,28 @@ class ForkRNGPrimitive(Primitive):
     mode) then skips the stream swap, which keeps a compiled block whole. The default "any"
     always swaps (a module drawing noise of its own). The ready schedules use "dropout" on the
     HF modules they fork, whose dropouts `tests/test_silent_wrong.py` checks are all seen.
+
+    `stream="shared"` does the opposite inside a forked region: the module draws from the
+    default stream, the same on every rank (a LoRA dropout on a column-parallel projection's
+    replicated input, inside a per-rank attention module: `model_schedule/lora.py`).
     """
 
     name = "fork_rng"
 
     @classmethod
-    def validate(cls, sch, draws: str = "any"):
+    def validate(cls, sch, draws: str = "any", stream: str = "tp"):
         if draws not in DRAWS:
             raise SchedulingError(sch.path, f"fork_rng(draws={draws!r}) is not a kind of random "
                                   "op.", f"use one of {', '.join(map(repr, DRAWS))}.")
+        if stream not in STREAMS:
+            raise SchedulingError(sch.path, f"fork_rng(stream={stream!r}) is not a stream.",
+                                  f"use one of {', '.join(map(repr, STREAMS))}.")
         if any(isinstance(w, ForkRNGWrapper) for w in module_patch.wrappers(sch.mod)):
             raise SchedulingError(sch.path, "fork_rng was already applied to this module.",
                                   "remove the second call.")
 
     @classmethod
-    def apply(cls, sch, draws: str = "any"):
-        module_patch.add_wrapper(sch.mod, ForkRNGWrapper(2718 + sch.tp_rank, draws))
+    def apply(cls, sch, draws: str = "any", stream: str = "tp"):
+        module_patch.add_wrapper(sch.mod, ForkRNGWrapper(2718 + sch.tp_rank, draws, stream))
         if draws == "dropout":
             look_for_dropouts(sch.mod)

@@ -80,11 +80,11 @@ class PrimitiveMethods:
         (`slapo.primitives.find.FindPrimitive`)"""
         return FindPrimitive.run_given(self, pattern=pattern, kind=kind)
 
-    def fork_rng(self, draws: str = 'any') -> Any:
+    def fork_rng(self, draws: str = 'any', stream: str = 'tp') -> Any:
         """Draw random numbers (dropout) in this module from the tensor-parallel RNG stream.
 
         (`slapo.primitives.fork_rng.ForkRNGPrimitive`)"""
-        return ForkRNGPrimitive.run_given(self, draws=draws)
+        return ForkRNGPrimitive.run_given(self, draws=draws, stream=stream)
 
     def fuse(self, subgraph, compiler='inductor', name='FusedOp', **compile_kwargs) -> Any:
         """Fuse a subgraph (from `find`) into one submodule `name`, compiled with

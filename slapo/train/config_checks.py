@@ -218,9 +218,6 @@ def _check_lora(cfg: TrainConfig) -> None:
         if given:
             raise ValueError(f"--{flag(given[0])} needs --lora-r N (LoRA is off)")
         return
-    if cfg.lora_dropout and (cfg.tp or 1) > 1:
-        raise ValueError("--lora-dropout must be 0 with --tp > 1 (LoRA dropout is not yet "
-                         "exact across tensor-parallel ranks)")
     for knob in ("fuse", "kernels"):
         if getattr(cfg, knob):
             raise ValueError(f"--{knob} does not compose with --lora-r yet (it would "

@@ -130,8 +130,8 @@ class LoraOptions:
                        "trains); needs the peft package")
     lora_alpha: float | None = _opt(None, "LoRA scaling: each adapter adds B(A(x)) * alpha / r "
                                     "(default: PEFT's, 8)")
-    lora_dropout: float = _opt(0.0, "dropout on each adapter's input (0 with --tp > 1: not yet "
-                               "exact across tensor-parallel ranks)")
+    lora_dropout: float = _opt(0.0, "dropout on each adapter's input (under --tp: one mask "
+                               "for a replicated input, per-rank masks for a split one)")
     lora_targets: str | None = _opt(None, "the modules that get adapters, comma-separated "
                                     "names or path suffixes (q_proj,v_proj); default: the "
                                     "projections the family's tensor-parallel plan splits "
