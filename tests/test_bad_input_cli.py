@@ -165,6 +165,8 @@ TRAIN_CASES: dict[str, CliCase] = {
     "epochs_zero": CliCase(["--epochs", "0"], ("--epochs must be > 0",)),
     "keep_best_without_out": CliCase(["--keep-best"], ("--keep-best needs --out",)),
     "sft_without_data": CliCase(["--sft", "pack"], ("--sft needs --data",)),
+    "sft_pack_with_cp": CliCase(["--sft", "pack", "--data", "{tmp}/a.txt", "--cp", "2"],
+                                ("--cp does not take yet", "--sft pad")),
     "save_every_negative": CliCase(["--save-every", "-1"], ("--save-every must be >= 0",)),
     "keep_last_negative": CliCase(["--keep-last", "-1"], ("--keep-last must be >= 0",)),
     "dist_timeout_zero": CliCase(["--dist-timeout", "0"], ("--dist-timeout must be > 0",)),

@@ -70,8 +70,8 @@ MASK_KEYS = ("attention_mask", "decoder_attention_mask")
 
 def check_batch_inputs(stage: nn.Module, batch: Batch) -> None:
     """Refuse batch entries the model's forward would use but the pipeline stages do not
-    take (BERT's stages take `token_type_ids`; no stage takes `position_ids`, `inputs_embeds`
-    or `head_mask`): dropped silently, they would train another model than the one a single
+    take (BERT's stages take `token_type_ids`, decoder stages `position_ids`; no stage takes
+    `inputs_embeds` or `head_mask`): dropped silently, they would train another model than the one a single
     process runs. Entries the forward does not name (a user `loss_fn`'s own) pass. Any stage
     of the rank can answer: `first_inputs` and `mask_inputs` belong to the stage kind."""
     root = getattr(stage, "_root", (None,))[0]
@@ -79,6 +79,7 @@ def check_batch_inputs(stage: nn.Module, batch: Batch) -> None:
         return
     params = _forward_params(original_class(root))  # the model's own, not a patch wrapper's
     taken = {*getattr(stage, "first_inputs", ()), *getattr(stage, "mask_inputs", ()),
+             *getattr(stage, "position_inputs", ()),
              *(getattr(stage, "cp_inputs", ()) if KEY_VALID in batch else ()), "labels"}
     unused = sorted(k for k, v in batch.items() if k in params and k not in taken
                     and isinstance(v, torch.Tensor))
@@ -120,6 +121,21 @@ def stage_masks(stage: nn.Module, batch: Batch) -> dict[str, torch.Tensor]:
                               "pack sequences without padding (or mask padded tokens in the "
                               f"labels with -100 and drop {key}).")
     return masks
+
+
+def stage_position_inputs(stage: nn.Module, batch: Batch) -> dict[str, torch.Tensor]:
+    """A batch's own `position_ids` (packed documents: positions restart at each one), handed
+    to every stage that takes them (`position_inputs`): each stage's embeddings, rotary
+    embeddings and masks need them as the model's forward would (HF makes a packed batch's
+    block-diagonal causal mask from them). Under context parallelism the cp batch's positions
+    go through `stage_cp_inputs` instead."""
+    if not isinstance(batch, dict) or KEY_VALID in batch:
+        return {}
+    pos = batch.get("position_ids")
+    if not isinstance(pos, torch.Tensor) or "position_ids" not in getattr(
+            stage, "position_inputs", ()):
+        return {}
+    return {"position_ids": pos}
 
 
 def stage_cp_inputs(stage: nn.Module, batch: Batch) -> dict[str, torch.Tensor]:

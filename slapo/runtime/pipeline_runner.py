@@ -62,6 +62,7 @@ from .pipeline_inputs import (
     stage_loss_inputs,
     stage_masks,
     stage_outputs,
+    stage_position_inputs,
 )
 from .pipeline_plan import V_SCHEDULES, PipelinePlan
 from .pipeline_tied import TiedWeights
@@ -286,6 +287,7 @@ class PipelineRunner:
         try:  # what can fail before the step fails on its rank only: agree first
             masks = contiguous_inputs({**stage_masks(self.modules[0], batch),
                                        **stage_cp_inputs(self.modules[0], batch),
+                                       **stage_position_inputs(self.modules[0], batch),
                                        **stage_loss_inputs(self.modules[0], batch, self.loss_fn)})
             check_batch_inputs(self.modules[0], batch)
             args = contiguous_inputs(first_stage_args(self.first, batch)) \

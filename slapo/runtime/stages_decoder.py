@@ -247,6 +247,7 @@ class HFDecoderStage(FusedLossStage, nn.Module):
     mask_inputs = ("attention_mask",)  # the padding masks the runner hands every stage
     first_inputs = ("input_ids",)  # what stage 0 takes
     cp_inputs = ("position_ids", KEY_VALID)  # what every stage takes under cp
+    position_inputs = ("position_ids",)  # a batch's own positions (packed documents)
 
     def __init__(self, root: nn.Module, layout: DecoderLayout, lo: int, hi: int, first: bool,
                  last: bool):
