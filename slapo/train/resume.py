@@ -30,12 +30,18 @@ def save(run: Any) -> Path:
                "evals": run.evals}
     best = best_checkpoint(run) if run.cfg.keep_best else None
     ckpt.save(path, run.model, run.optimizer, trainer, run.env.rank, keep_last=run.cfg.keep_last,
-              keep_step=None if best is None else best["step"])
+              keep_step=None if best is None else best["step"], parts=_parts(run))
     if best is not None and run.env.is_main:
         write_synced(Path(run.cfg.out) / BEST_FILE, json.dumps(
             {**best, "checkpoint": str(checkpoints.checkpoint_dir(Path(run.cfg.out),
                                                                   best["step"]))}))
     return path
+
+
+def _parts(run: Any) -> list | None:
+    """The modules this rank runs (its pipeline stages, or the model): a checkpoint saves and
+    loads only their buffers (`run_state._foreign_buffers`)."""
+    return getattr(run.trainer, "parts", None)
 
 
 BEST_FILE = "best.json"  # --keep-best: the kept checkpoint with the lowest val loss
@@ -122,7 +128,8 @@ def resume(run: Any, log=print) -> None:
     trainer = ckpt.read_trainer(path)
     check_identity(run.cfg, path, trainer["config"])
     changed = layout_changes(run.cfg, trainer["config"], ckpt.saved_world(path), run.env.world)
-    ckpt.load(path, run.model, run.optimizer, run.env.rank, rng=not changed)
+    ckpt.load(path, run.model, run.optimizer, run.env.rank, rng=not changed,
+              parts=_parts(run))
     run.step = trainer["step"]
     if changed:
         reseed_after_resharding(run, trainer["step"])

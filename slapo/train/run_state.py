@@ -95,13 +95,16 @@ def _broadcast(obj: Any) -> Any:
 
 
 # ---- the state handed to DCP ------------------------------------------------------------------
-def _state(model: nn.Module, optimizer: torch.optim.Optimizer, flat: bool = True
+def _state(model: nn.Module, optimizer: torch.optim.Optimizer, flat: bool = True,
+           parts: list[nn.Module] | None = None
            ) -> tuple[dict, dict, bool, shard_layout.Layout]:
     """{"model", "optim"} state dicts to hand DCP (TP shards as DTensors of the full tensors:
     `shard_layout`), the shard specs, whether the model part is partial, and the layout that
     restores loaded values. Only the parameters this rank trains (those in its optimizer) are
     included: with a pipeline, a rank also holds other stages' untrained copies, which must not
-    be saved. A collective (the layout may gather over data-parallel ranks).
+    be saved. Likewise the buffers that none of this rank's `parts` (its pipeline stages: the
+    trainer's parts) holds (`_foreign_buffers`). A collective (the layout may gather over
+    data-parallel ranks).
 
     `flat`: the optimizer's hyper-parameters keyed by parameter name (`param_groups.<fqn>.lr`,
     as torchtitan saves them), not by group index. Pipeline stages hold different parameters
@@ -114,6 +117,8 @@ def _state(model: nn.Module, optimizer: torch.optim.Optimizer, flat: bool = True
     owned = {id(p) for group in optimizer.param_groups for p in group["params"]}
     foreign = {name for name, p in model.named_parameters(remove_duplicate=False)
                if id(p) not in owned}
+    if foreign:  # a pipeline rank (or a LoRA run): some of the model is not this rank's
+        foreign |= _foreign_buffers(model, parts)
     model_sd = {k: v for k, v in model_sd.items() if k not in foreign}
     specs = shard_layout.shard_specs(model)
     state = {"model": model_sd, "optim": optim_sd}
@@ -122,6 +127,23 @@ def _state(model: nn.Module, optimizer: torch.optim.Optimizer, flat: bool = True
         with torch.no_grad():
             state = shard_layout.convert(state, specs, layout.to_saved)
     return state, specs, bool(foreign), layout
+
+
+def _foreign_buffers(model: nn.Module, parts: list[nn.Module] | None) -> set[str]:
+    """The names of `model`'s buffers that none of `parts` holds: with a pipeline, another
+    stage's. A rank keeps such a buffer at its constructor value (its stage never loads or
+    updates it: DeepSeek-V3's router `e_score_correction_bias`, which `--router-bias-rate`
+    moves every step), while the owning stage's rank holds the trained value under the same
+    name. DCP keeps *one* rank's copy of an equal key (the rank with the fewest bytes planned so
+    far, not the owner), so saving both wrote the stale copy for some layers: export and resume
+    then silently had the initial biases. `parts` None: every buffer is this rank's (so is
+    every buffer of a rank that trains all of the model's parameters: `_state` asks only
+    otherwise)."""
+    if parts is None:
+        return set()
+    held = {id(b) for part in parts for b in part.buffers()}
+    return {name for name, b in model.named_buffers(remove_duplicate=False)
+            if id(b) not in held}
 
 
 # ---- completion marker and verification -------------------------------------------------------
@@ -257,8 +279,9 @@ def prune(out: Path, step: int, keep_last: int, keep_step: int | None = None) ->
 
 def save(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
          trainer: dict[str, Any], rank: int, keep_last: int = 0,
-         keep_step: int | None = None) -> None:
-    """Collective: every rank calls it. `trainer` (JSON-able) is written by rank 0.
+         keep_step: int | None = None, parts: list[nn.Module] | None = None) -> None:
+    """Collective: every rank calls it. `trainer` (JSON-able) is written by rank 0. `parts`:
+    the modules this rank runs (with a pipeline, its stages; see `_state`).
 
     Write into `path.tmp`, hash, mark complete, rename: a crash at any point leaves either the
     previous checkpoints untouched plus a `.tmp` directory, or a complete, verified `path`."""
@@ -269,7 +292,7 @@ def save(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
             shutil.rmtree(tmp)
         tmp.mkdir(parents=True)
     _barrier()
-    state, _, _, _ = _state(model, optimizer)
+    state, _, _, _ = _state(model, optimizer, parts=parts)
     with _quiet_single_process():
         dcp.save(state, checkpoint_id=str(tmp), no_dist=not dist.is_initialized())
     write_synced(tmp / rng_file(rank), json.dumps(rng_state()))
@@ -355,14 +378,15 @@ def _scatter_reshaped(state: dict, originals: dict[tuple[str, str], torch.Tensor
 
 
 def load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, rank: int,
-         rng: bool = True) -> None:
+         rng: bool = True, parts: list[nn.Module] | None = None) -> None:
     """Collective. Load weights, optimizer state and (`rng`) this rank's RNG streams from a
     verified checkpoint, with loaders that run no code from the files (see the module
     docstring). DCP reads each tensor into whatever this job's model holds (a replica, an FSDP2
-    shard), so another number of data-parallel ranks loads the same values."""
+    shard), so another number of data-parallel ranks loads the same values. `parts`: as for
+    `save` (another pipeline stage's buffers are neither saved nor loaded)."""
     metadata = SafeReader(str(path)).read_metadata()  # a refused one: our error, before DCP's
     flat = _flat_optimizer(metadata)
-    state, specs, partial, layout = _state(model, optimizer, flat)
+    state, specs, partial, layout = _state(model, optimizer, flat, parts)
     reshaped = _read_whole_where_reshaped(state, metadata)
     try:
         with _quiet_single_process():
