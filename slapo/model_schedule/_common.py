@@ -109,9 +109,14 @@ def offload_layers(layers: list[Schedule], ratio: float, after: int) -> None:
     """Offload (`offload` primitive) the saved activations of round-half-up(ratio * L) layers
     from layer `after` on (the ones after the checkpointed layers: a layer is checkpointed or
     offloaded, and the earliest layers, whose activations live longest, are recomputed)."""
-    n = math.floor(ratio * len(layers) + 0.5)
-    for node in layers[after:after + n]:
+    chosen = layers[after:after + math.floor(ratio * len(layers) + 0.5)]
+    for node in chosen:
         node.offload()
+    if chosen:  # backward reaches the last of them first: its prefetch starts at the layer
+        from ..primitives.offload import prefetch_first_reached  # after it, or at the loss
+
+        rest = layers[after + len(chosen):]
+        prefetch_first_reached(chosen[-1], rest[0] if rest else None)
 
 
 # ---- tensor-parallel dropout: per-rank masks inside sharded regions -------------------------

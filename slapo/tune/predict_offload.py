@@ -3,29 +3,31 @@
 **Memory** is simulated through the primitive's own bookkeeping. Its CUDA path cannot run in
 the fake step (the step's fake tensors are CPU tensors standing for CUDA ones, and the path
 needs CUDA streams, events and pinned memory), so for one fake step `OffloadSim.installed`
-runs every `OffloadWrapper`'s call as the primitive makes it (its saved-tensor hooks and
-`_Group` chain) with only the copies swapped: the pack hook applies the primitive's rule (saved
-tensors of at least `min_bytes`, no weight storage) and keeps a host record that MemTracker
-does not see instead of the tensor, so the device tensor is freed as soon as nothing else holds
-it; the primitive's own `_unpack` (its one-group-ahead prefetch) runs unchanged, with
-`_prefetch` and `_to_device` allocating the device copies that MemTracker does see (a
-prefetch when backward first reads the next layer, a demand copy when read). A prefetched
-copy is freed with the backward node that read it, as the primitive does (its groups hold their
-tensors weakly, and an unpack hands the prefetched copy over). A compiled layer (a stand-in) packs the saved tensors of its recorded partition
-(`record_with_saved`) at the end of its forward and unpacks them all at the start of its
-backward, as AOTAutograd's `save_for_backward` does under the hooks.
+runs every `OffloadWrapper`'s call as the primitive makes it (its saved-tensor hooks, its
+`_Group` chain and its one-copy-per-tensor dedupe, `_Group.pack`) with only the copies swapped:
+the pack hook applies the primitive's rule (saved tensors of at least `min_bytes`, no weight
+storage) and keeps a host record that MemTracker does not see instead of the tensor, so the
+device tensor is freed as soon as nothing else holds it; the primitive's own `_unpack` (its
+one-group-ahead prefetch) runs unchanged, with `_prefetch` and `_to_device` allocating the
+device copies that MemTracker does see (a prefetch when backward first reads the next layer,
+or reaches the module after the last offloaded one, or the loss: the primitive's forward
+hooks; a demand copy when read). A prefetched copy is freed with the backward node that last
+read it, as the primitive does (its groups hold their tensors weakly, and the last unpack
+hands the copy over). A compiled layer (a stand-in) packs the saved tensors of its recorded
+partition (`record_with_saved`) at the end of its forward and unpacks them all at the start of
+its backward, as AOTAutograd's `save_for_backward` does under the hooks; the triggers are
+forward hooks, which run around a stand-in's forward too.
 
-**Time**: every pack, prefetch, demand copy and read is logged with the step counter's
-position (`OffloadEvent`), and `exposed_copy_s` replays the log against one host link
-(`DeviceConstants.host_bandwidth`) to find how long compute waits for copies (docs/tune.md,
-"Activation offload in the GPU cost model").
+**Time**: every pack, prefetch, demand copy and first read of a prefetched copy is logged with
+the step counter's position (`OffloadEvent`), and `exposed_copy_s` replays the log against one
+host link (`DeviceConstants.host_bandwidth`) to find how long compute waits for copies
+(docs/tune.md, "Activation offload in the GPU cost model").
 """
 
 from __future__ import annotations
 
 import contextlib
 import itertools
-import weakref
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -78,7 +80,7 @@ class OffloadSim:
         """While active, an offloaded module's forward packs through `_pack` (the wrapper's
         call as the primitive makes it, with weights told apart by storage: fake tensors have
         no data pointers); the primitive's unpack allocates device copies through `_prefetch`
-        and `_to_device` below."""
+        and `_to_device` below (the primitive's triggers, forward hooks, run as they are)."""
         import torch
 
         from ..primitives import offload
@@ -88,18 +90,18 @@ class OffloadSim:
         def call(wrapper: Any, module: Any, fn: Callable, args: tuple, kwargs: dict) -> Any:
             if not torch.is_grad_enabled():
                 return fn(*args, **kwargs)
-            wrapper.stats = offload.OffloadStats()
-            group = offload._Group(wrapper.stats)
+            group = wrapper.new_group()
             weights = {p.untyped_storage()._cdata for p in module.parameters()}
             with torch.autograd.graph.saved_tensors_hooks(
                     lambda t: self._pack(wrapper, weights, group, t), unpack):
                 return fn(*args, **kwargs)
 
         def unpack(packed: Any) -> Any:
-            prefetched = isinstance(packed, offload._OnHost) and packed.back is not None
-            out = original_unpack(packed)  # hands the prefetched copy over (freed with its reader)
+            copy = packed.copy if isinstance(packed, offload._Saved) else None
+            prefetched = copy is not None and copy.back is not None and copy.reads == 0
+            out = original_unpack(packed)  # the last read hands the copy over (freed with it)
             if prefetched:
-                self._log("use", packed.host)
+                self._log("use", copy.host)
             return out
 
         with contextlib.ExitStack() as stack:
@@ -122,21 +124,23 @@ class OffloadSim:
                 or t.untyped_storage()._cdata in weights):
             wrapper.stats.kept += 1
             return t
-        return self.pack_record(wrapper, group, t.shape, t.dtype, nbytes)
+        return group.pack(t, self._copy_out)  # the primitive's dedupe, a record for the copy
 
-    def pack_record(self, wrapper: Any, group: Any, shape: tuple, dtype: Any,
-                    nbytes: int) -> Any:
-        """A packed tensor: an `_OnHost` of `group` whose host copy is a record."""
+    def _copy_out(self, src: Any) -> Any:
         from ..primitives import offload
 
-        wrapper.stats.tensors += 1
-        wrapper.stats.bytes += nbytes
-        pinned = _Pinned(next(self._keys), tuple(shape), dtype, nbytes)
-        packed = offload._OnHost(pinned, None)
-        packed.group = group
-        group.items.append(weakref.ref(packed))
+        pinned = _Pinned(next(self._keys), tuple(src.shape), src.dtype,
+                         src.numel() * src.element_size())
         self._log("d2h", pinned)
-        return packed
+        return offload._OnHost(pinned, None)
+
+    def pack_record(self, group: Any, shape: tuple, dtype: Any, nbytes: int) -> Any:
+        """A packed tensor: a save of `group` whose host copy is a record."""
+        from ..primitives import offload
+
+        pinned = _Pinned(next(self._keys), tuple(shape), dtype, nbytes)
+        self._log("d2h", pinned)
+        return offload._Saved(group.add(offload._OnHost(pinned, None), nbytes))
 
     def _device_copy(self, pinned: _Pinned) -> Any:
         import torch
@@ -152,7 +156,7 @@ class OffloadSim:
         group.fetched = True
         for ref in group.items:
             packed = ref()
-            if packed is None:
+            if packed is None or packed.back is not None:
                 continue
             self._log("prefetch", packed.host)
             packed.back = self._device_copy(packed.host)
@@ -199,13 +203,11 @@ def pack_saved(sim: OffloadSim, wrapper: Any, saved: list[SavedTensor]) -> tuple
     view was offloaded)."""
     import torch
 
-    from ..primitives import offload
-
-    group = offload._Group(wrapper.stats)
+    group = wrapper.new_group()
     packed, kept_bases = [], set()
     for s in saved:
         if sim.offloads(wrapper, s.nbytes):
-            packed.append(sim.pack_record(wrapper, group, (s.nbytes,), torch.uint8, s.nbytes))
+            packed.append(sim.pack_record(group, (s.nbytes,), torch.uint8, s.nbytes))
         else:
             wrapper.stats.kept += 1
             kept_bases.add(s.base)
@@ -225,10 +227,11 @@ def exposed_copy_s(events: list[OffloadEvent], at_s: Callable[[tuple], float],
     over one host link (the primitive copies out and prefetches on a single side stream): a
     saved tensor's copy to host starts when it was packed and the link is free; nothing in
     forward waits for it. A prefetch (group k-1's tensors, queued when backward first reads
-    group k) starts after everything queued before it, its copy to host included. Reading a
-    prefetched tensor waits for its copy back; reading one that was not prefetched (the first
-    offloaded layer backward reaches) waits for its copy to host, then copies it back on the
-    compute stream, ahead of the prefetches still queued but after the copy in flight (no
+    group k; the last offloaded layer's, when backward reaches the kept layer after it) starts
+    after everything queued before it, its copy to host included. Reading a prefetched tensor
+    waits for its copy back; reading one that was not prefetched (an offloaded module with no
+    module after it to trigger its prefetch) waits for its copy to host, then copies it back on
+    the compute stream, ahead of the prefetches still queued but after the copy in flight (no
     preemption). The waits add up, and every later event moves by them."""
     if not events:
         return 0.0
