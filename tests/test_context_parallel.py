@@ -86,11 +86,33 @@ def test_zigzag_split_shifts_labels_before_splitting():
     assert "attention_mask" not in parts[0]
 
 
+def test_a_packed_row_splits_its_positions_and_documents():
+    """Packed documents (positions restarting): each rank gets the tokens' own positions and
+    every rank's tokens' documents, numbered as HF's `find_packed_sequence_indices`."""
+    from transformers.masking_utils import find_packed_sequence_indices
+
+    from slapo.op.context_parallel import KEY_DOC
+
+    pos = torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2], [0, 1, 2, 3, 4, 5, 0, 1]])
+    batch = {"input_ids": torch.arange(16).view(2, 8), "labels": torch.arange(16).view(2, 8),
+             "position_ids": pos}
+    docs = find_packed_sequence_indices(pos)
+    for rank in range(2):
+        part = cp_batch(batch, 2, rank)
+        index = zigzag_index(8, 2, rank)
+        assert torch.equal(part["position_ids"], pos[:, index])
+        assert torch.equal(part[KEY_DOC][:, rank], docs[:, index])
+        assert torch.equal(part[KEY_DOC], cp_batch(batch, 2, 1 - rank)[KEY_DOC])
+    assert KEY_DOC not in cp_batch({k: batch[k] for k in ("input_ids", "labels")}, 2, 0)
+
+
 @pytest.mark.parametrize("batch, match", [
     ((torch.zeros(1, 8, dtype=torch.long),), "dict batch"),
     ({"input_ids": torch.zeros(1, 8, dtype=torch.long)}, "input_ids` and `labels`"),
     ({"input_ids": torch.zeros(1, 8, dtype=torch.long), "labels": torch.zeros(1, 8,
-      dtype=torch.long), "position_ids": torch.arange(8)[None]}, "'position_ids'"),
+      dtype=torch.long), "inputs_embeds": torch.zeros(1, 8, 4)}, "'inputs_embeds'"),
+    ({"input_ids": torch.zeros(2, 8, dtype=torch.long), "labels": torch.zeros(2, 8,
+      dtype=torch.long), "position_ids": torch.arange(8)[None]}, "position_ids under context"),
 ])
 def test_batches_cp_cannot_split_are_refused(batch, match):
     with pytest.raises(SchedulingError, match=match):
@@ -559,8 +581,8 @@ def job_bad_input_is_refused():
     tm, _ = slapo.build(sch, optimizer=torch.optim.AdamW, data_parallel="ddp")
     x = models.ids(2, 8)
     with pytest.raises(SchedulingError) as err:
-        tm.train_step({"input_ids": x, "labels": x, "position_ids": torch.arange(8).expand(2, 8)})
-    refused["position_ids"] = str(err.value)
+        tm.train_step({"input_ids": x, "labels": x, "inputs_embeds": torch.zeros(2, 8, 4)})
+    refused["inputs_embeds"] = str(err.value)
     return refused
 
 
@@ -579,7 +601,7 @@ def test_bad_input_is_refused(dist2):
     assert "not made context-parallel" in refused["unscheduled"]
     assert "data_parallel='ddp'" in refused["no_ddp"]
     assert "language-modelling loss" in refused["loss_fn"]
-    assert "'position_ids'" in refused["position_ids"]
+    assert "'inputs_embeds'" in refused["inputs_embeds"]
 
 
 # ---- slapo train --cp ----------------------------------------------------------------------------

@@ -32,7 +32,8 @@ every rank (`KEY_VALID`: the padding the split adds, and the batch's attention m
 flags come with every cp batch (the step splits the whole batch on every rank), so no layer
 communicates for its mask (only K/V cross the ranks), and a call without them (the model run
 outside `train_step`, on an unsplit batch) is refused. A query that sees no key gets zeros
-(SDPA's definition of a fully masked row). Dropout on attention probabilities, soft-capping
+(SDPA's definition of a fully masked row). A packed batch (`--sft pack`) also carries every
+rank's tokens' documents (`KEY_DOC`): a query sees only its own document's keys. Dropout on attention probabilities, soft-capping
 and attention sinks are refused at the first call.
 """
 
@@ -54,6 +55,9 @@ CP_ATTENTION = ("allgather", "ring", "ulysses")
 # the cp batch's real-key flags of every cp rank's chunks, (b, cp, s_local) by rank, when it had
 # an attention mask (batch-first, so accumulation slices split it with the rest)
 KEY_VALID = "cp_key_valid"
+# packed documents: every cp rank's tokens' document ids, (b, cp, s_local) by rank; a query sees
+# only keys of its own document (HF's block-diagonal mask of a packed row)
+KEY_DOC = "cp_key_doc"
 
 
 def zigzag_index(seq: int, cp: int, rank: int) -> torch.Tensor:
@@ -119,27 +123,34 @@ class ContextParallelAttention(AttentionCore):
         k_pos = key_positions(b, s, self.group, query.device)  # (cp, b, s), by owning rank
         q_pos = k_pos[rank]
         k_valid = valid.transpose(0, 1)  # (cp, b, s)
+        docs = kwargs.get(KEY_DOC)
+        if docs is not None and (not isinstance(docs, torch.Tensor) or
+                                 tuple(docs.shape) != (b, cp, s)):
+            raise ValueError(f"{type(module).__name__}: the cp batch's documents `{KEY_DOC}` "
+                             f"must be (batch, cp, local length) = {(b, cp, s)}.")
+        k_doc = None if docs is None else docs.transpose(0, 1)  # (cp, b, s)
         # HF's SDPA rule: the call's `is_causal`, else the module's (BERT's is False)
         rule = (is_causal if is_causal is not None else getattr(module, "is_causal", True),
                 kwargs.get("sliding_window"))
         if self.mode == "ring":
             out = ring_attention(query, key, value, q_pos, k_pos, k_valid, scale, self.group,
-                                 *rule)
+                                 *rule, k_doc=k_doc)
         elif self.mode == "ulysses":
-            out = self._ulysses(module, query, key, value, k_pos, k_valid, scale, rule)
+            out = self._ulysses(module, query, key, value, k_pos, k_valid, scale, rule, k_doc)
         else:
-            out = self._allgather(query, key, value, q_pos, k_pos, k_valid, scale, rule)
+            out = self._allgather(query, key, value, q_pos, k_pos, k_valid, scale, rule, k_doc)
         return out.transpose(1, 2).contiguous(), None
 
-    def _allgather(self, q, k, v, q_pos, k_pos, k_valid, scale, rule) -> torch.Tensor:
+    def _allgather(self, q, k, v, q_pos, k_pos, k_valid, scale, rule, k_doc) -> torch.Tensor:
         keys = all_gather(k, 2, self.group, partial_grad=True)  # backward: reduce-scatter
         values = all_gather(v, 2, self.group, partial_grad=True)
-        flat = k_pos.permute(1, 0, 2).reshape(q.shape[0], -1)  # rank-major, as gathered
-        flags = k_valid.permute(1, 0, 2).reshape(q.shape[0], -1)
-        return self._sdpa.attend(q, keys, values, visible(q_pos, flat, flags, *rule), False, 0.0,
-                                 scale)
+        flat = _rank_major(k_pos)  # as gathered
+        docs = {} if k_doc is None else {"q_doc": k_doc[dist.get_rank(self.group)],
+                                         "k_doc": _rank_major(k_doc)}
+        mask = visible(q_pos, flat, _rank_major(k_valid), *rule, **docs)
+        return self._sdpa.attend(q, keys, values, mask, False, 0.0, scale)
 
-    def _ulysses(self, module, q, k, v, k_pos, k_valid, scale, rule) -> torch.Tensor:
+    def _ulysses(self, module, q, k, v, k_pos, k_valid, scale, rule, k_doc) -> torch.Tensor:
         cp = dist.get_world_size(self.group)
         heads, kv_heads = q.shape[1], k.shape[1]
         if heads % cp:
@@ -150,9 +161,10 @@ class ContextParallelAttention(AttentionCore):
             k = k.repeat_interleave(heads // kv_heads, dim=1)
             v = v.repeat_interleave(heads // kv_heads, dim=1)
         q, k, v = (_seq_to_heads(t, self.group) for t in (q, k, v))
-        pos = k_pos.permute(1, 0, 2).reshape(q.shape[0], -1)  # rank-major, as exchanged
-        flags = k_valid.permute(1, 0, 2).reshape(q.shape[0], -1)
-        out = self._sdpa.attend(q, k, v, visible(pos, pos, flags, *rule), False, 0.0, scale)
+        pos = _rank_major(k_pos)  # as exchanged
+        docs = {} if k_doc is None else {"q_doc": _rank_major(k_doc), "k_doc": _rank_major(k_doc)}
+        mask = visible(pos, pos, _rank_major(k_valid), *rule, **docs)
+        out = self._sdpa.attend(q, k, v, mask, False, 0.0, scale)
         return _heads_to_seq(out, self.group)
 
     def _refuse(self, module: torch.nn.Module, dropout: float, kwargs: dict) -> None:
@@ -165,6 +177,11 @@ class ContextParallelAttention(AttentionCore):
             if kwargs.get(key) is not None:
                 raise ValueError(f"{name}: HF passed `{key}`, which context-parallel "
                                  "attention does not implement.")
+
+
+def _rank_major(per_rank: torch.Tensor) -> torch.Tensor:
+    """(cp, b, s) by rank -> (b, cp * s), ranks in order (how K/V are gathered)."""
+    return per_rank.permute(1, 0, 2).reshape(per_rank.shape[1], -1)
 
 
 def _seq_to_heads(x: torch.Tensor, group) -> torch.Tensor:
@@ -195,5 +212,5 @@ def install(module: torch.nn.Module, group, mode: str, path: str = "") -> torch.
     return use_attention_core(module, ContextParallelAttention(group, mode), path)
 
 
-__all__ = ["CP_ATTENTION", "KEY_VALID", "ContextParallelAttention", "install",
+__all__ = ["CP_ATTENTION", "KEY_DOC", "KEY_VALID", "ContextParallelAttention", "install",
            "key_positions", "zigzag_index"]

@@ -43,17 +43,28 @@ def ring_steps(cp: int) -> range:
 
 
 def visible(q_pos: torch.Tensor, k_pos: torch.Tensor, k_valid: torch.Tensor | None,
-            causal: bool = True, window: int | None = None) -> torch.Tensor:
+            causal: bool = True, window: int | None = None, q_doc: torch.Tensor | None = None,
+            k_doc: torch.Tensor | None = None) -> torch.Tensor:
     """Bool (b, 1, s_q, s_k), True = attend, by global positions: keys at or before the query
     (`causal`), within the last `window` positions (HF's sliding window: `q - k < window`,
-    `masking_utils.sliding_window_overlay`), and real (`k_valid`)."""
+    `masking_utils.sliding_window_overlay`), real (`k_valid`), and of the query's own document
+    when a packed row gives them (`q_doc`, `k_doc`: HF's block-diagonal packed mask)."""
     q, k = q_pos[:, None, :, None], k_pos[:, None, None, :]
     mask = torch.ones(q.shape[0], 1, q.shape[2], k.shape[3], dtype=torch.bool, device=q.device)
     if causal:
         mask = mask & (k <= q)
     if window is not None:
         mask = mask & (q - k < window)
+    if q_doc is not None:
+        mask = mask & (q_doc[:, None, :, None] == k_doc[:, None, None, :])
     return mask if k_valid is None else mask & k_valid[:, None, None, :]
+
+
+def _owner_mask(q_pos, k_pos, k_valid, k_doc, rank: int, owner: int, rule) -> torch.Tensor:
+    """`visible` for the block `owner` holds (its positions, flags and documents)."""
+    docs = {} if k_doc is None else {"q_doc": k_doc[rank], "k_doc": k_doc[owner]}
+    return visible(q_pos, k_pos[owner], None if k_valid is None else k_valid[owner], *rule,
+                   **docs)
 
 
 def _scores(q, k, mask, scale):
@@ -121,12 +132,13 @@ def finish(pending: Pending) -> list[torch.Tensor]:
 class RingAttention(torch.autograd.Function):
     """Ring attention forward and backward (module docstring). `q_pos` (b, s_q): the local
     queries' global positions; `k_pos` (cp, b, s_k), `k_valid` (cp, b, s_k) or None: every cp
-    rank's key positions and real-key flags (gathered once, small), indexed by owner;
+    rank's key positions and real-key flags (gathered once, small), indexed by owner; `k_doc`
+    (cp, b, s_k) or None: every rank's tokens' documents (a packed batch);
     `rule` = (causal, window): `visible`'s mask rule. Each step's transfer of the next block
     is posted before the step's compute and waited for after it (the overlap)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, q_pos, k_pos, k_valid, scale, group, rule):
+    def forward(ctx, q, k, v, q_pos, k_pos, k_valid, k_doc, scale, group, rule):
         cp, rank = dist.get_world_size(group), dist.get_rank(group)
         rep = q.shape[1] // k.shape[1]
         out = lse = pending = None
@@ -137,18 +149,17 @@ class RingAttention(torch.autograd.Function):
                 blk = finish(pending)
             pending = start_pass(blk, group) if i + 1 < len(steps) else None
             owner = (rank - step) % cp
-            mask = visible(q_pos, k_pos[owner], None if k_valid is None else k_valid[owner],
-                           *rule)
+            mask = _owner_mask(q_pos, k_pos, k_valid, k_doc, rank, owner, rule)
             o_b, l_b = block_attention(q, repeat_kv(blk[0], rep), repeat_kv(blk[1], rep),
                                        mask, scale)
             out, lse = merge_partials(out, lse, o_b, l_b)
-        ctx.save_for_backward(q, k, v, q_pos, k_pos, k_valid, out, lse)
+        ctx.save_for_backward(q, k, v, q_pos, k_pos, k_valid, k_doc, out, lse)
         ctx.scale, ctx.group, ctx.rule = scale, group, rule
         return out
 
     @staticmethod
     def backward(ctx, d_out):
-        q, k, v, q_pos, k_pos, k_valid, out, lse = ctx.saved_tensors
+        q, k, v, q_pos, k_pos, k_valid, k_doc, out, lse = ctx.saved_tensors
         group, scale = ctx.group, ctx.scale
         cp, rank = dist.get_world_size(group), dist.get_rank(group)
         kv_heads, rep = k.shape[1], q.shape[1] // k.shape[1]
@@ -164,8 +175,7 @@ class RingAttention(torch.autograd.Function):
                 kv, acc = finish(kv_next), finish(acc_next)
             kv_next = start_pass(kv, group, tag=0) if i + 1 < len(steps) else None
             owner = (rank - step) % cp
-            mask = visible(q_pos, k_pos[owner], None if k_valid is None else k_valid[owner],
-                           *ctx.rule)
+            mask = _owner_mask(q_pos, k_pos, k_valid, k_doc, rank, owner, ctx.rule)
             k_r, v_r = repeat_kv(kv[0], rep), repeat_kv(kv[1], rep)
             p = torch.exp(_scores(q, k_r, mask, scale) - lse)
             ds = p * (torch.matmul(d_out, v_r.transpose(-1, -2)) - delta)
@@ -174,11 +184,12 @@ class RingAttention(torch.autograd.Function):
                    acc[1] + _fold(torch.matmul(p.transpose(-1, -2), d_out), kv_heads)]
             acc_next = start_pass(acc, group, tag=1)
         dk, dv = finish(acc_next)  # the last pass brings each block's gradient home
-        return dq, dk, dv, None, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None, None
 
 
 def ring_attention(q, k, v, q_pos, k_pos, k_valid, scale: float, group, causal: bool = True,
-                   window: int | None = None) -> torch.Tensor:
+                   window: int | None = None, k_doc: torch.Tensor | None = None) -> torch.Tensor:
     """(b, h, s_q, d) attention of the local queries against every cp rank's K/V (exact),
-    masked by `visible(..., causal, window)`."""
-    return RingAttention.apply(q, k, v, q_pos, k_pos, k_valid, scale, group, (causal, window))
+    masked by `visible(..., causal, window)` (and by document: `k_doc`)."""
+    return RingAttention.apply(q, k, v, q_pos, k_pos, k_valid, k_doc, scale, group,
+                               (causal, window))

@@ -27,14 +27,19 @@ exactly those of the unpadded sequence, causal or bidirectional.
 - `cp_key_valid` (`op.context_parallel.KEY_VALID`), always: the real-key flags of every cp
   rank's chunks, (batch, cp, local length): the batch's `attention_mask` (all ones without
   one) and the split's padding, so no attention layer gathers them; the mask itself is not
-  passed (HF would build it for the local length).
+  passed (HF would build it for the local length);
+- packed documents (a batch with `position_ids` that restart at each document, `--sft pack`):
+  the positions are split as they are (RoPE counts within each document), and
+  `cp_key_doc` (`KEY_DOC`) gives every cp rank's tokens their document (numbered as HF's
+  `find_packed_sequence_indices` does: a new one wherever a position is not the previous plus
+  one), so a query sees only its own document's keys, HF's block-diagonal causal mask.
 
 A causal LM's loss is then the sum of every rank's token losses over the global token count,
 what one process computes (DDP's mean over `dp x cp` ranks is undone by the units' weight
 `dp x cp`). A masked LM's own loss (BERT's `CrossEntropyLoss()`) is its rank's mean, which the
 step's token weights (`token_mean.TokenMean` over the dp x cp ranks) turn into the global
-token mean. Batches with `position_ids`, `inputs_embeds` or other per-token inputs are refused
-(their split is not defined here).
+token mean. Batches with `inputs_embeds` or other per-token inputs are refused (their split is
+not defined here).
 """
 
 from __future__ import annotations
@@ -45,12 +50,12 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import SchedulingError
-from ..op.context_parallel import KEY_VALID, zigzag_index
+from ..op.context_parallel import KEY_DOC, KEY_VALID, zigzag_index
 from .batch import Batch
 from .token_mean import IGNORE_INDEX, ModelLoss
 
 # the keys split along the sequence
-SPLIT = ("input_ids", "labels", "attention_mask", "token_type_ids")
+SPLIT = ("input_ids", "labels", "attention_mask", "token_type_ids", "position_ids")
 PAD_TOKEN = 0  # the id padded sequences get at their end (never a real key, never a target)
 
 
@@ -76,10 +81,9 @@ def check_cp_batch(batch: Batch) -> None:
         if key in SPLIT or not isinstance(value, torch.Tensor) or value.dim() == 0:
             continue
         raise SchedulingError("", f"the batch's {key!r} under context parallelism: only "
-                              f"{', '.join(SPLIT)} are split over the cp ranks (positions "
-                              "are the tokens' indices in the sequence).",
+                              f"{', '.join(SPLIT)} are split over the cp ranks.",
                               f"drop {key!r} from the batch.")
-    for key in ("attention_mask", "token_type_ids"):
+    for key in ("attention_mask", "token_type_ids", "position_ids"):
         value = batch.get(key)
         if value is not None and (not isinstance(value, torch.Tensor) or
                                   value.shape != ids.shape):
@@ -137,7 +141,10 @@ def cp_batch(batch: Batch, cp: int, rank: int, shift_labels: bool = True,
         labels = F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
     index = zigzag_index(seq + pad, cp, rank).to(ids.device)
     labels = F.pad(labels, (0, pad), value=IGNORE_INDEX)[:, index]
-    if positions is None:
+    given = batch.get("position_ids")
+    if given is not None:  # packed documents: their own positions
+        pos = F.pad(given, (0, pad), value=0)[:, index]
+    elif positions is None:
         pos = index.expand(ids.shape[0], -1)
     else:
         full, fill = positions(batch)
@@ -155,7 +162,17 @@ def cp_batch(batch: Batch, cp: int, rank: int, shift_labels: bool = True,
     mask = torch.ones_like(ids) if mask is None else mask
     every = torch.stack([zigzag_index(seq + pad, cp, r) for r in range(cp)]).to(ids.device)
     out[KEY_VALID] = F.pad(mask, (0, pad), value=0)[:, every].bool()  # (b, cp, s_local)
+    if given is not None:
+        out[KEY_DOC] = F.pad(documents(given), (0, pad), value=0)[:, every]  # (b, cp, s_local)
     return out
+
+
+def documents(position_ids: torch.Tensor) -> torch.Tensor:
+    """Each token's document in a packed row, from 0: a new one wherever a position is not the
+    previous one plus one (HF's `masking_utils.find_packed_sequence_indices` rule, so the cp
+    mask is the block-diagonal one HF builds for the same row in one process)."""
+    before = torch.cat([position_ids[:, :1] - 1, position_ids[:, :-1]], dim=1)
+    return (position_ids != before + 1).long().cumsum(dim=1)
 
 
 def check_context_parallel(sch_path: str, cp: int, loss: ModelLoss, data_parallel: str | None,

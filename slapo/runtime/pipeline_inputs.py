@@ -13,7 +13,7 @@ import torch.utils._pytree as pytree
 
 from ..errors import SchedulingError
 from ..module_patch import original_class
-from ..op.context_parallel import KEY_VALID
+from ..op.context_parallel import KEY_DOC, KEY_VALID
 from .batch import Batch
 from .runner import LossFn
 
@@ -145,6 +145,11 @@ def stage_cp_inputs(stage: nn.Module, batch: Batch) -> dict[str, torch.Tensor]:
     `cp_inputs` on a cp mesh."""
     if not isinstance(batch, dict) or KEY_VALID not in batch:
         return {}
+    if KEY_DOC in batch and KEY_DOC not in stage.cp_inputs:
+        raise SchedulingError("", f"a packed batch (documents in each row) under context "
+                              f"parallelism: the pipeline stages of {type(stage).__name__} "
+                              "take no document ids, so their attention would cross documents.",
+                              "pad one document per row (--sft pad), or drop the pipeline.")
     return {k: batch[k] for k in stage.cp_inputs}
 
 
