@@ -81,11 +81,19 @@ def run_float64(opts: dict) -> dict:
         metrics = train(TrainConfig(**opts))
     finally:
         assemble._new_model, loop.build = new_model, build
-    params = {n: p.detach().cpu().clone() for part in runs[0].trainer.parts
+    params = {n: _whole(p.detach()).cpu().clone() for part in runs[0].trainer.parts
               for n, p in part.named_parameters(remove_duplicate=False)}
     assert params and all(p.dtype == torch.float64 for p in params.values())
     return {"losses": metrics["losses"], "val_loss": metrics["val_loss"], "params": params,
             "schedule": metrics["schedule"]}
+
+
+def _whole(t: torch.Tensor) -> torch.Tensor:
+    """An FSDP2 shard's whole tensor (a collective over its mesh: every rank of a stage asks
+    for the same names in the same order)."""
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
 
 
 def job_sft_pad(runs: list[dict], data: str) -> list[dict]:

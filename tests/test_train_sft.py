@@ -102,7 +102,6 @@ def test_sft_pack_under_tp2_trains_like_one_process(dist2, tmp_path):
 
 @pytest.mark.parametrize("options, match", [
     ({"sft": "pack", "data": None}, "--sft needs --data"),
-    ({"sft": "pack", "cp": 2, "pp_stages": 2}, "--cp and --pp-stages together"),
     ({"sft": "zip"}, "--sft must be one of pack, pad"),
     ({"sft": "pack", "model": "opt"}, "use --sft pad"),
     ({"sft": "pad", "model": "bert"}, "task is 'masked'"),

@@ -150,7 +150,7 @@ def stage_cp_inputs(stage: nn.Module, batch: Batch) -> dict[str, torch.Tensor]:
                               f"parallelism: the pipeline stages of {type(stage).__name__} "
                               "take no document ids, so their attention would cross documents.",
                               "pad one document per row (--sft pad), or drop the pipeline.")
-    return {k: batch[k] for k in stage.cp_inputs}
+    return {k: batch[k] for k in stage.cp_inputs if k in batch}
 
 
 def stage_loss_inputs(stage: nn.Module, batch: Batch, loss_fn: LossFn | None

@@ -26,7 +26,7 @@ import torch
 import torch.nn as nn
 
 from ..errors import SchedulingError
-from ..op.context_parallel import KEY_VALID
+from ..op.context_parallel import KEY_DOC, KEY_VALID
 from . import stages_declared as declared
 from .stage_router import RouterAux, record_router, router_aux, router_modules, stage_stats
 from .stages_declared import BETWEEN, Between, declared_parts
@@ -229,7 +229,7 @@ class HFDecoderStage(FusedLossStage, nn.Module):
     """One pipeline stage of an HF decoder LM: layers [lo, hi), plus embeddings/head at the ends.
 
     forward(x, *router, attention_mask=None, labels=None, position_ids=None,
-    cp_key_valid=None): x is `input_ids` on the first stage, hidden states elsewhere; returns
+    cp_key_valid=None, cp_key_doc=None): x is `input_ids` on the first stage, hidden states elsewhere; returns
     hidden states, or logits on the last stage (the loss, with the fused loss and `labels`:
     `FusedLossStage`). A mixture of experts whose loss adds the router's load-balancing loss
     (`self.router`, `stage_router.py`) returns `(that, stats)` instead, every stage after the
@@ -237,7 +237,8 @@ class HFDecoderStage(FusedLossStage, nn.Module):
     `attention_mask` (the micro-batch's padding mask, handed to every stage by the runner)
     goes into the masks as in the model's forward, and into OPT's positions.
 
-    Under context parallelism the runner hands every stage the cp batch's `position_ids` and
+    Under context parallelism the runner hands every stage the cp batch's `position_ids`,
+    its documents when the batch is packed (`cp_key_doc`) and
     key flags instead (`cp_inputs`, `runtime/context_parallel.py`): the positions feed the
     embeddings and RoPE as given, the layers get the key flags (their attention is the cp
     core, which masks by them and ignores the mask argument, so no mask is built for the
@@ -246,7 +247,7 @@ class HFDecoderStage(FusedLossStage, nn.Module):
 
     mask_inputs = ("attention_mask",)  # the padding masks the runner hands every stage
     first_inputs = ("input_ids",)  # what stage 0 takes
-    cp_inputs = ("position_ids", KEY_VALID)  # what every stage takes under cp
+    cp_inputs = ("position_ids", KEY_VALID, KEY_DOC)  # under cp (documents: a packed batch)
     position_inputs = ("position_ids",)  # a batch's own positions (packed documents)
 
     def __init__(self, root: nn.Module, layout: DecoderLayout, lo: int, hi: int, first: bool,
@@ -290,23 +291,24 @@ class HFDecoderStage(FusedLossStage, nn.Module):
     def forward(self, x: torch.Tensor, *router: torch.Tensor,
                 attention_mask: torch.Tensor | None = None, labels: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None,
-                cp_key_valid: torch.Tensor | None = None):
+                cp_key_valid: torch.Tensor | None = None, cp_key_doc: torch.Tensor | None = None):
+        cp = {} if cp_key_valid is None else {KEY_VALID: cp_key_valid}
+        cp.update({} if cp_key_doc is None else {KEY_DOC: cp_key_doc})
         if self.router is None:
-            return self._forward(x, attention_mask, labels, position_ids, cp_key_valid)
-        assert cp_key_valid is None, "refused by check_context_parallel"
+            return self._forward(x, attention_mask, labels, position_ids, cp)
+        assert not cp, "refused by check_context_parallel"
         with record_router(self._routers, self.router) as logits:
-            out = self._forward(x, attention_mask, labels, position_ids, cp_key_valid)
+            out = self._forward(x, attention_mask, labels, position_ids, cp)
         return out, stage_stats(self.router, logits, attention_mask, router, out.device)
 
     def _forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None,
                  labels: torch.Tensor | None, position_ids: torch.Tensor | None,
-                 cp_key_valid: torch.Tensor | None) -> torch.Tensor:
+                 cp: dict) -> torch.Tensor:
         lay = self.layout
         h = self._embed(x, attention_mask, position_ids) if self.first else x
         pos = torch.arange(h.shape[1], device=h.device).unsqueeze(0) if position_ids is None \
             else position_ids
         kinds = {self._attention_type(i) for i in range(self.lo, self.hi)}
-        cp = {} if cp_key_valid is None else {KEY_VALID: cp_key_valid}
         masks = {k: None for k in kinds} if cp else self._masks(h, pos, attention_mask, kinds)
         between = lay.between
         keys = [None if between is None else declared.rope_key(self.config, between, i)

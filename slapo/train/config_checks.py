@@ -187,10 +187,6 @@ def _check_engine(cfg: TrainConfig) -> None:
     if cfg.sft is not None and cfg.data is None:
         raise ValueError("--sft needs --data ROWS (a JSONL file or saved dataset of "
                          "prompt/response or chat messages rows)")
-    if cfg.sft == "pack" and cfg.cp > 1 and (cfg.pp_stages or 1) > 1:
-        raise ValueError("--sft pack with --cp and --pp-stages together: the pipeline stages "
-                         "do not take the packed documents under cp yet: use --sft pad, or "
-                         "one of --cp / --pp-stages")
     if cfg.progressive and cfg.optimizer_offload:
         raise ValueError("--optimizer-offload applies to a training run; --progressive "
                          "compares schedules with their own optimizer: drop one of them")
