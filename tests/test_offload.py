@@ -191,6 +191,14 @@ FAMILIES = ["bert_mlm", "roberta", "albert", "gpt2", "gpt_neo", "opt", "t5", "t5
             "qwen2", "qwen3", "mistral", "mixtral", "qwen3_moe", "deepseek_v3"]
 
 
+def _hf_loss_and_grads(model, batch: dict) -> list:
+    """One forward and backward: the loss and every gradient the model got."""
+    model.zero_grad(set_to_none=True)
+    loss = model(**batch).loss
+    loss.backward()
+    return [loss.detach()] + [p.grad for p in model.parameters() if p.grad is not None]
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_every_family_offloaded_computes_what_it_computed(family):
     """offload_ratio=1.0 with the host-copy path forced, on every family's ready schedule
@@ -203,12 +211,7 @@ def test_every_family_offloaded_computes_what_it_computed(family):
     model_schedule.apply(slapo.create_schedule(model), offload_ratio=1.0)
     wrappers = _force_cpu_path(model)
     batch = models.batch_for(family)
-    got, want = [], []
-    for m, out in ((ref, want), (model, got)):
-        m.zero_grad(set_to_none=True)
-        loss = m(**batch).loss
-        loss.backward()
-        out.extend([loss.detach()] + [p.grad for p in m.parameters() if p.grad is not None])
+    want, got = _hf_loss_and_grads(ref, batch), _hf_loss_and_grads(model, batch)
     assert wrappers and all(w.stats.tensors > 0 for w in wrappers), family
     # no read waits for a copy, the last layer's prefetched at the loss (ALBERT: its one
     # layer's last call); DeepSeek-V3's MoE layer saves 4 index tensors backward never reads
@@ -502,12 +505,7 @@ def test_every_unpack_returns_what_was_saved(family, monkeypatch):
     monkeypatch.setattr(offload_mod._Group, "pack", pack)
     monkeypatch.setattr(offload_mod, "_unpack", unpack)
     batch = models.batch_for(family)
-    got, want = [], []
-    for m, out in ((ref, want), (model, got)):
-        m.zero_grad(set_to_none=True)
-        loss = m(**batch).loss
-        loss.backward()
-        out.extend([loss.detach()] + [p.grad for p in m.parameters()])
+    want, got = _hf_loss_and_grads(ref, batch), _hf_loss_and_grads(model, batch)
     assert all(torch.equal(g, r) for g, r in zip(got, want))
     assert len(checked) == len(saved) and all(checked), checked
     saves = [w.stats.tensors + w.stats.deduped for w in wrappers]
