@@ -30,8 +30,8 @@
 #                                          # --deadline-s" (arguments, output layout, $OUT)
 #
 # Device call (wheels for what the image lacks in .whl/: `bash scripts/device_wheels.sh` fetches
-# transformers 5.23 and liger-kernel 0.8.5; the fp8 rows also need a torchao wheel there, else
-# they are "skipped: fp8 needs torchao"):
+# transformers 5.23, liger-kernel 0.8.5 and torchao 0.18.0, which the fp8 rows need, else they
+# are "skipped: fp8 needs torchao"; 0.18.0's float8 path imports on torch 2.11, checked on CPU):
 #          run(command="bash benchmarks/gpu_session.sh 1", carry=[".whl"], timeout_s=540)
 #
 # What comes back: the device returns at most 8 files from $OUT, so every step writes under

@@ -355,7 +355,10 @@ _MESHES = _MeshCache()
 def _new_mesh(kind: str, dims: ParallelDims) -> DeviceMesh:
     mesh = init_device_mesh(kind, dims.shape, mesh_dim_names=dims.mesh_dims)
     if dims.ep > 1:  # the same ranks, "dp" seen as ("dp_rest", "ep"): kept with the mesh
-        ep_mesh = mesh._unflatten("dp", (dims.dp_rest, dims.ep), ("dp_rest", "ep"))
+        # by index: torch 2.11's _unflatten refuses every dimension given by name (`in` for
+        # `not in`; right in 2.13)
+        dp = dims.mesh_dims.index("dp")
+        ep_mesh = mesh._unflatten(dp, (dims.dp_rest, dims.ep), ("dp_rest", "ep"))
         setattr(mesh, _EP_MESH, ep_mesh)
         if dims.cp > 1:  # the cp ranks hold the same experts too
             setattr(mesh, _EXPERT_REPLICA_MESH, ep_mesh["dp_rest", "cp"]._flatten("dp_rest_cp"))

@@ -71,7 +71,44 @@ def make_stages(modules: list[nn.Module], stage_ids: list[int], plan: PipelinePl
     for stage, s in zip(stages, stage_ids, strict=True):
         keep_state_through_shape_inference(stage)
         guard_stage_backward(stage, s)
+        send_zeros_for_missing_input_grads(stage)
     return stages
+
+
+def send_zeros_for_missing_input_grads(stage) -> None:
+    """A received input that got no gradient (None: nothing after it in this stage reached the
+    loss) sends zeros upstream, as torch 2.13 does (`get_bwd_send_ops` makes a zero gradient
+    from the slot's metadata). torch 2.11 raised "has gradients None and is expecting to send
+    gradients to stage N" on that rank only, leaving the stage before it waiting for the
+    gradient until the collective timeout (seen: tests/test_pipeline_router.py's stage that
+    drops the carried router statistics). Patched on torch < 2.13 only, whose stage lacks
+    `_get_grad_send_meta`: the gradients a stage hands over, sent (`get_bwd_send_ops`) or
+    passed to a stage on the same rank (`get_local_bwd_output`), get zeros shaped like the
+    received input where they are None."""
+    if hasattr(stage, "_get_grad_send_meta") or not hasattr(stage, "bwd_cache"):
+        return
+    from torch.distributed.pipelining.stage import _RecvInfo
+
+    def fill(chunk: int) -> None:
+        grads = stage.bwd_cache.get(chunk)
+        infos = stage.args_recv_info.get(chunk, ())
+        if grads is None or all(g is not None for g in grads):
+            return
+        stage.bwd_cache[chunk] = type(grads)(
+            torch.zeros_like(info.buffer) if g is None and isinstance(info, _RecvInfo) else g
+            for g, info in zip(grads, infos, strict=False))
+
+    for name in ("get_bwd_send_ops", "get_local_bwd_output"):
+        inner = getattr(stage, name, None)
+        if inner is None:
+            continue
+
+        @functools.wraps(inner)
+        def handed_over(chunk, *args, _inner=inner, **kwargs):
+            fill(chunk)
+            return _inner(chunk, *args, **kwargs)
+
+        setattr(stage, name, handed_over)
 
 
 def keep_state_through_shape_inference(stage) -> None:
