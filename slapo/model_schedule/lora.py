@@ -22,7 +22,8 @@ row applies to base, A and B so the sum stays exact under tp ranks:
 
 Refused before any change (`SchedulingError`): a PEFT layer other than LoRA's `Linear` over an
 `nn.Linear` or HF `Conv1D` under a plan row, a LoRA variant (DoRA), `lora_bias`, merged
-adapters, and any other plan style on a LoRA layer.
+adapters, any other plan style on a LoRA layer, and aLoRA on a cp or pp mesh
+(`_check_activated_lora`).
 
 LoRA dropout under tp > 1 follows the input's layout: a column LoRA's input is whole on every
 rank (replicated, or gathered under sequence parallelism), so its dropout draws from the shared
@@ -301,6 +302,7 @@ def check_knobs(sch: Schedule, tp: int, fuse: bool, kernels: bool,
     tuned = [name for name, mod in sch.mod.named_modules() if is_tuner_layer(mod)]
     if not tuned:
         return
+    _check_activated_lora(sch)
     for knob, on in (("fuse", fuse), ("kernels", kernels)):
         if on:
             raise SchedulingError(sch.path, f"{knob} is not supported on a model with PEFT "
@@ -316,6 +318,34 @@ def check_knobs(sch: Schedule, tp: int, fuse: bool, kernels: bool,
                                       f"{type(emb).__name__} layer it cannot split.",
                                       "pass vocab_parallel=False, or leave the embedding and "
                                       "LM head out of the adapter's target_modules.")
+
+
+def _check_activated_lora(sch: Schedule) -> None:
+    """aLoRA (activated LoRA, `alora_invocation_tokens`) adds its adapter only to the tokens
+    after an invocation sequence, at offsets `PeftModelForCausalLM.forward` finds in each row's
+    whole `input_ids`. A cp rank's input is chunks of every row (the offsets are found in, and
+    counted from the end of, the wrong tokens: gradients 55% off, LLaMA cp=2) and a pipeline
+    stage never runs that forward (no offsets: the adapter is never added, its gradient 0):
+    both trained without an error. Refused on a cp or pp mesh, before any change."""
+    from ..runtime.mesh import ParallelDims
+
+    dims = ParallelDims.of(sch.mesh)
+    split = [f"{k}={n}" for k, n in (("cp", dims.cp), ("pp", dims.pp)) if n > 1]
+    if not split:
+        return
+    for name, mod in sch.mod.named_modules():
+        for adapter, variant in getattr(mod, "lora_variant", {}).items():
+            if type(variant).__name__ == "ALoraLinearVariant":
+                path = f"{sch.path}.{name}" if sch.path else name
+                raise SchedulingError(path, f"adapter {adapter!r} is an activated LoRA "
+                                      "(alora_invocation_tokens): PEFT's model forward finds "
+                                      "where it starts in each whole row of input_ids, which "
+                                      f"a mesh with {' and '.join(split)} never hands one "
+                                      "module (cp: chunks of every row; pp: stages skip that "
+                                      "forward), so the adapter would be applied to the wrong "
+                                      "tokens or none.", "use a plain LoRA (no "
+                                      "alora_invocation_tokens), or a mesh without cp and pp "
+                                      "(data-parallel ranks hold whole rows).")
 
 
 __all__ = ["LoraColumn", "LoraRow", "LoraRowKernel", "OnLoraLayer", "Unsplittable",

@@ -37,6 +37,7 @@ from .data_parallel import apply_data_parallel, check_data_parallel, check_exper
 from .fp8 import Float8Config
 from .mesh import MeshInfo
 from .optimizer_offload import check_optimizer_offload, make_offloaded
+from .peft_wrapper import peft_inner_path
 from .pipeline_guards import make_stages
 from .pipeline_plan import make_schedule
 from .pipeline_runner import PipelineRunner
@@ -356,16 +357,28 @@ def _checked(sch: Schedule, args: dict[str, Any]) -> tuple[str, MeshInfo, str, S
     device_type = _run_device_type(sch, args["device"], info)
     check_autocast(precision, device_type)
     args["fp8"] = check_fp8_config(precision, args.get("fp8"), device_type)  # the checked config
+    model = _lm_of(sch.mod)
     config = StepConfig(info, args["grad_accum"], args["grad_clip"], 1, args["batch_is_global"],
-                        loss=ModelLoss.of(sch.mod, args["loss_fn"] is not None))
+                        loss=ModelLoss.of(model, args["loss_fn"] is not None))
     if info.cp > 1:
-        check_scheduled_for_cp(sch.path, sch.mod, info.cp)
+        check_scheduled_for_cp(sch.path, model, info.cp)
         config.loss = check_context_parallel(sch.path, info.cp, config.loss,
                                              args["data_parallel"], args["target"])
-        config.cp_positions = position_rule(sch.mod)
+        config.cp_positions = position_rule(model)
     name_shape_errors(sch.mod, sch)  # a shape error inside a scheduled module names the shard
     guard_gloo_exit()  # a script that never leaves its gloo group still exits cleanly
     return precision, info, device_type, config
+
+
+def _lm_of(model: nn.Module) -> nn.Module:
+    """The model whose loss the step weights and whose attention `apply` made context-parallel:
+    the Hugging Face model inside a LoRA (tuner) `PeftModel`, whose forward hands it the batch
+    unchanged (`apply` schedules that model: `model_schedule.lora.model_inside`); `model`
+    otherwise. Read on the wrapper, a PEFT model's loss was unknown (the step averaged units,
+    not tokens) and a cp mesh refused it as unscheduled. A prompt-learning wrapper adds virtual
+    tokens: it stays itself."""
+    path = peft_inner_path(model)
+    return model.get_submodule(path) if path == "base_model.model" else model
 
 
 def _build_deepspeed(sch: Schedule, args: dict[str, Any]):

@@ -238,7 +238,9 @@ def _gemm_module(mod: nn.Module) -> bool:
 def _selected(mod: nn.Module, path: str, config: Float8Config) -> bool:
     if not _gemm_module(mod) or mod.weight.dim() != 2:
         return False
-    if any(path == s or path.endswith("." + s) for s in config.skip):
+    # a PEFT adapter layer holds the projection as `base_layer`: `skip` names it as before
+    names = {path, path.removesuffix(".base_layer")}
+    if any(n == s or n.endswith("." + s) for n in names for s in config.skip):
         return False
     return all(d % 16 == 0 and d >= config.min_dim for d in mod.weight.shape)
 
@@ -250,6 +252,9 @@ def _left_out(root: nn.Module, config: Float8Config) -> set[int]:
         head = root.get_output_embeddings()
         if isinstance(head, nn.Module):
             out.add(id(head))
+            base = getattr(head, "base_layer", None)  # a PEFT adapter on the head: its GEMM
+            if isinstance(base, nn.Module):
+                out.add(id(base))
     owners: dict[int, list[nn.Module]] = {}
     for mod in root.modules():
         for p in mod.parameters(recurse=False):
