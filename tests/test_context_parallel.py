@@ -679,3 +679,23 @@ def test_slapo_train_cp2_with_tp2_trains_like_one_process(dist4, tmp_path):
     for run, got in zip(runs, ranks[0], strict=True):
         one = train(TrainConfig(**{**TRAIN, "model": run["model"]}))["losses"]
         assert got == pytest.approx(one, rel=REL, abs=1e-6), (run, got, one)
+
+
+def job_training_rng_per_cp_rank() -> dict:
+    """`slapo train`'s seeding on a cp=2 mesh: what each rank's default stream draws next."""
+    import torch.distributed as dist
+
+    from slapo.runtime.mesh import init_mesh
+    from slapo.train.setup import Env, seed_training_rng
+
+    mesh = init_mesh(dims=ParallelDims(cp=2))
+    seed_training_rng(0, Env(rank=dist.get_rank(), world=2, mesh=mesh, dims=ParallelDims(cp=2)))
+    return {"default": torch.rand(8)}
+
+
+@pytest.mark.dist
+def test_cp_ranks_draw_their_own_dropout_masks(dist2):
+    """cp ranks hold other tokens of the same rows: one stream would repeat each chunk's
+    dropout mask on the other rank (a distribution one process never draws)."""
+    a, b = (r["default"] for r in dist2.run(job_training_rng_per_cp_rank))
+    assert not torch.equal(a, b)

@@ -128,13 +128,16 @@ def get_rng_tracker() -> RNGStatesTracker:
 
 
 def set_random_seed(seed: int = 2013, *, tp_rank: int | None = None, dp_rank: int = 0,
-                    pp_rank: int = 0) -> None:
+                    pp_rank: int = 0, cp_rank: int = 0) -> None:
     """Seed python, numpy and torch, and the per-rank tensor-parallel stream.
 
     The default stream is the same on all tensor-parallel ranks of a data-parallel replica
     (offset by dp/pp rank, as Megatron does); the tensor-parallel stream differs per `tp_rank`.
+    Context-parallel ranks hold different tokens of the same sequences, so they draw apart too
+    (`cp_rank`): with one stream their chunks' dropout masks would repeat each other, a
+    different distribution from one process's independent mask over the whole sequence.
     """
-    base = seed + 100 * pp_rank + 10 * dp_rank
+    base = seed + 100 * pp_rank + 10 * dp_rank + 7919 * cp_rank
     random.seed(base)
     try:
         import numpy as np

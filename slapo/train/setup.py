@@ -291,13 +291,15 @@ def data_parallel(cfg: Any, env: Env) -> str | None:
 
 
 def seed_training_rng(seed: int, env: Env) -> None:
-    """Training randomness (dropout): Megatron's streams, distinct per dp/pp rank and per tp
-    rank inside tensor-parallel regions, so replicas do not draw identical masks."""
+    """Training randomness (dropout): Megatron's streams, distinct per dp/pp/cp rank and per tp
+    rank inside tensor-parallel regions, so replicas (and cp ranks, which hold other tokens of
+    the same rows) do not draw identical masks."""
     from ..distributed.rng import set_random_seed
 
     if env.mesh is None:
         set_random_seed(seed + 1)
         return
+    cp_rank = env.mesh.get_local_rank("cp") if "cp" in env.mesh.mesh_dim_names else 0
     set_random_seed(seed + 1, tp_rank=env.mesh.get_local_rank("tp"),
-                          dp_rank=env.mesh.get_local_rank("dp"),
-                          pp_rank=env.mesh.get_local_rank("pp"))
+                    dp_rank=env.mesh.get_local_rank("dp"),
+                    pp_rank=env.mesh.get_local_rank("pp"), cp_rank=cp_rank)
