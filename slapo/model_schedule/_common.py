@@ -132,6 +132,8 @@ class HFAttentionCore(AttentionCore):
     makes the core alone forkable; the numbers are the model's own (same function, same mask).
     """
 
+    runs_model_function = True  # every input HF passed reaches the model's own function
+
     def __init__(self, impl: str, eager_fn):
         super().__init__()
         self.impl = impl

@@ -215,7 +215,7 @@ def _apply_knobs(sch: Schedule, family: Family, *, tp: int | None, ckpt_ratio: f
         elif vocab_parallel:
             _common.vocab_parallel(sch)
     if ep is not None:
-        _moe.expert_parallel(family, layers_of(sch, family), ep)
+        _moe.expert_parallel(family, layers_of(sch, family), ep, root=sch.mod)
     if cp is not None:
         _cp.context_parallel(sch, family, layers_of(sch, family), cp, cp_attention)
     if fuse and not (kernels and _kernel_fuses_mlp(family)):
@@ -280,6 +280,8 @@ def _validate_plan(sch, family, tp, attention, fuse, kernels, pp_stages, sp) -> 
                                   "a CUDA GPU.", "use attention='sdpa' (PyTorch's fused kernels).")
     if attention == "eager":
         _check_eager_settable(sch)
+    if attention in ("sdpa", "flash"):
+        _check_core_computes(sch, attention)
     if fuse:
         _check_fusable(sch, family)
     if kernels:
@@ -384,6 +386,28 @@ def _check_eager_settable(sch: Schedule) -> None:
                                   f"modules already run Slapo attention cores ({name}).",
                                   "schedule a fresh model, or leave attention unset to keep "
                                   "the installed cores.")
+
+
+def _check_core_computes(sch: Schedule, attention: str) -> None:
+    """Slapo's SDPA core computes softmax(q k^T * scale + mask) v: an attention module that
+    passes its attention function more (Gemma 2's logit soft-cap, GPT-OSS's sinks, a sparse
+    indexer's selection: `op.hf_attention.uncomputed_inputs`) would lose it. Refused for the
+    whole model before any module is swapped (the core would raise at the first forward)."""
+    from ..op import is_hf_attention
+    from ..op.hf_attention import uncomputed_inputs
+
+    for name, mod in sch.mod.named_modules():
+        dropped = uncomputed_inputs(mod) if is_hf_attention(mod) else []
+        if dropped:
+            model = type(sch.mod).__name__
+            kind = getattr(getattr(sch.mod, "config", None), "model_type", None)
+            raise SchedulingError(sch.path, f"attention={attention!r} on {model} "
+                                  f"(model_type={kind!r}): its attention {name} "
+                                  f"({type(mod).__name__}) passes {', '.join(dropped)} to its "
+                                  "attention function, which Slapo's SDPA core does not "
+                                  "compute: the model would attend differently.",
+                                  "leave attention unset (the model's own attention computes "
+                                  "it), or pass attention='eager' for HF's eager attention.")
 
 
 def _check_fusable(sch: Schedule, family: Family) -> None:

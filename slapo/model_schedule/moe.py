@@ -21,6 +21,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch.nn as nn
+
 from ..errors import SchedulingError
 from ..schedule import Schedule
 
@@ -105,10 +107,25 @@ def without_experts(family):
     return dataclasses.replace(family, tp_plan=dataclasses.replace(plan, entries=rows))
 
 
-def expert_parallel(family, layers: list[Schedule], info) -> None:
+def expert_parallel(family, layers: list[Schedule], info, root: nn.Module | None = None) -> None:
     """Replace every layer's experts by this rank's share of them (`info`: what
-    `check_expert_parallel` returned)."""
+    `check_expert_parallel` returned), and keep `root`'s `generate` in step over the ranks
+    (`generate_in_step`)."""
     from ..op.moe import ExpertParallelExperts
 
     for node in family.moe.modules(layers):
         node.replace(ExpertParallelExperts(node.mod, info.group("ep"), info.ep, info.ep_rank))
+    if root is not None:
+        generate_in_step(root)
+
+
+def generate_in_step(root: nn.Module) -> None:
+    """Every forward of an ep model is an all-to-all among the ep ranks, each with its own
+    prompts: `generate` on a rank whose sequences all hit EOS first would return while the
+    others wait in their next all-to-all (a hang, then gloo's timeout). HF's `generate` keeps
+    ranks in step (`synced_gpus`: a finished rank runs dummy forwards until every rank is done)
+    by itself for a module that FSDP manages, which it reads from `_is_fsdp_managed_module`;
+    an ep model needs the same, so the flag is set on the model. transformers 5.24 reads it
+    in `generate` (and `Seq2SeqTrainer`'s generation) and, beyond that, only in its Trainer for
+    a model it loaded sharded itself; a call passing `synced_gpus=False` still decides."""
+    root._is_fsdp_managed_module = True

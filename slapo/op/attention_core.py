@@ -144,6 +144,35 @@ def prepare_scores(
     return scores
 
 
+# Inputs Hugging Face passes to an attention function that change what it computes and that no
+# core here computes: Gemma 2's logit soft-cap, attention sinks (GPT-OSS's `s_aux`, Inkling 2's
+# `sinks`), the keys a sparse-attention indexer selected (DeepSeek-V3.2's `indices`, MiniMax-M3's
+# `block_indices`: passed when the attention module's own config names no eager/SDPA, which a
+# Slapo core's does). Dropping one computes another attention, silently (tests/test_generate_declared.py).
+UNCOMPUTED = ("softcap", "s_aux", "sinks", "indices", "block_indices")
+# Tensors HF passes that a core may ignore: the mask it receives already encodes them (positions,
+# packed sequences, the cache), as for HF's own SDPA function, or they are another input's
+# (cross-attention states reach the core as k and v).
+IGNORED_TENSORS = ("position_ids", "cache_position", "cu_seq_lens_q", "cu_seq_lens_k",
+                   "encoder_hidden_states")
+
+
+def refuse_uncomputed(core: str, module: nn.Module, kwargs: dict[str, Any]) -> None:
+    """Raise for an input of HF's attention call that core `core` would drop: a name in
+    `UNCOMPUTED`, or any tensor not in `IGNORED_TENSORS` (a new model's extra input is refused,
+    never silently skipped). Flags and sizes (`sliding_window`, `output_attentions`, ...) pass:
+    the mask encodes the window, as for HF's SDPA function."""
+    for name, value in kwargs.items():
+        if value is None or not (name in UNCOMPUTED or
+                                 (torch.is_tensor(value) and name not in IGNORED_TENSORS)):
+            continue
+        raise ValueError(
+            f"{core}: {type(module).__name__} passed `{name}` to its attention function, which "
+            "this core does not compute (it would be dropped); keep the model's own attention "
+            "implementation for this layer (leave `attention` unset)."
+        )
+
+
 class AttentionCore(nn.Module):
     """Base class. Subclasses implement `attend(q, k, v, mask, is_causal, dropout, scaling)`.
 
@@ -152,6 +181,10 @@ class AttentionCore(nn.Module):
     `(module, query, key, value, attention_mask, dropout=, scaling=, **kwargs)` and returns
     `(context (b, s_q, heads, d), None)`, as HF's sdpa/flash functions do.
     """
+
+    # True for a core that calls the model's own attention function with every input HF passed
+    # (`model_schedule._common.HFAttentionCore`): nothing is dropped, `UNCOMPUTED` included
+    runs_model_function = False
 
     def attend(
         self,
@@ -190,12 +223,7 @@ class AttentionCore(nn.Module):
                 position_bias if attention_mask is None else position_bias + attention_mask
             )
             is_causal = False
-        for name in ("softcap", "s_aux"):
-            if kwargs.get(name) is not None:
-                raise ValueError(
-                    f"{type(self).__name__}: HF passed `{name}`, which this core does not "
-                    "implement; keep the model's own attention implementation for this layer."
-                )
+        refuse_uncomputed(type(self).__name__, module, kwargs)
         if query.shape[1] % key.shape[1]:
             raise ValueError(
                 f"{type(self).__name__}: {query.shape[1]} query heads not a multiple of "

@@ -17,14 +17,17 @@ mask's kind tells `SDPAttention` which of HF's definitions of a fully masked row
 
 from __future__ import annotations
 
+import ast
 import copy
+import inspect
 import sys
+import textwrap
 from typing import Any
 
 from torch import nn
 
 from ..errors import SchedulingError
-from .attention_core import AttentionCore
+from .attention_core import UNCOMPUTED, AttentionCore
 
 SLAPO_ATTN = "slapo_core"
 _registered = False
@@ -65,6 +68,44 @@ def is_hf_attention(module: nn.Module) -> bool:
     )
 
 
+_CALL_INPUTS: dict[type, list[tuple[str, str, str | None]]] = {}
+
+
+def _call_inputs(cls: type) -> list[tuple[str, str, str | None]]:
+    """(name, source, `self` attribute or None) of each `UNCOMPUTED` keyword that `cls.forward`
+    passes to a call (its attention function's), read once per class from its source."""
+    if cls not in _CALL_INPUTS:
+        found = []
+        try:
+            tree = ast.parse(textwrap.dedent(inspect.getsource(cls.forward)))
+        except (OSError, TypeError, SyntaxError):
+            tree = None
+        for node in ast.walk(tree) if tree is not None else ():
+            if not isinstance(node, ast.Call):
+                continue
+            for kw in node.keywords:
+                if kw.arg in UNCOMPUTED:
+                    v = kw.value
+                    attr = v.attr if isinstance(v, ast.Attribute) and isinstance(
+                        v.value, ast.Name) and v.value.id == "self" else None
+                    found.append((kw.arg, ast.unparse(v), attr))
+        _CALL_INPUTS[cls] = found
+    return _CALL_INPUTS[cls]
+
+
+def uncomputed_inputs(module: nn.Module) -> list[str]:
+    """What HF attention `module` passes its attention function that no Slapo core computes
+    (`attention_core.UNCOMPUTED`), as `name=<source>`: a logit soft-cap, attention sinks, a
+    sparse indexer's selection. Read from the class's source so a schedule refuses before
+    anything changes rather than at the first forward (the core's own check). An input given as
+    `self.<attr>` that is None on this module (MiMo-V2's full-attention layers have no sinks, a
+    Gemma 2 configured without soft-capping) is not listed: the core computes that attention."""
+    from ..module_patch import original_class
+
+    return [f"{name}={src}" for name, src, attr in _call_inputs(original_class(module))
+            if attr is None or getattr(module, attr, None) is not None]
+
+
 def use_attention_core(module: nn.Module, core: AttentionCore, path: str = "") -> nn.Module:
     """Return a twin of HF attention `module` whose attention core is `core` (see module doc).
 
@@ -84,6 +125,15 @@ def use_attention_core(module: nn.Module, core: AttentionCore, path: str = "") -
             path,
             "GPT-2 attention with reorder_and_upcast_attn=True bypasses the attention registry.",
             "set config.reorder_and_upcast_attn=False or keep this layer's attention.",
+        )
+    dropped = [] if getattr(core, "runs_model_function", False) else uncomputed_inputs(module)
+    if dropped:
+        raise SchedulingError(
+            path,
+            f"{type(module).__name__} passes {', '.join(dropped)} to its attention function, "
+            f"which {type(core).__name__} does not compute (it would be dropped).",
+            "keep this module's own attention (for `model_schedule.apply`: leave `attention` "
+            "unset).",
         )
     register_slapo_attention()
     twin = copy.copy(module)

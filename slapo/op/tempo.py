@@ -9,7 +9,9 @@ What is replaced (each only where it saves memory and the result is the same com
 * GELU modules: `nn.GELU`, HF `GELUActivation`,
   `NewGELUActivation`, `GELUTanh`                  -> `TempoGELU` (erf or tanh form);
 * HF attention modules whose model uses the "eager" attention implementation -> the same module
-  with `TempoAttentionCore`. Attention that runs SDPA / flash (or any non-eager implementation) is
+  with `TempoAttentionCore`, unless the module passes its attention function an input the core
+  does not compute (Gemma 2's soft-cap, GPT-OSS's sinks: `hf_attention.uncomputed_inputs`),
+  which keeps its own. Attention that runs SDPA / flash (or any non-eager implementation) is
   kept: those kernels never store the s*s probabilities, so they already save more than Tempo's
   softmax-dropout trick and are faster. `apply_tempo` reports the choice per attention module
   (`TempoReport.attention`: "tempo" or "kept <implementation>") and logs it.
@@ -27,7 +29,7 @@ from torch import nn
 
 from ..errors import SchedulingError
 from . import tempo_kernels
-from .hf_attention import is_hf_attention, use_attention_core
+from .hf_attention import is_hf_attention, uncomputed_inputs, use_attention_core
 from .tempo_attention import TempoAttentionCore
 from .tempo_gelu import TempoGELU
 from .tempo_layernorm import TempoLayerNorm
@@ -74,11 +76,14 @@ def attention_choice(module: nn.Module, enabled: bool = True) -> str | None:
     if not enabled:
         return "off"
     impl = module.config._attn_implementation
-    if impl == "eager" and not getattr(module, "reorder_and_upcast_attn", False):
-        return "tempo"
-    if impl == "eager":
+    if impl != "eager":
+        return f"kept {impl}"
+    if getattr(module, "reorder_and_upcast_attn", False):
         return "kept eager (reorder_and_upcast_attn)"
-    return f"kept {impl}"
+    dropped = uncomputed_inputs(module)  # a soft-cap, sinks: Tempo's core computes neither
+    if dropped:
+        return f"kept eager (passes {', '.join(dropped)})"
+    return "tempo"
 
 
 def gelu_kind(module: nn.Module) -> str | None:
