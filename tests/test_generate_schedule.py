@@ -253,3 +253,37 @@ def test_generate_under_tp_equals_the_unscheduled_model(dist2):
     ranks = dist2.run(job_tp_generate, FAMILIES, timeout=600)
     assert ranks[0] == ranks[1]
     assert len(ranks[0]) >= 3 * len(FAMILIES), ranks[0]
+
+
+def job_fsdp_generate_stopping_apart(family: str) -> dict:
+    """FSDP2 over 2 ranks, each rank its own prompts: rank 0's rows all end at their first
+    token (its EOS), rank 1's run to the limit. Every FSDP2 forward all-gathers, so the ranks
+    must stay in step, or rank 1 waits for an all-gather rank 0 never joins: torch's
+    `fully_shard` marks the modules `_is_fsdp_managed_module`, which HF's `generate` reads to
+    turn on `synced_gpus` (an ep model sets the same flag itself: `moe.generate_in_step`).
+    Returns whether each rank generated what the unscheduled model does."""
+    import models
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    ref = getattr(models, family)(seed=0).eval()
+    batch = {k: v[2 * rank:2 * rank + 2] if torch.is_tensor(v) else v
+             for k, v in prompts(family).items()}
+    mesh = slapo.runtime.init_mesh(dp=2)
+    sch = model_schedule.apply(copy.deepcopy(ref), mesh=mesh)
+    model, _ = slapo.build(sch, mesh=mesh, data_parallel="fsdp")
+    with torch.no_grad():
+        first = ref.generate(**batch, max_new_tokens=1, do_sample=False)[:, -1]
+    eos = sorted(set(first.tolist())) if rank == 0 else [127]
+    kw = dict(max_new_tokens=NEW, do_sample=False, eos_token_id=eos)
+    with torch.no_grad():
+        got, want = model.eval().generate(**batch, **kw), ref.generate(**batch, **kw)
+    return {"equal": torch.equal(got, want), "new": got.shape[1] - batch["input_ids"].shape[1]}
+
+
+@pytest.mark.dist
+def test_fsdp2_ranks_generate_in_step_when_they_stop_apart(dist2):
+    ranks = dist2.run(job_fsdp_generate_stopping_apart, "llama", timeout=120)
+    assert all(r["equal"] for r in ranks), ranks
+    assert ranks[0]["new"] < ranks[1]["new"], ranks  # they did stop apart

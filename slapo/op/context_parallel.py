@@ -48,7 +48,7 @@ import torch.distributed as dist
 from ..distributed.all_to_all import all_to_all
 from ..distributed.collectives import all_gather
 from .attention import SDPAttention
-from .attention_core import AttentionCore
+from .attention_core import UNCOMPUTED, AttentionCore
 from .ring_attention import ring_attention, visible
 
 CP_ATTENTION = ("allgather", "ring", "ulysses")
@@ -173,7 +173,9 @@ class ContextParallelAttention(AttentionCore):
         if dropout and self.training:
             raise ValueError(f"{name}: attention dropout {dropout} under context parallelism "
                              "is not supported (set the config's attention_dropout to 0).")
-        for key in ("softcap", "s_aux", "position_bias"):
+        # what the SDPA cores refuse (soft-caps, sinks, sparse indices) and T5's position bias;
+        # not every unknown tensor: HF hands the layers the whole cp batch (`shift_labels`, ...)
+        for key in (*UNCOMPUTED, "position_bias"):
             if kwargs.get(key) is not None:
                 raise ValueError(f"{name}: HF passed `{key}`, which context-parallel "
                                  "attention does not implement.")
