@@ -693,11 +693,12 @@ def test_bert_token_type_ids_reach_the_first_stage():
     assert (run_stages(stages, ids) - want).abs().max() > 1e-3  # the segments matter
 
 
-@pytest.mark.parametrize("case,key", [("llama", "position_ids"), ("gpt2", "inputs_embeds"),
+@pytest.mark.parametrize("case,key", [("llama", "inputs_embeds"), ("gpt2", "inputs_embeds"),
                                       ("bert", "position_ids")])
 def test_forward_inputs_the_stages_ignore_are_refused_on_every_rank(case, key):
     """A batch entry the model's forward would use but no stage takes would be dropped
-    silently; every stage (each pp rank checks with its own) refuses it, naming it."""
+    silently; every stage (each pp rank checks with its own) refuses it, naming it. (Decoder
+    stages take `position_ids`, a packed batch's: tests/test_sft_pack_parallel.py.)"""
     from slapo.runtime.pipeline_inputs import check_batch_inputs
 
     sch = slapo.create_schedule(CASES[case]())
