@@ -153,8 +153,8 @@ def _generates_alike(model, base: torch.nn.Module, knobs: dict, batch: dict, wan
     return None
 
 
-def _one_process(arch: str, cls: str) -> str:
-    """One architecture in one process: 'equivalent (...)', 'cannot ...', 'MISMATCH ...'."""
+def _unscheduled(arch: str, cls: str) -> tuple | str:
+    """The prompts, the unscheduled model and its generation; why not, as a row's outcome."""
     try:
         _tiny(arch, cls, meta=True)
     except hf_tiny.CannotBuild as e:
@@ -164,6 +164,15 @@ def _one_process(arch: str, cls: str) -> str:
         want = generate(base.eval(), batch)
     except Exception as e:  # noqa: BLE001 - HF's own model cannot generate: not Slapo's
         return f"cannot generate unscheduled (HF): {_short(e)}"
+    return batch, base, want
+
+
+def _one_process(arch: str, cls: str) -> str:
+    """One architecture in one process: 'equivalent (...)', 'cannot ...', 'MISMATCH ...'."""
+    ref = _unscheduled(arch, cls)
+    if isinstance(ref, str):
+        return ref
+    batch, base, want = ref
     taken, refused = _taken(base, FACTORS, lambda row: False)
     rows = [_knobs(row) for row in all_pairs(taken)]
     if sweep.full() or arch in COMPILED:
@@ -266,15 +275,10 @@ def test_a_core_refuses_inputs_it_would_drop():
 def _tp(arch: str, cls: str, mesh) -> str:
     """One architecture at tp=2, each value of `TP_FACTORS` it takes at least once, built
     (`slapo.build` wraps the sharded modules' parents, the vocabulary-parallel head's too)."""
-    try:
-        _tiny(arch, cls, meta=True)
-    except hf_tiny.CannotBuild as e:
-        return f"cannot build tiny config: {e}"
-    batch, base = prompts(arch), _tiny(arch, cls)
-    try:
-        want = generate(base.eval(), batch)
-    except Exception as e:  # noqa: BLE001 - HF's own model cannot generate: not Slapo's
-        return f"cannot generate unscheduled (HF): {_short(e)}"
+    ref = _unscheduled(arch, cls)
+    if isinstance(ref, str):
+        return ref
+    batch, base, want = ref
     if isinstance(plain := _apply(base, {}, mesh), str):
         return f"refused: {plain[:160]}"
     taken, refused = _taken(base, TP_FACTORS, grid_tp.exclusive, mesh)
