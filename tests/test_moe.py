@@ -513,4 +513,5 @@ def test_bad_models_and_builds_are_refused(dist2):
     refused = dist2.run(job_bad_models_are_refused)[0]
     assert "ep=2 does not divide the 3 experts" in refused["experts"]
     assert "no mixture-of-experts plan" in refused["no_plan"]
+    assert "'mixtral'" in refused["no_plan"] and "drop --ep" in refused["no_plan"]
     assert "data_parallel=None" in refused["none"]

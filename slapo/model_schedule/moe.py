@@ -56,9 +56,15 @@ def check_expert_parallel(sch: Schedule, family, layers: list[Schedule]):
     ep = info.ep
     plan = getattr(family, "moe", None)
     if plan is None:
+        from ._registry import _FAMILIES
+
+        with_plan = sorted(f.name for f in _FAMILIES.values() if getattr(f, "moe", None))
         raise SchedulingError(sch.path, f"the mesh has ep={ep}, but family {family.name!r} has "
-                              "no mixture-of-experts plan (no experts to spread).",
-                              "use a mesh with ep=1, or give the Family a moe=MoEPlan(...).")
+                              "no mixture-of-experts plan (no experts to spread); expert "
+                              f"parallelism is built for the families {with_plan}.",
+                              "use a mesh with ep=1 (slapo train: drop --ep; --tp splits a "
+                              "declared model's experts), or give the Family a "
+                              "moe=MoEPlan(...).")
     found = plan.modules(layers)
     if not found:
         raise SchedulingError(sch.path, f"ep={ep}: no layer of this model has experts at "
