@@ -69,6 +69,17 @@ EXCLUDED: dict[tuple[str, str], str] = {
 # ------------------------------------------------------------------------------------------------
 # The pytest plugin (runs inside each rank's pytest)
 # ------------------------------------------------------------------------------------------------
+def _device_mapped_to(original):
+    """A `Tensor.to` / `Module.to` whose device (first positional or `device=`) is mapped."""
+    @functools.wraps(original)
+    def to(self, *args, **kwargs):
+        args = tuple(_map_device(a) if i == 0 else a for i, a in enumerate(args))
+        if "device" in kwargs:
+            kwargs["device"] = _map_device(kwargs["device"])
+        return original(self, *args, **kwargs)
+    return to
+
+
 def _map_device(dev):
     import torch
 
@@ -134,26 +145,8 @@ def install_cpu_mapping() -> None:
                  "ones_like", "empty_like", "randn_like", "rand_like", "full_like"):
         setattr(torch, name, _cpu_factory(getattr(torch, name)))
 
-    tensor_to = torch.Tensor.to
-
-    @functools.wraps(tensor_to)
-    def to(self, *args, **kwargs):
-        args = tuple(_map_device(a) if i == 0 else a for i, a in enumerate(args))
-        if "device" in kwargs:
-            kwargs["device"] = _map_device(kwargs["device"])
-        return tensor_to(self, *args, **kwargs)
-
-    torch.Tensor.to = to
-    module_to = torch.nn.Module.to
-
-    @functools.wraps(module_to)
-    def mod_to(self, *args, **kwargs):
-        args = tuple(_map_device(a) if i == 0 else a for i, a in enumerate(args))
-        if "device" in kwargs:
-            kwargs["device"] = _map_device(kwargs["device"])
-        return module_to(self, *args, **kwargs)
-
-    torch.nn.Module.to = mod_to
+    torch.Tensor.to = _device_mapped_to(torch.Tensor.to)
+    torch.nn.Module.to = _device_mapped_to(torch.nn.Module.to)
 
     init_pg = dist.init_process_group
 

@@ -12,6 +12,7 @@ gradient not summed) must break the comparison. Bad input is refused before any 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import pytest
@@ -210,9 +211,21 @@ def job_fsdp2_equals_peft(families):
             for f in families}
 
 
+@contextlib.contextmanager
+def a_grad_not_summed():
+    """The LoRA Column rule broken: A's gradient left unsummed over tp."""
+    from slapo.schedule import Schedule
+
+    real = Schedule.reduce_param_grads
+    Schedule.reduce_param_grads = lambda self, names=None: None
+    try:
+        yield
+    finally:
+        Schedule.reduce_param_grads = real
+
+
 def job_mutations():
     """Each broken rule of the LoRA styles makes GPT-2's comparison fail."""
-    import contextlib
 
     from slapo.model_schedule import lora
 
@@ -236,17 +249,6 @@ def job_mutations():
             yield
         finally:
             lora.LoraColumn.apply = real
-
-    @contextlib.contextmanager
-    def a_grad_not_summed():
-        from slapo.schedule import Schedule
-
-        real = Schedule.reduce_param_grads
-        Schedule.reduce_param_grads = lambda self, names=None: None
-        try:
-            yield
-        finally:
-            Schedule.reduce_param_grads = real
 
     out = {}
     for name, mutation in (("no_row_reduction", no_row_reduction), ("b_not_split", b_not_split),

@@ -38,6 +38,7 @@ from test_lora import (
     _loss_fn,
     _rel,
     _stage_loss_fn,
+    a_grad_not_summed,
     peft_model,
 )
 from test_lora_compose import _whole
@@ -198,19 +199,6 @@ def wrapper_loss():
         yield
     finally:
         build._lm_of = real
-
-
-@contextlib.contextmanager
-def a_grad_not_summed():
-    """The LoRA Column rule broken: A's gradient left unsummed over tp."""
-    from slapo.schedule import Schedule
-
-    real = Schedule.reduce_param_grads
-    Schedule.reduce_param_grads = lambda self, names=None: None
-    try:
-        yield
-    finally:
-        Schedule.reduce_param_grads = real
 
 
 # ---- jobs (every rank) ------------------------------------------------------------------------
