@@ -160,7 +160,8 @@ def job_dropout_equals_peft_with_the_same_masks(cases: list, mutate: str | None 
     return out
 
 
-CASES = [("llama", {}), ("gpt2", {}), ("llama", {"ckpt_ratio": 1.0}),
+CASES = [("llama", {}), ("gpt2", {}), ("qwen3", {}), ("mistral", {}), ("opt", {}),
+         ("gpt_neo", {}), ("t5", {}), ("llama", {"ckpt_ratio": 1.0}),
          ("gpt2", {"sequence_parallel": True, "ckpt_ratio": 1.0}),
          ("llama", {"ckpt_ratio": 1.0, "ckpt_policy": "selective"})]
 
